@@ -1,0 +1,129 @@
+"""Attention modules with one interface: `forward(x, state) -> (y, state)`, for a chunk or one token."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .feature_maps import FeatureMap
+from .linear_attention import chunked_forward, recurrent_step
+from .state import KVCacheState, LinearAttentionState
+
+
+def head_log_decays(config: ModelConfig) -> torch.Tensor:
+    """log γ_h with γ_h = 1 - 2^(-5 - 4h/H): slow heads remember ~thousands of tokens, fast ones ~32."""
+    exponents = -5.0 - 4.0 * torch.arange(config.n_heads, dtype=torch.float64) / config.n_heads  # (H,)
+    return torch.log1p(-torch.pow(2.0, exponents)).float()  # (H,)
+
+
+class _Heads(nn.Module):
+    """Shared q/k/v and output projections, and the head split."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_attn, bias=False)
+        self.proj = nn.Linear(config.d_attn, config.d_model, bias=False)
+        if config.decay:
+            self.register_buffer("log_decay", head_log_decays(config), persistent=True)  # (H,) saved: HF loads on meta
+        else:
+            self.log_decay = None
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        H, dh = self.config.n_heads, self.config.d_head
+        qkv = self.qkv(x).view(B, T, 3, H, dh)  # (B, T, 3, H, dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, dh)
+        return q, k, v
+
+    def merge(self, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        B, H, T, dh = o.shape
+        return self.proj(o.transpose(1, 2).reshape(B, T, H * dh).to(dtype))  # (B, T, C)
+
+
+class LinearAttention(_Heads):
+    """Causal linear attention; state (S, z) in fp32 whatever the weights' dtype."""
+
+    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
+        super().__init__(config)
+        self.feature_map = FeatureMap(config, layer_index)
+
+    def init_state(self, batch: int, device: torch.device | str) -> LinearAttentionState:
+        c = self.config
+        return LinearAttentionState(
+            S=torch.zeros(batch, c.n_heads, c.d_feature, c.d_head, device=device, dtype=torch.float32),
+            z=torch.zeros(batch, c.n_heads, c.d_feature, device=device, dtype=torch.float32),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: LinearAttentionState | None,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LinearAttentionState]:
+        """x (B, T, C); key_mask (B, T) with 0 at positions that must not enter the state (padding)."""
+        B, T, _ = x.shape
+        if state is None:
+            state = self.init_state(B, x.device)
+        q, k, v = self.split(x)  # (B, H, T, dh)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            phi_q = self.feature_map(q, is_query=True)  # (B, H, T, dk) fp32
+            phi_k = self.feature_map(k, is_query=False)  # (B, H, T, dk) fp32
+            if key_mask is not None:
+                phi_k = phi_k * key_mask[:, None, :, None].float()  # (B, H, T, dk)
+            v = v.float()  # (B, H, T, dv)
+            if T == 1:
+                o, S, z = recurrent_step(
+                    phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state.S, state.z, self.log_decay, self.config.eps
+                )
+                o = o[:, :, None]  # (B, H, 1, dv)
+            else:
+                o, S, z = chunked_forward(
+                    phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.chunk_size, self.config.eps
+                )  # o (B, H, T, dv)
+        return self.merge(o, x.dtype), LinearAttentionState(S=S, z=z)
+
+
+class SoftmaxAttention(_Heads):
+    """Causal softmax attention with a per-sequence KV cache: the baseline linserve is measured against.
+
+    With `decay`, scores get the bias (i - j)·log γ_h (ALiBi), the softmax twin of linear decay.
+    """
+
+    def init_state(self, batch: int, device: torch.device | str) -> KVCacheState:
+        c = self.config
+        empty = torch.zeros(batch, c.n_heads, 0, c.d_head, device=device, dtype=self.qkv.weight.dtype)
+        return KVCacheState(k=empty, v=empty.clone())
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: KVCacheState | None,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, KVCacheState]:
+        if key_mask is not None and not bool(key_mask.all()):
+            raise ValueError("padding masks are supported for linear attention only")
+        B, T, _ = x.shape
+        q, k, v = self.split(x)  # (B, H, T, dh)
+        if state is not None and state.k.shape[2] > 0:
+            k = torch.cat([state.k.to(k.dtype), k], dim=2)  # (B, H, P+T, dh)
+            v = torch.cat([state.v.to(v.dtype), v], dim=2)  # (B, H, P+T, dh)
+        past = k.shape[2] - T
+        query_pos = torch.arange(past, past + T, device=x.device)  # (T,)
+        key_pos = torch.arange(past + T, device=x.device)  # (P+T,)
+        distance = (query_pos[:, None] - key_pos[None, :]).float()  # (T, P+T)
+        bias = torch.where(distance >= 0, 0.0, -math.inf)  # (T, P+T)
+        if self.log_decay is not None:
+            bias = bias + self.log_decay[:, None, None] * distance.clamp(min=0)  # (H, T, P+T)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))  # (B, H, T, dh)
+        return self.merge(o, x.dtype), KVCacheState(k=k, v=v)
+
+
+def build_attention(config: ModelConfig, layer_index: int) -> nn.Module:
+    if config.attention == "linear":
+        return LinearAttention(config, layer_index)
+    return SoftmaxAttention(config)

@@ -1,0 +1,129 @@
+"""LinearGPT: token embedding → pre-LN blocks → final norm → tied LM head, state passed explicitly."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import build_attention
+from .config import ModelConfig
+from .state import BlockState, ModelState
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution over time: y_t = Σ_i w_i ⊙ x_{t-i}, i < kernel.
+
+    Its window of the last kernel-1 inputs is part of the session state, so it gives the model word
+    order without capping the context length. Initialised to the identity (w_0 = 1).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.window = config.conv_window
+        weight = torch.zeros(config.d_model, config.conv_kernel)  # (C, K): last tap = current token
+        weight[:, -1] = 1.0
+        self.weight = nn.Parameter(weight)
+
+    def init_state(self, batch: int, device: torch.device | str) -> torch.Tensor:
+        return torch.zeros(batch, self.window, self.weight.shape[0], device=device, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, C = x.shape
+        if window is None:
+            window = self.init_state(B, x.device)
+        padded = torch.cat([window.to(x.dtype), x], dim=1)  # (B, W+T, C)
+        y = F.conv1d(padded.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=C)  # (B, C, T)
+        return y.transpose(1, 2), padded[:, T:].float()  # (B, T, C), (B, W, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.d_model, config.d_mlp, bias=False)
+        self.down = nn.Linear(config.d_mlp, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.conv = ShortConv(config) if config.conv_kernel else None
+        self.attn = build_attention(config, layer_index)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def init_state(self, batch: int, device: torch.device | str) -> BlockState:
+        conv = self.conv.init_state(batch, device) if self.conv is not None else None
+        return BlockState(attn=self.attn.init_state(batch, device), conv=conv)
+
+    def forward(
+        self, x: torch.Tensor, state: BlockState, key_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, BlockState]:
+        h = self.ln_1(x)  # (B, T, C)
+        if key_mask is not None:
+            h = h * key_mask[..., None].to(h.dtype)  # padding enters no window
+        conv_state = state.conv
+        if self.conv is not None:
+            h, conv_state = self.conv(h, state.conv)  # (B, T, C)
+        a, attn_state = self.attn(h, state.attn, key_mask)  # (B, T, C)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        return x, BlockState(attn=attn_state, conv=conv_state)
+
+
+class LinearGPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.apply(self._init_weights)
+        residual_std = config.init_std / math.sqrt(2 * config.n_layers)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, std=residual_std)
+            nn.init.normal_(block.mlp.down.weight, std=residual_std)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+
+    def init_state(self, batch: int, device: torch.device | str | None = None) -> ModelState:
+        device = device if device is not None else self.wte.weight.device
+        return ModelState(blocks=tuple(block.init_state(batch, device) for block in self.blocks))
+
+    def state_bytes(self, context_len: int = 0) -> int:
+        """Bytes of one session's state, computed from the config (see ModelConfig.state_bytes)."""
+        return self.config.state_bytes(context_len)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        state: ModelState | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ModelState]:
+        """ids (B, T) → logits (B, T, V) and the state after those tokens.
+
+        `state=None` starts from the empty state. `key_mask` (B, T) marks left padding with 0: those
+        positions leave the state untouched (exact for linear attention).
+        """
+        B, T = ids.shape
+        if state is None:
+            state = self.init_state(B, ids.device)
+        x = self.wte(ids)  # (B, T, C)
+        new_blocks = []
+        for block, block_state in zip(self.blocks, state.blocks):
+            x, block_state = block(x, block_state, key_mask)  # (B, T, C)
+            new_blocks.append(block_state)
+        x = self.ln_f(x)  # (B, T, C)
+        logits = F.linear(x, self.wte.weight)  # (B, T, V) tied head
+        return logits, ModelState(blocks=tuple(new_blocks))

@@ -1,0 +1,122 @@
+"""Hugging Face integration: LinearGPTConfig / LinearGPTForCausalLM, registered with the Auto classes.
+
+The recurrent state travels through `generate()` as the cache (kwarg `state`), so each new token costs
+one recurrent step instead of re-running the prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+
+from .config import ModelConfig
+from .gpt import LinearGPT
+from .state import ModelState
+
+MODEL_TYPE = "linear_gpt"
+
+
+class _ModelConfigBridge:
+    """Conversion between the HF config and linserve's own ModelConfig (whose defaults are the only ones)."""
+
+    def to_model_config(self) -> ModelConfig:
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)})
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, **kwargs) -> LinearGPTConfig:
+        return cls(**config.to_dict(), **kwargs)
+
+
+def _config_namespace() -> dict:
+    """LinearGPTConfig's dataclass fields: exactly ModelConfig's, with its defaults."""
+    annotations, namespace = {}, {}
+    for f in dataclasses.fields(ModelConfig):
+        annotations[f.name] = f.type
+        namespace[f.name] = f.default
+    namespace.update(
+        __annotations__=annotations,
+        __module__=__name__,
+        __doc__="Hugging Face config of a LinearGPT; fields and defaults are those of model.ModelConfig.",
+        model_type=MODEL_TYPE,
+        keys_to_ignore_at_inference=["state"],
+        attribute_map={"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads"},
+    )
+    return namespace
+
+
+LinearGPTConfig = type("LinearGPTConfig", (PreTrainedConfig, _ModelConfigBridge), _config_namespace())
+
+
+@dataclass
+class LinearGPTOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    state: ModelState | None = None
+
+
+class LinearGPTForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = LinearGPTConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _is_stateful = True
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config: LinearGPTConfig) -> None:
+        super().__init__(config)
+        self.model = LinearGPT(config.to_model_config())
+        self.post_init()
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """LinearGPT initialises itself; FAVOR+ projections are drawn in their constructors."""
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache is our own fixed-size ModelState, not a growing KV cache
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.model.wte
+
+    def set_input_embeddings(self, value: torch.nn.Embedding) -> None:
+        self.model.wte = value
+
+    def get_output_embeddings(self) -> None:
+        return None  # the LM head reads the embedding matrix directly (tied, no separate weight)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        state: ModelState | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> LinearGPTOutput:
+        key_mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+        logits, new_state = self.model(input_ids, state, key_mask)  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        return LinearGPTOutput(loss=loss, logits=logits, state=new_state if use_cache is not False else None)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        state: ModelState | None = None,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:
+        if state is not None:
+            # the state already holds the prefix: feed only the newest token, no padding in it
+            return {"input_ids": input_ids[:, -1:], "state": state, "use_cache": use_cache}
+        return {"input_ids": input_ids, "state": None, "attention_mask": attention_mask, "use_cache": use_cache}
+
+
+AutoConfig.register(MODEL_TYPE, LinearGPTConfig, exist_ok=True)
+AutoModelForCausalLM.register(LinearGPTConfig, LinearGPTForCausalLM, exist_ok=True)

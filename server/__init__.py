@@ -1,0 +1,1 @@
+"""linserve serving side: CLI, engine and HTTP server (imports model/, never the reverse)."""

@@ -1,0 +1,112 @@
+"""`linserve` command line: one sub-command per job (generate, info; serve/train/eval/bench as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from model import LinearGPT, ModelConfig
+from model.generate import generate_tokens
+from model.loading import DEVICE_CHOICES, load_model, resolve_device
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "model" / "checkpoints" / "default"
+
+
+class ByteCodec:
+    """UTF-8 bytes as token ids: the stand-in tokenizer of a random-weight model (no checkpoint yet)."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _load_for_generation(args: argparse.Namespace, device: torch.device):
+    path = Path(args.model) if args.model else DEFAULT_CHECKPOINT
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        return load_model(path, device).model, AutoTokenizer.from_pretrained(path)
+    if args.model:
+        raise SystemExit(f"error: {path} is not a checkpoint directory with config.json and tokenizer.json")
+    print("note: no trained checkpoint found; generating with a random-weight byte-level model", file=sys.stderr)
+    torch.manual_seed(args.seed)
+    return LinearGPT(ModelConfig(vocab_size=256)).to(device).eval(), ByteCodec()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    model, tokenizer = _load_for_generation(args, device)
+    prompt_ids = tokenizer.encode(args.prompt)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    generated: list[int] = []
+    printed = args.prompt
+    started = time.perf_counter()
+    for token in generate_tokens(
+        model, prompt_ids, args.max_tokens, args.temperature, args.top_k, tokenizer.eos_token_id, args.seed
+    ):
+        generated.append(token)
+        text = tokenizer.decode(prompt_ids + generated)
+        if not text.endswith("\ufffd"):  # hold back an incomplete multi-byte character
+            sys.stdout.write(text[len(printed) :])
+            sys.stdout.flush()
+            printed = text
+    elapsed = time.perf_counter() - started
+    sys.stdout.write("\n")
+    print(f"[{len(generated)} tokens in {elapsed:.2f}s, {len(generated) / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    model, _ = _load_for_generation(args, device)
+    config = model.config
+    print(f"attention={config.attention} feature_map={config.feature_map} decay={config.decay} conv_kernel={config.conv_kernel}")
+    print(f"layers={config.n_layers} d_model={config.d_model} heads={config.n_heads} vocab={config.vocab_size}")
+    print(f"parameters={model.num_parameters()}")
+    print(f"state_bytes_per_session={model.state_bytes()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="linserve", description="Serve causal linear-attention language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="checkpoint directory (default: the shipped checkpoint)")
+        p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+        p.add_argument("--seed", type=int, default=0)
+
+    gen = sub.add_parser("generate", help="stream a completion of PROMPT to stdout")
+    gen.add_argument("prompt")
+    model_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="print the model's config, parameter count and state bytes per session")
+    model_args(info)
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
