@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from model import LinearGPT, ModelConfig
 from model.generate import generate_tokens
 from model.loading import DEVICE_CHOICES, load_model, resolve_device
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "model" / "checkpoints" / "default"
+SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; softmax is scored in windows
 
 
 class ByteCodec:
@@ -76,6 +79,43 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from model.training.trainer import TrainConfig, Trainer
+
+    cfg = TrainConfig.from_yaml(args.config)
+    if args.out_dir:
+        cfg.out_dir = args.out_dir
+    if args.max_steps is not None:
+        cfg.optim.max_steps = args.max_steps
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    summary = Trainer(cfg, resolve_device(args.device)).run()
+    summary.pop("history")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from model.training.corpus import load_corpus
+    from model.training.evaluate import bits_per_byte
+
+    device = resolve_device(args.device)
+    path = Path(args.model) if args.model else DEFAULT_CHECKPOINT
+    lm = load_model(path, device)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    window = args.window
+    if window is None and lm.model.config.attention == "softmax":
+        window = SOFTMAX_EVAL_WINDOW
+        print(f"note: softmax model: scoring independent windows of {window} tokens", file=sys.stderr)
+    works = load_corpus(args.corpus_dir).validation
+    result = bits_per_byte(lm.model, tokenizer, works, window=window)
+    report = {"model": str(path), "window": window, "works": list(works), "bits_per_byte": result.bits_per_byte,
+              "nats_per_token": result.nats_per_token, "tokens": result.tokens, "bytes": result.bytes,
+              "tokens_per_second": result.tokens_per_second}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linserve", description="Serve causal linear-attention language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.set_defaults(func=cmd_generate)
 
+    train = sub.add_parser("train", help="prepare the corpus and tokenizer, train, write an HF checkpoint")
+    train.add_argument("--config", required=True, help="configs/train/NAME.yaml")
+    train.add_argument("--out-dir", help="override the config's out_dir")
+    train.add_argument("--max-steps", type=int, help="override optim.max_steps")
+    train.add_argument("--threads", type=int, help="torch CPU threads")
+    train.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    train.set_defaults(func=cmd_train)
+
+    evaluate = sub.add_parser("eval", help="held-out bits per byte of a checkpoint")
+    evaluate.add_argument("--model", help="checkpoint directory (default: the shipped checkpoint)")
+    evaluate.add_argument("--window", type=int, help="score independent windows of N tokens (default: carry the state through each work)")
+    evaluate.add_argument("--corpus-dir", default="data/corpus")
+    evaluate.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    evaluate.set_defaults(func=cmd_eval)
+
     info = sub.add_parser("info", help="print the model's config, parameter count and state bytes per session")
     model_args(info)
     info.set_defaults(func=cmd_info)
@@ -103,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

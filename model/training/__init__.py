@@ -1,0 +1,1 @@
+"""Training-side code: corpus preparation, tokenizer, training loop and held-out evaluation."""

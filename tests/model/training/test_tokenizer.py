@@ -1,0 +1,33 @@
+import pytest
+
+from model.training.tokenizer import EOT_TOKEN, load_tokenizer, save_tokenizer
+
+SAMPLES = [
+    "ROMEO.\nBut soft, what light through yonder window breaks?",
+    "def f(x):\n\treturn {'a': x ** 2}  # code, tabs\r\n   trailing spaces   ",
+    "emoji 😀👍🏽 and ZWJ 👩‍👩‍👧 sequences",
+    "日本語のテキスト, русский текст, ελληνικά, العربية, हिन्दी",
+    "\x00control\x7f chars and a lone combining mark \u0301",
+    "",
+    " leading space and double  spaces",
+]
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_round_trips_any_utf8_exactly(small_tokenizer, text):
+    assert small_tokenizer.decode(small_tokenizer.encode(text).ids) == text
+
+
+def test_saved_tokenizer_loads_with_autotokenizer_and_round_trips(small_tokenizer, tmp_path):
+    save_tokenizer(small_tokenizer, tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    hf = load_tokenizer(tmp_path)
+    assert hf.eos_token == EOT_TOKEN and hf.eos_token_id == small_tokenizer.token_to_id(EOT_TOKEN)
+    for text in SAMPLES:
+        assert hf.decode(hf.encode(text)) == text
+
+
+def test_end_of_text_is_one_token(small_tokenizer):
+    ids = small_tokenizer.encode(f"a{EOT_TOKEN}b").ids
+    assert small_tokenizer.token_to_id(EOT_TOKEN) in ids
+    assert small_tokenizer.get_vocab_size() == 1024
