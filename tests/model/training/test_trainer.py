@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.training.trainer import OptimConfig, TrainConfig, Trainer, lr_at
 
-from .conftest import CORPUS_DIR
+from tests.conftest import CORPUS_DIR
 
 
 def tiny_config(out_dir, max_steps=12, **optim) -> TrainConfig:

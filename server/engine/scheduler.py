@@ -1,0 +1,135 @@
+"""Continuous-batching scheduler: waiting and running queues, admission by free state slots, a per-step
+token budget. Torch-free: it decides, the engine executes, and slots come from an allocator."""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no slot yet
+    PREFILLING = "prefilling"  # holds its slot(s), prompt partly consumed
+    RUNNING = "running"  # decoding one token per row per step
+
+
+@dataclass
+class SchedSeq:
+    seq_id: str
+    to_prefill: int  # prompt tokens to consume before the first sample (0: sample from stored logits)
+    rows: int = 1  # n parallel samples; prefilled once, then forked into `rows` slots
+    prefilled: int = 0
+    status: Status = Status.WAITING
+    slots: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_left(self) -> int:
+        return self.to_prefill - self.prefilled
+
+
+class SlotAllocator(Protocol):
+    def acquire(self, seq: SchedSeq) -> list[int] | None:
+        """`seq.rows` slots for seq, or None if they cannot be had now (may offload idle sessions)."""
+
+    def release(self, seq: SchedSeq, slots: list[int]) -> None:
+        """Give slots back (a session keeps its own slot: the allocator knows which)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode: list[tuple[str, int]]  # (seq_id, slot): one token each
+    prefill: list[tuple[str, int, int]]  # (seq_id, start, length); length 0 = sample from stored logits
+    admitted: list[str]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(length for _, _, length in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, allocator: SlotAllocator, max_batch_tokens: int, max_prefill_chunk: int) -> None:
+        if max_batch_tokens < 1 or max_prefill_chunk < 1:
+            raise ValueError("max_batch_tokens and max_prefill_chunk must be >= 1")
+        self.allocator = allocator
+        self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_chunk = max_prefill_chunk
+        self.waiting: OrderedDict[str, SchedSeq] = OrderedDict()
+        self.active: OrderedDict[str, SchedSeq] = OrderedDict()  # prefilling or running, arrival order
+
+    # ---- queue changes ----
+    def add(self, seq: SchedSeq) -> None:
+        if seq.seq_id in self.waiting or seq.seq_id in self.active:
+            raise ValueError(f"duplicate sequence id {seq.seq_id}")
+        self.waiting[seq.seq_id] = seq
+
+    def remove(self, seq_id: str) -> SchedSeq | None:
+        """Drop a sequence wherever it is (abort or finish) and release its slots."""
+        seq = self.waiting.pop(seq_id, None) or self.active.pop(seq_id, None)
+        if seq is not None and seq.slots:
+            self.allocator.release(seq, list(seq.slots))
+            seq.slots = []
+        return seq
+
+    def finish_row(self, seq_id: str, slot: int) -> bool:
+        """One row of a running sequence is done; returns True when the whole sequence is."""
+        seq = self.active[seq_id]
+        seq.slots.remove(slot)
+        self.allocator.release(seq, [slot])
+        if not seq.slots:
+            del self.active[seq_id]
+            return True
+        return False
+
+    def prefilled(self, seq_id: str, n_tokens: int) -> bool:
+        """Record consumed prompt tokens; True once the prompt is complete (the sequence now runs)."""
+        seq = self.active[seq_id]
+        seq.prefilled += n_tokens
+        if seq.prefill_left <= 0:
+            seq.status = Status.RUNNING
+            return True
+        return False
+
+    # ---- the decision ----
+    def schedule(self) -> StepPlan:
+        """One decode token for every running row, then prefill in arrival order within the budget."""
+        decode = [(s.seq_id, slot) for s in self.active.values() if s.status is Status.RUNNING for slot in s.slots]
+        budget = self.max_batch_tokens - len(decode)
+        prefill: list[tuple[str, int, int]] = []
+        for seq in self.active.values():
+            if seq.status is Status.PREFILLING and budget > 0:
+                length = self._chunk(seq, budget)
+                prefill.append((seq.seq_id, seq.prefilled, length))
+                budget -= length
+        admitted = []
+        while self.waiting and budget > 0:
+            seq = next(iter(self.waiting.values()))
+            slots = self.allocator.acquire(seq)
+            if slots is None:
+                break  # strict FIFO: later arrivals do not overtake the head of the queue
+            del self.waiting[seq.seq_id]
+            seq.slots, seq.status = slots, Status.PREFILLING
+            self.active[seq.seq_id] = seq
+            admitted.append(seq.seq_id)
+            length = self._chunk(seq, budget)
+            prefill.append((seq.seq_id, seq.prefilled, length))
+            budget -= max(length, 1)
+        return StepPlan(decode=decode, prefill=prefill, admitted=admitted)
+
+    def _chunk(self, seq: SchedSeq, budget: int) -> int:
+        """Next prefill length: chunk ends stay on multiples of max_prefill_chunk (prefix-cache boundaries)."""
+        to_boundary = self.max_prefill_chunk - seq.prefilled % self.max_prefill_chunk
+        return min(seq.prefill_left, to_boundary, budget)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.active.values() if s.status is Status.RUNNING)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(1 for s in self.active.values() if s.status is Status.PREFILLING)

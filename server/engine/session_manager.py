@@ -1,0 +1,181 @@
+"""Session registry: tiers (device slot or host memory), LRU offload, TTL expiry, limits, fork, export,
+import. Runs on the engine thread only."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from model import LinearGPT
+
+from .sessions import Session, SessionInfo, decode_snapshot, encode_snapshot, model_fingerprint, new_session_id
+from .state_pool import StatePool
+from .types import EngineError
+
+if TYPE_CHECKING:
+    from .live import LiveRequest
+
+EXPIRY_CHECK_INTERVAL_S = 1.0
+
+
+class SessionManager:
+    def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float) -> None:
+        self.pool = pool
+        self.model = model
+        self.max_host_sessions = max_host_sessions
+        self.ttl_s = ttl_s
+        self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._fingerprint: str | None = None
+        self._last_expiry = 0.0
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        return self._fingerprint
+
+    # ---- lookup ----
+    def get(self, session_id: str, owner: str | None) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.owner != owner:  # another key's session does not exist for you
+            raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
+        return session
+
+    def info(self, session: Session) -> SessionInfo:
+        idle = time.monotonic() - session.last_used
+        return SessionInfo(id=session.id, tokens=session.tokens, state_bytes=self.pool.slot_bytes, tier=session.tier,
+                           created=session.created, last_used=time.time() - idle)
+
+    def count(self, tier: str) -> int:
+        return sum(1 for s in self.sessions.values() if s.tier == tier)
+
+    def _touch(self, session: Session) -> None:
+        session.last_used = time.monotonic()
+        self.sessions.move_to_end(session.id)
+
+    def _check_capacity(self) -> None:
+        if len(self.sessions) >= self.pool.num_slots + self.max_host_sessions:
+            raise EngineError("session limit reached: delete sessions or retry later", kind="capacity")
+
+    def _add(self, session: Session) -> SessionInfo:
+        self.sessions[session.id] = session
+        return self.info(session)
+
+    def _idle(self, session_id: str, owner: str | None) -> Session:
+        session = self.get(session_id, owner)
+        if session.busy:
+            raise EngineError(f"session {session_id!r} is generating", kind="busy", param="session_id")
+        return session
+
+    # ---- lifecycle ----
+    def create(self, owner: str | None) -> SessionInfo:
+        self._check_capacity()
+        return self._add(Session(id=new_session_id(), owner=owner, slot=self.allocate_slot()))
+
+    def acquire_for_request(self, session_id: str, owner: str | None) -> Session:
+        session = self._idle(session_id, owner)
+        session.busy = True
+        self._touch(session)
+        return session
+
+    def release(self, session: Session) -> None:
+        session.busy = False
+        self._touch(session)
+
+    def commit(self, session: Session, live: LiveRequest) -> None:
+        """After a request: the transcript grows by what the state consumed plus the sampled tokens."""
+        old_pending = len(session.pending)
+        if live.consumed >= old_pending and live.consumed > 0:
+            prompt_consumed = live.consumed - old_pending
+            session.transcript.extend(live.request.prompt_ids[:prompt_consumed])
+            session.pending, session.logits = [], live.last_logits
+        generated = live.rows[0].generated if live.rows else []
+        if generated:
+            session.transcript.extend(generated)
+            session.pending, session.logits = [generated[-1]], None
+        self.release(session)
+
+    def delete(self, session_id: str, owner: str | None) -> None:
+        session = self._idle(session_id, owner)
+        self._drop(session)
+
+    def _drop(self, session: Session) -> None:
+        if session.slot is not None:
+            self.pool.free(session.slot)
+        del self.sessions[session.id]
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        if now - self._last_expiry < EXPIRY_CHECK_INTERVAL_S:
+            return
+        self._last_expiry = now
+        for session in [s for s in self.sessions.values() if not s.busy and now - s.last_used > self.ttl_s]:
+            self._drop(session)
+
+    # ---- tiers ----
+    def allocate_slot(self) -> int | None:
+        """A free slot, offloading the least recently used idle session to host memory if needed."""
+        slot = self.pool.allocate()
+        while slot is None and self._offload_lru():
+            slot = self.pool.allocate()
+        return slot
+
+    def _offload_lru(self) -> bool:
+        if self.count("host") >= self.max_host_sessions:
+            return False
+        for session in self.sessions.values():
+            if session.slot is not None and not session.busy:
+                session.host = self.pool.export(session.slot, "cpu")
+                self.pool.free(session.slot)
+                session.slot = None
+                return True
+        return False
+
+    def bring_to_device(self, session: Session) -> int | None:
+        if session.slot is not None:
+            return session.slot
+        slot = self.allocate_slot()
+        if slot is None:
+            return None
+        if session.host is not None:
+            self.pool.load(slot, session.host)
+            session.host = None
+        session.slot = slot
+        return slot
+
+    # ---- fork / export / import ----
+    def _state_of(self, session: Session) -> dict:
+        if session.slot is not None:
+            return self.pool.export(session.slot, "cpu")
+        if session.host is not None:
+            return session.host
+        return {name: buffer[0].new_zeros(buffer.shape[1:]).cpu() for name, buffer in self.pool.buffers.items()}
+
+    def fork(self, session_id: str, owner: str | None) -> SessionInfo:
+        source = self._idle(session_id, owner)
+        self._check_capacity()
+        child = Session(id=new_session_id(), owner=owner, transcript=list(source.transcript),
+                        pending=list(source.pending), imported_tokens=source.imported_tokens,
+                        logits=None if source.logits is None else source.logits.clone())
+        slot = self.allocate_slot() if source.slot is not None else None
+        if slot is not None and source.slot is not None:
+            self.pool.copy(source.slot, slot)  # a device copy of one fixed-size state
+            child.slot = slot
+        else:
+            child.host = {name: t.clone() for name, t in self._state_of(source).items()}
+        self._touch(source)
+        return self._add(child)
+
+    def export(self, session_id: str, owner: str | None) -> bytes:
+        session = self._idle(session_id, owner)
+        self._touch(session)
+        return encode_snapshot(self._state_of(session), session, self.fingerprint)
+
+    def import_(self, data: bytes, owner: str | None) -> SessionInfo:
+        template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
+        snapshot = decode_snapshot(data, template, self.fingerprint, self.model.config.vocab_size)
+        self._check_capacity()
+        session = Session(id=new_session_id(), owner=owner, pending=snapshot.pending, logits=snapshot.logits,
+                          host=snapshot.state, imported_tokens=snapshot.tokens)
+        return self._add(session)

@@ -1,0 +1,141 @@
+"""Sessions: a named, persistent state that is exactly consistent with its transcript, and its snapshot.
+
+Invariant: the state has consumed every transcript token except `pending` (the last sampled token, not
+yet fed). When nothing is pending, `logits` holds the distribution for the next token, so a session can
+continue with or without a new prompt. A snapshot carries exactly that — state, pending, logits — plus a
+format version and the model's fingerprint, as safetensors bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from model import LinearGPT
+
+from .types import EngineError
+
+SNAPSHOT_FORMAT = "linserve-session"
+SNAPSHOT_VERSION = "1"
+
+
+@dataclass
+class Session:
+    id: str
+    owner: str | None
+    transcript: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # (V,) fp32, when nothing is pending
+    slot: int | None = None  # device tier
+    host: dict[str, torch.Tensor] | None = None  # host tier (offloaded)
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False
+    imported_tokens: int = 0  # history consumed before an import (its token ids are not in the snapshot)
+
+    @property
+    def tier(self) -> str:
+        return "device" if self.slot is not None else "host"
+
+    @property
+    def tokens(self) -> int:
+        return self.imported_tokens + len(self.transcript)
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: str
+    tokens: int
+    state_bytes: int
+    tier: str
+    created: float
+    last_used: float  # unix time
+
+
+def new_session_id() -> str:
+    return "sess-" + uuid.uuid4().hex
+
+
+def model_fingerprint(model: LinearGPT) -> str:
+    """sha256 over the config and every weight: a snapshot only resumes on the model that made it."""
+    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def encode_snapshot(state: dict[str, torch.Tensor], session: Session, fingerprint: str) -> bytes:
+    tensors = {f"state.{name}": t.detach().cpu().contiguous() for name, t in state.items()}
+    tensors["pending"] = torch.tensor(session.pending, dtype=torch.int64)
+    if session.logits is not None:
+        tensors["logits"] = session.logits.detach().float().cpu().contiguous()
+    metadata = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "fingerprint": fingerprint,
+                "tokens": str(session.tokens)}
+    return st_save(tensors, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    state: dict[str, torch.Tensor]
+    pending: list[int]
+    logits: torch.Tensor | None
+    tokens: int
+
+
+def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint: str, vocab_size: int) -> Snapshot:
+    """Parse and validate; every problem is an EngineError saying what is wrong."""
+    def invalid(message: str) -> EngineError:
+        return EngineError(f"invalid session snapshot: {message}", kind="invalid", param="snapshot")
+
+    try:
+        tensors = st_load(data)
+        metadata = _read_metadata(data)
+    except Exception as error:  # noqa: BLE001 - any parse failure is the client's bad input
+        raise invalid(f"not a safetensors file ({error.__class__.__name__})") from None
+    if metadata.get("format") != SNAPSHOT_FORMAT:
+        raise invalid(f"format is {metadata.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+    if metadata.get("version") != SNAPSHOT_VERSION:
+        raise invalid(f"version {metadata.get('version')!r} is not supported (expected {SNAPSHOT_VERSION})")
+    if metadata.get("fingerprint") != fingerprint:
+        raise invalid("it was made by a different model (fingerprint mismatch)")
+    expected = {f"state.{name}" for name in template} | {"pending"}
+    names = set(tensors)
+    if not expected <= names or names - expected - {"logits"}:
+        raise invalid(f"tensors {sorted(names)} do not match the model's state {sorted(expected)}")
+    state = {}
+    for name, like in template.items():
+        got = tensors[f"state.{name}"]
+        if got.shape != like.shape or got.dtype != like.dtype:
+            raise invalid(f"{name} is {tuple(got.shape)} {got.dtype}, expected {tuple(like.shape)} {like.dtype}")
+        if not torch.isfinite(got).all():
+            raise invalid(f"{name} holds non-finite values")
+        state[name] = got
+    pending = tensors["pending"]
+    if pending.dtype != torch.int64 or pending.ndim != 1 or len(pending) > 1:
+        raise invalid("pending must be an int64 vector of at most one token")
+    if len(pending) and not 0 <= int(pending[0]) < vocab_size:
+        raise invalid("pending token is outside the vocabulary")
+    logits = tensors.get("logits")
+    if logits is not None and (logits.shape != (vocab_size,) or logits.dtype != torch.float32 or not torch.isfinite(logits).all()):
+        raise invalid(f"logits must be finite float32 of shape ({vocab_size},)")
+    try:
+        tokens = int(metadata.get("tokens", ""))
+    except ValueError:
+        raise invalid("tokens is not an integer") from None
+    if tokens < len(pending) or (tokens > 0 and not len(pending) and logits is None):
+        raise invalid("token count, pending token and logits are inconsistent")
+    return Snapshot(state=state, pending=pending.tolist(), logits=logits, tokens=tokens)
+
+
+def _read_metadata(data: bytes) -> dict[str, str]:
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    return header.get("__metadata__", {}) or {}

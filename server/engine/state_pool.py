@@ -1,0 +1,91 @@
+"""Preallocated per-slot state tensors on the device, with exact byte accounting.
+
+Every state tensor of the model (S, z and the convolution window per layer) gets one buffer of shape
+(num_slots, …); a slot is an index into all of them. Sequences gather their slots into a batch before a
+step and scatter the new state back after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model import LinearGPT, ModelState
+
+
+def slots_for_budget(memory_bytes: int, state_bytes: int) -> int:
+    """How many sessions a memory budget holds."""
+    return max(memory_bytes // state_bytes, 0)
+
+
+class StatePool:
+    def __init__(self, model: LinearGPT, num_slots: int, device: torch.device) -> None:
+        if model.config.attention != "linear":
+            raise ValueError("the state pool holds fixed-size (S, z) states: attention must be 'linear'")
+        if num_slots < 1:
+            raise ValueError("the state pool needs at least one slot")
+        template = model.init_state(1, device).tensors()  # name → (1, …) fp32
+        self.n_layers = model.config.n_layers
+        self.num_slots = num_slots
+        self.device = device
+        self.buffers = {name: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device) for name, t in template.items()}
+        self.slot_bytes = sum(t.numel() * t.element_size() for t in template.values())
+        if self.slot_bytes != model.state_bytes():
+            raise AssertionError(f"state bytes {self.slot_bytes} differ from the config's formula {model.state_bytes()}")
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+
+    # ---- accounting ----
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    @property
+    def bytes_total(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.used_slots * self.slot_bytes
+
+    def allocate(self) -> int | None:
+        """A zeroed slot, or None when all are taken."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        for buffer in self.buffers.values():
+            buffer[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not in use")
+        self._free.append(slot)
+
+    # ---- moving state ----
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def gather(self, slots: list[int]) -> ModelState:
+        index = self._index(slots)
+        tensors = {name: buffer.index_select(0, index) for name, buffer in self.buffers.items()}  # (B, …)
+        return ModelState.from_tensors(tensors, self.n_layers, "linear")
+
+    def scatter(self, slots: list[int], state: ModelState) -> None:
+        index = self._index(slots)
+        for name, tensor in state.tensors().items():
+            self.buffers[name].index_copy_(0, index, tensor.to(self.buffers[name].dtype))
+
+    def copy(self, src: int, dst: int) -> None:
+        for buffer in self.buffers.values():
+            buffer[dst].copy_(buffer[src])
+
+    def export(self, slot: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """A copy of one slot's tensors (name → (…)), e.g. to offload to host memory."""
+        return {name: buffer[slot].to(device, copy=True) for name, buffer in self.buffers.items()}
+
+    def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        for name, buffer in self.buffers.items():
+            buffer[slot].copy_(tensors[name])

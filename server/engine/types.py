@@ -1,0 +1,130 @@
+"""The engine's plain-dataclass interface: what goes in (requests, sampling params), what comes out
+(per-token outputs, stats). No pydantic here: the HTTP schema converts itself into these."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the caller or the server shutting down
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve; `kind` maps to an HTTP status in the server."""
+
+    def __init__(self, message: str, kind: str = "invalid", param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.kind, self.param = message, kind, param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style, over prompt and generated tokens
+    presence_penalty: float = 0.0  # OpenAI-style, over generated tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # top-N alternatives per token (0 = only the chosen token's)
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
+            ("temperature", self.temperature >= 0 and math.isfinite(self.temperature), "must be >= 0"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("n", self.n >= 1, "must be >= 1"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise EngineError(f"{name} {message}, got {getattr(self, name)!r}", param=name)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str | None = None  # continue this session: its state, then the prompt
+    owner: str | None = None  # the API key that sent it; sessions belong to their creator's key
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives, best first
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One event of one sequence: a new token (with its text delta) and/or the end of the sequence."""
+
+    request_id: str
+    index: int  # which of the n sequences
+    token_id: int | None
+    text: str  # new text since the previous output (stop strings withheld)
+    logprob: TokenLogprob | None = None
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    position: int = 0  # the token's position in its whole sequence (session history included)
+    session_id: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    duration_s: float
+    phase: str  # "decode", "prefill" or "mixed"
+    batch_size: int  # sequences decoded this step
+    decode_tokens: int
+    prefill_tokens: int
+    running: int
+    waiting: int
+    slots_in_use: int
+    slots_total: int
+    state_bytes_in_use: int
+    sessions_device: int
+    sessions_host: int
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    request_id: str
+    queue_wait_s: float
+    ttft_s: float | None
+    e2e_s: float
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: FinishReason
+    token_latencies: tuple[tuple[int, float], ...]  # (position, seconds since the previous token)
+    prefix_cache_hit: bool | None  # None: not a stateless request (no lookup)

@@ -1,0 +1,56 @@
+"""Incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from server.engine.detokenize import IncrementalDetokenizer, StopMatcher
+
+SAMPLES = ["ROMEO. But soft, what light", "emoji 😀👩‍👩‍👧 and 日本語", "tabs\tand\nnewlines  "]
+
+
+def test_deltas_concatenate_to_the_full_decode(hf_tokenizer):
+    for text in SAMPLES:
+        ids = hf_tokenizer.encode(text)
+        detok = IncrementalDetokenizer(hf_tokenizer)
+        assert "".join(detok.add(i) for i in ids) == text
+
+
+def test_each_step_decodes_a_bounded_window(hf_tokenizer):
+    calls = []
+
+    class Counting:
+        def decode(self, ids):
+            calls.append(len(ids))
+            return hf_tokenizer.decode(ids)
+
+    detok = IncrementalDetokenizer(Counting())
+    for i in hf_tokenizer.encode("word " * 300):
+        detok.add(i)
+    assert max(calls) <= 8  # never the whole sequence
+
+
+def test_skipped_ids_produce_no_text(hf_tokenizer):
+    detok = IncrementalDetokenizer(hf_tokenizer, skip_ids=frozenset({0}))
+    assert detok.add(0) == ""
+
+
+def test_stop_string_split_across_pushes_is_withheld_then_cut():
+    matcher = StopMatcher(("STOP",))
+    out = []
+    for piece in ["hello S", "TO", "P after"]:
+        text, hit = matcher.push(piece)
+        out.append(text)
+        if hit:
+            break
+    assert "".join(out) == "hello " and hit
+
+
+def test_false_alarm_is_released():
+    matcher = StopMatcher(("STOP",))
+    first, _ = matcher.push("abc ST")
+    second, hit = matcher.push("ART")
+    assert not hit and first + second + matcher.flush() == "abc START"
+
+
+def test_earliest_of_several_stops_wins():
+    text, hit = StopMatcher(("b", "a")).push("xxabxx")
+    assert hit and text == "xx"

@@ -1,0 +1,120 @@
+"""Scheduler decisions with a fake allocator: no torch, no model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from server.engine.scheduler import SchedSeq, Scheduler, Status
+
+
+class FakeAllocator:
+    """Slots 0..n-1; 'idle sessions' can be offloaded to make room, as the engine's allocator does."""
+
+    def __init__(self, slots: int, idle_sessions: int = 0) -> None:
+        self.free = list(range(slots))
+        self.idle_on_device = [slots - 1 - i for i in range(idle_sessions)]
+        for slot in self.idle_on_device:
+            self.free.remove(slot)
+        self.offloaded: list[int] = []
+        self.released: list[int] = []
+
+    def acquire(self, seq):
+        while len(self.free) < seq.rows and self.idle_on_device:
+            slot = self.idle_on_device.pop(0)
+            self.offloaded.append(slot)
+            self.free.append(slot)
+        if len(self.free) < seq.rows:
+            return None
+        return [self.free.pop(0) for _ in range(seq.rows)]
+
+    def release(self, seq, slots):
+        self.released.extend(slots)
+        self.free.extend(slots)
+
+
+def run_to_running(scheduler: Scheduler) -> None:
+    plan = scheduler.schedule()
+    for seq_id, _, length in plan.prefill:
+        scheduler.prefilled(seq_id, length)
+
+
+def test_engine_package_scheduler_is_torch_free():
+    code = "import sys; import server.engine.scheduler; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_budget_is_respected_and_decode_comes_first():
+    scheduler = Scheduler(FakeAllocator(8), max_batch_tokens=20, max_prefill_chunk=8)
+    for i in range(3):
+        scheduler.add(SchedSeq(f"r{i}", to_prefill=1))
+    run_to_running(scheduler)
+    scheduler.add(SchedSeq("long", to_prefill=100))
+    plan = scheduler.schedule()
+    assert len(plan.decode) == 3
+    assert plan.prefill == [("long", 0, 8)]  # chunk size caps it
+    assert len(plan.decode) + plan.prefill_tokens <= 20
+    tight = Scheduler(FakeAllocator(8), max_batch_tokens=5, max_prefill_chunk=8)
+    for i in range(3):
+        tight.add(SchedSeq(f"r{i}", to_prefill=1))
+    run_to_running(tight)
+    tight.add(SchedSeq("long", to_prefill=100))
+    plan = tight.schedule()
+    assert len(plan.decode) == 3 and plan.prefill == [("long", 0, 2)]
+
+
+def test_chunks_end_on_block_boundaries():
+    scheduler = Scheduler(FakeAllocator(4), max_batch_tokens=100, max_prefill_chunk=16)
+    seq = SchedSeq("p", to_prefill=50, prefilled=5)  # e.g. after a prefix-cache hit that was not aligned
+    scheduler.add(seq)
+    ends = []
+    while seq.status is not Status.RUNNING:
+        plan = scheduler.schedule()
+        for seq_id, start, length in plan.prefill:
+            ends.append(start + length)
+            scheduler.prefilled(seq_id, length)
+    assert ends == [16, 32, 48, 50]
+
+
+def test_fifo_admission_when_slots_are_full():
+    allocator = FakeAllocator(2)
+    scheduler = Scheduler(allocator, max_batch_tokens=64, max_prefill_chunk=8)
+    scheduler.add(SchedSeq("a", to_prefill=2))
+    scheduler.add(SchedSeq("b", to_prefill=2, rows=2))  # needs two slots: blocks the queue head
+    scheduler.add(SchedSeq("c", to_prefill=2))
+    plan = scheduler.schedule()
+    assert plan.admitted == ["a"]  # c would fit, but does not overtake b
+    assert list(scheduler.waiting) == ["b", "c"]
+    scheduler.prefilled("a", 2)
+    assert scheduler.finish_row("a", scheduler.active["a"].slots[0])
+    plan = scheduler.schedule()
+    assert plan.admitted == ["b"] and list(scheduler.waiting) == ["c"]
+
+
+def test_offload_makes_room_and_release_returns_slots():
+    allocator = FakeAllocator(2, idle_sessions=2)
+    scheduler = Scheduler(allocator, max_batch_tokens=64, max_prefill_chunk=8)
+    scheduler.add(SchedSeq("new", to_prefill=3))
+    plan = scheduler.schedule()
+    assert plan.admitted == ["new"] and allocator.offloaded == [1]
+    removed = scheduler.remove("new")
+    assert removed.seq_id == "new" and allocator.released == [1]
+    assert scheduler.num_waiting == 0 and scheduler.num_running == 0
+
+
+def test_abort_while_waiting_releases_nothing():
+    allocator = FakeAllocator(1)
+    scheduler = Scheduler(allocator, max_batch_tokens=8, max_prefill_chunk=8)
+    scheduler.add(SchedSeq("holder", to_prefill=1))
+    scheduler.add(SchedSeq("queued", to_prefill=1))
+    scheduler.schedule()
+    assert scheduler.remove("queued").status is Status.WAITING
+    assert allocator.released == []
+
+
+def test_zero_length_prefill_samples_from_stored_logits():
+    scheduler = Scheduler(FakeAllocator(1), max_batch_tokens=8, max_prefill_chunk=8)
+    scheduler.add(SchedSeq("session", to_prefill=0))
+    plan = scheduler.schedule()
+    assert plan.prefill == [("session", 0, 0)]
+    assert scheduler.prefilled("session", 0)
