@@ -9,6 +9,7 @@ import torch
 from .hf import LinearGPTForCausalLM
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"  # ships inside the package
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from tokenizers import Tokenizer
 
 from model import LinearGPT, ModelConfig
 from model.generate import generate_tokens
-from model.loading import DEVICE_CHOICES, load_model, resolve_device
+from model.loading import DEFAULT_CHECKPOINT, DEVICE_CHOICES, load_model, resolve_device
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "model" / "checkpoints" / "default"
 SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; softmax is scored in windows
 
 
@@ -116,6 +116,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.serve import serve
+    from server.settings import Settings
+
+    settings = Settings.load(args.config, model=args.model, host=args.host, port=args.port, device=args.device,
+                             api_keys=args.api_key, num_slots=args.num_slots, log_level=args.log_level)
+    serve(settings)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linserve", description="Serve causal linear-attention language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=50)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + sessions)")
+    srv.add_argument("--model", help="checkpoint directory (default: the shipped checkpoint)")
+    srv.add_argument("--config", help="YAML settings file (default: configs/server.yaml if present)")
+    srv.add_argument("--host")
+    srv.add_argument("--port", type=int)
+    srv.add_argument("--device", choices=DEVICE_CHOICES)
+    srv.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
+    srv.add_argument("--num-slots", type=int, help="state pool slots")
+    srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="prepare the corpus and tokenizer, train, write an HF checkpoint")
     train.add_argument("--config", required=True, help="configs/train/NAME.yaml")
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, ValidationError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -29,3 +29,19 @@ def hf_tokenizer(small_tokenizer):
     from model.training.tokenizer import wrap
 
     return wrap(small_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, small_tokenizer):
+    """A tiny random-weight LinearGPT saved in the HF layout with the small tokenizer."""
+    import torch
+
+    from model import LinearGPT, ModelConfig
+    from model.training.trainer import save_checkpoint
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=small_tokenizer.get_vocab_size(), d_model=64, n_layers=2, n_heads=4,
+                         conv_kernel=3, decay=True, chunk_size=16)
+    directory = tmp_path_factory.mktemp("tiny-checkpoint")
+    save_checkpoint(LinearGPT(config), small_tokenizer, directory, torch.float32)
+    return directory

@@ -8,7 +8,7 @@ from importlib import import_module
 _EXPORTS = {
     "Engine": ".engine", "EngineConfig": ".engine", "SessionInfo": ".sessions",
     "EngineError": ".types", "EngineRequest": ".types", "FinishReason": ".types", "RequestOutput": ".types",
-    "RequestStats": ".types", "SamplingParams": ".types", "StepStats": ".types",
+    "RequestStats": ".types", "PoolStats": ".types", "SamplingParams": ".types", "StepStats": ".types",
 }
 __all__ = sorted(_EXPORTS)
 

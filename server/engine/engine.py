@@ -26,7 +26,7 @@ from .sampling import BatchParams, apply_penalties, sample, token_logprobs
 from .scheduler import SchedSeq, Scheduler
 from .session_manager import SessionManager
 from .state_pool import StatePool
-from .types import EngineError, EngineRequest, FinishReason, RequestOutput, RequestStats, StepStats
+from .types import EngineError, EngineRequest, FinishReason, PoolStats, RequestOutput, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class Engine:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                self._emit_pool_stats()
                 return
 
     def _emit(self, live: LiveRequest, output: RequestOutput) -> None:
@@ -221,12 +222,15 @@ class Engine:
             self._prefill(seq_id, start, length)
         duration = time.perf_counter() - started
         phase = "mixed" if plan.decode and plan.prefill else ("decode" if plan.decode else "prefill")
-        self.stats_sink(StepStats(
-            duration_s=duration, phase=phase, batch_size=len(plan.decode), decode_tokens=len(plan.decode),
-            prefill_tokens=plan.prefill_tokens, running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting, slots_in_use=self.pool.used_slots, slots_total=self.pool.num_slots,
-            state_bytes_in_use=self.pool.bytes_in_use, sessions_device=self.sessions.count("device"),
-            sessions_host=self.sessions.count("host"),
+        self.stats_sink(StepStats(duration_s=duration, phase=phase, batch_size=len(plan.decode),
+                                  decode_tokens=len(plan.decode), prefill_tokens=plan.prefill_tokens))
+        self._emit_pool_stats()
+
+    def _emit_pool_stats(self) -> None:
+        self.stats_sink(PoolStats(
+            running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, slots_in_use=self.pool.used_slots,
+            slots_total=self.pool.num_slots, state_bytes_in_use=self.pool.bytes_in_use,
+            sessions_device=self.sessions.count("device"), sessions_host=self.sessions.count("host"),
         ))
 
     def _decode(self, decode: list[tuple[str, int]]) -> None:
@@ -254,8 +258,9 @@ class Engine:
         live.prompt_done(self.pool)
         if live.request.params.max_tokens == 0:  # prompt only (e.g. a session's first message)
             for row in live.rows:
-                self._emit(live, row.finish_without_token(FinishReason.LENGTH))
+                output = row.finish_without_token(FinishReason.LENGTH)
                 self._retire_row(row, FinishReason.LENGTH)
+                self._emit(live, output)
             return
         self._sample(live.rows, live.last_logits[None].expand(len(live.rows), -1))
 
@@ -280,9 +285,9 @@ class Engine:
         now = time.monotonic()
         for row, token, logprob in zip(rows, tokens.tolist(), logprobs):
             output = row.accept(token, logprob, now, self.eos_id)
-            self._emit(row.live, output)
-            if output.finished:
+            if output.finished:  # stats first: whoever sees the last output also sees its metrics
                 self._retire_row(row, output.finish_reason)
+            self._emit(row.live, output)
 
     def _retire_row(self, row: Row, reason: FinishReason) -> None:
         live = row.live
@@ -301,12 +306,10 @@ class Engine:
         if live is None:
             return
         self.scheduler.remove(request_id)
-        for row in live.rows:
-            if not row.finished:
-                self._emit(live, row.abort_output())
-        if not live.rows:
-            self._emit(live, live.abort_output())
+        outputs = [row.abort_output() for row in live.rows if not row.finished] or ([] if live.rows else [live.abort_output()])
         self._finish_live(live, FinishReason.ABORT)
+        for output in outputs:
+            self._emit(live, output)
 
     def _abort_all(self) -> None:
         for request_id in list(self.live):

@@ -108,6 +108,12 @@ class StepStats:
     batch_size: int  # sequences decoded this step
     decode_tokens: int
     prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Occupancy, emitted after every step and every batch of commands (aborts, session changes)."""
+
     running: int
     waiting: int
     slots_in_use: int

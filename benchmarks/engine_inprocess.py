@@ -1,0 +1,172 @@
+"""In-process engine measurements (no HTTP): SPEC P3, P4 and P7.
+
+P3  chunked prefill of N tokens vs feeding them one by one (and the final states agree)
+P4  engine decode tokens/s with 1 vs 32 concurrent streams
+P7  running streams' inter-token latency p99 with and without a long prompt arriving
+
+    python benchmarks/engine_inprocess.py [--model DIR] [--quick] [--out results.json]
+
+Each ratio is measured side by side in one run; repetitions are interleaved and medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from model.loading import DEFAULT_CHECKPOINT, load_model
+from server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def p3_prefill(model, n_tokens: int, reps: int) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (1, n_tokens))
+    chunked, stepwise = [], []
+    with torch.inference_mode():
+        for _ in range(reps):
+            started = time.perf_counter()
+            _, state_chunked = model(ids)
+            chunked.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            state = None
+            for t in range(n_tokens):
+                _, state = model(ids[:, t : t + 1], state)
+            stepwise.append(time.perf_counter() - started)
+    worst = max((a - b).abs().max().item() / b.abs().max().item()
+                for a, b in zip(state_chunked.tensors().values(), state.tensors().values()))
+    ratio = statistics.median(stepwise) / statistics.median(chunked)
+    return {"tokens": n_tokens, "chunked_s": statistics.median(chunked), "token_by_token_s": statistics.median(stepwise),
+            "speedup": ratio, "final_state_max_rel_diff": worst, "target": ">= 20x", "pass": ratio >= 20 and worst < 1e-4}
+
+
+def run_streams(engine: Engine, n_streams: int, max_tokens: int, tag: str, prompt_len: int = 16) -> tuple[float, int]:
+    """Start n streams at once; returns (seconds until all finished, tokens generated)."""
+    done = threading.Event()
+    remaining = [n_streams]
+    lock = threading.Lock()
+    generated = [0]
+
+    def sink(output):
+        if output.token_id is not None:
+            with lock:
+                generated[0] += 1
+        if output.finished:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, ignore_eos=True)
+    started = time.perf_counter()
+    for i in range(n_streams):
+        engine.submit(EngineRequest(f"{tag}-{i}", list(range(1, prompt_len + 1)), params), sink).result(30)
+    done.wait(600)
+    return time.perf_counter() - started, generated[0]
+
+
+def p4_batching(engine: Engine, max_tokens: int, reps: int, sizes=(1, 32)) -> dict:
+    rates = {n: [] for n in sizes}
+    for rep in range(reps):
+        for n in sizes:
+            seconds, tokens = run_streams(engine, n, max_tokens, f"p4-{rep}-{n}")
+            rates[n].append(tokens / seconds)
+    medians = {n: statistics.median(v) for n, v in rates.items()}
+    ratio = medians[sizes[-1]] / medians[sizes[0]]
+    return {"tokens_per_s": medians, "spread": {n: [min(v), max(v)] for n, v in rates.items()},
+            "ratio": ratio, "target": ">= 8x", "pass": ratio >= 8}
+
+
+def itl_during(engine: Engine, streams: int, max_tokens: int, long_prompt: int | None, tag: str) -> list[float]:
+    """ITLs of `streams` running streams; with long_prompt, that many prompt tokens arrive mid-way."""
+    latencies: list[float] = []
+    last: dict[str, float] = {}
+    window = {"open": long_prompt is None}
+    lock = threading.Lock()
+    finished = threading.Event()
+    count = [streams]
+
+    def sink(output):
+        now = time.perf_counter()
+        with lock:
+            if output.token_id is not None:
+                previous = last.get(output.request_id)
+                if previous is not None and window["open"]:
+                    latencies.append(now - previous)
+                last[output.request_id] = now
+            if output.finished and output.request_id.startswith(tag + "-s"):
+                count[0] -= 1
+                if count[0] == 0:
+                    finished.set()
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i in range(streams):
+        engine.submit(EngineRequest(f"{tag}-s{i}", [1, 2, 3, 4], params), sink).result(30)
+    if long_prompt is not None:
+        time.sleep(0.2)
+        prefill_done = threading.Event()
+
+        def long_sink(output):
+            prefill_done.set()  # the first output means the prompt is consumed
+
+        ids = torch.randint(0, engine.vocab_size, (long_prompt,)).tolist()
+        with lock:
+            window["open"] = True
+        engine.submit(EngineRequest(f"{tag}-long", ids, SamplingParams(max_tokens=1)), long_sink).result(30)
+        prefill_done.wait(600)
+        with lock:
+            window["open"] = False
+    finished.wait(600)
+    return latencies
+
+
+def p7_mixed(engine: Engine, long_prompt: int, streams: int, max_tokens: int) -> dict:
+    base = itl_during(engine, streams, max_tokens, None, "p7-base")
+    mixed = itl_during(engine, streams, max_tokens, long_prompt, "p7-mixed")
+    ratio = percentile(mixed, 0.99) / percentile(base, 0.99)
+    return {"streams": streams, "long_prompt_tokens": long_prompt, "itl_p99_without_ms": 1e3 * percentile(base, 0.99),
+            "itl_p99_with_ms": 1e3 * percentile(mixed, 0.99), "itl_p50_without_ms": 1e3 * percentile(base, 0.5),
+            "itl_p50_with_ms": 1e3 * percentile(mixed, 0.5), "samples_with": len(mixed), "ratio": ratio,
+            "target": "<= 2x", "pass": ratio <= 2}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    lm = load_model(args.model, torch.device("cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = lm.model
+    quick = args.quick
+    results = {"threads": torch.get_num_threads(), "model": args.model}
+    results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3)
+    config = EngineConfig(num_slots=64, max_prefill_chunk=args.max_prefill_chunk,
+                          max_batch_tokens=64 + args.max_prefill_chunk)
+    engine = Engine(model, tokenizer, config, torch.device("cpu")).start()
+    try:
+        results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3)
+        results["P7"] = p7_mixed(engine, 512 if quick else 8192, 8, 40 if quick else 400)
+    finally:
+        engine.stop()
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

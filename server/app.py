@@ -1,0 +1,127 @@
+"""The FastAPI application: factory, lifespan (model, state pool and engine thread), operational routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from model.loading import DEFAULT_CHECKPOINT, load_model, resolve_device
+
+from .engine import Engine, EngineConfig
+from .engine.state_pool import slots_for_budget
+from .errors import BodySizeLimit, error_response, install_handlers
+from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .routes import openai, sessions
+from .settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def engine_config(settings: Settings, state_bytes: int) -> EngineConfig:
+    slots = settings.num_slots
+    if settings.state_memory_mb is not None:
+        slots = slots_for_budget(int(settings.state_memory_mb * 2**20), state_bytes)
+        if slots < 1:
+            raise ValueError(f"state_memory_mb={settings.state_memory_mb} holds no session of {state_bytes} bytes")
+    return EngineConfig(num_slots=slots, max_batch_tokens=settings.max_batch_tokens,
+                        max_prefill_chunk=settings.max_prefill_chunk,
+                        prefix_cache_entries=settings.prefix_cache_entries,
+                        max_host_sessions=settings.max_host_sessions, session_ttl_s=settings.session_ttl_s,
+                        max_n=settings.max_n, max_waiting=settings.max_waiting)
+
+
+def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
+    from transformers import AutoTokenizer
+
+    path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
+    device = resolve_device(settings.device)
+    model = load_model(path, device).model
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    config = engine_config(settings, model.state_bytes())
+    metrics.set_pool(model.state_bytes(), config.num_slots * model.state_bytes())
+    engine = Engine(model, tokenizer, config, device, metrics.observe).start()
+    logger.info("loaded %s on %s: %d slots x %d state bytes", path, device, config.num_slots, model.state_bytes())
+    return engine, tokenizer
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    state = app.state
+    state.engine, state.tokenizer = await asyncio.to_thread(load_engine, state.settings, state.metrics)
+    state.ready = True
+    try:
+        yield
+    finally:
+        await drain(app)
+
+
+async def drain(app: FastAPI) -> None:
+    """Stop taking work (/ready → 503), end running streams with finish reason `abort`, stop the engine."""
+    state = app.state
+    state.ready, state.draining = False, True
+    if getattr(state, "engine", None) is not None:
+        await asyncio.to_thread(state.engine.stop)
+
+
+class RequestMetrics:
+    """Counts every HTTP request by route template and status (no per-session labels)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def recording_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings.load()
+    app = FastAPI(title="linserve", version="0.1.0", lifespan=lifespan,
+                  description="Causal linear-attention LM server: constant per-token latency and state size.")
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    app.state.ready = False
+    app.state.draining = False
+    app.state.started = int(time.time())
+    install_handlers(app)
+    app.include_router(openai.router)
+    app.include_router(sessions.router)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        if not request.app.state.ready:
+            return error_response(503, "not ready: loading or draining", code="not_ready",
+                                  headers={"Retry-After": str(settings.retry_after_s)})
+        return Response('{"status":"ready"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
+    return app

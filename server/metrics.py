@@ -1,0 +1,105 @@
+"""Every Prometheus metric linserve exports, defined once, and the translation of engine stats into them.
+
+No per-request or per-session labels. `linserve_inter_token_latency_seconds{context}` observes each
+streamed token in the bucket of its position in its sequence: flat per-token latency shows up as the
+same distribution in every context bucket.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
+
+from .engine.types import PoolStats, RequestStats, StepStats
+
+disable_created_metrics()  # no *_created series: plain classic text format
+
+# fine below 10 ms (1 ms and 2 ms land in different buckets), then up to seconds
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                   0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+CONTEXT_BUCKETS = ((1024, "0-1k"), (4096, "1k-4k"), (16384, "4k-16k"), (65536, "16k-64k"))
+
+
+def context_label(position: int) -> str:
+    for limit, label in CONTEXT_BUCKETS:
+        if position < limit:
+            return label
+    return "64k+"
+
+
+class Metrics:
+    """One registry per app (tests build many apps in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("linserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                              buckets=REQUEST_BUCKETS, registry=r)
+        self.itl = Histogram("linserve_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a sequence, by the token's position (context).",
+                             ["context"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("linserve_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_wait = Histogram("linserve_queue_wait_seconds", "Time from arrival to admission into a state slot.",
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.step = Histogram("linserve_engine_step_seconds", "Duration of one engine step, by phase.", ["phase"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("linserve_batch_size", "Sequences decoded per engine step.", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.requests = Counter("linserve_requests_total", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("linserve_requests_finished_total", "Finished generations by finish reason.",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter("linserve_prompt_tokens_total", "Prompt tokens received.", registry=r)
+        self.generation_tokens = Counter("linserve_generation_tokens_total", "Tokens generated.", registry=r)
+        self.running = Gauge("linserve_requests_running", "Requests decoding now.", registry=r)
+        self.waiting = Gauge("linserve_requests_waiting", "Requests queued or prefilling.", registry=r)
+        self.sessions = Gauge("linserve_sessions", "Sessions by storage tier.", ["tier"], registry=r)
+        self.state_bytes = Gauge("linserve_state_bytes_per_session", "Bytes of one session's recurrent state.",
+                                 registry=r)
+        self.pool_bytes = Gauge("linserve_state_pool_bytes", "State pool bytes (total allocated, in use).", ["kind"],
+                                registry=r)
+        self.prefix_queries = Counter("linserve_prefix_cache_queries_total", "Prefix-cache lookups.", registry=r)
+        self.prefix_hits = Counter("linserve_prefix_cache_hits_total", "Prefix-cache lookups that found a prefix.",
+                                   registry=r)
+        for tier in ("device", "host"):
+            self.sessions.labels(tier)
+        for _, label in CONTEXT_BUCKETS:
+            self.itl.labels(label)
+        self.itl.labels("64k+")
+
+    def set_pool(self, state_bytes: int, total_bytes: int) -> None:
+        self.state_bytes.set(state_bytes)
+        self.pool_bytes.labels("total").set(total_bytes)
+        self.pool_bytes.labels("in_use").set(0)
+
+    def observe(self, stats: object) -> None:
+        """The engine's stats sink (runs on the engine thread; prometheus-client is thread-safe)."""
+        if isinstance(stats, StepStats):
+            self.step.labels(stats.phase).observe(stats.duration_s)
+            if stats.batch_size:
+                self.batch_size.observe(stats.batch_size)
+        elif isinstance(stats, PoolStats):
+            self.running.set(stats.running)
+            self.waiting.set(stats.waiting)
+            self.pool_bytes.labels("in_use").set(stats.state_bytes_in_use)
+            self.sessions.labels("device").set(stats.sessions_device)
+            self.sessions.labels("host").set(stats.sessions_host)
+        elif isinstance(stats, RequestStats):
+            self.queue_wait.observe(stats.queue_wait_s)
+            if stats.ttft_s is not None:
+                self.ttft.observe(stats.ttft_s)
+            self.e2e.observe(stats.e2e_s)
+            self.finished.labels(stats.finish_reason.value).inc()
+            self.prompt_tokens.inc(stats.prompt_tokens)
+            self.generation_tokens.inc(stats.generated_tokens)
+            for position, seconds in stats.token_latencies:
+                self.itl.labels(context_label(position)).observe(seconds)
+            if stats.prefix_cache_hit is not None:
+                self.prefix_queries.inc()
+                if stats.prefix_cache_hit:
+                    self.prefix_hits.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

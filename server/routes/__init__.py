@@ -1,0 +1,1 @@
+"""HTTP routes: thin handlers over the engine (validation in schemas, formatting in generation)."""

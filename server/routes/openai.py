@@ -1,0 +1,103 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
+from ..generation import (Generation, chat_logprobs, collect, completion_logprobs, render_chat, start_generation,
+                          stream_events)
+from ..schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice, CompletionRequest,
+                       CompletionResponse, ModelCard, ModelList, Usage)
+
+router = APIRouter()
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> ModelList:
+    return ModelList(data=[ModelCard(id=settings.served_model_name, created=request.app.state.started)])
+
+
+def completion_chunk(generation: Generation, model: str, tokenizer, output, echo_text: str = "") -> dict:
+    logprobs = completion_logprobs(tokenizer, [output]) if generation.params.logprobs is not None else None
+    choice = CompletionChoice(index=output.index, text=echo_text + output.text, logprobs=logprobs,
+                              finish_reason=output.finish_reason.value if output.finished else None)
+    return CompletionResponse(id=generation.request_id, created=generation.created, model=model,
+                              choices=[choice]).model_dump(exclude_none=True)
+
+
+async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
+                         session_id: str | None = None):
+    prompt_ids = encode_prompt(tokenizer, body.prompt, allow_empty=session_id is not None)
+    params = body.to_sampling_params(settings.max_tokens_default)
+    generation = await start_generation(request, prompt_ids, params, "cmpl", session_id, owner)
+    model = settings.served_model_name
+    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    if body.stream:
+        def usage_chunk() -> dict:
+            return {"id": generation.request_id, "object": "text_completion", "created": generation.created,
+                    "model": model, "choices": [], "usage": generation.usage}
+
+        first = [completion_chunk(generation, model, tokenizer, _empty(i), echo) for i in range(params.n)] if echo else []
+        return stream_events(generation, lambda o: completion_chunk(generation, model, tokenizer, o),
+                             body.include_usage, usage_chunk, first)
+    rows = await collect(request, generation)
+    if rows is None:
+        return None
+    choices = []
+    for index, outputs in enumerate(rows):
+        logprobs = completion_logprobs(tokenizer, outputs, len(echo)) if params.logprobs is not None else None
+        choices.append(CompletionChoice(index=index, text=echo + "".join(o.text for o in outputs), logprobs=logprobs,
+                                        finish_reason=outputs[-1].finish_reason.value))
+    return CompletionResponse(id=generation.request_id, created=generation.created, model=model, choices=choices,
+                              usage=Usage(**generation.usage))
+
+
+def _empty(index: int):
+    from ..engine.types import RequestOutput
+
+    return RequestOutput(request_id="", index=index, token_id=None, text="")
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request, body: CompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep,
+                      owner: Owner):
+    return await run_completion(request, body, settings, tokenizer, owner)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request, body: ChatCompletionRequest, settings: SettingsDep,
+                           tokenizer: TokenizerDep, owner: Owner):
+    prompt_ids = encode_prompt(tokenizer, render_chat(body.messages, tokenizer), allow_empty=False)
+    params = body.to_sampling_params(settings.max_tokens_default)
+    generation = await start_generation(request, prompt_ids, params, "chatcmpl", None, owner)
+    model = settings.served_model_name
+    want_logprobs = params.logprobs is not None
+
+    def chunk(output) -> dict:
+        logprobs = ChatLogprobs(content=chat_logprobs(tokenizer, [output])) if want_logprobs else None
+        choice = ChatChunkChoice(index=output.index, delta=ChatDelta(content=output.text or None), logprobs=logprobs,
+                                 finish_reason=output.finish_reason.value if output.finished else None)
+        return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model,
+                                   choices=[choice]).model_dump(exclude_none=True)
+
+    if body.stream:
+        role_chunks = [ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]).model_dump(exclude_none=True)
+            for i in range(params.n)]
+
+        def usage_chunk() -> dict:
+            return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[],
+                                       usage=Usage(**generation.usage)).model_dump(exclude_none=True)
+
+        return stream_events(generation, chunk, body.include_usage, usage_chunk, role_chunks)
+    rows = await collect(request, generation)
+    if rows is None:
+        return None
+    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(o.text for o in outputs)),
+                          logprobs=ChatLogprobs(content=chat_logprobs(tokenizer, outputs)) if want_logprobs else None,
+                          finish_reason=outputs[-1].finish_reason.value)
+               for i, outputs in enumerate(rows)]
+    return ChatCompletionResponse(id=generation.request_id, created=generation.created, model=model, choices=choices,
+                                  usage=Usage(**generation.usage))

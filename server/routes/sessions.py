@@ -1,0 +1,76 @@
+"""linserve's session API: a persistent, fixed-size state per conversation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request, Response
+
+from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
+from ..engine import SamplingParams
+from ..engine.types import EngineError
+from ..errors import from_engine_error
+from ..generation import collect, start_generation
+from ..schemas import CompletionRequest, SessionCreated, SessionCreateRequest, SessionDetail, SessionRef
+from .openai import run_completion
+
+router = APIRouter(prefix="/v1/sessions")
+
+
+async def engine_call(request: Request, future):
+    try:
+        return await asyncio.wrap_future(future)
+    except EngineError as error:
+        raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
+
+
+@router.post("", response_model=SessionCreated)
+async def create_session(request: Request, tokenizer: TokenizerDep, owner: Owner,
+                         body: SessionCreateRequest | None = None) -> SessionCreated:
+    engine = request.app.state.engine
+    info = await engine_call(request, engine.create_session(owner))
+    prompt_ids = encode_prompt(tokenizer, body.prompt, allow_empty=True) if body else []
+    if prompt_ids:
+        generation = await start_generation(request, prompt_ids, SamplingParams(max_tokens=0), "sess", info.id, owner)
+        if await collect(request, generation) is None:
+            return None
+        info = await engine_call(request, engine.session_info(info.id, owner))
+    return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
+
+
+@router.post("/import", response_model=SessionRef)
+async def import_session(request: Request, owner: Owner) -> SessionRef:
+    data = await request.body()
+    info = await engine_call(request, request.app.state.engine.import_session(data, owner))
+    return SessionRef(id=info.id)
+
+
+@router.get("/{session_id}", response_model=SessionDetail)
+async def get_session(request: Request, session_id: str, owner: Owner) -> SessionDetail:
+    info = await engine_call(request, request.app.state.engine.session_info(session_id, owner))
+    return SessionDetail(**info.__dict__)
+
+
+@router.post("/{session_id}/completions", response_model=None)
+async def session_completions(request: Request, session_id: str, body: CompletionRequest, settings: SettingsDep,
+                              tokenizer: TokenizerDep, owner: Owner):
+    return await run_completion(request, body, settings, tokenizer, owner, session_id=session_id)
+
+
+@router.post("/{session_id}/fork", response_model=SessionRef)
+async def fork_session(request: Request, session_id: str, owner: Owner) -> SessionRef:
+    info = await engine_call(request, request.app.state.engine.fork_session(session_id, owner))
+    return SessionRef(id=info.id)
+
+
+@router.get("/{session_id}/state")
+async def export_session(request: Request, session_id: str, owner: Owner) -> Response:
+    data = await engine_call(request, request.app.state.engine.export_session(session_id, owner))
+    return Response(data, media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="{session_id}.safetensors"'})
+
+
+@router.delete("/{session_id}", status_code=204)
+async def delete_session(request: Request, session_id: str, owner: Owner) -> Response:
+    await engine_call(request, request.app.state.engine.delete_session(session_id, owner))
+    return Response(status_code=204)

@@ -1,0 +1,71 @@
+"""Server settings: the one pydantic-settings class, and the only reader of environment variables.
+
+Precedence: CLI flag > environment (`LINSERVE_*`) > YAML file (`--config FILE`, else `configs/server.yaml`
+when present) > the defaults below, which are the only defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+DEFAULT_CONFIG_FILE = Path("configs/server.yaml")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LINSERVE_", extra="forbid")
+
+    model: str | None = Field(None, description="checkpoint directory; unset = the shipped default checkpoint")
+    served_model_name: str = Field("linserve-shakespeare", description="the model id clients name and see")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
+
+    num_slots: int = Field(64, ge=1, description="state pool slots (device-resident sessions + running rows)")
+    state_memory_mb: float | None = Field(None, gt=0, description="if set, slots = this budget / state bytes")
+    max_batch_tokens: int = Field(320, ge=1, description="decode rows + prefill tokens per engine step")
+    max_prefill_chunk: int = Field(256, ge=1, description="prefill tokens per request per step")
+    prefix_cache_entries: int = Field(64, ge=0)
+    max_host_sessions: int = Field(1024, ge=0, description="sessions offloaded to host memory")
+    session_ttl_s: float = Field(3600.0, gt=0)
+    max_n: int = Field(8, ge=1)
+    max_waiting: int = Field(256, ge=1, description="queued requests before 429")
+    max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it")
+    max_tokens_limit: int = Field(1_000_000, ge=1)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    retry_after_s: int = Field(1, ge=0)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    # set per load() call: which YAML file feeds this instance
+    _yaml_file: ClassVar[Path | None] = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=cls._yaml_file))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **cli: Any) -> Settings:
+        """Settings from CLI values (None = not given), env, YAML and defaults, in that order."""
+        path = Path(config_file) if config_file else (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None)
+        if path is not None and not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        overrides = {k: v for k, v in cli.items() if v is not None and v != []}
+
+        class _FromFile(cls):  # a subclass carries the YAML path into settings_customise_sources
+            _yaml_file = path
+
+        return cls(**_FromFile(**overrides).model_dump())

@@ -1,0 +1,90 @@
+"""Engine outputs into asyncio, and a server-sent-events response that notices a client leaving.
+
+The engine calls a sink on its own thread; `OutputStream` hands each output to the event loop with
+`call_soon_threadsafe`. `EventStreamResponse` writes events while a second task waits for the ASGI
+`http.disconnect` message: whichever finishes first cancels the other, so a client that goes away
+cancels its generation at once (the generator's `finally` aborts it in the engine), even while no
+token is being written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from .engine.types import RequestOutput
+
+
+class OutputStream:
+    """Async iterator over one request's outputs; ends after `rows` finished outputs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, rows: int) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._open_rows = rows
+
+    def sink(self, output: RequestOutput) -> None:
+        """Called on the engine thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while self._open_rows > 0:
+            output = await self._queue.get()
+            if output.finished:
+                self._open_rows -= 1
+            yield output
+
+
+def sse_event(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(receive: Receive, work: Callable[[], object]) -> tuple[bool, object]:
+    """Run `work` (a coroutine function) unless the client disconnects first: (disconnected, result)."""
+    result: dict[str, object] = {}
+    async with anyio.create_task_group() as group:
+        async def run_work() -> None:
+            result["value"] = await work()
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            await wait_for_disconnect(receive)
+            result["disconnected"] = True
+            group.cancel_scope.cancel()
+
+        group.start_soon(run_work)
+        group.start_soon(watch)
+    return bool(result.get("disconnected")), result.get("value")
+
+
+class EventStreamResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, content, **kwargs) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kwargs.pop("headers", {})}
+        super().__init__(content, media_type=self.media_type, headers=headers, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:
+                pass  # the client went away mid-write; the body iterator has been closed
+
+        await race_disconnect(receive, stream)
+        if self.background is not None:
+            await self.background()
+
