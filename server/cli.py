@@ -169,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     evaluate.set_defaults(func=cmd_eval)
 
+    bench = sub.add_parser("bench", help="load-test a running server over HTTP/SSE")
+    from server.bench.cli import add_arguments, run as run_bench
+
+    add_arguments(bench)
+    bench.set_defaults(func=run_bench)
+
     info = sub.add_parser("info", help="print the model's config, parameter count and state bytes per session")
     model_args(info)
     info.set_defaults(func=cmd_info)

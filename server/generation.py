@@ -91,7 +91,7 @@ async def collect(request: Request, generation: Generation) -> list[list[Request
 
 
 def stream_events(generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=()) -> EventStreamResponse:
-    """SSE: one event per output with text (or finish), optional usage event, then [DONE]."""
+    """SSE: one event per token (and per finish), optional usage event, then [DONE]."""
 
     async def events() -> AsyncIterator[bytes]:
         finished_rows = 0
@@ -101,8 +101,7 @@ def stream_events(generation: Generation, make_chunk, include_usage: bool, usage
             async for output in generation.stream:
                 generation.generated += output.token_id is not None
                 finished_rows += output.finished
-                if output.text or output.finished or output.logprob is not None:
-                    yield sse_event(make_chunk(output))
+                yield sse_event(make_chunk(output))  # one event per token, even when its text is withheld
             if include_usage:
                 yield sse_event(usage_chunk())
             yield sse_event("[DONE]")

@@ -1,0 +1,1 @@
+"""`linserve bench`: a load tester for OpenAI-compatible streaming servers (linserve or any other)."""

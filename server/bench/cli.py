@@ -1,0 +1,64 @@
+"""Argument handling of `linserve bench`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .client import BenchError, LoadSpec, run_load
+from .report import plot, render_text, summarize
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--compare", metavar="URL", help="run the identical load against this server too")
+    parser.add_argument("--model", help="model id (default: the first of /v1/models)")
+    parser.add_argument("--api-key")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, default=1, help="closed loop: requests in flight")
+    mode.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    parser.add_argument("--requests", type=int, default=16, help="requests to measure (after warm-up)")
+    parser.add_argument("--duration", type=float, help="stop issuing after this many seconds")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bin", type=int, help="position bin width for ITL vs position (default max_tokens/16)")
+    parser.add_argument("--out", default="bench.json", help="JSON result")
+    parser.add_argument("--plot", default="bench.png", help="PNG plot")
+
+
+def run(args: argparse.Namespace) -> int:
+    targets = [("A", args.url)] + ([("B", args.compare)] if args.compare else [])
+    results = {}
+    for label, url in targets:
+        spec = LoadSpec(url=url.rstrip("/"), model=args.model, api_key=args.api_key,
+                        concurrency=None if args.rate else args.concurrency, rate=args.rate,
+                        requests=args.requests if args.duration is None else None, duration_s=args.duration,
+                        warmup=args.warmup, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                        ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed)
+        bar = tqdm(total=spec.requests, desc=f"bench {label}", unit="req", dynamic_ncols=True, file=sys.stderr)
+        try:
+            model, records, wall = asyncio.run(run_load(spec, lambda record: bar.update(1)))
+        except BenchError as error:
+            bar.close()
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        bar.close()
+        result = summarize(spec, model, records, wall, args.bin or max(args.max_tokens // 16, 1))
+        results[f"{label} {url}"] = result
+        print(render_text(label, result))
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.plot)
+    print(f"wrote {args.out} and {args.plot}")
+    failed = any(r["succeeded"] < r["requests"] for r in results.values())
+    if failed:
+        print("error: some requests failed (see errors_by_status)", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,54 @@
+"""`linserve bench` against a real `linserve serve` process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from server.bench.client import RequestRecord
+from server.bench.report import describe, itl_by_position
+
+pytestmark = pytest.mark.slow
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_closed_loop_writes_json_and_plot(server, tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    result = bench("--url", server["base"], "--concurrency", "3", "--requests", "6", "--max-tokens", "20",
+                   "--prompt-tokens", "8", "--out", str(out), "--plot", str(png))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    (only,) = data.values()
+    assert only["succeeded"] == 6 and only["errors_by_status"] == {}
+    assert only["itl_ms"]["count"] == 6 * 19  # every token timestamped, first one excluded per request
+    assert only["token_throughput_per_s"] > 0 and only["ttft_ms"]["p99"] >= only["ttft_ms"]["p50"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ITL @" in result.stdout
+
+
+def test_open_loop_and_compare(server, tmp_path):
+    out = tmp_path / "c.json"
+    result = bench("--url", server["base"], "--compare", server["base"], "--rate", "20", "--requests", "4",
+                   "--max-tokens", "5", "--out", str(out), "--plot", str(tmp_path / "c.png"))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert len(data) == 2 and all(r["succeeded"] == 4 and r["load"]["rate"] == 20 for r in data.values())
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path):
+    result = bench("--url", "http://127.0.0.1:9", "--requests", "1", "--out", str(tmp_path / "x.json"))
+    assert result.returncode == 2 and "cannot reach" in result.stderr
+
+
+def test_statistics():
+    assert describe([0.001, 0.002, 0.003, 0.004])["p50"] == pytest.approx(3.0)
+    records = [RequestRecord(start=0, status=200, token_times=[0.1, 0.2, 0.4], prompt_tokens=10)]
+    rows = itl_by_position(records, 10, bin_size=2)
+    assert [(r["start"], r["count"]) for r in rows] == [(10, 1), (12, 1)]  # positions 11 and 12

@@ -1,0 +1,150 @@
+"""End to end against a real `linserve serve` process on 127.0.0.1 with a tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def metric(base: str, line_prefix: str, default: float | None = None) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(line_prefix + " "):
+            return float(line.split()[-1])
+    if default is not None:
+        return default
+    raise AssertionError(f"{line_prefix} not in /metrics")
+
+
+def raw_stream_request(port: int, body: dict) -> socket.socket:
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+    return sock
+
+
+def test_openai_client_completions_and_chat(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server["base"] + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    completion = client.completions.create(model=model, prompt="ROMEO.", max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=model, prompt="ROMEO.", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        if chunk.choices)
+    assert streamed == completion.choices[0].text
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hail!"}], max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hail!"}], max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+
+
+def dechunk(body: bytes) -> bytes:
+    """Undo HTTP/1.1 chunked transfer encoding."""
+    out = b""
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out, body = out + body[:size], body[size + 2 :]
+    return out
+
+
+def test_raw_sse_arrives_incrementally_and_ends_with_done(server):
+    sock = raw_stream_request(server["port"], {"prompt": "A", "max_tokens": 300, "stream": True, "temperature": 0,
+                                               "ignore_eos": True})
+    received, arrivals, started = b"", [], time.monotonic()
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        received += chunk
+        arrivals.append((time.monotonic() - started, received.count(b"data: ")))
+    sock.close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"200 OK" in head.split(b"\r\n")[0] and b"text/event-stream" in head
+    assert b"transfer-encoding: chunked" in head.lower()
+    events = dechunk(body).decode().split("\n\n")
+    assert events[-2] == "data: [DONE]" and events[-1] == ""
+    assert len(events) > 300 // 2
+    first_event_at = next(t for t, events in arrivals if events >= 1)
+    total = arrivals[-1][0]
+    assert len(arrivals) > 10, "events were buffered instead of streamed"
+    assert first_event_at < total / 2
+
+
+def test_session_create_continue_fork_export_import_delete(server):
+    base = server["base"]
+    with httpx.Client(base_url=base, timeout=30) as http:
+        sid = http.post("/v1/sessions", json={"prompt": "KING.\nNow is the winter"}).json()["id"]
+        greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        http.post(f"/v1/sessions/{sid}/completions", json={"prompt": " of", **greedy}).raise_for_status()
+        fork = http.post(f"/v1/sessions/{sid}/fork").json()["id"]
+        snapshot = http.get(f"/v1/sessions/{sid}/state").content
+        imported = http.post("/v1/sessions/import", content=snapshot).json()["id"]
+        texts = {s: http.post(f"/v1/sessions/{s}/completions", json={"prompt": " our", **greedy}).json()["choices"][0]["text"]
+                 for s in (sid, fork, imported)}
+        assert len(set(texts.values())) == 1
+        for s in (sid, fork, imported):
+            assert http.delete(f"/v1/sessions/{s}").status_code == 204
+            assert http.get(f"/v1/sessions/{s}").status_code == 404
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(server):
+    base = server["base"]
+    aborted_before = metric(base, 'linserve_requests_finished_total{reason="abort"}', default=0.0)
+    sock = raw_stream_request(server["port"], {"prompt": "B", "max_tokens": 1_000_000, "stream": True})
+    data = b""
+    while data.count(b"data: ") < 3:
+        data += sock.recv(4096)
+    assert metric(base, "linserve_requests_running") == 1
+    sock.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(base, "linserve_requests_running") != 0:
+        time.sleep(0.05)
+    assert metric(base, "linserve_requests_running") == 0
+    assert metric(base, 'linserve_requests_finished_total{reason="abort"}') == aborted_before + 1
+    assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0  # no session is left either
+
+
+def test_metrics_pass_promtool(server, tmp_path):
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is required (Debian package 'prometheus'; .ci/run installs it)"
+    httpx.post(f"{server['base']}/v1/completions", json={"prompt": "x", "max_tokens": 3}).raise_for_status()
+    text = httpx.get(f"{server['base']}/metrics").text
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sigterm_ends_running_streams_with_abort(server):
+    sock = raw_stream_request(server["port"], {"prompt": "C", "max_tokens": 1_000_000, "stream": True})
+    data = b""
+    while data.count(b"data: ") < 2:
+        data += sock.recv(4096)
+    server["process"].send_signal(signal.SIGTERM)
+    sock.settimeout(20)
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    sock.close()
+    assert b'"finish_reason":"abort"' in data
+    # uvicorn finishes its graceful shutdown, then re-raises the signal it caught (exit status -SIGTERM)
+    assert server["process"].wait(20) in (0, -signal.SIGTERM)
+    assert "Traceback" not in server["log"].read_text()
