@@ -43,33 +43,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerProcess:
+    """A real `linserve serve` on a free 127.0.0.1 port; stopped with SIGTERM."""
+
+    def __init__(self, checkpoint, log_path, *extra: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log_path
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16", **(env or {})}
+        command = [sys.executable, "-m", "server.cli", "serve", "--model", str(checkpoint), "--port", str(self.port),
+                   "--device", "cpu", "--log-level", "warning", *extra]
+        with open(log_path, "w") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.process.poll() is not None:
+                raise RuntimeError(f"linserve serve exited: {log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+        self.process.kill()
+        raise RuntimeError(f"linserve serve did not become ready: {log_path.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16"}
-    command = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_checkpoint), "--port", str(port),
-               "--device", "cpu", "--num-slots", "8", "--log-level", "warning"]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None:
-            raise RuntimeError(f"linserve serve exited: {log.read_text()[-2000:]}")
-        time.sleep(0.2)
-    else:
-        process.kill()
-        raise RuntimeError(f"linserve serve did not become ready: {log.read_text()[-2000:]}")
-    yield {"base": base, "port": port, "process": process, "log": log}
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    process = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("serve") / "serve.log", "--num-slots", "8")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def start_server(tiny_checkpoint, tmp_path):
+    started = []
+
+    def factory(*extra: str, env: dict | None = None) -> ServerProcess:
+        process = ServerProcess(tiny_checkpoint, tmp_path / f"serve{len(started)}.log", *extra, env=env)
+        started.append(process)
+        return process
+
+    yield factory
+    for process in started:
+        process.stop()

@@ -108,7 +108,7 @@ def test_session_create_continue_fork_export_import_delete(server):
 def test_client_disconnect_mid_stream_frees_the_slot(server):
     base = server["base"]
     aborted_before = metric(base, 'linserve_requests_finished_total{reason="abort"}', default=0.0)
-    sock = raw_stream_request(server["port"], {"prompt": "B", "max_tokens": 1_000_000, "stream": True})
+    sock = raw_stream_request(server["port"], {"prompt": "B", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True})
     data = b""
     while data.count(b"data: ") < 3:
         data += sock.recv(4096)
@@ -122,6 +122,48 @@ def test_client_disconnect_mid_stream_frees_the_slot(server):
     assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0  # no session is left either
 
 
+def read_events(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while data.count(b"data: ") < count:
+        data += sock.recv(4096)
+    return data
+
+
+def test_busy_session_is_409(server):
+    base = server["base"]
+    sid = httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}).json()["id"]
+    payload = json.dumps({"prompt": "y", "max_tokens": 1_000_000, "ignore_eos": True, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
+    sock.sendall(f"POST /v1/sessions/{sid}/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    read_events(sock, 2)
+    busy = httpx.post(f"{base}/v1/sessions/{sid}/completions", json={"prompt": "z"})
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "busy"
+    assert httpx.post(f"{base}/v1/sessions/{sid}/fork").status_code == 409
+    assert httpx.delete(f"{base}/v1/sessions/{sid}").status_code == 409
+    sock.close()
+    deadline = time.monotonic() + 10
+    while httpx.delete(f"{base}/v1/sessions/{sid}").status_code == 409 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the disconnect aborts the generation; then the session is free again
+    assert httpx.get(f"{base}/v1/sessions/{sid}").status_code == 404
+
+
+def test_full_queue_is_429_with_retry_after(start_server):
+    small = start_server("--num-slots", "1", env={"LINSERVE_MAX_WAITING": "1"})
+    body = {"prompt": "a", "max_tokens": 1_000_000, "ignore_eos": True, "stream": True}
+    running = raw_stream_request(small.port, body)
+    read_events(running, 1)
+    queued = raw_stream_request(small.port, body)  # waits for the only slot
+    deadline = time.monotonic() + 10
+    while metric(small.base, "linserve_requests_waiting") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rejected = httpx.post(f"{small.base}/v1/completions", json={"prompt": "c", "max_tokens": 1})
+    assert rejected.status_code == 429 and rejected.headers["retry-after"] == "1"
+    assert rejected.json()["error"]["type"] == "rate_limit_error"
+    running.close()
+    queued.close()
+
+
 def test_metrics_pass_promtool(server, tmp_path):
     promtool = shutil.which("promtool")
     assert promtool, "promtool is required (Debian package 'prometheus'; .ci/run installs it)"
@@ -132,7 +174,7 @@ def test_metrics_pass_promtool(server, tmp_path):
 
 
 def test_sigterm_ends_running_streams_with_abort(server):
-    sock = raw_stream_request(server["port"], {"prompt": "C", "max_tokens": 1_000_000, "stream": True})
+    sock = raw_stream_request(server["port"], {"prompt": "C", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True})
     data = b""
     while data.count(b"data: ") < 2:
         data += sock.recv(4096)

@@ -157,7 +157,7 @@ def test_stop_strings_end_generation_and_are_withheld(make_engine, hf_tokenizer)
 def test_cancellation_frees_the_slot(make_engine):
     engine = make_engine(num_slots=2)
     sink = Collector()
-    engine.submit(EngineRequest("long", prompt(10), SamplingParams(max_tokens=100_000, temperature=0)), sink).result(10)
+    engine.submit(EngineRequest("long", prompt(10), SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)), sink).result(10)
     sink.queue.get(timeout=10)
     engine.abort("long")
     outputs = sink.wait()
@@ -187,7 +187,7 @@ def test_thousand_short_requests_leave_nothing_behind(make_engine):
 
 def test_full_queue_rejects_with_capacity_error(make_engine):
     engine = make_engine(num_slots=1, max_waiting=2)
-    futures = [engine.submit(EngineRequest(f"q{i}", [1, 2], SamplingParams(max_tokens=10_000, temperature=0)), Collector())
+    futures = [engine.submit(EngineRequest(f"q{i}", [1, 2], SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)), Collector())
                for i in range(6)]
     kinds = []
     for future in futures:
@@ -225,7 +225,7 @@ def test_session_errors(make_engine):
         engine.session_info(mine.id, "key-b").result(10)
     assert error.value.kind == "not_found"
     sink = Collector()
-    engine.submit(EngineRequest("busy", prompt(5), SamplingParams(max_tokens=10_000, temperature=0), session_id=mine.id, owner="key-a"), sink).result(10)
+    engine.submit(EngineRequest("busy", prompt(5), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True), session_id=mine.id, owner="key-a"), sink).result(10)
     with pytest.raises(EngineError) as error:
         engine.submit(EngineRequest("busy2", [1], SamplingParams(), session_id=mine.id, owner="key-a"), Collector()).result(10)
     assert error.value.kind == "busy"
@@ -262,7 +262,7 @@ def test_bad_requests_are_rejected_with_a_reason(make_engine):
 def test_stop_aborts_running_streams(tiny_model, hf_tokenizer):
     engine = Engine(tiny_model, hf_tokenizer, EngineConfig(num_slots=4), torch.device("cpu")).start()
     sink = Collector()
-    engine.submit(EngineRequest("forever", prompt(4), SamplingParams(max_tokens=1_000_000, temperature=0)), sink).result(10)
+    engine.submit(EngineRequest("forever", prompt(4), SamplingParams(max_tokens=1_000_000, temperature=0, ignore_eos=True)), sink).result(10)
     sink.queue.get(timeout=10)
     started = time.monotonic()
     engine.stop()
