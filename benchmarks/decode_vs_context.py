@@ -1,9 +1,12 @@
-"""Batch-1 decode-step time of a linear-attention model after prefilling different context lengths.
+"""SPEC P1 (decode step vs context) and P6 (decode step vs weight-read time), measured side by side.
 
-Contexts are measured interleaved (round-robin repetitions) so machine noise hits them alike; the
-ratio of medians is the number to read. Usage:
+Batch-1 decode-step medians after prefilling each context, for the linear model, the softmax baseline
+(same weights layout, KV cache) and Hugging Face `GPT2LMHeadModel` with the same dims and its KV cache.
+Contexts and models are measured round-robin (interleaved repetitions); medians and spread reported.
+P6 measures memory bandwidth in the same run (a large tensor copy) and compares the linear step with
+the time to read its weights once.
 
-    python benchmarks/decode_vs_context.py [--contexts 128 32768] [--reps 7] [--steps 50] [--quick]
+    python benchmarks/decode_vs_context.py [--contexts 128 2048 8192 32768] [--reps 5] [--quick] [--out F]
 """
 
 from __future__ import annotations
@@ -12,55 +15,107 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from model import LinearGPT, ModelConfig
 from model.generate import decode_one_token, prefill
 
+SOFTMAX_MAX_CONTEXT = 8192  # beyond this the naive baseline's prefill alone takes minutes on CPU
 
-def time_steps(model: LinearGPT, state, token: torch.Tensor, steps: int) -> float:
-    """Median seconds of one decode step over `steps` steps, each from the same starting state."""
+
+def median_step(step, steps: int) -> float:
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        decode_one_token(model, token, state)
+        step()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
+def gpt2_of(config: ModelConfig, max_context: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2Config(vocab_size=config.vocab_size, n_positions=max_context + 8, n_embd=config.d_model,
+                      n_layer=config.n_layers, n_head=config.n_heads, n_inner=config.d_mlp,
+                      bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(gpt2).eval()
+
+
+def memory_bandwidth_gbs(megabytes: int = 512, reps: int = 5) -> float:
+    """Read+write bandwidth of a large copy: bytes moved / time (GB/s)."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+@torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 32_768])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--quick", action="store_true", help="small contexts and few repetitions (for tests)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 2048, 8192, 32768])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="small contexts and few repetitions (tests)")
+    parser.add_argument("--out")
     args = parser.parse_args()
     if args.quick:
-        args.contexts, args.reps, args.steps = [16, 256], 2, 5
-
+        args.contexts, args.reps, args.steps = [16, 256], 1, 3
     torch.manual_seed(0)
-    model = LinearGPT(ModelConfig(vocab_size=4096, d_model=args.width, n_layers=args.layers, n_heads=8)).eval()
-    states = {}
+    linear_cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=6, n_heads=8, decay=True, conv_kernel=4)
+    softmax_cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=6, n_heads=8, attention="softmax")
+    linear, softmax = LinearGPT(linear_cfg).eval(), LinearGPT(softmax_cfg).eval()
+    gpt2 = gpt2_of(linear_cfg, max(args.contexts))
+    token = torch.tensor([1])
+
+    steps = {}  # (model, context) → callable running one decode step from the same starting state
     for context in args.contexts:
         ids = torch.randint(0, 4096, (1, context))
-        _, states[context] = prefill(model, ids)
-    token = torch.tensor([1])
-    medians = {c: [] for c in args.contexts}
+        _, state = prefill(linear, ids)
+        steps[("linear", context)] = lambda s=state: decode_one_token(linear, token, s)
+        if context <= SOFTMAX_MAX_CONTEXT:
+            _, kv = prefill(softmax, ids)
+            steps[("softmax", context)] = lambda s=kv: decode_one_token(softmax, token, s)
+            cache = gpt2(ids, use_cache=True).past_key_values
+            steps[("hf_gpt2", context)] = lambda c=cache, n=context: _gpt2_step(gpt2, c, n)
+    samples = {key: [] for key in steps}
     for _ in range(args.reps):
-        for context in args.contexts:
-            medians[context].append(time_steps(model, states[context], token, args.steps))
+        for key, step in steps.items():
+            samples[key].append(median_step(step, args.steps))
+    bandwidth = memory_bandwidth_gbs(64 if args.quick else 512)
+
+    table = {}
+    for (name, context), values in samples.items():
+        table.setdefault(name, {})[context] = {"median_ms": 1e3 * statistics.median(values),
+                                               "spread_ms": [1e3 * min(values), 1e3 * max(values)]}
+    first, last = args.contexts[0], args.contexts[-1]
+    p1 = table["linear"][last]["median_ms"] / table["linear"][first]["median_ms"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in linear.parameters())
+    read_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+    step_ms = table["linear"][first]["median_ms"]
     result = {
         "threads": torch.get_num_threads(),
-        "state_bytes": model.state_bytes(),
-        "step_ms_median": {c: 1e3 * statistics.median(v) for c, v in medians.items()},
-        "step_ms_spread": {c: [1e3 * min(v), 1e3 * max(v)] for c, v in medians.items()},
+        "decode_step": table,
+        "P1": {"ratio_linear_last_vs_first": p1, "contexts": [first, last], "target": "<= 1.05", "pass": p1 <= 1.05},
+        "P6": {"weight_bytes": weight_bytes, "bandwidth_gb_s": bandwidth, "weight_read_ms": read_ms,
+               "step_ms": step_ms, "ratio": step_ms / read_ms, "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5},
     }
-    base = args.contexts[0]
-    result["ratio_to_first"] = {c: statistics.median(medians[c]) / statistics.median(medians[base]) for c in args.contexts}
-    print(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+def _gpt2_step(gpt2, cache, context: int):
+    """One GPT-2 decode step; the cache is cropped back so every step starts from the same context."""
+    out = gpt2(torch.tensor([[1]]), past_key_values=cache, use_cache=True)
+    out.past_key_values.crop(-1)
+    return out
 
 
 if __name__ == "__main__":

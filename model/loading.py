@@ -28,5 +28,8 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torc
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar on every start
     lm = LinearGPTForCausalLM.from_pretrained(path, dtype=dtype)
     return lm.to(device).eval()

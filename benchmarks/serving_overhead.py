@@ -1,0 +1,104 @@
+"""SPEC P5: tokens/s over HTTP/SSE versus in-engine, at 1 and 32 streams, side by side in one run.
+
+    python benchmarks/serving_overhead.py [--model DIR] [--tokens 128] [--reps 3] [--quick] [--out FILE]
+
+In-engine: N streams submitted straight to an Engine in this process. HTTP: the same N streams sent by
+`linserve bench`'s client to a `linserve serve` process on 127.0.0.1 with the same engine settings.
+Repetitions alternate between the two; medians are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_inprocess import run_streams  # noqa: E402
+
+from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
+from server.bench.client import LoadSpec, run_load  # noqa: E402
+from server.engine import Engine, EngineConfig  # noqa: E402
+
+
+def start_server(model: str, port: int, slots: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--device", "cpu",
+               "--num-slots", str(slots), "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("server did not start")
+
+
+def http_rate(port: int, streams: int, tokens: int) -> float:
+    spec = LoadSpec(url=f"http://127.0.0.1:{port}", concurrency=streams, requests=streams, warmup=0, prompt_tokens=16,
+                    max_tokens=tokens, ignore_eos=True, temperature=0.8)
+    _, records, wall = asyncio.run(run_load(spec))
+    assert all(r.ok for r in records), [r.error for r in records if not r.ok]
+    return sum(r.completion_tokens for r in records) / wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.reps = 16, 1
+    from transformers import AutoTokenizer
+
+    sizes = (1, 32)
+    model = load_model(args.model, torch.device("cpu")).model
+    engine = Engine(model, AutoTokenizer.from_pretrained(args.model), EngineConfig(num_slots=64),
+                    torch.device("cpu")).start()
+    server = start_server(args.model, args.port, 64)
+    rates = {(where, n): [] for where in ("engine", "http") for n in sizes}
+    try:
+        http_rate(args.port, 1, 4)  # warm-up
+        for rep in range(args.reps):
+            for n in sizes:
+                seconds, generated = run_streams(engine, n, args.tokens, f"p5-{rep}-{n}")
+                rates[("engine", n)].append(generated / seconds)
+                rates[("http", n)].append(http_rate(args.port, n, args.tokens))
+    finally:
+        engine.stop()
+        server.terminate()
+        server.wait(30)
+    result = {"tokens_per_stream": args.tokens, "reps": args.reps}
+    targets = {1: 0.9, 32: 0.7}
+    for n in sizes:
+        engine_rate = statistics.median(rates[("engine", n)])
+        http = statistics.median(rates[("http", n)])
+        result[f"streams_{n}"] = {"engine_tokens_per_s": engine_rate, "http_tokens_per_s": http,
+                                  "ratio": http / engine_rate, "target": f">= {targets[n]}",
+                                  "pass": http / engine_rate >= targets[n],
+                                  "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
+                                  "http_spread": [min(rates[("http", n)]), max(rates[("http", n)])]}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

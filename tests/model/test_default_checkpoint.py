@@ -1,0 +1,53 @@
+"""The checkpoint shipped inside the package: loads through transformers, generates, and is trained."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import model  # noqa: F401  (registers linear_gpt)
+from model.loading import DEFAULT_CHECKPOINT
+from model.training.evaluate import bits_per_byte
+
+
+def test_files_and_size():
+    names = {p.name for p in DEFAULT_CHECKPOINT.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+    assert sum(p.stat().st_size for p in DEFAULT_CHECKPOINT.iterdir()) < 30 * 2**20
+
+
+def test_loads_with_auto_classes_and_generates_greedy_like_own_loop():
+    lm = AutoModelForCausalLM.from_pretrained(DEFAULT_CHECKPOINT, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_CHECKPOINT)
+    assert lm.model.config.attention == "linear"
+    ids = tokenizer("ROMEO.\n", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = lm.generate(ids, max_new_tokens=20, do_sample=False)
+        logits, state = lm.model(ids)
+        own = []
+        for _ in range(out.shape[1] - ids.shape[1]):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            own.append(int(token))
+            logits, state = lm.model(token, state)
+    assert out[0, ids.shape[1]:].tolist() == own
+
+
+def test_held_out_bits_per_byte_is_far_below_chance(corpus):
+    lm = AutoModelForCausalLM.from_pretrained(DEFAULT_CHECKPOINT, dtype=torch.float32).eval()
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(DEFAULT_CHECKPOINT / "tokenizer.json"))
+    works = {"macbeth": corpus.validation["macbeth"][:20_000]}
+    result = bits_per_byte(lm.model, tokenizer, works)
+    assert result.bits_per_byte < 2.6  # an untrained model scores ~4.1 (ln 4096 / ln 2 / 2.9 bytes per token)
+
+
+def test_cli_generate_streams_from_the_default_checkpoint():
+    result = subprocess.run([sys.executable, "-m", "server.cli", "generate", "ROMEO:", "--max-tokens", "30",
+                             "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:") and len(result.stdout) > 40
+    assert "random-weight" not in result.stderr
