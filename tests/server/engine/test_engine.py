@@ -268,3 +268,14 @@ def test_stop_aborts_running_streams(tiny_model, hf_tokenizer):
     engine.stop()
     assert sink.wait()[-1].finish_reason is FinishReason.ABORT
     assert time.monotonic() - started < 5
+
+
+def test_idle_sessions_expire_after_ttl(make_engine):
+    engine = make_engine(session_ttl_s=0.2)
+    session = engine.create_session(None).result(10)
+    assert engine.session_info(session.id, None).result(10).id == session.id
+    time.sleep(1.3)  # TTL plus the once-a-second expiry sweep
+    engine.counts().result(10)  # let the engine loop run a sweep
+    with pytest.raises(EngineError):
+        engine.session_info(session.id, None).result(10)
+    assert engine.pool.used_slots == 0
