@@ -109,9 +109,13 @@ class SoftmaxAttention(_Heads):
             raise ValueError("padding masks are supported for linear attention only")
         B, T, _ = x.shape
         q, k, v = self.split(x)  # (B, H, T, dh)
+        valid = None
         if state is not None and state.k.shape[2] > 0:
             k = torch.cat([state.k.to(k.dtype), k], dim=2)  # (B, H, P+T, dh)
             v = torch.cat([state.v.to(v.dtype), v], dim=2)  # (B, H, P+T, dh)
+            if state.valid is not None:
+                new = torch.ones(B, T, dtype=torch.bool, device=x.device)
+                valid = torch.cat([state.valid, new], dim=1)  # (B, P+T)
         past = k.shape[2] - T
         query_pos = torch.arange(past, past + T, device=x.device)  # (T,)
         key_pos = torch.arange(past + T, device=x.device)  # (P+T,)
@@ -119,8 +123,10 @@ class SoftmaxAttention(_Heads):
         bias = torch.where(distance >= 0, 0.0, -math.inf)  # (T, P+T)
         if self.log_decay is not None:
             bias = bias + self.log_decay[:, None, None] * distance.clamp(min=0)  # (H, T, P+T)
+        if valid is not None:  # left padding: rows' real keys are contiguous at the end, so distances hold
+            bias = bias + torch.where(valid, 0.0, -math.inf)[:, None, None, :]  # (B, H|1, T, P+T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))  # (B, H, T, dh)
-        return self.merge(o, x.dtype), KVCacheState(k=k, v=v)
+        return self.merge(o, x.dtype), KVCacheState(k=k, v=v, valid=valid)
 
 
 def build_attention(config: ModelConfig, layer_index: int) -> nn.Module:

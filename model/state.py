@@ -25,6 +25,7 @@ class LinearAttentionState:
 class KVCacheState:
     k: Tensor  # (B, H, T, dh)
     v: Tensor  # (B, H, T, dh)
+    valid: Tensor | None = None  # (B, T) bool: False for left padding (rows of different lengths batched)
 
 
 AttentionState = LinearAttentionState | KVCacheState
@@ -47,7 +48,8 @@ class ModelState:
         out: dict[str, Tensor] = {}
         for i, block in enumerate(self.blocks):
             for f in fields(block.attn):
-                out[f"blocks.{i}.{f.name}"] = getattr(block.attn, f.name)
+                if getattr(block.attn, f.name) is not None:
+                    out[f"blocks.{i}.{f.name}"] = getattr(block.attn, f.name)
             if block.conv is not None:
                 out[f"blocks.{i}.conv"] = block.conv
         return out
@@ -58,7 +60,8 @@ class ModelState:
         attn_cls = LinearAttentionState if attention == "linear" else KVCacheState
         blocks = []
         for i in range(n_layers):
-            attn = attn_cls(**{f.name: tensors[f"blocks.{i}.{f.name}"] for f in fields(attn_cls)})
+            attn = attn_cls(**{f.name: tensors[f"blocks.{i}.{f.name}"] for f in fields(attn_cls)
+                               if f"blocks.{i}.{f.name}" in tensors or f.default is not None})
             blocks.append(BlockState(attn=attn, conv=tensors.get(f"blocks.{i}.conv")))
         return cls(blocks=tuple(blocks))
 
@@ -66,7 +69,8 @@ class ModelState:
         """A new state with `fn` applied to every tensor."""
         blocks = []
         for block in self.blocks:
-            attn = replace(block.attn, **{f.name: fn(getattr(block.attn, f.name)) for f in fields(block.attn)})
+            attn = replace(block.attn, **{f.name: fn(getattr(block.attn, f.name)) for f in fields(block.attn)
+                                          if getattr(block.attn, f.name) is not None})
             conv = fn(block.conv) if block.conv is not None else None
             blocks.append(BlockState(attn=attn, conv=conv))
         return ModelState(blocks=tuple(blocks))

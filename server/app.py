@@ -23,17 +23,22 @@ from .settings import Settings
 logger = logging.getLogger(__name__)
 
 
-def engine_config(settings: Settings, state_bytes: int) -> EngineConfig:
+def engine_config(settings: Settings, model) -> EngineConfig:
+    """Slots from the settings: a count, or a memory budget ÷ bytes per slot (a KV cache's at max_context)."""
+    linear = model.config.attention == "linear"
+    slot_bytes = model.state_bytes() if linear else model.state_bytes(settings.max_context)
     slots = settings.num_slots
-    if settings.state_memory_mb is not None:
-        slots = slots_for_budget(int(settings.state_memory_mb * 2**20), state_bytes)
-        if slots < 1:
-            raise ValueError(f"state_memory_mb={settings.state_memory_mb} holds no session of {state_bytes} bytes")
+    budget_mb = settings.state_memory_mb if linear else (settings.state_memory_mb or settings.kv_memory_mb)
+    if budget_mb is not None:
+        budget_slots = slots_for_budget(int(budget_mb * 2**20), slot_bytes)
+        if budget_slots < 1:
+            raise ValueError(f"a memory budget of {budget_mb} MB holds no slot of {slot_bytes} bytes")
+        slots = budget_slots if linear else min(slots, budget_slots)
     return EngineConfig(num_slots=slots, max_batch_tokens=settings.max_batch_tokens,
                         max_prefill_chunk=settings.max_prefill_chunk,
                         prefix_cache_entries=settings.prefix_cache_entries,
                         max_host_sessions=settings.max_host_sessions, session_ttl_s=settings.session_ttl_s,
-                        max_n=settings.max_n, max_waiting=settings.max_waiting)
+                        max_n=settings.max_n, max_waiting=settings.max_waiting, max_context=settings.max_context)
 
 
 def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
@@ -43,10 +48,10 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     device = resolve_device(settings.device)
     model = load_model(path, device).model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    config = engine_config(settings, model.state_bytes())
-    metrics.set_pool(model.state_bytes(), config.num_slots * model.state_bytes())
+    config = engine_config(settings, model)
     engine = Engine(model, tokenizer, config, device, metrics.observe).start()
-    logger.info("loaded %s on %s: %d slots x %d state bytes", path, device, config.num_slots, model.state_bytes())
+    metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)
+    logger.info("loaded %s on %s: %d slots x %d state bytes", path, device, config.num_slots, engine.pool.slot_bytes)
     return engine, tokenizer
 
 

@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     session_ttl_s: float = Field(3600.0, gt=0)
     max_n: int = Field(8, ge=1)
     max_waiting: int = Field(256, ge=1, description="queued requests before 429")
+    max_context: int = Field(8192, ge=16, description="softmax models: KV-cache tokens per slot (400 beyond)")
+    kv_memory_mb: float = Field(1024, gt=0, description="softmax models: slots = min(num_slots, this / slot bytes)")
     max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it")
     max_tokens_limit: int = Field(1_000_000, ge=1)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)

@@ -21,6 +21,7 @@ import torch
 from model import LinearGPT
 
 from .live import LiveRequest, Row
+from .kv_pool import KVCachePool
 from .prefix_cache import PrefixCache, boundary_hashes
 from .sampling import BatchParams, apply_penalties, sample, token_logprobs
 from .scheduler import SchedSeq, Scheduler
@@ -46,6 +47,7 @@ class EngineConfig:
     session_ttl_s: float = 3600.0
     max_n: int = 8
     max_waiting: int = 256
+    max_context: int = 8192  # softmax models only: KV-cache capacity per slot
 
 
 class Engine:
@@ -57,8 +59,11 @@ class Engine:
         self.device = device
         self.vocab_size = model.config.vocab_size
         self.eos_id = tokenizer.eos_token_id
-        self.pool = StatePool(model, config.num_slots, device)
-        self.prefix_cache = PrefixCache(config.prefix_cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
+        self.linear = model.config.attention == "linear"
+        self.pool = (StatePool(model, config.num_slots, device) if self.linear
+                     else KVCachePool(model, config.num_slots, config.max_context, device))
+        cache_entries = config.prefix_cache_entries if self.linear else 0
+        self.prefix_cache = PrefixCache(cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
         self.sessions = SessionManager(self.pool, model, config.max_host_sessions, config.session_ttl_s)
         self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk)
         self.stats_sink = stats_sink or (lambda stats: None)
@@ -178,6 +183,9 @@ class Engine:
                 raise EngineError("the session is empty: send a prompt", param="prompt")
         elif not feed:
             raise EngineError("the prompt is empty", param="prompt")
+        if not self.linear and len(feed) + params.max_tokens > self.config.max_context:
+            raise EngineError(f"prompt ({len(feed)} tokens) + max_tokens ({params.max_tokens}) exceeds this softmax "
+                              f"model's max context of {self.config.max_context} tokens", param="max_tokens")
         live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.tokenizer,
                            eos_id=self.eos_id, arrival=time.monotonic())
         self.live[request.request_id] = live
@@ -266,7 +274,7 @@ class Engine:
 
     def _remember_prefix(self, live: LiveRequest, end: int, slot: int) -> None:
         block = self.prefix_cache.block
-        if end % block == 0 and end < len(live.feed):
+        if self.prefix_cache.capacity and end % block == 0 and end < len(live.feed):
             key = dict(boundary_hashes(live.feed[:end], block))[end]
             self.prefix_cache.insert(key, self.pool.export(slot, self.device))
 

@@ -55,6 +55,8 @@ class SessionManager:
         self.sessions.move_to_end(session.id)
 
     def _check_capacity(self) -> None:
+        if not self.pool.supports_sessions:
+            raise EngineError("sessions need a linear-attention model (this one keeps a KV cache)", param="model")
         if len(self.sessions) >= self.pool.num_slots + self.max_host_sessions:
             raise EngineError("session limit reached: delete sessions or retry later", kind="capacity")
 
@@ -173,9 +175,9 @@ class SessionManager:
         return encode_snapshot(self._state_of(session), session, self.fingerprint)
 
     def import_(self, data: bytes, owner: str | None) -> SessionInfo:
+        self._check_capacity()
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
         snapshot = decode_snapshot(data, template, self.fingerprint, self.model.config.vocab_size)
-        self._check_capacity()
         session = Session(id=new_session_id(), owner=owner, pending=snapshot.pending, logits=snapshot.logits,
                           host=snapshot.state, imported_tokens=snapshot.tokens)
         return self._add(session)

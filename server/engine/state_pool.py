@@ -17,20 +17,17 @@ def slots_for_budget(memory_bytes: int, state_bytes: int) -> int:
     return max(memory_bytes // state_bytes, 0)
 
 
-class StatePool:
-    def __init__(self, model: LinearGPT, num_slots: int, device: torch.device) -> None:
-        if model.config.attention != "linear":
-            raise ValueError("the state pool holds fixed-size (S, z) states: attention must be 'linear'")
+class SlotPool:
+    """Slot bookkeeping shared by the pools: free list and exact byte accounting."""
+
+    supports_sessions = True
+
+    def __init__(self, buffers: dict[str, torch.Tensor], num_slots: int, n_layers: int, device: torch.device) -> None:
         if num_slots < 1:
             raise ValueError("the state pool needs at least one slot")
-        template = model.init_state(1, device).tensors()  # name → (1, …) fp32
-        self.n_layers = model.config.n_layers
-        self.num_slots = num_slots
-        self.device = device
-        self.buffers = {name: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device) for name, t in template.items()}
-        self.slot_bytes = sum(t.numel() * t.element_size() for t in template.values())
-        if self.slot_bytes != model.state_bytes():
-            raise AssertionError(f"state bytes {self.slot_bytes} differ from the config's formula {model.state_bytes()}")
+        self.buffers = buffers  # name → (num_slots, …)
+        self.num_slots, self.n_layers, self.device = num_slots, n_layers, device
+        self.slot_bytes = sum(b[0].numel() * b.element_size() for b in buffers.values())
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
 
     # ---- accounting ----
@@ -51,22 +48,37 @@ class StatePool:
         return self.used_slots * self.slot_bytes
 
     def allocate(self) -> int | None:
-        """A zeroed slot, or None when all are taken."""
+        """An empty slot, or None when all are taken."""
         if not self._free:
             return None
         slot = self._free.pop()
+        self._reset(slot)
+        return slot
+
+    def _reset(self, slot: int) -> None:
         for buffer in self.buffers.values():
             buffer[slot].zero_()
-        return slot
 
     def free(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not in use")
         self._free.append(slot)
 
-    # ---- moving state ----
     def _index(self, slots: list[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+
+class StatePool(SlotPool):
+    """Fixed-size (S, z, conv window) states of a linear-attention model."""
+
+    def __init__(self, model: LinearGPT, num_slots: int, device: torch.device) -> None:
+        if model.config.attention != "linear":
+            raise ValueError("the state pool holds fixed-size (S, z) states: attention must be 'linear'")
+        template = model.init_state(1, device).tensors()  # name → (1, …) fp32
+        buffers = {name: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device) for name, t in template.items()}
+        super().__init__(buffers, num_slots, model.config.n_layers, device)
+        if self.slot_bytes != model.state_bytes():
+            raise AssertionError(f"state bytes {self.slot_bytes} differ from the config's formula {model.state_bytes()}")
 
     def gather(self, slots: list[int]) -> ModelState:
         index = self._index(slots)

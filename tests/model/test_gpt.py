@@ -159,3 +159,27 @@ def test_model_package_does_not_import_serving_code():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("decay", [False, True])
+@torch.no_grad()
+def test_softmax_left_padded_batch_equals_rows_alone(decay):
+    model = build(tiny(attention="softmax", decay=decay))
+    short, long = torch.randint(0, 97, (1, 5)), torch.randint(0, 97, (1, 12))
+    _, s_short = model(short)
+    _, s_long = model(long)
+    pad = 12 - 5
+    layers = []
+    for a, b in zip(s_short.blocks, s_long.blocks):
+        k = torch.cat([torch.cat([a.attn.k.new_zeros(1, 4, pad, 8), a.attn.k], 2), b.attn.k])
+        v = torch.cat([torch.cat([a.attn.v.new_zeros(1, 4, pad, 8), a.attn.v], 2), b.attn.v])
+        valid = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)], 1),
+                           torch.ones(1, 12, dtype=torch.bool)])
+        layers.append(type(a)(attn=type(a.attn)(k=k, v=v, valid=valid), conv=None))
+    batch_state = ModelState(blocks=tuple(layers))
+    step = torch.tensor([[3], [4]])
+    batched, _ = model(step, batch_state)
+    alone_short, _ = model(step[:1], s_short)
+    alone_long, _ = model(step[1:], s_long)
+    assert torch.allclose(batched[0], alone_short[0], atol=1e-5)
+    assert torch.allclose(batched[1], alone_long[0], atol=1e-5)

@@ -154,3 +154,26 @@ def test_metrics_names_and_itl_by_context(client):
     assert 'linserve_inter_token_latency_seconds_count{context="0-1k"} 4.0' in text
     assert 'linserve_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
     assert "linserve_generation_tokens_total 5.0" in text
+
+
+def test_softmax_checkpoint_is_served_with_a_kv_cache(small_tokenizer, tmp_path):
+    import torch
+    from fastapi.testclient import TestClient
+
+    from model import LinearGPT, ModelConfig
+    from model.training.trainer import save_checkpoint
+    from server.app import create_app
+    from server.settings import Settings
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=small_tokenizer.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
+                         attention="softmax")
+    save_checkpoint(LinearGPT(config), small_tokenizer, tmp_path, torch.float32)
+    settings = Settings(model=str(tmp_path), device="cpu", num_slots=4, max_context=64)
+    with TestClient(create_app(settings)) as client:
+        ok = client.post("/v1/completions", json={"prompt": "To be", "max_tokens": 5, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+        too_long = client.post("/v1/completions", json={"prompt": "x " * 40, "max_tokens": 40})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+        assert client.post("/v1/sessions", json={}).status_code == 400
+        assert "linserve_state_bytes_per_session" in client.get("/metrics").text

@@ -279,3 +279,46 @@ def test_idle_sessions_expire_after_ttl(make_engine):
     with pytest.raises(EngineError):
         engine.session_info(session.id, None).result(10)
     assert engine.pool.used_slots == 0
+
+
+@pytest.fixture
+def softmax_engine(hf_tokenizer):
+    from model import LinearGPT, ModelConfig
+
+    torch.manual_seed(0)
+    model = LinearGPT(ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, attention="softmax",
+                                  decay=True, conv_kernel=3)).eval()
+    engine = Engine(model, hf_tokenizer, EngineConfig(num_slots=6, max_context=128, max_prefill_chunk=16),
+                    torch.device("cpu")).start()
+    yield engine, model
+    engine.stop()
+
+
+def test_softmax_model_served_from_kv_pool_matches_its_own_loop(softmax_engine):
+    engine, model = softmax_engine
+    ids = prompt(23, 13)
+    sinks = {}
+    for i, length in enumerate([23, 5, 40]):  # rows of different lengths share decode steps
+        sink = Collector()
+        engine.submit(EngineRequest(f"s{i}", ids if i == 0 else prompt(length, i), GREEDY), sink).result(10)
+        sinks[i] = sink
+    got = tokens_of(sinks[0].wait())
+    for sink in list(sinks.values())[1:]:
+        sink.wait()
+    logits, state = model(torch.tensor([ids]))
+    expected = []
+    for _ in range(12):
+        token = int(logits[0, -1].argmax())
+        expected.append(token)
+        logits, state = model(torch.tensor([[token]]), state)
+    assert got == expected
+    assert engine.pool.used_slots == 0
+
+
+def test_softmax_context_limit_and_no_sessions(softmax_engine):
+    engine, _ = softmax_engine
+    with pytest.raises(EngineError) as error:
+        engine.submit(EngineRequest("big", prompt(100), SamplingParams(max_tokens=50)), Collector()).result(10)
+    assert error.value.param == "max_tokens" and "max context" in error.value.message
+    with pytest.raises(EngineError, match="linear-attention"):
+        engine.create_session(None).result(10)
