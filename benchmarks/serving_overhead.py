@@ -31,10 +31,13 @@ from server.bench.client import LoadSpec, run_load  # noqa: E402
 from server.engine import Engine, EngineConfig  # noqa: E402
 
 
-def start_server(model: str, port: int, slots: int) -> subprocess.Popen:
+def start_server(model: str, port: int, slots: int, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`linserve serve` on 127.0.0.1:port, returned once /ready answers 200."""
     command = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--device", "cpu",
-               "--num-slots", str(slots), "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+               "--num-slots", str(slots), *(extra or ["--log-level", "warning"])]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:

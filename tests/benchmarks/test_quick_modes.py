@@ -1,0 +1,55 @@
+"""Every benchmark script runs end to end in its --quick mode and reports its target's fields.
+
+Timing targets are judged by the full runs (README); here only that each measurement works."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", *args], capture_output=True,
+                            text=True, timeout=600, cwd=BENCHMARKS.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_decode_vs_context(tmp_path):
+    run("decode_vs_context.py", "--out", str(tmp_path / "p1.json"))
+    data = json.loads((tmp_path / "p1.json").read_text())
+    assert set(data["decode_step"]) == {"linear", "softmax", "hf_gpt2"}
+    assert data["P6"]["bandwidth_gb_s"] > 0 and data["P1"]["ratio_linear_last_vs_first"] > 0
+
+
+def test_engine_inprocess(tmp_path):
+    run("engine_inprocess.py", "--out", str(tmp_path / "e.json"))
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert data["P3"]["final_state_max_rel_diff"] < 1e-4  # same final state either way
+    assert data["P4"]["tokens_per_s"] and data["P7"]["samples_with"] > 0
+
+
+def test_serving_overhead(tmp_path):
+    run("serving_overhead.py", "--out", str(tmp_path / "p5.json"), "--port", "8791")
+    data = json.loads((tmp_path / "p5.json").read_text())
+    assert data["streams_1"]["http_tokens_per_s"] > 0 and data["streams_32"]["engine_tokens_per_s"] > 0
+
+
+def test_served_flatness(tmp_path):
+    run("served_flatness.py", "--out-dir", str(tmp_path))
+    data = json.loads((tmp_path / "p2_served_flatness.json").read_text())
+    assert set(data["bench"]) == {"linear", "softmax"} and data["summary"]["P2"]["ratio"] > 0
+    assert (tmp_path / "p2_served_flatness.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_memory(tmp_path):
+    run("memory.py", "--out", str(tmp_path / "p8.json"))
+    data = json.loads((tmp_path / "p8.json").read_text())
+    assert data["state_bytes"]["equal"] is True
