@@ -12,12 +12,12 @@ the time to read its weights once.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from common import emit
 
 from model import LinearGPT, ModelConfig
 from model.generate import decode_one_token, prefill
@@ -105,10 +105,7 @@ def main() -> None:
         "P6": {"weight_bytes": weight_bytes, "bandwidth_gb_s": bandwidth, "weight_read_ms": read_ms,
                "step_ms": step_ms, "ratio": step_ms / read_ms, "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 def _gpt2_step(gpt2, cache, context: int):

@@ -12,21 +12,16 @@ Each ratio is measured side by side in one run; repetitions are interleaved and 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 
+from common import emit, percentile
+
 from model.loading import DEFAULT_CHECKPOINT, load_model
 from server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
 def p3_prefill(model, n_tokens: int, reps: int) -> dict:
@@ -162,10 +157,7 @@ def main() -> None:
         results["P7"] = p7_mixed(engine, 512 if quick else 8192, 8, 40 if quick else 400)
     finally:
         engine.stop()
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ along) and samples the process's resident set size; growth is measured from the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
+
+from common import emit
 
 from model.generate import decode_one_token, prefill
 from model.loading import DEFAULT_CHECKPOINT, load_model
@@ -63,10 +63,7 @@ def main() -> None:
                 "growth": growth, "target": "<= 0.02", "pass": growth <= 0.02, "samples": samples},
         "tokens_per_s": args.tokens / (time.perf_counter() - started),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

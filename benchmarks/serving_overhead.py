@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import emit  # noqa: E402
 from engine_inprocess import run_streams  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
@@ -97,10 +97,7 @@ def main() -> None:
                                   "pass": http / engine_rate >= targets[n],
                                   "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
                                   "http_spread": [min(rates[("http", n)]), max(rates[("http", n)])]}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

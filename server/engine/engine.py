@@ -32,9 +32,7 @@ from .types import EngineError, EngineRequest, FinishReason, PoolStats, RequestO
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
-Statslogger = logging.getLogger(__name__)
-
-Sink = Callable[[object], None]
+StatsSink = Callable[[object], None]
 
 
 @dataclass(frozen=True)

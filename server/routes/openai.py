@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ..engine.types import RequestOutput
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..generation import (Generation, chat_logprobs, collect, completion_logprobs, render_chat, start_generation,
                           stream_events)
@@ -54,9 +55,8 @@ async def run_completion(request: Request, body: CompletionRequest, settings, to
                               usage=Usage(**generation.usage))
 
 
-def _empty(index: int):
-    from ..engine.types import RequestOutput
-
+def _empty(index: int) -> RequestOutput:
+    """A token-less output: carries the echoed prompt as the first event of each row."""
     return RequestOutput(request_id="", index=index, token_id=None, text="")
 
 
