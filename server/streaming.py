@@ -10,7 +10,10 @@ token is being written.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 import anyio
@@ -20,17 +23,54 @@ from starlette.types import Receive, Scope, Send
 from .engine.types import RequestOutput
 
 
+class LoopDelivery:
+    """Hands engine outputs to one event loop in batches: the engine thread appends, and at most one
+    wake-up of the loop is pending at a time, however many tokens a step produced."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._pending: collections.deque[tuple[asyncio.Queue, RequestOutput]] = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, target: asyncio.Queue, output: RequestOutput) -> None:
+        """Engine thread."""
+        with self._lock:
+            self._pending.append((target, output))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        """Event-loop thread."""
+        with self._lock:
+            batch, self._pending = self._pending, collections.deque()
+            self._scheduled = False
+        for target, output in batch:
+            target.put_nowait(output)
+
+
+_deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopDelivery] = weakref.WeakKeyDictionary()
+
+
+def delivery_for(loop: asyncio.AbstractEventLoop) -> LoopDelivery:
+    if loop not in _deliveries:
+        _deliveries[loop] = LoopDelivery(loop)
+    return _deliveries[loop]
+
+
 class OutputStream:
     """Async iterator over one request's outputs; ends after `rows` finished outputs."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, rows: int) -> None:
-        self._loop = loop
+        self._delivery = delivery_for(loop)
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._open_rows = rows
 
     def sink(self, output: RequestOutput) -> None:
         """Called on the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        self._delivery.put(self._queue, output)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while self._open_rows > 0:

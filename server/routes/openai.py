@@ -20,12 +20,12 @@ async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> 
     return ModelList(data=[ModelCard(id=settings.served_model_name, created=request.app.state.started)])
 
 
-def completion_chunk(generation: Generation, model: str, tokenizer, output, echo_text: str = "") -> dict:
+def completion_chunk(generation: Generation, model: str, tokenizer, output, echo_text: str = "") -> str:
     logprobs = completion_logprobs(tokenizer, [output]) if generation.params.logprobs is not None else None
     choice = CompletionChoice(index=output.index, text=echo_text + output.text, logprobs=logprobs,
                               finish_reason=output.finish_reason.value if output.finished else None)
     return CompletionResponse(id=generation.request_id, created=generation.created, model=model,
-                              choices=[choice]).model_dump(exclude_none=True)
+                              choices=[choice]).model_dump_json(exclude_none=True)
 
 
 async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
@@ -75,21 +75,21 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
     model = settings.served_model_name
     want_logprobs = params.logprobs is not None
 
-    def chunk(output) -> dict:
+    def chunk(output) -> str:
         logprobs = ChatLogprobs(content=chat_logprobs(tokenizer, [output])) if want_logprobs else None
         choice = ChatChunkChoice(index=output.index, delta=ChatDelta(content=output.text or None), logprobs=logprobs,
                                  finish_reason=output.finish_reason.value if output.finished else None)
         return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model,
-                                   choices=[choice]).model_dump(exclude_none=True)
+                                   choices=[choice]).model_dump_json(exclude_none=True)
 
     if body.stream:
         role_chunks = [ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]).model_dump(exclude_none=True)
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]).model_dump_json(exclude_none=True)
             for i in range(params.n)]
 
-        def usage_chunk() -> dict:
+        def usage_chunk() -> str:
             return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[],
-                                       usage=Usage(**generation.usage)).model_dump(exclude_none=True)
+                                       usage=Usage(**generation.usage)).model_dump_json(exclude_none=True)
 
         return stream_events(generation, chunk, body.include_usage, usage_chunk, role_chunks)
     rows = await collect(request, generation)
