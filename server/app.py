@@ -36,6 +36,7 @@ def engine_config(settings: Settings, model) -> EngineConfig:
         slots = budget_slots if linear else min(slots, budget_slots)
     return EngineConfig(num_slots=slots, max_batch_tokens=settings.max_batch_tokens,
                         max_prefill_chunk=settings.max_prefill_chunk,
+                        max_prefill_while_decoding=settings.max_prefill_while_decoding,
                         prefix_cache_entries=settings.prefix_cache_entries,
                         max_host_sessions=settings.max_host_sessions, session_ttl_s=settings.session_ttl_s,
                         max_n=settings.max_n, max_waiting=settings.max_waiting, max_context=settings.max_context)

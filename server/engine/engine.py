@@ -40,6 +40,7 @@ class EngineConfig:
     num_slots: int = 64
     max_batch_tokens: int = 320  # decode rows + prefill tokens per step
     max_prefill_chunk: int = 256
+    max_prefill_while_decoding: int = 32  # prefill tokens per step while streams decode (their ITL bound)
     prefix_cache_entries: int = 64
     max_host_sessions: int = 1024
     session_ttl_s: float = 3600.0
@@ -63,7 +64,8 @@ class Engine:
         cache_entries = config.prefix_cache_entries if self.linear else 0
         self.prefix_cache = PrefixCache(cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
         self.sessions = SessionManager(self.pool, model, config.max_host_sessions, config.session_ttl_s)
-        self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk)
+        self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
+                                   config.max_prefill_while_decoding)
         self.stats_sink = stats_sink or (lambda stats: None)
         self.live: dict[str, LiveRequest] = {}
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()

@@ -53,12 +53,15 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, allocator: SlotAllocator, max_batch_tokens: int, max_prefill_chunk: int) -> None:
+    def __init__(self, allocator: SlotAllocator, max_batch_tokens: int, max_prefill_chunk: int,
+                 max_prefill_while_decoding: int | None = None) -> None:
         if max_batch_tokens < 1 or max_prefill_chunk < 1:
             raise ValueError("max_batch_tokens and max_prefill_chunk must be >= 1")
         self.allocator = allocator
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_chunk = max_prefill_chunk
+        # while streams are decoding, prefill at most this many tokens per step (bounds their ITL)
+        self.max_prefill_while_decoding = max_prefill_while_decoding or max_batch_tokens
         self.waiting: OrderedDict[str, SchedSeq] = OrderedDict()
         self.active: OrderedDict[str, SchedSeq] = OrderedDict()  # prefilling or running, arrival order
 
@@ -100,6 +103,8 @@ class Scheduler:
         """One decode token for every running row, then prefill in arrival order within the budget."""
         decode = [(s.seq_id, slot) for s in self.active.values() if s.status is Status.RUNNING for slot in s.slots]
         budget = self.max_batch_tokens - len(decode)
+        if decode:
+            budget = min(budget, self.max_prefill_while_decoding)
         prefill: list[tuple[str, int, int]] = []
         for seq in self.active.values():
             if seq.status is Status.PREFILLING and budget > 0:

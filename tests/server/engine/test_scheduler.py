@@ -118,3 +118,16 @@ def test_zero_length_prefill_samples_from_stored_logits():
     plan = scheduler.schedule()
     assert plan.prefill == [("session", 0, 0)]
     assert scheduler.prefilled("session", 0)
+
+
+def test_prefill_is_throttled_while_streams_decode():
+    scheduler = Scheduler(FakeAllocator(4), max_batch_tokens=300, max_prefill_chunk=256, max_prefill_while_decoding=24)
+    scheduler.add(SchedSeq("idle-start", to_prefill=600))
+    assert scheduler.schedule().prefill == [("idle-start", 0, 256)]  # nobody decoding: full chunks
+    scheduler.prefilled("idle-start", 256)
+    scheduler.add(SchedSeq("short", to_prefill=1))
+    scheduler.schedule()
+    scheduler.prefilled("short", 1)  # now "short" decodes
+    plan = scheduler.schedule()
+    assert plan.decode == [("short", scheduler.active["short"].slots[0])]
+    assert plan.prefill_tokens == 24
