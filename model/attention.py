@@ -66,26 +66,29 @@ class LinearAttention(_Heads):
         key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LinearAttentionState]:
         """x (B, T, C); key_mask (B, T) with 0 at positions that must not enter the state (padding)."""
-        B, T, _ = x.shape
         if state is None:
-            state = self.init_state(B, x.device)
+            state = self.init_state(x.shape[0], x.device)
         q, k, v = self.split(x)  # (B, H, T, dh)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            phi_q = self.feature_map(q, is_query=True)  # (B, H, T, dk) fp32
-            phi_k = self.feature_map(k, is_query=False)  # (B, H, T, dk) fp32
-            if key_mask is not None:
-                phi_k = phi_k * key_mask[:, None, :, None].float()  # (B, H, T, dk)
-            v = v.float()  # (B, H, T, dv)
-            if T == 1:
-                o, S, z = recurrent_step(
-                    phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state.S, state.z, self.log_decay, self.config.eps
-                )
-                o = o[:, :, None]  # (B, H, 1, dv)
-            else:
-                o, S, z = chunked_forward(
-                    phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.chunk_size, self.config.eps
-                )  # o (B, H, T, dv)
+        if torch.is_autocast_enabled(x.device.type):  # the state maths stays fp32 under autocast
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                o, S, z = self._attend(q, k, v, state, key_mask)
+        else:
+            o, S, z = self._attend(q, k, v, state, key_mask)
         return self.merge(o, x.dtype), LinearAttentionState(S=S, z=z)
+
+    def _attend(self, q, k, v, state: LinearAttentionState, key_mask: torch.Tensor | None):
+        """(B, H, T, dh) projections → o (B, H, T, dv) fp32 and the new (S, z); recurrent form at T = 1."""
+        phi_q = self.feature_map(q, is_query=True)  # (B, H, T, dk) fp32
+        phi_k = self.feature_map(k, is_query=False)  # (B, H, T, dk) fp32
+        if key_mask is not None:
+            phi_k = phi_k * key_mask[:, None, :, None].float()  # (B, H, T, dk)
+        v = v.float()  # (B, H, T, dv)
+        if q.shape[2] == 1:
+            o, S, z = recurrent_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state.S, state.z, self.log_decay,
+                                     self.config.eps)
+            return o[:, :, None], S, z  # (B, H, 1, dv)
+        return chunked_forward(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.chunk_size,
+                               self.config.eps)
 
 
 class SoftmaxAttention(_Heads):
