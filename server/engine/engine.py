@@ -81,9 +81,8 @@ class Engine:
         """Abort everything in flight (finish reason `abort`) and end the thread."""
         if not self._thread.is_alive():
             return
-        self._call(self._abort_all).result(timeout)
-        self._stopping.set()
-        self._commands.put(lambda: None)
+        self._stopping.set()  # from here on new requests are refused
+        self._commands.put(lambda: None)  # wake the loop
         self._thread.join(timeout)
 
     def submit(self, request: EngineRequest, sink: Sink) -> Future:
@@ -139,6 +138,9 @@ class Engine:
             if not plan.empty:
                 with torch.inference_mode():
                     self._step(plan)
+        self._abort_all()
+        self._drain_commands(block=False)  # late commands still get an answer (new requests: unavailable)
+        self._emit_pool_stats()
 
     def _drain_commands(self, block: bool) -> None:
         """Run queued commands; when idle, wait (up to a second, for housekeeping) for the first one."""
@@ -162,6 +164,8 @@ class Engine:
             self._commands.put(lambda: self._abort(live.request.request_id))
 
     def _accept(self, request: EngineRequest, sink: Sink) -> None:
+        if self._stopping.is_set():
+            raise EngineError("the engine is shutting down", kind="unavailable")
         if request.request_id in self.live:
             raise EngineError(f"duplicate request id {request.request_id}")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -314,7 +318,10 @@ class Engine:
         if live is None:
             return
         self.scheduler.remove(request_id)
-        outputs = [row.abort_output() for row in live.rows if not row.finished] or ([] if live.rows else [live.abort_output()])
+        if live.rows:
+            outputs = [row.abort_output() for row in live.rows if not row.finished]
+        else:  # still waiting: every one of its n sequences ends
+            outputs = [live.abort_output(index) for index in range(live.request.params.n)]
         self._finish_live(live, FinishReason.ABORT)
         for output in outputs:
             self._emit(live, output)

@@ -142,8 +142,8 @@ class LiveRequest:
             position=position, session_id=self.request.session_id,
         )
 
-    def abort_output(self) -> RequestOutput:
-        return self.output(0, None, "", None, FinishReason.ABORT, 0, 0)
+    def abort_output(self, index: int = 0) -> RequestOutput:
+        return self.output(index, None, "", None, FinishReason.ABORT, 0, 0)
 
     def request_stats(self, reason: FinishReason, now: float) -> RequestStats:
         admitted = self.admitted_time if self.admitted_time is not None else now
