@@ -54,6 +54,8 @@ class Engine:
                  stats_sink: StatsSink | None = None) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
+        self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.config = config
         self.device = device
         self.vocab_size = model.config.vocab_size
@@ -190,7 +192,7 @@ class Engine:
         if not self.linear and len(feed) + params.max_tokens > self.config.max_context:
             raise EngineError(f"prompt ({len(feed)} tokens) + max_tokens ({params.max_tokens}) exceeds this softmax "
                               f"model's max context of {self.config.max_context} tokens", param="max_tokens")
-        live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.tokenizer,
+        live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.decoder,
                            eos_id=self.eos_id, arrival=time.monotonic())
         self.live[request.request_id] = live
         self.scheduler.add(SchedSeq(request.request_id, to_prefill=len(feed), rows=params.n))
