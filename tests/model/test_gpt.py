@@ -183,3 +183,18 @@ def test_softmax_left_padded_batch_equals_rows_alone(decay):
     alone_long, _ = model(step[1:], s_long)
     assert torch.allclose(batched[0], alone_short[0], atol=1e-5)
     assert torch.allclose(batched[1], alone_long[0], atol=1e-5)
+
+
+def test_short_conv_is_a_causal_depthwise_convolution():
+    import torch.nn.functional as F
+
+    from model.gpt import ShortConv
+
+    conv = ShortConv(tiny(conv_kernel=4))
+    torch.nn.init.normal_(conv.weight)
+    x = torch.randn(2, 9, 32)
+    y, window = conv(x, None)
+    padded = torch.cat([torch.zeros(2, 3, 32), x], 1)
+    expected = F.conv1d(padded.transpose(1, 2), conv.weight[:, None, :], groups=32).transpose(1, 2)
+    assert torch.allclose(y, expected, atol=1e-6)
+    assert torch.equal(window, x[:, -3:])
