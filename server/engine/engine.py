@@ -232,8 +232,8 @@ class Engine:
         started = time.perf_counter()
         if plan.decode:
             self._decode(plan.decode)
-        for seq_id, start, length in plan.prefill:
-            self._prefill(seq_id, start, length)
+        if plan.prefill:
+            self._prefill(plan.prefill)
         duration = time.perf_counter() - started
         phase = "mixed" if plan.decode and plan.prefill else ("decode" if plan.decode else "prefill")
         self.stats_sink(StepStats(duration_s=duration, phase=phase, batch_size=len(plan.decode),
@@ -255,28 +255,42 @@ class Engine:
         self.pool.scatter(slots, state)
         self._sample(rows, logits[:, 0].float())
 
-    def _prefill(self, seq_id: str, start: int, length: int) -> None:
-        live = self.live[seq_id]
-        slot = live.rows[0].slot
-        if length:
-            ids = torch.tensor([live.feed[start : start + length]], device=self.device)  # (1, t)
-            logits, state = self.model(ids, self.pool.gather([slot]))  # (1, t, V)
-            self.pool.scatter([slot], state)
-            live.consumed_chunk(length, logits[0, -1].float())  # (V,)
-            if live.session is None:
-                self._remember_prefix(live, start + length, slot)
-        else:
-            live.last_logits = live.session.logits.to(self.device)  # (V,)
-        if not self.scheduler.prefilled(seq_id, length):
-            return
-        live.prompt_done(self.pool)
-        if live.request.params.max_tokens == 0:  # prompt only (e.g. a session's first message)
-            for row in live.rows:
-                output = row.finish_without_token(FinishReason.LENGTH)
-                self._retire_row(row, FinishReason.LENGTH)
-                self._emit(live, output)
-            return
-        self._sample(live.rows, live.last_logits[None].expand(len(live.rows), -1))
+    def _prefill(self, work: list[tuple[str, int, int]]) -> None:
+        """Run this step's prefill chunks — those of equal length as one batch (exact: no padding) — then
+        sample the first token of every prompt that is now complete, in one batch too."""
+        by_length: dict[int, list[tuple[LiveRequest, int]]] = {}
+        for seq_id, start, length in work:
+            by_length.setdefault(length, []).append((self.live[seq_id], start))
+        for length, members in by_length.items():
+            if length == 0:  # a session continuing without a prompt: its stored logits
+                for live, _ in members:
+                    live.last_logits = live.session.logits.to(self.device)  # (V,)
+                continue
+            slots = [live.rows[0].slot for live, _ in members]
+            ids = torch.tensor([live.feed[start : start + length] for live, start in members], device=self.device)
+            logits, state = self.model(ids, self.pool.gather(slots))  # (B, t, V)
+            self.pool.scatter(slots, state)
+            last = logits[:, -1].float()  # (B, V)
+            for b, (live, start) in enumerate(members):
+                live.consumed_chunk(length, last[b])
+                if live.session is None:
+                    self._remember_prefix(live, start + length, live.rows[0].slot)
+        rows, row_logits = [], []
+        for seq_id, _, length in work:
+            live = self.live[seq_id]
+            if not self.scheduler.prefilled(seq_id, length):
+                continue
+            live.prompt_done(self.pool)
+            if live.request.params.max_tokens == 0:  # prompt only (e.g. a session's first message)
+                for row in live.rows:
+                    output = row.finish_without_token(FinishReason.LENGTH)
+                    self._retire_row(row, FinishReason.LENGTH)
+                    self._emit(live, output)
+                continue
+            rows.extend(live.rows)
+            row_logits.extend([live.last_logits] * len(live.rows))
+        if rows:
+            self._sample(rows, torch.stack(row_logits))  # (R, V)
 
     def _remember_prefix(self, live: LiveRequest, end: int, slot: int) -> None:
         block = self.prefix_cache.block
