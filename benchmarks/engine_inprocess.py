@@ -63,8 +63,10 @@ def run_streams(engine: Engine, n_streams: int, max_tokens: int, tag: str, promp
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, ignore_eos=True)
     started = time.perf_counter()
-    for i in range(n_streams):
-        engine.submit(EngineRequest(f"{tag}-{i}", list(range(1, prompt_len + 1)), params), sink).result(30)
+    accepted = [engine.submit(EngineRequest(f"{tag}-{i}", list(range(1, prompt_len + 1)), params), sink)
+                for i in range(n_streams)]  # all at once, as concurrent clients would
+    for future in accepted:
+        future.result(30)
     done.wait(600)
     return time.perf_counter() - started, generated[0]
 
@@ -149,8 +151,7 @@ def main() -> None:
     quick = args.quick
     results = {"threads": torch.get_num_threads(), "model": args.model}
     results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3)
-    config = EngineConfig(num_slots=64, max_prefill_chunk=args.max_prefill_chunk,
-                          max_batch_tokens=64 + args.max_prefill_chunk)
+    config = EngineConfig(num_slots=64, max_prefill_chunk=args.max_prefill_chunk)
     engine = Engine(model, tokenizer, config, torch.device("cpu")).start()
     try:
         results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3)

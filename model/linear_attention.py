@@ -124,13 +124,18 @@ def recurrent_step(
     log_decay: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recurrent form for one token. phi_q, phi_k (B, H, dk); v (B, H, dv); S (B, H, dk, dv); z (B, H, dk)."""
+    """Recurrent form for one token. phi_q, phi_k (B, H, dk); v (B, H, dv); S (B, H, dk, dv); z (B, H, dk).
+
+    Written as few full-state passes as possible (decode is bound by them at large batch): one
+    multiply-add builds the new S, one the new z; the inputs are never modified.
+    """
     if log_decay is not None:
         gamma = torch.exp(log_decay.to(S.dtype))  # (H,)
-        S = gamma[:, None, None] * S  # (B, H, dk, dv)
-        z = gamma[:, None] * z  # (B, H, dk)
-    S = S + phi_k[..., :, None] * v[..., None, :]  # (B, H, dk, dv)
-    z = z + phi_k  # (B, H, dk)
+        S = torch.addcmul(gamma[:, None, None] * S, phi_k[..., :, None], v[..., None, :])  # (B, H, dk, dv)
+        z = torch.addcmul(phi_k, gamma[:, None], z)  # (B, H, dk)
+    else:
+        S = torch.addcmul(S, phi_k[..., :, None], v[..., None, :])  # (B, H, dk, dv)
+        z = z + phi_k  # (B, H, dk)
     num = (phi_q[..., None, :] @ S).squeeze(-2)  # (B, H, dv)
     den = (phi_q * z).sum(dim=-1, keepdim=True)  # (B, H, 1)
     return num / (den + eps), S, z

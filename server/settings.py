@@ -27,7 +27,7 @@ class Settings(BaseSettings):
 
     num_slots: int = Field(64, ge=1, description="state pool slots (device-resident sessions + running rows)")
     state_memory_mb: float | None = Field(None, gt=0, description="if set, slots = this budget / state bytes")
-    max_batch_tokens: int = Field(320, ge=1, description="decode rows + prefill tokens per engine step")
+    max_batch_tokens: int = Field(640, ge=1, description="decode rows + prefill tokens per engine step")
     max_prefill_chunk: int = Field(256, ge=1, description="prefill tokens per request per step")
     max_prefill_while_decoding: int = Field(32, ge=1, description="prefill tokens per step while streams decode")
     prefix_cache_entries: int = Field(64, ge=0)

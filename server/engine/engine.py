@@ -38,7 +38,7 @@ StatsSink = Callable[[object], None]
 @dataclass(frozen=True)
 class EngineConfig:
     num_slots: int = 64
-    max_batch_tokens: int = 320  # decode rows + prefill tokens per step
+    max_batch_tokens: int = 640  # decode rows + prefill tokens per step
     max_prefill_chunk: int = 256
     max_prefill_while_decoding: int = 32  # prefill tokens per step while streams decode (their ITL bound)
     prefix_cache_entries: int = 64
