@@ -7,11 +7,25 @@ from pathlib import Path
 
 
 def emit(result: dict, out: str | None) -> None:
-    """Print the result as JSON and, if asked, write it to `out`."""
+    """Print the result as JSON, then a PASS/FAIL line per SPEC target in it; write the JSON to `out`."""
     text = json.dumps(result, indent=2)
     print(text)
+    for name, verdict in targets(result):
+        print(verdict)
     if out:
         Path(out).write_text(text + "\n")
+
+
+def targets(result: dict, prefix: str = ""):
+    """(name, 'P4: PASS (ratio 8.3, target >= 8x)') for every entry with a target and a pass flag."""
+    for key, value in result.items():
+        if isinstance(value, dict):
+            if "target" in value and "pass" in value:
+                measured = value.get("ratio", value.get("speedup", value.get("growth")))
+                shown = f"{measured:.3g}" if isinstance(measured, float) else measured
+                yield prefix + key, f"{prefix + key}: {'PASS' if value['pass'] else 'FAIL'} (measured {shown}, target {value['target']})"
+            else:
+                yield from targets(value, prefix + key + ".")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -136,13 +136,14 @@ def p7_mixed(engine: Engine, long_prompt: int, streams: int, max_tokens: int) ->
             "target": "<= 2x", "pass": ratio <= 2}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk)
     parser.add_argument("--out")
-    args = parser.parse_args()
+    parser.add_argument("--targets", nargs="+", default=["P3", "P4", "P7"], choices=["P3", "P4", "P7"])
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     lm = load_model(args.model, torch.device("cpu"))
@@ -150,12 +151,15 @@ def main() -> None:
     model = lm.model
     quick = args.quick
     results = {"threads": torch.get_num_threads(), "model": args.model}
-    results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3)
+    if "P3" in args.targets:
+        results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3)
     config = EngineConfig(num_slots=64, max_prefill_chunk=args.max_prefill_chunk)
     engine = Engine(model, tokenizer, config, torch.device("cpu")).start()
     try:
-        results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3)
-        results["P7"] = p7_mixed(engine, 512 if quick else 8192, 8, 40 if quick else 400)
+        if "P4" in args.targets:
+            results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3)
+        if "P7" in args.targets:
+            results["P7"] = p7_mixed(engine, 512 if quick else 8192, 8, 40 if quick else 400)
     finally:
         engine.stop()
     emit(results, args.out)

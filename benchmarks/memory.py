@@ -30,12 +30,12 @@ def rss_bytes() -> int:
 
 
 @torch.inference_mode()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.tokens = 2048
     model = load_model(DEFAULT_CHECKPOINT, torch.device("cpu")).model
@@ -55,14 +55,14 @@ def main() -> None:
             samples.append({"tokens": i, "rss_mb": rss_bytes() / 2**20, "state_bytes": state.nbytes()})
     end = rss_bytes()
     growth = (end - baseline) / baseline
-    result = {
+    result = {"P8": {
         "state_bytes": {"formula": formula, "config_state_bytes": model.state_bytes(), "pool_slot_bytes": pool.slot_bytes,
                         "actual_after_generation": state.nbytes(), "equal": formula == model.state_bytes()
                         == pool.slot_bytes == state.nbytes()},
         "rss": {"tokens": args.tokens, "after_warmup_mb": baseline / 2**20, "end_mb": end / 2**20,
                 "growth": growth, "target": "<= 0.02", "pass": growth <= 0.02, "samples": samples},
         "tokens_per_s": args.tokens / (time.perf_counter() - started),
-    }
+    }}
     emit(result, args.out)
 
 

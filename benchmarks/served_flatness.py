@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import emit  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
 from model import LinearGPT  # noqa: E402
@@ -53,7 +54,7 @@ def measure(port: int, streams: int, tokens: int) -> tuple[dict, list]:
     return summarize(spec, model, records, wall, max(tokens // 16, 1)), records
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -62,7 +63,7 @@ def main() -> None:
                         help="tokens per stream for the softmax baseline (its steps grow with context)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out-dir", default="benchmarks/results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.streams, args.tokens = 2, 256
     out_dir = Path(args.out_dir)
@@ -92,7 +93,7 @@ def main() -> None:
                     "streams": args.streams, "tokens": args.tokens}
     (out_dir / "p2_served_flatness.json").write_text(json.dumps({"summary": report, "bench": results}, indent=2) + "\n")
     plot(results, out_dir / "p2_served_flatness.png")
-    print(json.dumps(report, indent=2))
+    emit(report, None)
 
 
 if __name__ == "__main__":

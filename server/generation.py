@@ -98,10 +98,13 @@ def stream_events(generation: Generation, make_chunk, include_usage: bool, usage
         try:
             for chunk in first_chunks:
                 yield sse_event(chunk)
-            async for output in generation.stream:
-                generation.generated += output.token_id is not None
-                finished_rows += output.finished
-                yield sse_event(make_chunk(output))  # one event per token, even when its text is withheld
+            async for batch in generation.stream.batches():
+                events = []
+                for output in batch:
+                    generation.generated += output.token_id is not None
+                    finished_rows += output.finished
+                    events.append(sse_event(make_chunk(output)))  # one event per token, even if its text is withheld
+                yield b"".join(events)  # a backlog goes out in one write
             if include_usage:
                 yield sse_event(usage_chunk())
             yield sse_event("[DONE]")

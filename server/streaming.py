@@ -73,11 +73,22 @@ class OutputStream:
         self._delivery.put(self._queue, output)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for batch in self.batches():
+            for output in batch:
+                yield output
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Everything that has arrived, at least one output at a time: a writer that fell behind sends
+        the backlog in one write instead of one per token."""
         while self._open_rows > 0:
-            output = await self._queue.get()
-            if output.finished:
-                self._open_rows -= 1
-            yield output
+            batch = [await self._queue.get()]
+            open_rows = self._open_rows - batch[0].finished
+            while open_rows > 0 and not self._queue.empty():
+                output = self._queue.get_nowait()
+                batch.append(output)
+                open_rows -= output.finished
+            self._open_rows = open_rows
+            yield batch
 
 
 def sse_event(payload: dict | str) -> bytes:
