@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     state_memory_mb: float | None = Field(None, gt=0, description="if set, slots = this budget / state bytes")
     max_batch_tokens: int = Field(640, ge=1, description="decode rows + prefill tokens per engine step")
     max_prefill_chunk: int = Field(256, ge=1, description="prefill tokens per request per step")
-    max_prefill_while_decoding: int = Field(32, ge=1, description="prefill tokens per step while streams decode")
+    max_prefill_while_decoding: int = Field(16, ge=1, description="prefill tokens per step while streams decode")
     prefix_cache_entries: int = Field(64, ge=0)
     max_host_sessions: int = Field(1024, ge=0, description="sessions offloaded to host memory")
     session_ttl_s: float = Field(3600.0, gt=0)

@@ -40,7 +40,7 @@ class EngineConfig:
     num_slots: int = 64
     max_batch_tokens: int = 640  # decode rows + prefill tokens per step
     max_prefill_chunk: int = 256
-    max_prefill_while_decoding: int = 32  # prefill tokens per step while streams decode (their ITL bound)
+    max_prefill_while_decoding: int = 16  # prefill tokens per step while streams decode (their ITL bound)
     prefix_cache_entries: int = 64
     max_host_sessions: int = 1024
     session_ttl_s: float = 3600.0
