@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="small contexts and few repetitions (tests)")
     parser.add_argument("--out")
+    parser.add_argument("--plot", help="PNG of step time vs context")
     args = parser.parse_args(argv)
     if args.quick:
         args.contexts, args.reps, args.steps = [16, 256], 1, 3
@@ -106,6 +107,31 @@ def main(argv: list[str] | None = None) -> None:
                "step_ms": step_ms, "ratio": step_ms / read_ms, "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5},
     }
     emit(result, args.out)
+    if args.plot:
+        plot_steps(table, args.plot)
+
+
+def plot_steps(table: dict, path: str) -> None:
+    """Decode-step median vs context, one line per model (log-scaled context)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labels = {"linear": "linear (linserve)", "softmax": "softmax baseline, KV cache", "hf_gpt2": "HF GPT-2, KV cache"}
+    for name, rows in table.items():
+        contexts = sorted(rows)
+        ax.plot(contexts, [rows[c]["median_ms"] for c in contexts], "-o", label=labels.get(name, name))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("batch-1 decode step (ms)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title("P1: decode step vs context")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _gpt2_step(gpt2, cache, context: int):

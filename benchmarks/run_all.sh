@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
 mkdir -p "$out"
-python benchmarks/decode_vs_context.py --out "$out/p1_p6_decode.json"
+python benchmarks/decode_vs_context.py --out "$out/p1_p6_decode.json" --plot "$out/p1_decode_vs_context.png"
 python benchmarks/engine_inprocess.py --out "$out/p3_p4_p7_engine.json"
 python benchmarks/serving_overhead.py --out "$out/p5_serving_overhead.json"
 python benchmarks/served_flatness.py --out-dir "$out"

@@ -23,7 +23,8 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_decode_vs_context(tmp_path):
-    run("decode_vs_context.py", "--out", str(tmp_path / "p1.json"))
+    run("decode_vs_context.py", "--out", str(tmp_path / "p1.json"), "--plot", str(tmp_path / "p1.png"))
+    assert (tmp_path / "p1.png").read_bytes()[:4] == b"\x89PNG"
     data = json.loads((tmp_path / "p1.json").read_text())
     assert set(data["decode_step"]) == {"linear", "softmax", "hf_gpt2"}
     assert data["P6"]["bandwidth_gb_s"] > 0 and data["P1"]["ratio"] > 0
