@@ -12,36 +12,19 @@ import torch
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
-from model import LinearGPT, ModelConfig
 from model.generate import generate_tokens
 from model.loading import DEFAULT_CHECKPOINT, DEVICE_CHOICES, load_model, resolve_device
 
 SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; softmax is scored in windows
 
 
-class ByteCodec:
-    """UTF-8 bytes as token ids: the stand-in tokenizer of a random-weight model (no checkpoint yet)."""
-
-    eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
 def _load_for_generation(args: argparse.Namespace, device: torch.device):
-    path = Path(args.model) if args.model else DEFAULT_CHECKPOINT
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        return load_model(path, device).model, AutoTokenizer.from_pretrained(path)
-    if args.model:
+    path = Path(args.model) if args.model else DEFAULT_CHECKPOINT
+    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
         raise SystemExit(f"error: {path} is not a checkpoint directory with config.json and tokenizer.json")
-    print("note: no trained checkpoint found; generating with a random-weight byte-level model", file=sys.stderr)
-    torch.manual_seed(args.seed)
-    return LinearGPT(ModelConfig(vocab_size=256)).to(device).eval(), ByteCodec()
+    return load_model(path, device).model, AutoTokenizer.from_pretrained(path)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

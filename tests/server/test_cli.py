@@ -16,11 +16,12 @@ def test_info_reports_state_bytes_from_config():
     assert "state_bytes_per_session=" in result.stdout
 
 
-def test_generate_streams_requested_number_of_tokens():
-    result = run_cli("generate", "Hello", "--max-tokens", "12", "--device", "cpu", "--temperature", "0")
+def test_generate_streams_at_most_max_tokens():
+    result = run_cli("generate", "Hello", "--max-tokens", "12", "--device", "cpu", "--seed", "1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Hello")
-    assert "[12 tokens in" in result.stderr
+    generated = int(result.stderr.split("[")[-1].split(" tokens in")[0])
+    assert 1 <= generated <= 12
 
 
 def test_missing_checkpoint_is_a_clear_error():
