@@ -1,4 +1,4 @@
-"""`linserve` command line: one sub-command per job (generate, info; serve/train/eval/bench as they land)."""
+"""`linserve` command line: serve, generate, train, eval, bench, info."""
 
 from __future__ import annotations
 
