@@ -23,9 +23,9 @@ def targets(result: dict, prefix: str = ""):
             if "target" in value and "pass" in value:
                 measured = value.get("ratio", value.get("speedup", value.get("growth")))
                 shown = f"{measured:.3g}" if isinstance(measured, float) else measured
-                yield prefix + key, f"{prefix + key}: {'PASS' if value['pass'] else 'FAIL'} (measured {shown}, target {value['target']})"
+                yield prefix + str(key), f"{prefix}{key}: {'PASS' if value['pass'] else 'FAIL'} (measured {shown}, target {value['target']})"
             else:
-                yield from targets(value, prefix + key + ".")
+                yield from targets(value, f"{prefix}{key}.")
 
 
 def percentile(values: list[float], q: float) -> float:
