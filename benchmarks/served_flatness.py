@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = summary
             low, high = tokens // 8, tokens - tokens // 8
             early, late = p50_between(records, 0, low), p50_between(records, high, tokens)
+            per_stream = [p50_between([r], high, tokens) / p50_between([r], 0, low) for r in records]
             report[name] = {"tokens": tokens, "itl_p50_first_ms": early, "itl_p50_last_ms": late, "ratio": late / early,
+                            "ratio_spread_over_streams": [min(per_stream), max(per_stream)],
                             "windows": [[0, low], [high, tokens]],
                             "token_throughput_per_s": summary["token_throughput_per_s"]}
     report["P2"] = {"ratio": report["linear"]["ratio"], "target": "<= 1.10", "pass": report["linear"]["ratio"] <= 1.10,
