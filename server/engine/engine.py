@@ -304,9 +304,8 @@ class Engine:
         bp = BatchParams.from_params(params, self.device)
         processed = logits
         if bp.any_penalty:
-            counts = torch.stack([row.penalty_counts(self.vocab_size, self.device)[0] for row in rows])  # (B, V)
-            seen = torch.stack([row.penalty_counts(self.vocab_size, self.device)[1] for row in rows])  # (B, V)
-            processed = apply_penalties(logits, counts, seen, bp)
+            counts, seen = zip(*(row.penalty_counts(self.vocab_size, self.device) for row in rows))
+            processed = apply_penalties(logits, torch.stack(counts), torch.stack(seen), bp)  # (B, V)
         uniforms = torch.tensor([row.uniform() for row in rows], device=self.device)  # (B,)
         tokens = sample(processed, bp, uniforms)  # (B,)
         logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])

@@ -60,3 +60,19 @@ def test_logprobs_are_of_the_model_distribution():
     assert out[1] is None
     assert abs(out[0].logprob - float(expected[2])) < 1e-6
     assert [t for t, _ in out[0].top] == [2, 1]
+
+
+def test_penalised_requests_through_the_engine_avoid_repeats(make_engine):
+    from server.engine import EngineRequest
+
+    from .conftest import Collector, tokens_of
+
+    engine = make_engine()
+    prompt = [5, 6, 7, 8]
+    plain = Collector()
+    engine.submit(EngineRequest("plain", prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)), plain)
+    penalised = Collector()
+    engine.submit(EngineRequest("pen", prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                              frequency_penalty=2.0, presence_penalty=2.0)), penalised)
+    plain_tokens, pen_tokens = tokens_of(plain.wait()), tokens_of(penalised.wait())
+    assert len(set(pen_tokens)) > len(set(plain_tokens))  # a random tiny model loops greedily; penalties break it
