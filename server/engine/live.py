@@ -98,11 +98,6 @@ class LiveRequest:
     consumed: int = 0  # feed tokens consumed by the state so far
     last_logits: torch.Tensor | None = None  # (V,) after the last consumed feed token
 
-    @classmethod
-    def create(cls, request, sink, feed, session, engine, now: float) -> LiveRequest:
-        return cls(request=request, sink=sink, feed=feed, session=session, decoder=engine.tokenizer,
-                   eos_id=engine.eos_id, arrival=now)
-
     @property
     def base_position(self) -> int:
         """Position of the first generated token in the whole sequence (session history included)."""
