@@ -76,10 +76,6 @@ class ModelState:
         return ModelState(blocks=tuple(blocks))
 
     @property
-    def batch_size(self) -> int:
-        return self.blocks[0].attn.S.shape[0] if self.is_linear else self.blocks[0].attn.k.shape[0]
-
-    @property
     def is_linear(self) -> bool:
         return isinstance(self.blocks[0].attn, LinearAttentionState)
 
@@ -103,7 +99,7 @@ class ModelState:
     @staticmethod
     def cat(states: list[ModelState]) -> ModelState:
         """Stack several states along the batch dimension (same kind and, for KV caches, same length)."""
-        names = states[0].tensors().keys()
-        merged = {name: torch.cat([s.tensors()[name] for s in states], dim=0) for name in names}
+        flat = [s.tensors() for s in states]  # each state flattened once
+        merged = {name: torch.cat([f[name] for f in flat], dim=0) for name in flat[0]}
         first = states[0]
         return ModelState.from_tensors(merged, len(first.blocks), "linear" if first.is_linear else "softmax")

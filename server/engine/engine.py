@@ -241,10 +241,11 @@ class Engine:
         self._emit_pool_stats()
 
     def _emit_pool_stats(self) -> None:
+        tiers = self.sessions.tier_counts()
         self.stats_sink(PoolStats(
             running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, slots_in_use=self.pool.used_slots,
             slots_total=self.pool.num_slots, state_bytes_in_use=self.pool.bytes_in_use,
-            sessions_device=self.sessions.count("device"), sessions_host=self.sessions.count("host"),
+            sessions_device=tiers["device"], sessions_host=tiers["host"],
         ))
 
     def _decode(self, decode: list[tuple[str, int]]) -> None:

@@ -48,7 +48,14 @@ class SessionManager:
                            created=session.created, last_used=time.time() - idle)
 
     def count(self, tier: str) -> int:
-        return sum(1 for s in self.sessions.values() if s.tier == tier)
+        return self.tier_counts()[tier]
+
+    def tier_counts(self) -> dict[str, int]:
+        """Sessions per tier, in one pass (reported after every engine step)."""
+        counts = {"device": 0, "host": 0}
+        for session in self.sessions.values():
+            counts[session.tier] += 1
+        return counts
 
     def _touch(self, session: Session) -> None:
         session.last_used = time.monotonic()
