@@ -8,15 +8,19 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from model.loading import DEFAULT_CHECKPOINT, load_model, resolve_device
 
 from .engine import Engine, EngineConfig
 from .engine.state_pool import slots_for_budget
-from .errors import BodySizeLimit, error_response, install_handlers
+from .dependencies import max_token_bytes, require_key
+from .errors import RequestBody, ServerErrors, error_response, install_handlers
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .openapi import OPERATIONAL_RESPONSES, document_errors
 from .routes import openai, sessions
 from .settings import Settings
 
@@ -39,7 +43,8 @@ def engine_config(settings: Settings, model) -> EngineConfig:
                         max_prefill_while_decoding=settings.max_prefill_while_decoding,
                         prefix_cache_entries=settings.prefix_cache_entries,
                         max_host_sessions=settings.max_host_sessions, session_ttl_s=settings.session_ttl_s,
-                        max_n=settings.max_n, max_waiting=settings.max_waiting, max_context=settings.max_context)
+                        max_n=settings.max_n, max_waiting=settings.max_waiting, max_context=settings.max_context,
+                        reserved_slots=settings.reserved_slots)
 
 
 def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
@@ -60,11 +65,29 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
 async def lifespan(app: FastAPI):
     state = app.state
     state.engine, state.tokenizer = await asyncio.to_thread(load_engine, state.settings, state.metrics)
+    state.max_token_bytes = max_token_bytes(state.tokenizer)
+    loop = asyncio.get_running_loop()
+    state.engine.on_death.append(lambda error: loop.call_soon_threadsafe(engine_died, app))
     state.ready = True
     try:
         yield
     finally:
         await drain(app)
+
+
+def engine_died(app: FastAPI) -> None:
+    """/health and /ready already answer 503 (they ask the engine); stop the process so a supervisor
+    restarts it: `serve` exits non-zero after uvicorn has drained."""
+    state = app.state
+    state.ready = False
+    logger.critical("the engine is dead: /health and /ready answer 503; shutting down for a restart")
+    if state.request_exit is not None:
+        state.request_exit()
+
+
+def engine_alive(app: FastAPI) -> bool:
+    engine = getattr(app.state, "engine", None)
+    return engine is None or engine.alive
 
 
 async def drain(app: FastAPI) -> None:
@@ -100,34 +123,62 @@ class RequestMetrics:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
 
+def add_docs(app: FastAPI, settings: Settings) -> None:
+    """/openapi.json, /docs and /redoc: behind the API key when keys are set, unless `docs_public`."""
+    guard = [] if settings.docs_public else [Depends(require_key)]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=guard)
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=guard)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="linserve API")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=guard)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="linserve API")
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.load()
-    app = FastAPI(title="linserve", version="0.1.0", lifespan=lifespan,
-                  description="Causal linear-attention LM server: constant per-token latency and state size.")
+    app = FastAPI(title="linserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, description="Causal linear-attention LM server: constant per-token latency "
+                  "and state size.")
     app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.ready = False
     app.state.draining = False
+    app.state.request_exit = None  # set by `serve`: how a dead engine stops the process
     app.state.started = int(time.time())
     install_handlers(app)
     app.include_router(openai.router)
     app.include_router(sessions.router)
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    @app.get("/health", responses=OPERATIONAL_RESPONSES)
+    async def health(request: Request) -> Response:
+        """Liveness: 200 while the engine thread runs; 503 once it has died (the process then exits)."""
+        if not engine_alive(request.app):
+            return error_response(503, "the engine has died", code="engine_dead")
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
+    @app.get("/ready", responses=OPERATIONAL_RESPONSES)
     async def ready(request: Request) -> Response:
-        if not request.app.state.ready:
-            return error_response(503, "not ready: loading or draining", code="not_ready",
+        """Readiness: 200 once the model is loaded; 503 while loading, draining or after an engine failure."""
+        if not request.app.state.ready or not engine_alive(request.app):
+            return error_response(503, "not ready: loading, draining or failed", code="not_ready",
                                   headers={"Retry-After": str(settings.retry_after_s)})
-        return Response('{"status":"ready"}', media_type="application/json")
+        return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    add_docs(app, settings)
+    document_errors(app)
+    app.add_middleware(RequestBody, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(ServerErrors)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app

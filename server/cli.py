@@ -105,8 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = Settings.load(args.config, model=args.model, host=args.host, port=args.port, device=args.device,
                              api_keys=args.api_key, num_slots=args.num_slots, log_level=args.log_level)
-    serve(settings)
-    return 0
+    return serve(settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

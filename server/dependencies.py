@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -25,7 +27,9 @@ async def require_key(request: Request) -> str | None:
     if not keys:
         return None
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or token not in keys:
+    # constant time: every key is compared in full, whether or not an earlier one matched
+    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(matches):
         raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
     return hashlib.sha256(token.encode()).hexdigest()[:32]
@@ -36,9 +40,32 @@ TokenizerDep = Annotated[object, Depends(get_tokenizer)]
 Owner = Annotated[str | None, Depends(require_key)]
 
 
-def encode_prompt(tokenizer, prompt: str | list[int], allow_empty: bool) -> list[int]:
-    """Token ids of a prompt; an empty stateless prompt starts from end-of-text, as every training work did."""
-    ids = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt, add_special_tokens=False)
+INLINE_TOKENIZE_CHARS = 2048  # longer prompts are tokenized on a worker thread, off the event loop
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes any one token decodes to: a text of B bytes has at least B / this many tokens."""
+    return max(len(tokenizer.decode([i]).encode()) for i in range(len(tokenizer)))
+
+
+async def encode_prompt(request: Request, prompt: str | list[int], allow_empty: bool) -> list[int]:
+    """Token ids of a prompt, within `max_prompt_tokens` (400 beyond: a text too long to be within the
+    limit is refused by its byte length, before tokenizing). An empty stateless prompt starts from
+    end-of-text, as every training work did."""
+    state = request.app.state
+    tokenizer, limit = state.tokenizer, state.settings.max_prompt_tokens
+    too_long = f"the prompt is longer than max_prompt_tokens ({limit} tokens)"
+    if isinstance(prompt, list):
+        ids = list(prompt)
+    else:
+        if len(prompt.encode()) > limit * state.max_token_bytes:
+            raise APIError(400, too_long, "prompt", "prompt_too_long")
+        if len(prompt) <= INLINE_TOKENIZE_CHARS:
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=False)
+    if len(ids) > limit:
+        raise APIError(400, f"{too_long}: it has {len(ids)}", "prompt", "prompt_too_long")
     if not ids and not allow_empty:
         ids = [tokenizer.eos_token_id]
     vocab = len(tokenizer)

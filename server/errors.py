@@ -5,22 +5,26 @@ Anything a client sent that is wrong gets a 4xx saying what; a 500 means a bug i
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .engine.types import EngineError
 
 logger = logging.getLogger(__name__)
 
-ENGINE_STATUS = {"invalid": 400, "not_found": 404, "busy": 409, "capacity": 429, "unavailable": 503}
+ENGINE_STATUS = {"invalid": 400, "not_found": 404, "busy": 409, "capacity": 429, "unavailable": 503, "dead": 503}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 408: "invalid_request_error", 409: "conflict_error",
+               413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -43,8 +47,19 @@ def from_engine_error(error: EngineError, retry_after_s: int) -> APIError:
     return APIError(status, error.message, error.param, error.kind, headers)
 
 
+UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
 def _validation_param(error: dict) -> str | None:
-    location = [str(part) for part in error.get("loc", ()) if part not in ("body", "query", "path")]
+    """The field path of a validation error, without pydantic's union-branch tags (`str`, `list[int]`,
+    `function-after[…]`)."""
+    location = []
+    for part in error.get("loc", ()):
+        if part in ("body", "query", "path"):
+            continue
+        if isinstance(part, str) and (part in UNION_TAGS or not part.isidentifier()):
+            break
+        location.append(str(part))
     return ".".join(location) or None
 
 
@@ -69,37 +84,101 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail), None, None, getattr(error, "headers", None))
+        headers = dict(getattr(error, "headers", None) or {})
+        message = str(error.detail)
+        if error.status_code == 405:  # Starlette names only the first matching route's methods
+            headers["Allow"] = ", ".join(allowed_methods(request))
+            message = f"method {request.method} is not allowed here; allowed: {headers['Allow']}"
+        return error_response(error.status_code, message, None, None, headers or None)
 
 
-class BodySizeLimit:
-    """ASGI middleware: 413 for a body over the limit, by Content-Length or while it streams in."""
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (routes of one path are separate in Starlette)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches({**request.scope, "method": next(iter(route_methods))})[0] == Match.FULL:
+            methods |= route_methods
+    return sorted(methods)
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class ServerErrors:
+    """ASGI middleware: an exception that escapes a route becomes an OpenAI-shaped 500 naming a request id
+    (logged with its traceback) instead of a plain-text body and a dropped keep-alive connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", []))
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send)
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:  # noqa: BLE001 - the last line of defence: a bug, answered in the API's shape
+            request_id = f"req-{uuid.uuid4().hex}"
+            logger.exception("unhandled error in %s %s (%s)", scope.get("method"), scope.get("path"), request_id)
+            if not started:
+                response = error_response(500, f"internal server error (request id {request_id})",
+                                          code="internal_error", headers={"X-Request-Id": request_id})
+                await response(scope, receive, send)
+
+
+class RequestBody:
+    """ASGI middleware: the whole body is read before the app sees it — 413 over `max_bytes` (declared by
+    Content-Length or counted while it streams in, chunked included), 408 if it has not fully arrived
+    within `timeout_s` (a client that sends headers and part of a body is not held open) — then replayed
+    to the app; later messages (the client's disconnect) pass straight through."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        received = 0
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks, received, more = [], 0, True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                response = error_response(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                          code="body_timeout", headers={"Connection": "close"})
+                await response(scope, receive, send)
+                return
+            if message["type"] == "http.disconnect":
+                return  # gone before the body arrived: nobody to answer
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
 
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise APIError(413, f"request body exceeds {self.max_bytes} bytes", code="body_too_large")
-            return message
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-        await self.app(scope, limited_receive, send)
+        await self.app(scope, replay, send)
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(413, f"request body exceeds {self.max_bytes} bytes", None, "body_too_large")
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, f"request body exceeds {self.max_bytes} bytes", None, "body_too_large",
+                                  headers={"Connection": "close"})
         await response(scope, receive, send)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from .engine import Engine, EngineRequest, SamplingParams
-from .engine.types import EngineError, RequestOutput, TokenLogprob
+from .engine.types import EngineError, FinishReason, RequestOutput, TokenLogprob
 from .errors import APIError, from_engine_error
 from .schemas import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from .streaming import EventStreamResponse, OutputStream, race_disconnect, sse_event
@@ -57,9 +57,9 @@ async def start_generation(request: Request, prompt_ids: list[int], params: Samp
                            session_id: str | None = None, owner: str | None = None) -> Generation:
     """Submit to the engine and wait until it accepts (EngineError → HTTP error before any byte is sent)."""
     state = request.app.state
-    if state.draining:
-        raise APIError(503, "the server is shutting down", code="unavailable",
-                       headers={"Retry-After": str(state.settings.retry_after_s)})
+    if state.draining or not state.engine.alive:
+        reason = "the server is shutting down" if state.draining else "the engine has failed; the server is restarting"
+        raise APIError(503, reason, code="unavailable", headers={"Retry-After": str(state.settings.retry_after_s)})
     if params.max_tokens > state.settings.max_tokens_limit:
         raise APIError(400, f"max_tokens must be <= {state.settings.max_tokens_limit}", "max_tokens")
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -87,14 +87,24 @@ async def collect(request: Request, generation: Generation) -> list[list[Request
     finally:
         if not all(r and r[-1].finished for r in rows):
             generation.abort()
+    failed = next((r[-1] for r in rows if r and r[-1].finish_reason is FinishReason.ERROR), None)
+    if failed is not None and not disconnected:
+        raise APIError(500, f"{failed.error} (request id {generation.request_id})", code="engine_error",
+                       headers={"X-Request-Id": generation.request_id})
     return None if disconnected else result
+
+
+def error_event(generation: Generation, output: RequestOutput) -> bytes:
+    """A failed generation's last event, in OpenAI's error shape (then the stream ends with [DONE])."""
+    return sse_event({"error": {"message": f"{output.error} (request id {generation.request_id})",
+                                "type": "server_error", "param": None, "code": "engine_error"}})
 
 
 def stream_events(generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=()) -> EventStreamResponse:
     """SSE: one event per token (and per finish), optional usage event, then [DONE]."""
 
     async def events() -> AsyncIterator[bytes]:
-        finished_rows = 0
+        finished_rows, failed = 0, False
         try:
             for chunk in first_chunks:
                 yield sse_event(chunk)
@@ -103,9 +113,14 @@ def stream_events(generation: Generation, make_chunk, include_usage: bool, usage
                 for output in batch:
                     generation.generated += output.token_id is not None
                     finished_rows += output.finished
+                    if output.finish_reason is FinishReason.ERROR:
+                        if not failed:  # one error event per request, whichever of its rows reports it
+                            events.append(error_event(generation, output))
+                        failed = True
+                        continue
                     events.append(sse_event(make_chunk(output)))  # one event per token, even if its text is withheld
                 yield b"".join(events)  # a backlog goes out in one write
-            if include_usage:
+            if include_usage and not failed:
                 yield sse_event(usage_chunk())
             yield sse_event("[DONE]")
         finally:

@@ -80,6 +80,8 @@ class Metrics:
             self.step.labels(stats.phase).observe(stats.duration_s)
             if stats.batch_size:
                 self.batch_size.observe(stats.batch_size)
+            for position, seconds in stats.token_latencies:
+                self.itl.labels(context_label(position)).observe(seconds)
         elif isinstance(stats, PoolStats):
             self.running.set(stats.running)
             self.waiting.set(stats.waiting)
@@ -94,8 +96,6 @@ class Metrics:
             self.finished.labels(stats.finish_reason.value).inc()
             self.prompt_tokens.inc(stats.prompt_tokens)
             self.generation_tokens.inc(stats.generated_tokens)
-            for position, seconds in stats.token_latencies:
-                self.itl.labels(context_label(position)).observe(seconds)
             if stats.prefix_cache_hit is not None:
                 self.prefix_queries.inc()
                 if stats.prefix_cache_hit:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from .engine.types import SamplingParams
+from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
+
+
+def _valid_unicode(value: str) -> str:
+    """JSON may carry lone surrogates (\\ud800) that are not text: refuse them as bad input."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -18,23 +31,30 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # extras (vLLM / TGI style)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="0 or -1 disables; at most the vocabulary size")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -47,7 +67,7 @@ class _Sampling(BaseModel):
     def _params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, logprobs=logprobs, n=self.n,
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
@@ -59,7 +79,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = ""
+    prompt: Text | list[int] = ""
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -69,8 +89,8 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-    name: str | None = None
+    content: Text
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -87,7 +107,7 @@ class ChatCompletionRequest(_Sampling):
 
 class SessionCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    prompt: str | list[int] = ""
+    prompt: Text | list[int] = ""
 
 
 # ---------------------------------------------------------------- responses

@@ -24,6 +24,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
+    docs_public: bool = Field(False, description="serve /docs, /redoc, /openapi.json without a key when keys are set")
 
     num_slots: int = Field(64, ge=1, description="state pool slots (device-resident sessions + running rows)")
     state_memory_mb: float | None = Field(None, gt=0, description="if set, slots = this budget / state bytes")
@@ -34,12 +35,15 @@ class Settings(BaseSettings):
     max_host_sessions: int = Field(1024, ge=0, description="sessions offloaded to host memory")
     session_ttl_s: float = Field(3600.0, gt=0)
     max_n: int = Field(8, ge=1)
+    reserved_slots: int = Field(8, ge=0, description="slots idle sessions never pin (raised to max_n)")
     max_waiting: int = Field(256, ge=1, description="queued requests before 429")
     max_context: int = Field(8192, ge=16, description="softmax models: KV-cache tokens per slot (400 beyond)")
     kv_memory_mb: float = Field(1024, gt=0, description="softmax models: slots = min(num_slots, this / slot bytes)")
     max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it")
     max_tokens_limit: int = Field(1_000_000, ge=1)
+    max_prompt_tokens: int = Field(131_072, ge=1, description="longest prompt accepted (400 beyond)")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this (408)")
     retry_after_s: int = Field(1, ge=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

@@ -4,6 +4,12 @@ Callers (async handlers, tests, the CLI) talk to it only through `submit`, `abor
 methods, which enqueue commands and return futures; outputs go to a per-request sink callable, called
 on the engine thread. Each step decodes one token for every running row and spends the rest of a token
 budget on chunked prefill, so a long prompt never stalls running streams.
+
+Faults: a step that raises fails the requests it touched (their streams end with finish reason `error`)
+and the engine goes on; so does a request whose admission raises. Only repeated consecutive failures, or
+an error outside a step (a bug in the engine's own bookkeeping), end the thread — and a dead engine says
+so: `alive` turns False, every pending and later call fails with kind `dead`, every live request gets its
+error output, and `on_death` callbacks run (the server turns /health to 503 and exits for a restart).
 """
 
 from __future__ import annotations
@@ -20,19 +26,24 @@ import torch
 
 from model import LinearGPT
 
-from .live import LiveRequest, Row
 from .kv_pool import KVCachePool
-from .prefix_cache import PrefixCache, boundary_hashes
-from .sampling import BatchParams, apply_penalties, sample, token_logprobs
+from .live import LiveRequest
+from .prefix_cache import PrefixCache, scope_seed
 from .scheduler import SchedSeq, Scheduler
 from .session_manager import SessionManager
 from .state_pool import StatePool
-from .types import EngineError, EngineRequest, FinishReason, PoolStats, RequestOutput, StepStats
+from .steps import StepExecution
+from .types import EngineError, EngineRequest, FinishReason, PoolStats, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
 StatsSink = Callable[[object], None]
+Command = tuple[Callable[[], object], "Future | None"]
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the device or model is taken to be broken: the engine dies
+STEP_FAILED = "the engine failed while serving this request (see the server log)"
+ENGINE_DEAD = "the engine has stopped after an internal error; the server is restarting"
 
 
 @dataclass(frozen=True)
@@ -47,9 +58,11 @@ class EngineConfig:
     max_n: int = 8
     max_waiting: int = 256
     max_context: int = 8192  # softmax models only: KV-cache capacity per slot
+    # slots idle sessions can never pin: stateless work always finds room (at least max_n of them)
+    reserved_slots: int = 8
 
 
-class Engine:
+class Engine(StepExecution):
     def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
                  stats_sink: StatsSink | None = None) -> None:
         self.model = model.eval()
@@ -65,13 +78,18 @@ class Engine:
                      else KVCachePool(model, config.num_slots, config.max_context, device))
         cache_entries = config.prefix_cache_entries if self.linear else 0
         self.prefix_cache = PrefixCache(cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
-        self.sessions = SessionManager(self.pool, model, config.max_host_sessions, config.session_ttl_s)
+        self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
+        self.sessions = SessionManager(self.pool, model, config.max_host_sessions, config.session_ttl_s,
+                                       self.reserved_slots)
         self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
                                    config.max_prefill_while_decoding)
         self.stats_sink = stats_sink or (lambda stats: None)
         self.live: dict[str, LiveRequest] = {}
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._stopping = threading.Event()
+        self._lock = threading.Lock()  # orders enqueueing against death
+        self.death: BaseException | None = None
+        self.on_death: list[Callable[[BaseException], None]] = []
         self._thread = threading.Thread(target=self._run, name="linserve-engine", daemon=True)
 
     # ---------------------------------------------------------------- public, any thread
@@ -79,12 +97,16 @@ class Engine:
         self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        return self.death is None and self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything in flight (finish reason `abort`) and end the thread."""
         if not self._thread.is_alive():
             return
         self._stopping.set()  # from here on new requests are refused
-        self._commands.put(lambda: None)  # wake the loop
+        self._commands.put((lambda: None, None))  # wake the loop
         self._thread.join(timeout)
 
     def submit(self, request: EngineRequest, sink: Sink) -> Future:
@@ -92,7 +114,9 @@ class Engine:
         return self._call(lambda: self._accept(request, sink))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self._abort(request_id))
+        with self._lock:
+            if self.death is None:
+                self._commands.put((lambda: self._abort(request_id), None))
 
     def create_session(self, owner: str | None) -> Future:
         return self._call(lambda: self.sessions.create(owner))
@@ -116,33 +140,73 @@ class Engine:
         """(running, waiting, live) — for tests and health checks."""
         return self._call(lambda: (self.scheduler.num_running, self.scheduler.num_waiting, len(self.live)))
 
+    def slot_accounting(self) -> Future:
+        """Who holds which slot, taken on the engine thread (the balance every engine test asserts)."""
+        return self._call(self._slot_accounting)
+
     # ---------------------------------------------------------------- engine thread
     def _call(self, fn: Callable[[], object]) -> Future:
         future: Future = Future()
-
-        def command() -> None:
-            try:
-                future.set_result(fn())
-            except Exception as error:  # noqa: BLE001 - delivered to the caller
-                future.set_exception(error)
-
-        if self._stopping.is_set():
-            future.set_exception(EngineError("the engine is shutting down", kind="unavailable"))
-        else:
-            self._commands.put(command)
+        with self._lock:
+            if self.death is not None:
+                future.set_exception(EngineError(ENGINE_DEAD, kind="dead"))
+            elif self._stopping.is_set():
+                future.set_exception(EngineError("the engine is shutting down", kind="unavailable"))
+            else:
+                self._commands.put((fn, future))
         return future
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._drain_commands(block=not self.live)
-            self.sessions.expire()
-            plan = self.scheduler.schedule()
-            if not plan.empty:
-                with torch.inference_mode():
-                    self._step(plan)
-        self._abort_all()
-        self._drain_commands(block=False)  # late commands still get an answer (new requests: unavailable)
-        self._emit_pool_stats()
+        try:
+            failures = 0
+            while not self._stopping.is_set():
+                self._drain_commands(block=not self.live)
+                self.sessions.expire()
+                plan = self.scheduler.schedule()
+                for seq_id, error in plan.failed:  # admission raised (e.g. a seed the generator rejects)
+                    self._request_failed(seq_id, error)
+                if plan.empty:
+                    continue
+                try:
+                    with torch.inference_mode():
+                        self._step(plan)
+                    failures = 0
+                except Exception as error:  # noqa: BLE001 - fail what the step touched, keep serving
+                    failures += 1
+                    touched = {seq_id for seq_id, _ in plan.decode} | {seq_id for seq_id, _, _ in plan.prefill}
+                    logger.exception("engine step failed (%d in a row); failing requests %s", failures, sorted(touched))
+                    for seq_id in touched:
+                        self._fail_request(seq_id, STEP_FAILED)
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise RuntimeError(f"{failures} consecutive engine steps failed") from error
+            self._abort_all()
+            self._drain_commands(block=False)  # late commands still get an answer (new requests: unavailable)
+            self._emit_pool_stats()
+        except BaseException as error:  # noqa: BLE001 - the thread is ending: say so everywhere
+            self._die(error)
+
+    def _die(self, error: BaseException) -> None:
+        logger.critical("the engine thread died: %r", error, exc_info=error)
+        with self._lock:
+            self.death = error
+            pending = []
+            while not self._commands.empty():
+                pending.append(self._commands.get_nowait())
+        for _, future in pending:
+            if future is not None:
+                future.set_exception(EngineError(ENGINE_DEAD, kind="dead"))
+        for live in list(self.live.values()):
+            for output in live.final_outputs(FinishReason.ERROR, ENGINE_DEAD):
+                try:
+                    live.sink(output)
+                except Exception:  # noqa: BLE001 - best effort: the engine is gone
+                    logger.exception("output sink failed while the engine was dying")
+        self.live.clear()
+        for callback in self.on_death:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_death callback failed")
 
     def _drain_commands(self, block: bool) -> None:
         """Run queued commands; when idle, wait (up to a second, for housekeeping) for the first one."""
@@ -151,19 +215,32 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            command()
+            self._run_command(*command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 self._emit_pool_stats()
                 return
 
+    @staticmethod
+    def _run_command(fn: Callable[[], object], future: Future | None) -> None:
+        try:
+            result = fn()
+        except Exception as error:  # noqa: BLE001 - delivered to the caller (or logged: aborts have none)
+            if future is None:
+                logger.exception("engine command failed")
+            else:
+                future.set_exception(error)
+            return
+        if future is not None:
+            future.set_result(result)
+
     def _emit(self, live: LiveRequest, output: RequestOutput) -> None:
         try:
             live.sink(output)
         except Exception:  # noqa: BLE001 - a broken sink must not take the engine down
             logger.exception("output sink of %s failed; aborting it", live.request.request_id)
-            self._commands.put(lambda: self._abort(live.request.request_id))
+            self._commands.put((lambda: self._abort(live.request.request_id), None))
 
     def _accept(self, request: EngineRequest, sink: Sink) -> None:
         if self._stopping.is_set():
@@ -175,11 +252,16 @@ class Engine:
         params = request.params
         if params.n > self.config.max_n:
             raise EngineError(f"n must be <= {self.config.max_n}", param="n")
+        if params.n > self.reserved_slots:
+            raise EngineError(f"n must be <= {self.reserved_slots} on this server (state slots)", param="n")
+        if params.top_k > self.vocab_size:
+            raise EngineError(f"top_k must be <= the vocabulary size {self.vocab_size} (0 disables it)", param="top_k")
         if any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
             raise EngineError("prompt holds token ids outside the vocabulary", param="prompt")
         session = None
         feed = list(request.prompt_ids)
         if request.session_id is not None:
+            self.sessions.get(request.session_id, request.owner)  # 404 before anything about the body
             if params.n != 1:
                 raise EngineError("n must be 1 when continuing a session", param="n")
             session = self.sessions.acquire_for_request(request.session_id, request.owner)
@@ -199,26 +281,35 @@ class Engine:
 
     # ---- SlotAllocator (called by the scheduler on this thread) ----
     def acquire(self, seq: SchedSeq) -> list[int] | None:
+        """Slots for seq, or None to wait; if this raises, nothing it took stays taken."""
         live = self.live[seq.seq_id]
+        now = time.monotonic()
         if live.session is not None:
             slot = self.sessions.bring_to_device(live.session)
             if slot is not None:
-                live.assign_slots([slot], time.monotonic())
+                live.assign_slots([slot], now, self.vocab_size, self.device)
             return None if slot is None else [slot]
-        slots = []
-        for _ in range(seq.rows):
-            slot = self.sessions.allocate_slot()
-            if slot is None:
-                for taken in slots:
-                    self.pool.free(taken)
-                return None
-            slots.append(slot)
-        hit_len, entry = self.prefix_cache.lookup(live.feed)
-        live.prefix_hit = entry is not None
-        if entry is not None:
-            self.pool.load(slots[0], entry)
-            seq.prefilled = live.consumed = hit_len
-        live.assign_slots(slots, time.monotonic())
+        slots: list[int] = []
+        try:
+            for _ in range(seq.rows):
+                slot = self.sessions.allocate_slot()
+                if slot is None:
+                    for taken in slots:
+                        self.pool.free(taken)
+                    return None
+                slots.append(slot)
+            live.prefix_digest = scope_seed(live.request.owner)
+            hit_len, live.prefix_digest, entry = self.prefix_cache.lookup(live.feed, live.prefix_digest)
+            live.prefix_hit = entry is not None
+            if entry is not None:
+                self.pool.load(slots[0], entry)
+                seq.prefilled = live.consumed = hit_len
+            live.assign_slots(slots, now, self.vocab_size, self.device)
+        except BaseException:
+            for taken in slots:
+                self.pool.free(taken)
+            live.rows.clear()
+            raise
         return slots
 
     def release(self, seq: SchedSeq, slots: list[int]) -> None:
@@ -226,19 +317,6 @@ class Engine:
         for slot in slots:
             if live is None or live.session is None or slot != live.session.slot:
                 self.pool.free(slot)
-
-    # ---- one step ----
-    def _step(self, plan) -> None:
-        started = time.perf_counter()
-        if plan.decode:
-            self._decode(plan.decode)
-        if plan.prefill:
-            self._prefill(plan.prefill)
-        duration = time.perf_counter() - started
-        phase = "mixed" if plan.decode and plan.prefill else ("decode" if plan.decode else "prefill")
-        self.stats_sink(StepStats(duration_s=duration, phase=phase, batch_size=len(plan.decode),
-                                  decode_tokens=len(plan.decode), prefill_tokens=plan.prefill_tokens))
-        self._emit_pool_stats()
 
     def _emit_pool_stats(self) -> None:
         tiers = self.sessions.tier_counts()
@@ -248,101 +326,44 @@ class Engine:
             sessions_device=tiers["device"], sessions_host=tiers["host"],
         ))
 
-    def _decode(self, decode: list[tuple[str, int]]) -> None:
-        rows = [self.live[seq_id].row_for_slot(slot) for seq_id, slot in decode]
-        slots = [slot for _, slot in decode]
-        tokens = torch.tensor([[row.next_token] for row in rows], device=self.device)  # (B, 1)
-        logits, state = self.model(tokens, self.pool.gather(slots))  # (B, 1, V)
-        self.pool.scatter(slots, state)
-        self._sample(rows, logits[:, 0].float())
+    def _slot_accounting(self) -> dict[str, int]:
+        session_slots = [s.slot for s in self.sessions.sessions.values() if s.slot is not None]
+        seq_slots = [slot for seq in self.scheduler.active.values() for slot in seq.slots]
+        row_only = set(seq_slots) - set(session_slots)
+        return {"slots_in_use": self.pool.used_slots, "running_rows": len(row_only),
+                "device_sessions": len(session_slots), "distinct_session_slots": len(set(session_slots)),
+                "distinct_row_slots": len(set(seq_slots)), "row_slots": len(seq_slots),
+                "free_list": self.pool.free_slots, "distinct_free": len(set(self.pool._free)),
+                "num_slots": self.pool.num_slots, "bytes_in_use": self.pool.bytes_in_use,
+                "slot_bytes": self.pool.slot_bytes, "live": len(self.live)}
 
-    def _prefill(self, work: list[tuple[str, int, int]]) -> None:
-        """Run this step's prefill chunks — those of equal length as one batch (exact: no padding) — then
-        sample the first token of every prompt that is now complete, in one batch too."""
-        by_length: dict[int, list[tuple[LiveRequest, int]]] = {}
-        for seq_id, start, length in work:
-            by_length.setdefault(length, []).append((self.live[seq_id], start))
-        for length, members in by_length.items():
-            if length == 0:  # a session continuing without a prompt: its stored logits
-                for live, _ in members:
-                    live.last_logits = live.session.logits.to(self.device)  # (V,)
-                continue
-            slots = [live.rows[0].slot for live, _ in members]
-            ids = torch.tensor([live.feed[start : start + length] for live, start in members], device=self.device)
-            logits, state = self.model(ids, self.pool.gather(slots))  # (B, t, V)
-            self.pool.scatter(slots, state)
-            last = logits[:, -1].float()  # (B, V)
-            for b, (live, start) in enumerate(members):
-                live.consumed_chunk(length, last[b])
-                if live.session is None:
-                    self._remember_prefix(live, start + length, live.rows[0].slot)
-        rows, row_logits = [], []
-        for seq_id, _, length in work:
-            live = self.live[seq_id]
-            if not self.scheduler.prefilled(seq_id, length):
-                continue
-            live.prompt_done(self.pool)
-            if live.request.params.max_tokens == 0:  # prompt only (e.g. a session's first message)
-                for row in live.rows:
-                    output = row.finish_without_token(FinishReason.LENGTH)
-                    self._retire_row(row, FinishReason.LENGTH)
-                    self._emit(live, output)
-                continue
-            rows.extend(live.rows)
-            row_logits.extend([live.last_logits] * len(live.rows))
-        if rows:
-            self._sample(rows, torch.stack(row_logits))  # (R, V)
-
-    def _remember_prefix(self, live: LiveRequest, end: int, slot: int) -> None:
-        block = self.prefix_cache.block
-        if self.prefix_cache.capacity and end % block == 0 and end < len(live.feed):
-            key = dict(boundary_hashes(live.feed[:end], block))[end]
-            self.prefix_cache.insert(key, self.pool.export(slot, self.device))
-
-    def _sample(self, rows: list[Row], logits: torch.Tensor) -> None:
-        """logits (B, V) → one new token per row; emits outputs and retires finished rows."""
-        params = [row.live.request.params for row in rows]
-        bp = BatchParams.from_params(params, self.device)
-        processed = logits
-        if bp.any_penalty:
-            counts, seen = zip(*(row.penalty_counts(self.vocab_size, self.device) for row in rows))
-            processed = apply_penalties(logits, torch.stack(counts), torch.stack(seen), bp)  # (B, V)
-        uniforms = torch.tensor([row.uniform() for row in rows], device=self.device)  # (B,)
-        tokens = sample(processed, bp, uniforms)  # (B,)
-        logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        now = time.monotonic()
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs):
-            output = row.accept(token, logprob, now, self.eos_id)
-            if output.finished:  # stats first: whoever sees the last output also sees its metrics
-                self._retire_row(row, output.finish_reason)
-            self._emit(row.live, output)
-
-    def _retire_row(self, row: Row, reason: FinishReason) -> None:
-        live = row.live
-        if not self.scheduler.finish_row(live.request.request_id, row.slot):
-            return
-        self._finish_live(live, reason)
-
+    # ---- ends of a request ----
     def _finish_live(self, live: LiveRequest, reason: FinishReason) -> None:
         del self.live[live.request.request_id]
         if live.session is not None:
             self.sessions.commit(live.session, live)
         self.stats_sink(live.request_stats(reason, time.monotonic()))
 
-    def _abort(self, request_id: str) -> None:
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         live = self.live.get(request_id)
         if live is None:
             return
         self.scheduler.remove(request_id)
-        if live.rows:
-            outputs = [row.abort_output() for row in live.rows if not row.finished]
-        else:  # still waiting: every one of its n sequences ends
-            outputs = [live.abort_output(index) for index in range(live.request.params.n)]
-        self._finish_live(live, FinishReason.ABORT)
+        outputs = live.final_outputs(reason, error)
+        self._finish_live(live, reason)
         for output in outputs:
             self._emit(live, output)
+
+    def _abort(self, request_id: str) -> None:
+        self._end(request_id, FinishReason.ABORT)
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        self._end(request_id, FinishReason.ERROR, message)
+
+    def _request_failed(self, request_id: str, error: Exception) -> None:
+        logger.error("request %s could not be admitted", request_id, exc_info=error)
+        self._fail_request(request_id, STEP_FAILED)
 
     def _abort_all(self) -> None:
         for request_id in list(self.live):
             self._abort(request_id)
-

@@ -16,6 +16,9 @@ from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, Tok
 
 @dataclass
 class Row:
+    """One sampled sequence. Constant size whatever its length: a token count, the last token, and for
+    penalties two (V,) vectors; per-token latencies go out with each step's stats, never into a list."""
+
     live: LiveRequest
     index: int
     slot: int
@@ -23,38 +26,35 @@ class Row:
     detokenizer: IncrementalDetokenizer
     stop: StopMatcher
     next_token: int | None = None  # sampled, not yet consumed by the state
-    generated: list[int] = field(default_factory=list)
+    num_generated: int = 0
     finished: bool = False
     last_time: float | None = None
-    latencies: list[tuple[int, float]] = field(default_factory=list)
-    _counts: torch.Tensor | None = None  # (V,) generated-token counts (penalties only)
-    _seen: torch.Tensor | None = None  # (V,) prompt or generated (penalties only)
+    counts: torch.Tensor | None = None  # (V,) generated-token counts (penalties only)
+    seen: torch.Tensor | None = None  # (V,) bool, prompt or generated (penalties only)
 
     def uniform(self) -> float:
         return 0.0 if self.generator is None else float(torch.rand(1, generator=self.generator))
 
-    def penalty_counts(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._counts is None:
-            self._counts = torch.zeros(vocab, device=device)
-            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            context = self.live.context_tokens()
-            if context:
-                self._seen[torch.tensor(context, device=device)] = True
-            for token in self.generated:
-                self._counts[token] += 1
-                self._seen[token] = True
-        return self._counts, self._seen
+    def start_penalties(self, vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros(vocab, device=device)  # (V,)
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # (V,)
+        context = self.live.context_tokens()
+        if context:
+            self.seen[torch.tensor(context, device=device)] = True
 
-    def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_id: int | None) -> RequestOutput:
-        """Record a sampled token; decide whether the row ends; build the output event."""
+    def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_id: int | None,
+               latencies: list[tuple[int, float]]) -> RequestOutput:
+        """Record a sampled token (its latency into `latencies`); decide whether the row ends; build the output."""
         params = self.live.request.params
-        self.generated.append(token)
-        if self._counts is not None:
-            self._counts[token] += 1
-            self._seen[token] = True
-        position = self.live.base_position + len(self.generated) - 1
+        self.num_generated += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+            self.seen[token] = True
+        if self.index == 0 and self.live.session is not None:
+            self.live.session_generated.append(token)  # a session's transcript (bounded in issue 10's store)
+        position = self.live.base_position + self.num_generated - 1
         if self.last_time is not None:
-            self.latencies.append((position, now - self.last_time))
+            latencies.append((position, now - self.last_time))
         elif self.live.first_token_time is None:
             self.live.first_token_time = now
         self.last_time = now
@@ -67,19 +67,17 @@ class Row:
             text, hit = self.stop.push(self.detokenizer.add(token))
             if hit:
                 reason = FinishReason.STOP
-        if reason is None and len(self.generated) >= params.max_tokens:
+        if reason is None and self.num_generated >= params.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None and not hit:
             text += self.stop.flush()
         self.finished = reason is not None
-        return self.live.output(self.index, token, text, logprob, reason, len(self.generated), position)
+        return self.live.output(self.index, token, text, logprob, reason, self.num_generated, position)
 
-    def finish_without_token(self, reason: FinishReason) -> RequestOutput:
+    def finish_without_token(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.finished = True
-        return self.live.output(self.index, None, self.stop.flush(), None, reason, len(self.generated), 0)
-
-    def abort_output(self) -> RequestOutput:
-        return self.finish_without_token(FinishReason.ABORT)
+        text = self.stop.flush() if reason is not FinishReason.ERROR else ""
+        return self.live.output(self.index, None, text, None, reason, self.num_generated, 0, error)
 
 
 @dataclass
@@ -97,6 +95,8 @@ class LiveRequest:
     first_token_time: float | None = None
     consumed: int = 0  # feed tokens consumed by the state so far
     last_logits: torch.Tensor | None = None  # (V,) after the last consumed feed token
+    session_generated: list[int] = field(default_factory=list)  # row 0's tokens, for the session's transcript
+    prefix_digest: bytes = b""  # prefix-cache key chain at the last block boundary consumed
 
     @property
     def base_position(self) -> int:
@@ -107,16 +107,20 @@ class LiveRequest:
         history = self.session.transcript if self.session else []
         return history + self.request.prompt_ids
 
-    def assign_slots(self, slots: list[int], now: float) -> None:
+    def assign_slots(self, slots: list[int], now: float, vocab: int, device: torch.device) -> None:
         params = self.request.params
         skip = frozenset() if self.eos_id is None else frozenset({self.eos_id})
         self.admitted_time = now
         for index, slot in enumerate(slots):
             generator = None
             if not params.greedy:
-                seed = params.seed + index if params.seed is not None else random.getrandbits(63)
+                # row i samples with seed + i; mod 2**64 keeps every seed the API accepts in the generator's range
+                seed = (params.seed + index) % 2**64 if params.seed is not None else random.getrandbits(63)
                 generator = torch.Generator().manual_seed(seed)
-            self.rows.append(Row(self, index, slot, generator, IncrementalDetokenizer(self.decoder, skip), StopMatcher(params.stop)))
+            row = Row(self, index, slot, generator, IncrementalDetokenizer(self.decoder, skip), StopMatcher(params.stop))
+            if params.uses_penalties:
+                row.start_penalties(vocab, device)
+            self.rows.append(row)
 
     def row_for_slot(self, slot: int) -> Row:
         return next(row for row in self.rows if row.slot == slot)
@@ -130,15 +134,19 @@ class LiveRequest:
         for row in self.rows[1:]:
             pool.copy(self.rows[0].slot, row.slot)
 
-    def output(self, index, token, text, logprob, reason, generated, position) -> RequestOutput:
+    def output(self, index, token, text, logprob, reason, generated, position, error=None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request.request_id, index=index, token_id=token, text=text, logprob=logprob,
             finish_reason=reason, prompt_tokens=len(self.request.prompt_ids), generated_tokens=generated,
-            position=position, session_id=self.request.session_id,
+            position=position, session_id=self.request.session_id, error=error,
         )
 
-    def abort_output(self, index: int = 0) -> RequestOutput:
-        return self.output(index, None, "", None, FinishReason.ABORT, 0, 0)
+    def final_outputs(self, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
+        """The last event of every sequence that has not ended yet (abort or failure)."""
+        if self.rows:
+            return [row.finish_without_token(reason, error) for row in self.rows if not row.finished]
+        # still waiting: every one of its n sequences ends
+        return [self.output(index, None, "", None, reason, 0, 0, error) for index in range(self.request.params.n)]
 
     def request_stats(self, reason: FinishReason, now: float) -> RequestStats:
         admitted = self.admitted_time if self.admitted_time is not None else now
@@ -148,8 +156,7 @@ class LiveRequest:
             ttft_s=None if self.first_token_time is None else self.first_token_time - self.arrival,
             e2e_s=now - self.arrival,
             prompt_tokens=len(self.request.prompt_ids),
-            generated_tokens=sum(len(row.generated) for row in self.rows),
+            generated_tokens=sum(row.num_generated for row in self.rows),
             finish_reason=reason,
-            token_latencies=tuple(lat for row in self.rows for lat in row.latencies),
             prefix_cache_hit=self.prefix_hit,
         )

@@ -7,6 +7,7 @@ inverse-CDF over the filtered distribution, with no batch-wide random draw.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,14 @@ def sample(logits: torch.Tensor, bp: BatchParams, uniforms: torch.Tensor) -> tor
     return torch.where(bp.temperature > 0, chosen, greedy)  # (B,)
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (almost) no mass
+
+
+def json_safe_logprob(value: float) -> float:
+    """Log-probabilities leave the engine finite: -inf (or NaN) becomes the floor, so JSON never sees them."""
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int | None]) -> list[TokenLogprob | None]:
     """Log-probabilities of the model's distribution (before penalties and temperature) for rows that ask."""
     wanted = [i for i, n in enumerate(top_n) if n is not None]
@@ -97,6 +106,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int |
     out: list[TokenLogprob | None] = [None] * len(top_n)
     for j, i in enumerate(wanted):
         n = top_n[i]
-        alternatives = tuple(zip(top_ids[j][:n], top_values[j][:n]))
-        out[i] = TokenLogprob(token_id=int(tokens[i]), logprob=chosen[j], top=alternatives)
+        alternatives = tuple((t, json_safe_logprob(v)) for t, v in zip(top_ids[j][:n], top_values[j][:n]))
+        out[i] = TokenLogprob(token_id=int(tokens[i]), logprob=json_safe_logprob(chosen[j]), top=alternatives)
     return out

@@ -42,6 +42,7 @@ class StepPlan:
     decode: list[tuple[str, int]]  # (seq_id, slot): one token each
     prefill: list[tuple[str, int, int]]  # (seq_id, start, length); length 0 = sample from stored logits
     admitted: list[str]
+    failed: list[tuple[str, Exception]] = field(default_factory=list)  # admission raised: dropped from the queue
 
     @property
     def empty(self) -> bool:
@@ -111,10 +112,16 @@ class Scheduler:
                 length = self._chunk(seq, budget)
                 prefill.append((seq.seq_id, seq.prefilled, length))
                 budget -= length
-        admitted = []
+        admitted: list[str] = []
+        failed: list[tuple[str, Exception]] = []
         while self.waiting and budget > 0:
             seq = next(iter(self.waiting.values()))
-            slots = self.allocator.acquire(seq)
+            try:
+                slots = self.allocator.acquire(seq)
+            except Exception as error:  # noqa: BLE001 - this sequence fails; the queue goes on
+                del self.waiting[seq.seq_id]
+                failed.append((seq.seq_id, error))
+                continue
             if slots is None:
                 break  # strict FIFO: later arrivals do not overtake the head of the queue
             del self.waiting[seq.seq_id]
@@ -124,7 +131,7 @@ class Scheduler:
             length = self._chunk(seq, budget)
             prefill.append((seq.seq_id, seq.prefilled, length))
             budget -= max(length, 1)
-        return StepPlan(decode=decode, prefill=prefill, admitted=admitted)
+        return StepPlan(decode=decode, prefill=prefill, admitted=admitted, failed=failed)
 
     def _chunk(self, seq: SchedSeq, budget: int) -> int:
         """Next prefill length: chunk ends stay on multiples of max_prefill_chunk (prefix-cache boundaries)."""

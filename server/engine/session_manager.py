@@ -1,5 +1,11 @@
 """Session registry: tiers (device slot or host memory), LRU offload, TTL expiry, limits, fork, export,
-import. Runs on the engine thread only."""
+import. Runs on the engine thread only.
+
+Capacity: once host memory is full, idle sessions pin at most `num_slots - reserved_slots` device slots,
+so running requests (stateless ones above all) always get a slot eventually: the session limit is
+`max_host_sessions + num_slots - reserved_slots`, and a session coming back from host memory may push
+the least recently used one out in its place.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +26,12 @@ EXPIRY_CHECK_INTERVAL_S = 1.0
 
 
 class SessionManager:
-    def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float) -> None:
+    def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
+                 reserved_slots: int = 0) -> None:
         self.pool = pool
         self.model = model
         self.max_host_sessions = max_host_sessions
+        self.max_sessions = max_host_sessions + pool.num_slots - reserved_slots
         self.ttl_s = ttl_s
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._fingerprint: str | None = None
@@ -64,8 +72,9 @@ class SessionManager:
     def _check_capacity(self) -> None:
         if not self.pool.supports_sessions:
             raise EngineError("sessions need a linear-attention model (this one keeps a KV cache)", param="model")
-        if len(self.sessions) >= self.pool.num_slots + self.max_host_sessions:
-            raise EngineError("session limit reached: delete sessions or retry later", kind="capacity")
+        if len(self.sessions) >= self.max_sessions:
+            raise EngineError(f"session limit reached ({self.max_sessions}): delete sessions or retry later",
+                              kind="capacity")
 
     def _add(self, session: Session) -> SessionInfo:
         self.sessions[session.id] = session
@@ -99,7 +108,7 @@ class SessionManager:
             prompt_consumed = live.consumed - old_pending
             session.transcript.extend(live.request.prompt_ids[:prompt_consumed])
             session.pending, session.logits = [], live.last_logits
-        generated = live.rows[0].generated if live.rows else []
+        generated = live.session_generated
         if generated:
             session.transcript.extend(generated)
             session.pending, session.logits = [generated[-1]], None
@@ -123,18 +132,19 @@ class SessionManager:
             self._drop(session)
 
     # ---- tiers ----
-    def allocate_slot(self) -> int | None:
-        """A free slot, offloading the least recently used idle session to host memory if needed."""
+    def allocate_slot(self, keep: Session | None = None) -> int | None:
+        """A free slot, offloading the least recently used idle session (never `keep`) to host memory if
+        needed. `keep` on the host tier is about to leave it: its place there counts as free."""
         slot = self.pool.allocate()
-        while slot is None and self._offload_lru():
-            slot = self.pool.allocate()
+        if slot is None:
+            host_room = self.max_host_sessions - self.count("host") + (keep is not None and keep.slot is None)
+            if host_room > 0 and self._offload_lru(keep):
+                slot = self.pool.allocate()
         return slot
 
-    def _offload_lru(self) -> bool:
-        if self.count("host") >= self.max_host_sessions:
-            return False
+    def _offload_lru(self, keep: Session | None) -> bool:
         for session in self.sessions.values():
-            if session.slot is not None and not session.busy:
+            if session.slot is not None and not session.busy and session is not keep:
                 session.host = self.pool.export(session.slot, "cpu")
                 self.pool.free(session.slot)
                 session.slot = None
@@ -144,7 +154,7 @@ class SessionManager:
     def bring_to_device(self, session: Session) -> int | None:
         if session.slot is not None:
             return session.slot
-        slot = self.allocate_slot()
+        slot = self.allocate_slot(keep=session)
         if slot is None:
             return None
         if session.host is not None:
@@ -167,8 +177,8 @@ class SessionManager:
         child = Session(id=new_session_id(), owner=owner, transcript=list(source.transcript),
                         pending=list(source.pending), imported_tokens=source.imported_tokens,
                         logits=None if source.logits is None else source.logits.clone())
-        slot = self.allocate_slot() if source.slot is not None else None
-        if slot is not None and source.slot is not None:
+        slot = self.allocate_slot(keep=source) if source.slot is not None else None  # never offload the source
+        if slot is not None:
             self.pool.copy(source.slot, slot)  # a device copy of one fixed-size state
             child.slot = slot
         else:

@@ -12,6 +12,11 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the caller or the server shutting down
+    ERROR = "error"  # the engine failed while serving it (the error is logged; other requests go on)
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts; rows use (seed + i) mod 2**64
+MAX_TOP_K = 2**31 - 1
 
 
 class EngineError(Exception):
@@ -42,7 +47,7 @@ class SamplingParams:
         checks = [
             ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
             ("temperature", self.temperature >= 0 and math.isfinite(self.temperature), "must be >= 0"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables)"),
+            ("top_k", 0 <= self.top_k <= MAX_TOP_K, "must be >= 0 (0 disables)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
@@ -50,6 +55,7 @@ class SamplingParams:
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("n", self.n >= 1, "must be >= 1"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
         ]
         for name, ok, message in checks:
@@ -95,6 +101,7 @@ class RequestOutput:
     generated_tokens: int = 0
     position: int = 0  # the token's position in its whole sequence (session history included)
     session_id: str | None = None
+    error: str | None = None  # with finish_reason ERROR: what went wrong (no internals)
 
     @property
     def finished(self) -> bool:
@@ -108,6 +115,9 @@ class StepStats:
     batch_size: int  # sequences decoded this step
     decode_tokens: int
     prefill_tokens: int
+    # (position, seconds since the row's previous token) for every token this step: observed as it
+    # happens, so no request keeps a list that grows with its length
+    token_latencies: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,5 +142,4 @@ class RequestStats:
     prompt_tokens: int
     generated_tokens: int
     finish_reason: FinishReason
-    token_latencies: tuple[tuple[int, float], ...]  # (position, seconds since the previous token)
     prefix_cache_hit: bool | None  # None: not a stateless request (no lookup)

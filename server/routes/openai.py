@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 
 from ..engine.types import RequestOutput
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
+from ..openapi import AUTH, GENERATION, errors, streamed
 from ..generation import (Generation, chat_logprobs, collect, completion_logprobs, render_chat, start_generation,
                           stream_events)
 from ..schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -15,7 +16,7 @@ from ..schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatComple
 router = APIRouter()
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=errors(*AUTH))
 async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> ModelList:
     return ModelList(data=[ModelCard(id=settings.served_model_name, created=request.app.state.started)])
 
@@ -30,7 +31,7 @@ def completion_chunk(generation: Generation, model: str, tokenizer, output, echo
 
 async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
                          session_id: str | None = None):
-    prompt_ids = encode_prompt(tokenizer, body.prompt, allow_empty=session_id is not None)
+    prompt_ids = await encode_prompt(request, body.prompt, allow_empty=session_id is not None)
     params = body.to_sampling_params(settings.max_tokens_default)
     generation = await start_generation(request, prompt_ids, params, "cmpl", session_id, owner)
     model = settings.served_model_name
@@ -60,16 +61,17 @@ def _empty(index: int) -> RequestOutput:
     return RequestOutput(request_id="", index=index, token_id=None, text="")
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses={**streamed(CompletionResponse), **errors(*GENERATION)})
 async def completions(request: Request, body: CompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep,
                       owner: Owner):
     return await run_completion(request, body, settings, tokenizer, owner)
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None,
+             responses={**streamed(ChatCompletionResponse), **errors(*GENERATION)})
 async def chat_completions(request: Request, body: ChatCompletionRequest, settings: SettingsDep,
                            tokenizer: TokenizerDep, owner: Owner):
-    prompt_ids = encode_prompt(tokenizer, render_chat(body.messages, tokenizer), allow_empty=False)
+    prompt_ids = await encode_prompt(request, render_chat(body.messages, tokenizer), allow_empty=False)
     params = body.to_sampling_params(settings.max_tokens_default)
     generation = await start_generation(request, prompt_ids, params, "chatcmpl", None, owner)
     model = settings.served_model_name

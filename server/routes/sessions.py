@@ -11,7 +11,8 @@ from ..engine import SamplingParams
 from ..engine.types import EngineError
 from ..errors import from_engine_error
 from ..generation import collect, start_generation
-from ..schemas import CompletionRequest, SessionCreated, SessionCreateRequest, SessionDetail, SessionRef
+from ..openapi import BINARY, BODY, GENERATION, SESSION, errors, streamed
+from ..schemas import CompletionRequest, CompletionResponse, SessionCreated, SessionCreateRequest, SessionDetail, SessionRef
 from .openai import run_completion
 
 router = APIRouter(prefix="/v1/sessions")
@@ -24,53 +25,66 @@ async def engine_call(request: Request, future):
         raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
 
 
-@router.post("", response_model=SessionCreated)
-async def create_session(request: Request, tokenizer: TokenizerDep, owner: Owner,
-                         body: SessionCreateRequest | None = None) -> SessionCreated:
+@router.post("", response_model=SessionCreated, responses=errors(*GENERATION))
+async def create_session(request: Request, owner: Owner, body: SessionCreateRequest | None = None) -> SessionCreated:
+    """The prompt is checked before the session exists, and the session is deleted again if its prefill
+    fails or the client leaves: no failure path leaves a session (and its slot) behind."""
     engine = request.app.state.engine
+    prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True) if body else []
     info = await engine_call(request, engine.create_session(owner))
-    prompt_ids = encode_prompt(tokenizer, body.prompt, allow_empty=True) if body else []
-    if prompt_ids:
+    if not prompt_ids:
+        return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
+    done = False
+    try:
         generation = await start_generation(request, prompt_ids, SamplingParams(max_tokens=0), "sess", info.id, owner)
         if await collect(request, generation) is None:
             return None
         info = await engine_call(request, engine.session_info(info.id, owner))
+        done = True
+    finally:
+        if not done:  # queued after the abort of its prefill, so the session is idle again by then
+            engine.delete_session(info.id, owner)
     return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
 
 
-@router.post("/import", response_model=SessionRef)
+@router.post("/import", response_model=SessionRef, responses=errors(*BODY),
+             openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": BINARY},
+                                            "description": "a snapshot from GET /v1/sessions/{id}/state"}})
 async def import_session(request: Request, owner: Owner) -> SessionRef:
     data = await request.body()
     info = await engine_call(request, request.app.state.engine.import_session(data, owner))
     return SessionRef(id=info.id)
 
 
-@router.get("/{session_id}", response_model=SessionDetail)
+@router.get("/{session_id}", response_model=SessionDetail, responses=errors(*SESSION))
 async def get_session(request: Request, session_id: str, owner: Owner) -> SessionDetail:
     info = await engine_call(request, request.app.state.engine.session_info(session_id, owner))
     return SessionDetail(**info.__dict__)
 
 
-@router.post("/{session_id}/completions", response_model=None)
+@router.post("/{session_id}/completions", response_model=None,
+             responses={**streamed(CompletionResponse), **errors(*GENERATION, 404, 409)})
 async def session_completions(request: Request, session_id: str, body: CompletionRequest, settings: SettingsDep,
                               tokenizer: TokenizerDep, owner: Owner):
     return await run_completion(request, body, settings, tokenizer, owner, session_id=session_id)
 
 
-@router.post("/{session_id}/fork", response_model=SessionRef)
+@router.post("/{session_id}/fork", response_model=SessionRef, responses=errors(*SESSION, 429))
 async def fork_session(request: Request, session_id: str, owner: Owner) -> SessionRef:
     info = await engine_call(request, request.app.state.engine.fork_session(session_id, owner))
     return SessionRef(id=info.id)
 
 
-@router.get("/{session_id}/state")
+@router.get("/{session_id}/state", response_class=Response, responses={
+    200: {"content": {"application/octet-stream": BINARY}, "description": "the session's safetensors snapshot"},
+    **errors(*SESSION)})
 async def export_session(request: Request, session_id: str, owner: Owner) -> Response:
     data = await engine_call(request, request.app.state.engine.export_session(session_id, owner))
     return Response(data, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{session_id}.safetensors"'})
 
 
-@router.delete("/{session_id}", status_code=204)
+@router.delete("/{session_id}", status_code=204, response_class=Response, responses=errors(*SESSION))
 async def delete_session(request: Request, session_id: str, owner: Owner) -> Response:
     await engine_call(request, request.app.state.engine.delete_session(session_id, owner))
     return Response(status_code=204)

@@ -45,6 +45,17 @@ def run(engine: Engine, prompt: list[int], params: SamplingParams, request_id: s
     return sink.wait(params.n)
 
 
+def assert_slots_balance(engine: Engine) -> dict:
+    """Design invariant 5, taken on the engine thread: slots in use == running rows + device-tier sessions,
+    no slot held twice or free twice, pool bytes == slots × state bytes."""
+    a = engine.slot_accounting().result(10)
+    assert a["slots_in_use"] == a["running_rows"] + a["device_sessions"], a
+    assert a["distinct_session_slots"] == a["device_sessions"] and a["distinct_row_slots"] == a["row_slots"], a
+    assert a["distinct_free"] == a["free_list"] == a["num_slots"] - a["slots_in_use"], a
+    assert a["bytes_in_use"] == a["slots_in_use"] * a["slot_bytes"], a
+    return a
+
+
 @pytest.fixture
 def make_engine(tiny_model, hf_tokenizer):
     engines = []
@@ -59,4 +70,6 @@ def make_engine(tiny_model, hf_tokenizer):
 
     yield factory
     for engine in engines:
+        if engine.alive:
+            assert_slots_balance(engine)
         engine.stop()

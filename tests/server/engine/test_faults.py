@@ -1,0 +1,224 @@
+"""Fault isolation and slot accounting under pressure: a failing step fails only its requests, a dead
+engine says so, hostile parameters never reach the thread, and no path leaks a slot."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
+from server.engine import steps
+
+from .conftest import Collector, assert_slots_balance, run, tokens_of
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+POISON_TEMPERATURE = 0.777  # the injected sampler fault fires for batches holding a row with this temperature
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(1, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture
+def poisoned_sampler(monkeypatch):
+    """The real sampler, except that it raises for batches with a poisoned row (once per `arm()`)."""
+    real = steps.sample
+    armed = {"n": 0}
+
+    def sample(logits, bp, uniforms):
+        if armed["n"] and bool((bp.temperature - POISON_TEMPERATURE).abs().lt(1e-6).any()):
+            armed["n"] -= 1
+            raise RuntimeError("injected sampler fault")
+        return real(logits, bp, uniforms)
+
+    monkeypatch.setattr(steps, "sample", sample)
+    return armed
+
+
+def test_a_failing_step_fails_its_request_and_the_engine_goes_on(make_engine, poisoned_sampler):
+    engine = make_engine(num_slots=4)
+    poisoned_sampler["n"] = 1
+    outputs = run(engine, prompt(9), SamplingParams(max_tokens=5, temperature=POISON_TEMPERATURE), "bad")
+    assert outputs[-1].finish_reason is FinishReason.ERROR and outputs[-1].error
+    assert engine.alive
+    good = run(engine, prompt(9), GREEDY, "good")
+    assert good[-1].finish_reason is FinishReason.LENGTH and len(tokens_of(good)) == 12
+    assert engine.counts().result(10) == (0, 0, 0)
+    assert assert_slots_balance(engine)["slots_in_use"] == 0
+
+
+def test_a_failed_session_turn_leaves_the_session_consistent(make_engine, poisoned_sampler):
+    """The failing decode step commits nothing: continuing equals the transcript that was emitted."""
+    engine = make_engine()
+    session = engine.create_session(None).result(10)
+    head = prompt(20, 1)
+    run(engine, head, SamplingParams(max_tokens=0), "s0", session_id=session.id)
+    sink = Collector()
+    poison = SamplingParams(max_tokens=50, temperature=POISON_TEMPERATURE, seed=3, ignore_eos=True)
+    engine.submit(EngineRequest("s1", [7, 8], poison, session_id=session.id), sink).result(10)
+    first = [sink.queue.get(timeout=10) for _ in range(4)]  # four tokens delivered, then the fault
+    poisoned_sampler["n"] = 1
+    outputs = first + sink.wait()
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    emitted = tokens_of(outputs)
+    assert len(emitted) >= 4
+    assert engine.session_info(session.id, None).result(10).tokens == len(head) + 2 + len(emitted)
+    continued = tokens_of(run(engine, [5], GREEDY, "s2", session_id=session.id))
+    assert continued == tokens_of(run(engine, head + [7, 8] + emitted + [5], GREEDY, "reference"))
+
+
+def test_an_admission_that_raises_fails_only_that_request(make_engine, monkeypatch):
+    engine = make_engine(num_slots=4)
+    real = engine.acquire
+
+    def acquire(seq):
+        if seq.seq_id == "doomed":
+            raise RuntimeError("injected admission fault")
+        return real(seq)
+
+    monkeypatch.setattr(engine, "acquire", acquire)
+    outputs = run(engine, prompt(5), SamplingParams(max_tokens=3, n=2, temperature=1.0), "doomed")
+    assert [o.finish_reason for o in outputs] == [FinishReason.ERROR, FinishReason.ERROR]
+    assert tokens_of(run(engine, prompt(5), GREEDY, "fine"))
+    assert assert_slots_balance(engine)["slots_in_use"] == 0
+
+
+def test_repeated_failures_kill_the_engine_and_it_says_so(make_engine, monkeypatch):
+    engine = make_engine(num_slots=4)
+    died = threading.Event()
+    engine.on_death.append(lambda error: died.set())
+    sink = Collector()
+    engine.submit(EngineRequest("victim", prompt(6), SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)), sink).result(10)
+    sink.queue.get(timeout=10)
+
+    def broken():
+        raise RuntimeError("injected: the scheduler's bookkeeping is corrupt")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", broken)
+    assert died.wait(10)
+    assert not engine.alive
+    assert sink.wait()[-1].finish_reason is FinishReason.ERROR  # the running stream is told, not left hanging
+    with pytest.raises(EngineError) as error:
+        engine.submit(EngineRequest("late", [1, 2], GREEDY), Collector()).result(5)
+    assert error.value.kind == "dead"
+    with pytest.raises(EngineError):
+        engine.create_session(None).result(5)
+
+
+def test_consecutive_step_failures_end_in_death(make_engine, monkeypatch):
+    engine = make_engine(num_slots=4)
+
+    def broken_model(*args, **kwargs):
+        raise RuntimeError("injected: the device is gone")
+
+    monkeypatch.setattr(engine, "model", broken_model)
+    results = [run(engine, prompt(4, i), GREEDY, f"r{i}")[-1].finish_reason for i in range(3)]
+    assert results == [FinishReason.ERROR] * 3
+    with pytest.raises(EngineError) as error:
+        engine.counts().result(10)
+    assert error.value.kind == "dead" and not engine.alive
+
+
+@pytest.mark.parametrize("seed,n", [(2**64 - 1, 2), (-(2**63), 3), (2**63, 1), (0, 1)])
+def test_extreme_seeds_sample_and_match_their_single_row_twin(make_engine, seed, n):
+    engine = make_engine()
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed, n=n, ignore_eos=True)
+    outputs = run(engine, prompt(7), params, f"seed{seed}")
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outputs if o.finished)
+    if n > 1:  # row 1 samples with (seed + 1) mod 2**64
+        twin = SamplingParams(max_tokens=6, temperature=1.0, seed=(seed + 1) % 2**64, ignore_eos=True)
+        assert tokens_of(outputs, 1) == tokens_of(run(engine, prompt(7), twin, f"twin{seed}"))
+
+
+def test_out_of_range_parameters_are_rejected_before_the_engine(make_engine):
+    for kwargs, param in [({"seed": 2**70}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"top_k": 2**63}, "top_k")]:
+        with pytest.raises(EngineError) as error:
+            SamplingParams(**kwargs)
+        assert error.value.param == param
+    engine = make_engine()
+    with pytest.raises(EngineError) as error:
+        engine.submit(EngineRequest("k", [1], SamplingParams(top_k=5000)), Collector()).result(10)
+    assert error.value.param == "top_k" and "vocabulary" in error.value.message
+
+
+def test_non_finite_state_fails_its_own_request_only(make_engine):
+    engine = make_engine()
+    session = engine.create_session(None).result(10)
+    run(engine, prompt(10, 2), SamplingParams(max_tokens=0), "p", session_id=session.id)
+
+    def corrupt():
+        slot = engine.sessions.sessions[session.id].slot
+        for buffer in engine.pool.buffers.values():
+            buffer[slot].fill_(float("nan"))
+
+    engine._call(corrupt).result(10)
+    bystander = Collector()
+    engine.submit(EngineRequest("by", prompt(5, 3), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)), bystander).result(10)
+    broken = run(engine, [1, 2], GREEDY, "nan", session_id=session.id)
+    assert broken[-1].finish_reason is FinishReason.ERROR
+    assert bystander.wait()[-1].finish_reason is FinishReason.LENGTH
+    assert engine.alive
+
+
+def test_forking_the_lru_session_with_every_slot_full_leaks_nothing(make_engine):
+    engine = make_engine(num_slots=2, max_n=1, reserved_slots=0, max_host_sessions=8)
+    a = engine.create_session(None).result(10)
+    b = engine.create_session(None).result(10)
+    run(engine, prompt(8, 1), SamplingParams(max_tokens=0), "a0", session_id=a.id)
+    run(engine, prompt(8, 2), SamplingParams(max_tokens=0), "b0", session_id=b.id)
+    forks = [engine.fork_session(a.id, None).result(10), engine.fork_session(a.id, None).result(10)]
+    assert_slots_balance(engine)
+    assert tokens_of(run(engine, [3], GREEDY, "stateless"))  # a slot can still be had
+    expected = tokens_of(run(engine, [4, 5], GREEDY, "a1", session_id=a.id))
+    for i, fork in enumerate(forks):
+        assert tokens_of(run(engine, [4, 5], GREEDY, f"f{i}", session_id=fork.id)) == expected
+    assert_slots_balance(engine)
+
+
+def test_full_session_tiers_never_starve_stateless_or_host_work(make_engine):
+    engine = make_engine(num_slots=4, max_n=1, reserved_slots=1, max_host_sessions=2)
+    created = []
+    for i in range(5):  # 2 host + (4 - 1) device: the limit
+        created.append(engine.create_session(None).result(10))
+        run(engine, prompt(6, i), SamplingParams(max_tokens=0), f"fill{i}", session_id=created[-1].id)
+    with pytest.raises(EngineError) as error:
+        engine.create_session(None).result(10)
+    assert error.value.kind == "capacity"
+    assert len(tokens_of(run(engine, prompt(4), GREEDY, "stateless"))) == 12
+    tiers = [engine.session_info(s.id, None).result(10).tier for s in created]
+    assert tiers.count("host") == 2  # host memory is full now: 3 sessions pin device slots, 1 stays free
+    assert len(tokens_of(run(engine, prompt(4, 9), GREEDY, "stateless-again"))) == 12
+    on_host = [s for s, tier in zip(created, tiers) if tier == "host"]
+    for s in on_host:  # a host-tier session comes back by swapping with the least recently used one
+        assert len(tokens_of(run(engine, [1], GREEDY, f"back-{s.id}", session_id=s.id))) == 12
+    with pytest.raises(EngineError):
+        engine.fork_session(created[0].id, None).result(10)
+    assert_slots_balance(engine)
+
+
+def test_a_request_keeps_nothing_that_grows_with_its_length(make_engine):
+    """Invariant 4 for a stateless stream: the live request's containers are as big at token 1,500 as at 50."""
+    engine = make_engine()
+    sink = Collector()
+    engine.submit(EngineRequest("long", prompt(5), SamplingParams(max_tokens=2_000, temperature=0.8, seed=1,
+                                                                   repetition_penalty=1.1, ignore_eos=True)), sink).result(10)
+
+    def footprint() -> int:
+        live = engine.live["long"]
+        total = 0
+        for obj in [live, *live.rows]:
+            for value in vars(obj).values():
+                if isinstance(value, (list, tuple, dict, set, str, bytes)):
+                    total += len(value)
+        return total
+
+    sizes = []
+    for mark in (50, 1_500):
+        while sink.queue.qsize() < mark:
+            threading.Event().wait(0.01)
+        sizes.append(engine._call(footprint).result(10))
+    engine.abort("long")
+    sink.wait()
+    assert sizes[0] == sizes[1]
