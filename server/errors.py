@@ -92,14 +92,15 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(error.status_code, message, None, None, headers or None)
 
 
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
 def allowed_methods(request: Request) -> list[str]:
-    """Every method some route serves at this path (routes of one path are separate in Starlette)."""
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        route_methods = getattr(route, "methods", None)
-        if route_methods and route.matches({**request.scope, "method": next(iter(route_methods))})[0] == Match.FULL:
-            methods |= route_methods
-    return sorted(methods)
+    """Every method some route serves at this path (FastAPI keeps each router's routes apart, and Starlette
+    names only the first partly matching route's methods): probe the router with each method."""
+    return [method for method in HTTP_METHODS
+            if any(route.matches({**request.scope, "method": method})[0] == Match.FULL
+                   for route in request.app.router.routes)]
 
 
 class ServerErrors:

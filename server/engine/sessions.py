@@ -24,6 +24,11 @@ from .types import EngineError
 
 SNAPSHOT_FORMAT = "linserve-session"
 SNAPSHOT_VERSION = "1"
+# What a real state can hold. A trained model's S, z and convolution window stay many orders of magnitude
+# below this (the shipped model, 16,384 random tokens: max |S| 943, max z 817); a state above it cannot
+# have come from the model and overflows fp32 in φ(q)ᵀS. z = Σ φ(k) is never negative (φ is positive).
+MAX_STATE_MAGNITUDE = 1e12
+MAX_SESSION_TOKENS = 2**48  # ~2.8e14 tokens: more than any session can have consumed
 
 
 @dataclass
@@ -117,6 +122,10 @@ def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint:
             raise invalid(f"{name} is {tuple(got.shape)} {got.dtype}, expected {tuple(like.shape)} {like.dtype}")
         if not torch.isfinite(got).all():
             raise invalid(f"{name} holds non-finite values")
+        if got.abs().max() > MAX_STATE_MAGNITUDE:
+            raise invalid(f"{name} holds values beyond {MAX_STATE_MAGNITUDE:g}, which no real state reaches")
+        if name.endswith(".z") and (got < 0).any():
+            raise invalid(f"{name} holds negative values (z is a sum of positive features)")
         state[name] = got
     pending = tensors["pending"]
     if pending.dtype != torch.int64 or pending.ndim != 1 or len(pending) > 1:
@@ -124,12 +133,15 @@ def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint:
     if len(pending) and not 0 <= int(pending[0]) < vocab_size:
         raise invalid("pending token is outside the vocabulary")
     logits = tensors.get("logits")
-    if logits is not None and (logits.shape != (vocab_size,) or logits.dtype != torch.float32 or not torch.isfinite(logits).all()):
-        raise invalid(f"logits must be finite float32 of shape ({vocab_size},)")
+    if logits is not None and (logits.shape != (vocab_size,) or logits.dtype != torch.float32
+                               or not torch.isfinite(logits).all() or logits.abs().max() > MAX_STATE_MAGNITUDE):
+        raise invalid(f"logits must be finite float32 of shape ({vocab_size},) within ±{MAX_STATE_MAGNITUDE:g}")
     try:
         tokens = int(metadata.get("tokens", ""))
     except ValueError:
         raise invalid("tokens is not an integer") from None
+    if not 0 <= tokens <= MAX_SESSION_TOKENS:
+        raise invalid(f"tokens must be in [0, {MAX_SESSION_TOKENS}]")
     if tokens < len(pending) or (tokens > 0 and not len(pending) and logits is None):
         raise invalid("token count, pending token and logits are inconsistent")
     return Snapshot(state=state, pending=pending.tolist(), logits=logits, tokens=tokens)

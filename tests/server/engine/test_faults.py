@@ -222,3 +222,15 @@ def test_a_request_keeps_nothing_that_grows_with_its_length(make_engine):
     engine.abort("long")
     sink.wait()
     assert sizes[0] == sizes[1]
+
+
+def test_prefix_cache_entries_are_scoped_by_api_key(make_engine):
+    """Key B sending key A's prompt gets no hit (no timing side channel across tenants); A does."""
+    engine = make_engine(prefix_cache_entries=8)
+    shared = prompt(48, 12)
+    a = tokens_of(run(engine, shared + [1], GREEDY, "a1", owner="key-a"))
+    b = tokens_of(run(engine, shared + [1], GREEDY, "b1", owner="key-b"))
+    again = tokens_of(run(engine, shared + [1], GREEDY, "a2", owner="key-a"))
+    hits = [s.prefix_cache_hit for s in engine.test_stats if hasattr(s, "prefix_cache_hit")]
+    assert hits == [False, False, True]
+    assert a == b == again
