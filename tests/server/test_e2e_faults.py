@@ -1,0 +1,150 @@
+"""Faults against a real `linserve serve` on 127.0.0.1: a dead engine ends the process (status 3), slow and
+malformed requests get JSON errors, a client leaving mid-prefill leaves no session, tokenizing a huge
+prompt does not block the event loop."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+DYING_SERVER = """
+import sys
+from server.engine import steps
+
+def broken_step(self, plan):
+    raise RuntimeError("injected: the device is gone")
+
+steps.StepExecution._step = broken_step  # every step fails: the engine dies after a few
+from server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def raw_exchange(port: int, payload: bytes, wait: float = 10.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(payload)
+        chunks = []
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                chunks.append(data)
+        except socket.timeout:
+            pass
+    return b"".join(chunks)
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_a_dead_engine_fails_requests_turns_health_503_and_exits_3(tiny_checkpoint, tmp_path):
+    port = free_port()
+    log = tmp_path / "dying.log"
+    command = [sys.executable, "-c", DYING_SERVER, "serve", "--model", str(tiny_checkpoint), "--port", str(port),
+               "--device", "cpu", "--log-level", "warning"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        statuses = []
+        for _ in range(3):
+            response = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+            statuses.append(response.status_code)
+            assert response.json()["error"]["message"]
+        assert statuses[0] == 500  # failed, with the engine still alive
+        assert process.wait(30) == 3, log.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_checkpoint, tmp_path_factory):
+    env = {"LINSERVE_BODY_TIMEOUT_S": "1", "LINSERVE_MAX_PROMPT_TOKENS": "10000000",
+           "LINSERVE_MAX_BODY_BYTES": str(16 * 2**20)}
+    process = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("strict") / "serve.log", "--num-slots", "4",
+                            env=env)
+    yield process
+    process.stop()
+
+
+def test_a_body_that_never_arrives_is_408_not_held(strict_server):
+    started = time.monotonic()
+    answer = raw_exchange(strict_server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    assert answer.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in answer
+    assert time.monotonic() - started < 5
+
+
+def test_a_malformed_request_is_a_json_400(strict_server):
+    answer = raw_exchange(strict_server.port, b"NOT HTTP AT ALL\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert b'"bad_http_request"' in body
+
+
+def test_leaving_during_a_session_prefill_leaves_no_session(strict_server):
+    base = strict_server.base
+    prompt = list(range(1, 1000)) * 6  # ~6,000 tokens: hundreds of 16-token prefill steps
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base}/v1/sessions", json={"prompt": prompt}, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        sessions = metric(base, 'linserve_sessions{tier="device"}') + metric(base, 'linserve_sessions{tier="host"}')
+        if sessions == 0 and metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0:
+            break
+        time.sleep(0.1)
+    assert sessions == 0
+    assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(strict_server):
+    base = strict_server.base
+    text = "To be, or not to be, that is the question. " * 100_000  # ~4.4 MB of text
+    done = threading.Event()
+
+    def post() -> None:
+        try:
+            httpx.post(f"{base}/v1/completions", json={"prompt": text, "max_tokens": 0}, timeout=4)
+        except httpx.HTTPError:
+            pass  # it is left (and aborted) once the health probes are done
+        done.set()
+
+    threading.Thread(target=post, daemon=True).start()
+    time.sleep(0.5)  # the body is up; tokenizing has begun
+    gaps = []
+    while not done.is_set() and len(gaps) < 15:
+        started = time.monotonic()
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        gaps.append(time.monotonic() - started)
+        time.sleep(0.1)
+    done.wait(30)
+    assert gaps and max(gaps) < 1.0, gaps
+    deadline = time.monotonic() + 20
+    while metric(base, "linserve_requests_running") + metric(base, "linserve_requests_waiting") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
