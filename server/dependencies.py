@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from .engine import heap
 from .errors import APIError
 from .settings import Settings
 
@@ -42,6 +43,15 @@ Owner = Annotated[str | None, Depends(require_key)]
 
 INLINE_TOKENIZE_CHARS = 2048  # longer prompts are tokenized on a worker thread, off the event loop
 
+def tokenize(tokenizer, text: str) -> list[int]:
+    """Token ids via the Rust tokenizer (no per-token Python lists of masks). A multi-megabyte text costs
+    ~130 bytes per character at its peak, and glibc keeps freed heap unless asked: trim after a big one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    ids = backend.encode(text, add_special_tokens=False).ids if backend else tokenizer.encode(text, add_special_tokens=False)
+    if len(text) >= heap.LARGE_TEXT_CHARS:
+        heap.trim()
+    return ids
+
 
 def max_token_bytes(tokenizer) -> int:
     """The most UTF-8 bytes any one token decodes to: a text of B bytes has at least B / this many tokens."""
@@ -61,9 +71,9 @@ async def encode_prompt(request: Request, prompt: str | list[int], allow_empty: 
         if len(prompt.encode()) > limit * state.max_token_bytes:
             raise APIError(400, too_long, "prompt", "prompt_too_long")
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
-            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            ids = tokenize(tokenizer, prompt)
         else:
-            ids = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=False)
+            ids = await asyncio.to_thread(tokenize, tokenizer, prompt)
     if len(ids) > limit:
         raise APIError(400, f"{too_long}: it has {len(ids)}", "prompt", "prompt_too_long")
     if not ids and not allow_empty:

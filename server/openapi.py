@@ -39,7 +39,7 @@ OPERATIONAL_RESPONSES = errors(503)
 def streamed(model) -> dict[int | str, dict[str, Any]]:
     """200: the JSON `model`, or with `stream: true` server-sent events (`data: {chunk}` … `data: [DONE]`)."""
     return {200: {"model": model, "description": "JSON, or server-sent events when `stream` is true",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {}}}}
 
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}

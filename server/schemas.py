@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationInfo,
+                      field_validator)
 
 from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
 
@@ -18,12 +19,21 @@ def _valid_unicode(value: str) -> str:
     return value
 
 
+def _json_number(value):
+    """Numbers are JSON numbers: pydantic's lax mode would take `true` or `"3"` too."""
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"must be a number, not a {'boolean' if isinstance(value, bool) else 'string'}")
+    return value
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int = Annotated[int, BeforeValidator(_json_number)]  # JSON's 1.0 is an integer; true and "1" are not
+Float = Annotated[float, BeforeValidator(_json_number)]
 StopText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
@@ -32,22 +42,22 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    max_tokens: Int | None = Field(None, ge=0)
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    n: Int = Field(1, ge=1)
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stream: bool = False
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
     # extras (vLLM / TGI style)
-    top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="0 or -1 disables; at most the vocabulary size")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    ignore_eos: bool = False
+    top_k: Int = Field(0, ge=-1, le=MAX_TOP_K, description="0 or -1 disables; at most the vocabulary size")
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(1.0, gt=0.0, le=10.0)
+    ignore_eos: StrictBool = False
 
     @field_validator("stream_options")
     @classmethod
@@ -79,9 +89,9 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Text | list[int] = ""
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    prompt: Text | list[Int] = ""
+    logprobs: Int | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return self._params(default_max_tokens, self.logprobs)
@@ -95,9 +105,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: StrictBool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: Int | None = Field(None, ge=0)
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
@@ -107,7 +117,7 @@ class ChatCompletionRequest(_Sampling):
 
 class SessionCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    prompt: Text | list[int] = ""
+    prompt: Text | list[Int] = ""
 
 
 # ---------------------------------------------------------------- responses

@@ -20,12 +20,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from model import LinearGPT
 
+from . import heap
 from .kv_pool import KVCachePool
 from .live import LiveRequest
 from .prefix_cache import PrefixCache, scope_seed
@@ -266,9 +267,12 @@ class Engine(StepExecution):
                 raise EngineError("n must be 1 when continuing a session", param="n")
             session = self.sessions.acquire_for_request(request.session_id, request.owner)
             feed = session.pending + feed
-            if not feed and session.logits is None:
-                self.sessions.release(session)
-                raise EngineError("the session is empty: send a prompt", param="prompt")
+            if not feed and session.logits is None:  # a new, empty session: start from end-of-text, as
+                if self.eos_id is None:              # a stateless request with an empty prompt does
+                    self.sessions.release(session)
+                    raise EngineError("the session is empty: send a prompt", param="prompt")
+                request = replace(request, prompt_ids=[self.eos_id])
+                feed = [self.eos_id]
         elif not feed:
             raise EngineError("the prompt is empty", param="prompt")
         if not self.linear and len(feed) + params.max_tokens > self.config.max_context:
@@ -343,6 +347,9 @@ class Engine(StepExecution):
         if live.session is not None:
             self.sessions.commit(live.session, live)
         self.stats_sink(live.request_stats(reason, time.monotonic()))
+        if len(live.feed) >= heap.LARGE_TOKENS:
+            live.feed = []
+            heap.trim()  # the prompt's token lists are garbage now: return their heap to the OS
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         live = self.live.get(request_id)

@@ -15,7 +15,10 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed while serving it (the error is logged; other requests go on)
 
 
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts; rows use (seed + i) mod 2**64
+# Seeds: ±2**53, inside what torch.Generator.manual_seed accepts ([-2**63, 2**64 - 1]) and exact as a double,
+# so JSON tools that read integers as floats agree with the server on every seed. Row i of a request uses
+# (seed + i) mod 2**64, always a valid generator seed.
+SEED_MIN, SEED_MAX = -(2**53), 2**53
 MAX_TOP_K = 2**31 - 1
 
 

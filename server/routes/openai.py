@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ..engine.types import RequestOutput
+from ..errors import APIError
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..openapi import AUTH, GENERATION, errors, streamed
 from ..generation import (Generation, chat_logprobs, collect, completion_logprobs, render_chat, start_generation,
@@ -71,6 +72,9 @@ async def completions(request: Request, body: CompletionRequest, settings: Setti
              responses={**streamed(ChatCompletionResponse), **errors(*GENERATION)})
 async def chat_completions(request: Request, body: ChatCompletionRequest, settings: SettingsDep,
                            tokenizer: TokenizerDep, owner: Owner):
+    limit = settings.max_tokens_limit
+    if body.max_completion_tokens is not None and body.max_completion_tokens > limit:
+        raise APIError(400, f"max_completion_tokens must be <= {limit}", "max_completion_tokens")
     prompt_ids = await encode_prompt(request, render_chat(body.messages, tokenizer), allow_empty=False)
     params = body.to_sampling_params(settings.max_tokens_default)
     generation = await start_generation(request, prompt_ids, params, "chatcmpl", None, owner)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request, Response
+from starlette.convertors import StringConvertor, register_url_convertor
 
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..engine import SamplingParams
@@ -15,6 +16,14 @@ from ..openapi import BINARY, BODY, GENERATION, SESSION, errors, streamed
 from ..schemas import CompletionRequest, CompletionResponse, SessionCreated, SessionCreateRequest, SessionDetail, SessionRef
 from .openai import run_completion
 
+class SessionIdConvertor(StringConvertor):
+    """Session ids look like `sess-…`: so `/v1/sessions/import` is never taken for a session id, and a
+    path names exactly the methods documented for it."""
+
+    regex = "sess-[0-9A-Za-z_-]+"
+
+
+register_url_convertor("session_id", SessionIdConvertor())
 router = APIRouter(prefix="/v1/sessions")
 
 
@@ -56,26 +65,26 @@ async def import_session(request: Request, owner: Owner) -> SessionRef:
     return SessionRef(id=info.id)
 
 
-@router.get("/{session_id}", response_model=SessionDetail, responses=errors(*SESSION))
+@router.get("/{session_id:session_id}", response_model=SessionDetail, responses=errors(*SESSION))
 async def get_session(request: Request, session_id: str, owner: Owner) -> SessionDetail:
     info = await engine_call(request, request.app.state.engine.session_info(session_id, owner))
     return SessionDetail(**info.__dict__)
 
 
-@router.post("/{session_id}/completions", response_model=None,
+@router.post("/{session_id:session_id}/completions", response_model=None,
              responses={**streamed(CompletionResponse), **errors(*GENERATION, 404, 409)})
 async def session_completions(request: Request, session_id: str, body: CompletionRequest, settings: SettingsDep,
                               tokenizer: TokenizerDep, owner: Owner):
     return await run_completion(request, body, settings, tokenizer, owner, session_id=session_id)
 
 
-@router.post("/{session_id}/fork", response_model=SessionRef, responses=errors(*SESSION, 429))
+@router.post("/{session_id:session_id}/fork", response_model=SessionRef, responses=errors(*SESSION, 429))
 async def fork_session(request: Request, session_id: str, owner: Owner) -> SessionRef:
     info = await engine_call(request, request.app.state.engine.fork_session(session_id, owner))
     return SessionRef(id=info.id)
 
 
-@router.get("/{session_id}/state", response_class=Response, responses={
+@router.get("/{session_id:session_id}/state", response_class=Response, responses={
     200: {"content": {"application/octet-stream": BINARY}, "description": "the session's safetensors snapshot"},
     **errors(*SESSION)})
 async def export_session(request: Request, session_id: str, owner: Owner) -> Response:
@@ -84,7 +93,7 @@ async def export_session(request: Request, session_id: str, owner: Owner) -> Res
                     headers={"Content-Disposition": f'attachment; filename="{session_id}.safetensors"'})
 
 
-@router.delete("/{session_id}", status_code=204, response_class=Response, responses=errors(*SESSION))
+@router.delete("/{session_id:session_id}", status_code=204, response_class=Response, responses=errors(*SESSION))
 async def delete_session(request: Request, session_id: str, owner: Owner) -> Response:
     await engine_call(request, request.app.state.engine.delete_session(session_id, owner))
     return Response(status_code=204)

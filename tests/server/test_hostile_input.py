@@ -32,7 +32,8 @@ def still_serving(client) -> None:
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"seed": 2**70}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"top_k": 2**63}, "top_k"),
+    ({"seed": 2**70}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"seed": 2**64 - 1}, "seed"),
+    ({"echo": 0}, "echo"), ({"prompt": [True]}, "prompt"), ({"top_k": 2**63}, "top_k"),
     ({"top_k": 5000}, "top_k"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stop": ""}, "stop"), ({"n": 2**70}, "n"), ({"max_tokens": 2**70}, "max_tokens"),
 ])
@@ -43,7 +44,7 @@ def test_out_of_range_fields_are_400_and_the_engine_lives(client, fields, param)
 
 
 def test_extreme_but_valid_seeds_are_served(client):
-    for seed, n in [(2**64 - 1, 2), (-(2**63), 1)]:
+    for seed, n in [(2**53, 2), (-(2**53), 1)]:
         body = {"prompt": "x", "max_tokens": 3, "seed": seed, "n": n, "temperature": 1.0, "ignore_eos": True}
         assert len(client.post("/v1/completions", json=body).json()["choices"]) == n
     still_serving(client)
@@ -88,7 +89,7 @@ def test_chunked_body_over_the_limit_is_413(make_client):
 
 def test_stack_errors_are_json_with_the_right_allow(client):
     assert error_of(client.get("/no/such/route"), 404)
-    response = client.put("/v1/sessions/sess-x")
+    response = client.put("/v1/sessions/sess-0123abc")
     error_of(response, 405)
     assert response.headers["allow"] == "DELETE, GET"
     response = client.request("OPTIONS", "/v1/completions")
