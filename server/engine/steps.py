@@ -111,10 +111,8 @@ class StepExecution:
         slots or outputs."""
         params = [row.live.request.params for row in rows]
         bp = BatchParams.from_params(params, self.device)
-        finite = torch.isfinite(logits).all(dim=-1)  # (B,)
-        broken = (~finite).tolist()
-        if any(broken):
-            logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # (B, V) sample something
+        finite = torch.isfinite(logits).all(dim=-1)  # (B,) checked with the tokens: no extra device sync
+        logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # (B, V) broken rows: anything
         processed = logits
         if bp.any_penalty:
             counts = torch.stack([row.counts if row.counts is not None else logits.new_zeros(self.vocab_size)
@@ -125,7 +123,8 @@ class StepExecution:
         uniforms = torch.tensor([row.uniform() for row in rows], device=self.device)  # (B,)
         tokens = sample(processed, bp, uniforms)  # (B,)
         logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        return Choice(tokens.tolist(), logprobs, broken)
+        chosen, ok = torch.stack([tokens, finite.long()]).tolist()  # (2, B): one transfer
+        return Choice(chosen, logprobs, [not flag for flag in ok])
 
     def _deliver(self: Engine, rows: list[Row], choice: Choice, latencies: list) -> None:
         """Record each row's token, emit its output, retire finished rows; fail requests with broken rows."""

@@ -208,3 +208,19 @@ def test_openapi_documents_what_the_server_answers(client):
     request = document["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"maximum": len(client.app.state.tokenizer)}.items() <= request["top_k"].items()
     assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_full_session_tiers_answer_429_and_stateless_work_still_runs(make_client):
+    client = make_client(num_slots=4, max_host_sessions=2, reserved_slots=1, max_n=1)
+    created = [client.post("/v1/sessions", json={"prompt": f"Speaker {i}."}) for i in range(5)]
+    assert all(r.status_code == 200 for r in created)
+    refused = client.post("/v1/sessions", json={})
+    assert error_of(refused, 429)["code"] == "capacity" and refused.headers["retry-after"]
+    body = {"prompt": "ROMEO.", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for _ in range(3):  # stateless requests always find a slot
+        assert client.post("/v1/completions", json=body).status_code == 200
+    for response in created:  # and so does every session, from whichever tier it is in
+        sid = response.json()["id"]
+        assert client.post(f"/v1/sessions/{sid}/completions", json=body).status_code == 200
+    assert error_of(client.post(f"/v1/sessions/{created[0].json()['id']}/fork"), 429)
+    assert_slots_balance(client.app.state.engine)
