@@ -337,7 +337,7 @@ class Engine(StepExecution):
         return {"slots_in_use": self.pool.used_slots, "running_rows": len(row_only),
                 "device_sessions": len(session_slots), "distinct_session_slots": len(set(session_slots)),
                 "distinct_row_slots": len(set(seq_slots)), "row_slots": len(seq_slots),
-                "free_list": self.pool.free_slots, "distinct_free": len(set(self.pool._free)),
+                "free_list": self.pool.free_slots, "distinct_free": self.pool.distinct_free_slots,
                 "num_slots": self.pool.num_slots, "bytes_in_use": self.pool.bytes_in_use,
                 "slot_bytes": self.pool.slot_bytes, "live": len(self.live)}
 

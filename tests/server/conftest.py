@@ -46,12 +46,13 @@ def free_port() -> int:
 class ServerProcess:
     """A real `linserve serve` on a free 127.0.0.1 port; stopped with SIGTERM."""
 
-    def __init__(self, checkpoint, log_path, *extra: str, env: dict | None = None) -> None:
+    def __init__(self, checkpoint, log_path, *extra: str, env: dict | None = None,
+                 entry: tuple[str, ...] = ("-m", "server.cli")) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log_path
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16", **(env or {})}
-        command = [sys.executable, "-m", "server.cli", "serve", "--model", str(checkpoint), "--port", str(self.port),
+        command = [sys.executable, *entry, "serve", "--model", str(checkpoint), "--port", str(self.port),
                    "--device", "cpu", "--log-level", "warning", *extra]
         with open(log_path, "w") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

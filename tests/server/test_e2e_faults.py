@@ -1,20 +1,17 @@
-"""Faults against a real `linserve serve` on 127.0.0.1: a dead engine ends the process (status 3), slow and
+"""Faults against a real `linserve serve` on 127.0.0.1: a dying engine ends the process (status 3), slow and
 malformed requests get JSON errors, a client leaving mid-prefill leaves no session, tokenizing a huge
 prompt does not block the event loop."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from .conftest import ServerProcess, free_port
+from .conftest import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -53,33 +50,18 @@ def metric(base: str, name: str) -> float:
     raise KeyError(name)
 
 
-def test_a_dead_engine_fails_requests_turns_health_503_and_exits_3(tiny_checkpoint, tmp_path):
-    port = free_port()
-    log = tmp_path / "dying.log"
-    command = [sys.executable, "-c", DYING_SERVER, "serve", "--model", str(tiny_checkpoint), "--port", str(port),
-               "--device", "cpu", "--log-level", "warning"]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base = f"http://127.0.0.1:{port}"
+def test_a_dying_engine_fails_its_requests_and_the_process_exits_3(tiny_checkpoint, tmp_path):
+    server = ServerProcess(tiny_checkpoint, tmp_path / "dying.log", entry=("-c", DYING_SERVER))
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         statuses = []
         for _ in range(3):
-            response = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+            response = httpx.post(f"{server.base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
             statuses.append(response.status_code)
             assert response.json()["error"]["message"]
         assert statuses[0] == 500  # failed, with the engine still alive
-        assert process.wait(30) == 3, log.read_text()[-2000:]
+        assert server.process.wait(30) == 3, server.log.read_text()[-2000:]
     finally:
-        if process.poll() is None:
-            process.kill()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
