@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ CONFIG = Path(__file__).with_name("schemathesis.toml")
 
 
 def test_schemathesis_finds_nothing(tiny_checkpoint, tmp_path):
-    st = shutil.which("st")
+    beside = Path(sys.executable).with_name("st")  # the CLI installed with this interpreter's schemathesis
+    st = str(beside) if beside.exists() else shutil.which("st")
     assert st, "schemathesis is a dev dependency (pip install -e '.[dev]')"
     server = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--num-slots", "8",
                            env={"LINSERVE_MAX_TOKENS_LIMIT": "16"})
