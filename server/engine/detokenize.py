@@ -6,6 +6,7 @@ from typing import Protocol
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 6  # tokens of already-emitted text decoded again for context (byte-level merges)
+MAX_HELD_TOKENS = 8  # a UTF-8 character spans at most 4 bytes: past this, held bytes are emitted as U+FFFD
 
 
 class Decoder(Protocol):
@@ -13,10 +14,11 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a stream of token ids into text deltas.
 
     Each call decodes only the tokens since the last emitted text plus a few before them, and holds
-    back text that ends in an incomplete UTF-8 character until the next token completes it.
+    back text that ends in an incomplete UTF-8 character until the next token completes it. Only that
+    window of ids is kept: its size does not grow with the sequence.
     """
 
     def __init__(self, decoder: Decoder, skip_ids: frozenset[int] = frozenset()) -> None:
@@ -32,11 +34,16 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix_text = self.decoder.decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self.decoder.decode(self.ids[self.prefix_offset :])
-        if full_text.endswith(REPLACEMENT) or len(full_text) <= len(prefix_text):
+        held = len(self.ids) - self.read_offset
+        if (full_text.endswith(REPLACEMENT) and held < MAX_HELD_TOKENS) or len(full_text) <= len(prefix_text):
             return ""  # an incomplete character: wait for the next token
         delta = full_text[len(prefix_text) :]
         self.read_offset = len(self.ids)
         self.prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
+        if self.prefix_offset:  # drop ids before the window: nothing will decode them again
+            del self.ids[: self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
         return delta
 
 

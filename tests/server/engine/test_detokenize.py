@@ -54,3 +54,14 @@ def test_false_alarm_is_released():
 def test_earliest_of_several_stops_wins():
     text, hit = StopMatcher(("b", "a")).push("xxabxx")
     assert hit and text == "xx"
+
+
+def test_the_window_stays_bounded_even_for_bytes_that_never_form_text(hf_tokenizer):
+    from server.engine.detokenize import CONTEXT_TOKENS, MAX_HELD_TOKENS, IncrementalDetokenizer
+
+    decoder = hf_tokenizer.backend_tokenizer
+    lone_byte = next(i for i in range(len(hf_tokenizer)) if decoder.decode([i]) == "\ufffd")
+    detok = IncrementalDetokenizer(decoder)
+    text = "".join(detok.add(lone_byte) for _ in range(200))
+    assert text and set(text) == {"\ufffd"}  # emitted, not held forever
+    assert len(detok.ids) <= CONTEXT_TOKENS + MAX_HELD_TOKENS
