@@ -47,7 +47,10 @@ def tokenize(tokenizer, text: str) -> list[int]:
     """Token ids via the Rust tokenizer (no per-token Python lists of masks). A multi-megabyte text costs
     ~130 bytes per character at its peak, and glibc keeps freed heap unless asked: trim after a big one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    ids = backend.encode(text, add_special_tokens=False).ids if backend else tokenizer.encode(text, add_special_tokens=False)
+    if backend is None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:  # encode_batch releases the GIL while it works (encode does not): the event loop keeps running
+        ids = backend.encode_batch([text], add_special_tokens=False)[0].ids
     if len(text) >= heap.LARGE_TEXT_CHARS:
         heap.trim()
     return ids
