@@ -21,12 +21,14 @@ class IncrementalDetokenizer:
     window of ids is kept: its size does not grow with the sequence.
     """
 
-    def __init__(self, decoder: Decoder, skip_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, decoder: Decoder, skip_ids: frozenset[int] = frozenset(), context: list[int] = ()) -> None:
         self.decoder = decoder
         self.skip_ids = skip_ids
-        self.ids: list[int] = []
+        self.ids: list[int] = [t for t in context if t not in skip_ids]  # already-seen text, never emitted
+        if self.ids and decoder.decode(self.ids).endswith(REPLACEMENT):
+            self.ids = []  # context that ends inside a character cannot anchor the next delta
         self.prefix_offset = 0  # start of the context window
-        self.read_offset = 0  # tokens up to here are already emitted as text
+        self.read_offset = len(self.ids)  # tokens up to here are already emitted as text
 
     def add(self, token_id: int) -> str:
         if token_id in self.skip_ids:

@@ -61,6 +61,7 @@ class EngineConfig:
     max_context: int = 8192  # softmax models only: KV-cache capacity per slot
     # slots idle sessions can never pin: stateless work always finds room (at least max_n of them)
     reserved_slots: int = 8
+    session_turns_kept: int = 8  # turn snapshots per session, for rewind (each one state's bytes)
 
 
 class Engine(StepExecution):
@@ -81,7 +82,7 @@ class Engine(StepExecution):
         self.prefix_cache = PrefixCache(cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         self.sessions = SessionManager(self.pool, model, config.max_host_sessions, config.session_ttl_s,
-                                       self.reserved_slots)
+                                       self.reserved_slots, config.session_turns_kept)
         self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
                                    config.max_prefill_while_decoding)
         self.stats_sink = stats_sink or (lambda stats: None)
@@ -133,6 +134,12 @@ class Engine(StepExecution):
 
     def import_session(self, data: bytes, owner: str | None) -> Future:
         return self._call(lambda: self.sessions.import_(data, owner))
+
+    def session_turns(self, session_id: str, owner: str | None) -> Future:
+        return self._call(lambda: self.sessions.turns(session_id, owner))
+
+    def rewind_session(self, session_id: str, owner: str | None, turn: int) -> Future:
+        return self._call(lambda: self.sessions.rewind(session_id, owner, turn))
 
     def delete_session(self, session_id: str, owner: str | None) -> Future:
         return self._call(lambda: self.sessions.delete(session_id, owner))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
-from .sessions import Session
+from .sessions import TAIL_TOKENS, Session
 from .state_pool import StatePool
 from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, TokenLogprob
 
@@ -27,6 +28,7 @@ class Row:
     stop: StopMatcher
     next_token: int | None = None  # sampled, not yet consumed by the state
     num_generated: int = 0
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_TOKENS))
     finished: bool = False
     last_time: float | None = None
     counts: torch.Tensor | None = None  # (V,) generated-token counts (penalties only)
@@ -36,11 +38,15 @@ class Row:
         return 0.0 if self.generator is None else float(torch.rand(1, generator=self.generator))
 
     def start_penalties(self, vocab: int, device: torch.device) -> None:
+        """counts: this request's generated tokens; seen: those, the prompt and a session's history."""
         self.counts = torch.zeros(vocab, device=device)  # (V,)
-        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # (V,)
-        context = self.live.context_tokens()
-        if context:
-            self.seen[torch.tensor(context, device=device)] = True
+        session = self.live.session
+        if session is not None and session.seen is not None:
+            self.seen = session.seen.to(device, copy=True)  # (V,)
+        else:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # (V,)
+        if self.live.request.prompt_ids:
+            self.seen[torch.tensor(self.live.request.prompt_ids, device=device)] = True
 
     def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_id: int | None,
                latencies: list[tuple[int, float]]) -> RequestOutput:
@@ -50,8 +56,7 @@ class Row:
         if self.counts is not None:
             self.counts[token] += 1
             self.seen[token] = True
-        if self.index == 0 and self.live.session is not None:
-            self.live.session_generated.append(token)  # a session's transcript (bounded in issue 10's store)
+        self.recent.append(token)
         position = self.live.base_position + self.num_generated - 1
         if self.last_time is not None:
             latencies.append((position, now - self.last_time))
@@ -95,7 +100,6 @@ class LiveRequest:
     first_token_time: float | None = None
     consumed: int = 0  # feed tokens consumed by the state so far
     last_logits: torch.Tensor | None = None  # (V,) after the last consumed feed token
-    session_generated: list[int] = field(default_factory=list)  # row 0's tokens, for the session's transcript
     prefix_digest: bytes = b""  # prefix-cache key chain at the last block boundary consumed
 
     @property
@@ -103,9 +107,10 @@ class LiveRequest:
         """Position of the first generated token in the whole sequence (session history included)."""
         return (self.session.tokens if self.session else 0) + len(self.request.prompt_ids)
 
-    def context_tokens(self) -> list[int]:
-        history = self.session.transcript if self.session else []
-        return history + self.request.prompt_ids
+    def detokenizer_context(self) -> list[int]:
+        """The last tokens before the first generated one: a character split across them decodes whole."""
+        history = self.session.tail if self.session else []
+        return (history + self.request.prompt_ids[-TAIL_TOKENS:])[-TAIL_TOKENS:]
 
     def assign_slots(self, slots: list[int], now: float, vocab: int, device: torch.device) -> None:
         params = self.request.params
@@ -117,8 +122,9 @@ class LiveRequest:
                 # row i samples with seed + i; mod 2**64 keeps every seed the API accepts in the generator's range
                 seed = (params.seed + index) % 2**64 if params.seed is not None else random.getrandbits(63)
                 generator = torch.Generator().manual_seed(seed)
-            row = Row(self, index, slot, generator, IncrementalDetokenizer(self.decoder, skip), StopMatcher(params.stop))
-            if params.uses_penalties:
+            detokenizer = IncrementalDetokenizer(self.decoder, skip, self.detokenizer_context())
+            row = Row(self, index, slot, generator, detokenizer, StopMatcher(params.stop))
+            if params.uses_penalties or self.session is not None:  # a session's history records what it saw
                 row.start_penalties(vocab, device)
             self.rows.append(row)
 

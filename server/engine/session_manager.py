@@ -13,9 +13,11 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import torch
+
 from model import LinearGPT
 
-from .sessions import Session, SessionInfo, decode_snapshot, encode_snapshot, model_fingerprint, new_session_id
+from .sessions import TAIL_TOKENS, Session, SessionInfo, Turn, decode_snapshot, encode_snapshot, model_fingerprint, new_session_id
 from .state_pool import StatePool
 from .types import EngineError
 
@@ -27,9 +29,11 @@ EXPIRY_CHECK_INTERVAL_S = 1.0
 
 class SessionManager:
     def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
-                 reserved_slots: int = 0) -> None:
+                 reserved_slots: int = 0, turns_kept: int = 8) -> None:
         self.pool = pool
         self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.turns_kept = turns_kept
         self.max_host_sessions = max_host_sessions
         self.max_sessions = max_host_sessions + pool.num_slots - reserved_slots
         self.ttl_s = ttl_s
@@ -102,17 +106,61 @@ class SessionManager:
         self._touch(session)
 
     def commit(self, session: Session, live: LiveRequest) -> None:
-        """After a request: the transcript grows by what the state consumed plus the sampled tokens."""
+        """After a request: the history grows by what the state consumed plus the sampled tokens; each
+        change of the head is a turn."""
         old_pending = len(session.pending)
+        consumed_prompt: list[int] = []
         if live.consumed >= old_pending and live.consumed > 0:
-            prompt_consumed = live.consumed - old_pending
-            session.transcript.extend(live.request.prompt_ids[:prompt_consumed])
+            consumed_prompt = live.request.prompt_ids[: live.consumed - old_pending]
             session.pending, session.logits = [], live.last_logits
-        generated = live.session_generated
-        if generated:
-            session.transcript.extend(generated)
-            session.pending, session.logits = [generated[-1]], None
+        row = live.rows[0] if live.rows else None
+        generated = row.num_generated if row is not None else 0
+        if consumed_prompt or generated:
+            # out of place: these tensors may come from inside or outside inference mode
+            seen = session.seen if session.seen is not None else torch.zeros(self.vocab_size, dtype=torch.bool)
+            if consumed_prompt:
+                seen = seen.index_fill(0, torch.tensor(consumed_prompt), True)
+            if generated:
+                seen = seen | (row.counts > 0).cpu()
+                session.pending, session.logits = [row.next_token], None
+            session.seen = seen
+            session.tokens += len(consumed_prompt) + generated
+            recent = list(row.recent) if row is not None else []
+            session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + recent)[-TAIL_TOKENS:]
+            self._record_turn(session)
         self.release(session)
+
+    # ---- turns ----
+    def _record_turn(self, session: Session) -> None:
+        session.turn_count += 1
+        if self.turns_kept == 0:
+            return
+        state = {name: t.clone() for name, t in self._state_of(session).items()}
+        session.turns.append(Turn(index=session.turn_count, tokens=session.tokens, created=time.time(), state=state,
+                                  history=session.copy_history()))
+        del session.turns[: -self.turns_kept]
+
+    def turns(self, session_id: str, owner: str | None) -> list[Turn]:
+        return list(self.get(session_id, owner).turns)
+
+    def rewind(self, session_id: str, owner: str | None, index: int) -> SessionInfo:
+        """Make turn `index` the head again: its state and history back, later turns dropped."""
+        session = self._idle(session_id, owner)
+        turn = next((t for t in session.turns if t.index == index), None)
+        if turn is None:
+            kept = [t.index for t in session.turns]
+            raise EngineError(f"turn {index} is not kept for this session (kept: {kept})", param="turn")
+        for name, value in turn.history.items():
+            setattr(session, name, value.clone() if isinstance(value, torch.Tensor) else
+                    (list(value) if isinstance(value, list) else value))
+        if session.slot is not None:
+            self.pool.load(session.slot, turn.state)
+        else:
+            session.host = {name: t.clone() for name, t in turn.state.items()}
+        session.turns = [t for t in session.turns if t.index <= index]
+        session.turn_count = index
+        self._touch(session)
+        return self.info(session)
 
     def delete(self, session_id: str, owner: str | None) -> None:
         session = self._idle(session_id, owner)
@@ -174,9 +222,7 @@ class SessionManager:
     def fork(self, session_id: str, owner: str | None) -> SessionInfo:
         source = self._idle(session_id, owner)
         self._check_capacity()
-        child = Session(id=new_session_id(), owner=owner, transcript=list(source.transcript),
-                        pending=list(source.pending), imported_tokens=source.imported_tokens,
-                        logits=None if source.logits is None else source.logits.clone())
+        child = Session(id=new_session_id(), owner=owner, **source.copy_history())
         slot = self.allocate_slot(keep=source) if source.slot is not None else None  # never offload the source
         if slot is not None:
             self.pool.copy(source.slot, slot)  # a device copy of one fixed-size state
@@ -196,5 +242,5 @@ class SessionManager:
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
         snapshot = decode_snapshot(data, template, self.fingerprint, self.model.config.vocab_size)
         session = Session(id=new_session_id(), owner=owner, pending=snapshot.pending, logits=snapshot.logits,
-                          host=snapshot.state, imported_tokens=snapshot.tokens)
+                          host=snapshot.state, tokens=snapshot.tokens, seen=snapshot.seen, tail=snapshot.tail)
         return self._add(session)

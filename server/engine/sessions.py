@@ -1,9 +1,12 @@
-"""Sessions: a named, persistent state that is exactly consistent with its transcript, and its snapshot.
+"""Sessions: a named, persistent state that is exactly consistent with its history, and its snapshot.
 
-Invariant: the state has consumed every transcript token except `pending` (the last sampled token, not
+Invariant: the state has consumed every history token except `pending` (the last sampled token, not
 yet fed). When nothing is pending, `logits` holds the distribution for the next token, so a session can
-continue with or without a new prompt. A snapshot carries exactly that — state, pending, logits — plus a
-format version and the model's fingerprint, as safetensors bytes.
+continue with or without a new prompt. Nothing in a session grows with its length: besides the state it
+keeps the token count, `seen` — a (vocab,) bool vector of every token in its history, which is all the
+repetition penalty reads — and the last few tokens (`tail`, context for detokenizing what comes next).
+A snapshot carries exactly that plus a format version and the model's fingerprint, as safetensors bytes;
+resuming from it is indistinguishable from never having left, penalties included.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from model import LinearGPT
 from .types import EngineError
 
 SNAPSHOT_FORMAT = "linserve-session"
-SNAPSHOT_VERSION = "1"
+SNAPSHOT_VERSION = "2"  # 1 had no `seen`/`tail`: still imported, with an empty penalty history
+TAIL_TOKENS = 6  # history tokens kept as detokenizer context (as many as it re-decodes)
 # What a real state can hold. A trained model's S, z and convolution window stay many orders of magnitude
 # below this (the shipped model, 16,384 random tokens: max |S| 943, max z 817); a state above it cannot
 # have come from the model and overflows fp32 in φ(q)ᵀS. z = Σ φ(k) is never negative (φ is positive).
@@ -35,23 +39,40 @@ MAX_SESSION_TOKENS = 2**48  # ~2.8e14 tokens: more than any session can have con
 class Session:
     id: str
     owner: str | None
-    transcript: list[int] = field(default_factory=list)
+    tokens: int = 0  # history length: consumed tokens plus the pending one
     pending: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (V,) fp32, when nothing is pending
+    seen: torch.Tensor | None = None  # (V,) bool on the host: tokens in the history (None: empty history)
+    tail: list[int] = field(default_factory=list)  # the last TAIL_TOKENS history tokens
     slot: int | None = None  # device tier
     host: dict[str, torch.Tensor] | None = None  # host tier (offloaded)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False
-    imported_tokens: int = 0  # history consumed before an import (its token ids are not in the snapshot)
+    turns: list[Turn] = field(default_factory=list)  # the last `session_turns_kept`, oldest first
+    turn_count: int = 0  # turns completed (the index of the newest)
 
     @property
     def tier(self) -> str:
         return "device" if self.slot is not None else "host"
 
-    @property
-    def tokens(self) -> int:
-        return self.imported_tokens + len(self.transcript)
+    def copy_history(self) -> dict:
+        """Everything but the state and the bookkeeping: what a fork or a turn snapshot copies."""
+        return {"tokens": self.tokens, "pending": list(self.pending), "tail": list(self.tail),
+                "logits": None if self.logits is None else self.logits.clone(),
+                "seen": None if self.seen is None else self.seen.clone()}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The session as it was after one turn: its state (host copy) and history — one state's bytes plus
+    the (vocab,) `seen` vector, whatever the history's length."""
+
+    index: int
+    tokens: int
+    created: float  # unix time
+    state: dict[str, torch.Tensor]
+    history: dict
 
 
 @dataclass(frozen=True)
@@ -80,8 +101,11 @@ def model_fingerprint(model: LinearGPT) -> str:
 def encode_snapshot(state: dict[str, torch.Tensor], session: Session, fingerprint: str) -> bytes:
     tensors = {f"state.{name}": t.detach().cpu().contiguous() for name, t in state.items()}
     tensors["pending"] = torch.tensor(session.pending, dtype=torch.int64)
+    tensors["tail"] = torch.tensor(session.tail, dtype=torch.int64)
     if session.logits is not None:
         tensors["logits"] = session.logits.detach().float().cpu().contiguous()
+    if session.seen is not None:
+        tensors["seen"] = session.seen.detach().cpu().contiguous()
     metadata = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "fingerprint": fingerprint,
                 "tokens": str(session.tokens)}
     return st_save(tensors, metadata=metadata)
@@ -93,6 +117,8 @@ class Snapshot:
     pending: list[int]
     logits: torch.Tensor | None
     tokens: int
+    seen: torch.Tensor | None
+    tail: list[int]
 
 
 def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint: str, vocab_size: int) -> Snapshot:
@@ -107,13 +133,17 @@ def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint:
         raise invalid(f"not a safetensors file ({error.__class__.__name__})") from None
     if metadata.get("format") != SNAPSHOT_FORMAT:
         raise invalid(f"format is {metadata.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
-    if metadata.get("version") != SNAPSHOT_VERSION:
-        raise invalid(f"version {metadata.get('version')!r} is not supported (expected {SNAPSHOT_VERSION})")
+    version = metadata.get("version")
+    if version not in ("1", SNAPSHOT_VERSION):
+        raise invalid(f"version {version!r} is not supported (expected {SNAPSHOT_VERSION})")
     if metadata.get("fingerprint") != fingerprint:
         raise invalid("it was made by a different model (fingerprint mismatch)")
     expected = {f"state.{name}" for name in template} | {"pending"}
     names = set(tensors)
-    if not expected <= names or names - expected - {"logits"}:
+    optional = {"logits", "seen"} | ({"tail"} if version == "1" else set())
+    if version != "1":
+        expected |= {"tail"}
+    if not expected <= names or names - expected - optional:
         raise invalid(f"tensors {sorted(names)} do not match the model's state {sorted(expected)}")
     state = {}
     for name, like in template.items():
@@ -136,6 +166,14 @@ def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint:
     if logits is not None and (logits.shape != (vocab_size,) or logits.dtype != torch.float32
                                or not torch.isfinite(logits).all() or logits.abs().max() > MAX_STATE_MAGNITUDE):
         raise invalid(f"logits must be finite float32 of shape ({vocab_size},) within ±{MAX_STATE_MAGNITUDE:g}")
+    seen = tensors.get("seen")
+    if seen is not None and (seen.shape != (vocab_size,) or seen.dtype != torch.bool):
+        raise invalid(f"seen must be a bool vector of shape ({vocab_size},)")
+    tail = tensors.get("tail", torch.zeros(0, dtype=torch.int64))
+    if tail.dtype != torch.int64 or tail.ndim != 1 or len(tail) > TAIL_TOKENS:
+        raise invalid(f"tail must be an int64 vector of at most {TAIL_TOKENS} tokens")
+    if len(tail) and not bool(((tail >= 0) & (tail < vocab_size)).all()):
+        raise invalid("tail holds tokens outside the vocabulary")
     try:
         tokens = int(metadata.get("tokens", ""))
     except ValueError:
@@ -144,7 +182,8 @@ def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint:
         raise invalid(f"tokens must be in [0, {MAX_SESSION_TOKENS}]")
     if tokens < len(pending) or (tokens > 0 and not len(pending) and logits is None):
         raise invalid("token count, pending token and logits are inconsistent")
-    return Snapshot(state=state, pending=pending.tolist(), logits=logits, tokens=tokens)
+    return Snapshot(state=state, pending=pending.tolist(), logits=logits, tokens=tokens, seen=seen,
+                    tail=tail.tolist())
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:

@@ -87,7 +87,7 @@ def test_corrupt_and_foreign_snapshots_are_rejected(make_engine, tiny_model, hf_
     run(engine, prompt(10, 6), SamplingParams(max_tokens=0), "x0", session_id=session.id)
     data = engine.export_session(session.id, None).result(10)
     for bad, message in [(b"not safetensors", "not a safetensors"), (data[:-7], "not a safetensors"),
-                         (data.replace(b'"version":"1"', b'"version":"9"'), "version")]:
+                         (data.replace(b'"version":"2"', b'"version":"9"'), "version")]:
         with pytest.raises(EngineError, match=message):
             engine.import_session(bad, None).result(10)
     torch.manual_seed(1)

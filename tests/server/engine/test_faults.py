@@ -200,7 +200,7 @@ def test_full_session_tiers_never_starve_stateless_or_host_work(make_engine):
 
 
 def test_a_request_keeps_nothing_that_grows_with_its_length(make_engine):
-    """Invariant 4 for a stateless stream: the live request's containers are as big at token 1,500 as at 50."""
+    """Invariant 4 for a stateless stream: the live request's containers are no bigger at token 1,500 than at 50."""
     engine = make_engine()
     sink = Collector()
     engine.submit(EngineRequest("long", prompt(5), SamplingParams(max_tokens=2_000, temperature=0.8, seed=1,
@@ -222,7 +222,8 @@ def test_a_request_keeps_nothing_that_grows_with_its_length(make_engine):
         sizes.append(engine._call(footprint).result(10))
     engine.abort("long")
     sink.wait()
-    assert sizes[0] == sizes[1]
+    # windows (detokenizer ids, held stop text) wobble by a few items; a per-token list would add ~1,450
+    assert abs(sizes[1] - sizes[0]) <= 16, sizes
 
 
 def test_prefix_cache_entries_are_scoped_by_api_key(make_engine):
