@@ -234,6 +234,17 @@ class SessionRef(BaseModel):
     id: str
 
 
+class RewindRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    turn: Int = Field(ge=1, description="a kept turn's index (GET /v1/sessions/{id}/turns)")
+
+
+class TurnInfo(BaseModel):
+    turn: int
+    tokens: int  # the session's length after this turn
+    created: float  # unix time
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str

@@ -13,7 +13,8 @@ from ..engine.types import EngineError
 from ..errors import from_engine_error
 from ..generation import collect, start_generation
 from ..openapi import BINARY, BODY, GENERATION, SESSION, errors, streamed
-from ..schemas import CompletionRequest, CompletionResponse, SessionCreated, SessionCreateRequest, SessionDetail, SessionRef
+from ..schemas import (CompletionRequest, CompletionResponse, RewindRequest, SessionCreated, SessionCreateRequest,
+                       SessionDetail, SessionRef, TurnInfo)
 from .openai import run_completion
 
 class SessionIdConvertor(StringConvertor):
@@ -91,6 +92,20 @@ async def export_session(request: Request, session_id: str, owner: Owner) -> Res
     data = await engine_call(request, request.app.state.engine.export_session(session_id, owner))
     return Response(data, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{session_id}.safetensors"'})
+
+
+@router.get("/{session_id:session_id}/turns", response_model=list[TurnInfo], responses=errors(*SESSION))
+async def list_turns(request: Request, session_id: str, owner: Owner) -> list[TurnInfo]:
+    """The kept turns, oldest first: each a snapshot the session can be rewound to."""
+    turns = await engine_call(request, request.app.state.engine.session_turns(session_id, owner))
+    return [TurnInfo(turn=t.index, tokens=t.tokens, created=t.created) for t in turns]
+
+
+@router.post("/{session_id:session_id}/rewind", response_model=SessionDetail, responses=errors(*BODY, 404, 409))
+async def rewind(request: Request, session_id: str, body: RewindRequest, owner: Owner) -> SessionDetail:
+    """Make a kept turn the head again (later turns are dropped): regenerate or edit the last answer."""
+    info = await engine_call(request, request.app.state.engine.rewind_session(session_id, owner, body.turn))
+    return SessionDetail(**info.__dict__)
 
 
 @router.delete("/{session_id:session_id}", status_code=204, response_class=Response, responses=errors(*SESSION))

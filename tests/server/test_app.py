@@ -177,3 +177,22 @@ def test_softmax_checkpoint_is_served_with_a_kv_cache(small_tokenizer, tmp_path)
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
         assert client.post("/v1/sessions", json={}).status_code == 400
         assert "linserve_state_bytes_per_session" in client.get("/metrics").text
+
+
+def test_turns_and_rewind_regenerate_the_last_answer(client):
+    sid = client.post("/v1/sessions", json={"prompt": "HAMLET.\n"}).json()["id"]
+    ask = {"prompt": "To be", "max_tokens": 8, "temperature": 0.9, "seed": 3, "ignore_eos": True}
+    first = client.post(f"/v1/sessions/{sid}/completions", json=ask).json()["choices"][0]["text"]
+    client.post(f"/v1/sessions/{sid}/completions", json={**ask, "prompt": " or not"})
+    turns = client.get(f"/v1/sessions/{sid}/turns").json()
+    assert [t["turn"] for t in turns] == [1, 2, 3] and turns[0]["tokens"] < turns[1]["tokens"] < turns[2]["tokens"]
+    # "regenerate the answer to turn 2": back to turn 1, ask again — same seed, same answer
+    detail = client.post(f"/v1/sessions/{sid}/rewind", json={"turn": 1}).json()
+    assert detail["tokens"] == turns[0]["tokens"] and detail["id"] == sid
+    again = client.post(f"/v1/sessions/{sid}/completions", json=ask).json()["choices"][0]["text"]
+    assert again == first
+    assert [t["turn"] for t in client.get(f"/v1/sessions/{sid}/turns").json()] == [1, 2]
+    bad = client.post(f"/v1/sessions/{sid}/rewind", json={"turn": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "turn"
+    assert client.post(f"/v1/sessions/{sid}/rewind", json={"turn": 0}).status_code == 400
+    assert client.post("/v1/sessions/sess-unknown/rewind", json={"turn": 1}).status_code == 404
