@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import sys
 import time
@@ -28,7 +29,8 @@ from serving_overhead import start_server  # noqa: E402
 
 from model.generate import decode_one_token, prefill
 from model.loading import DEFAULT_CHECKPOINT, load_model
-from server.engine.state_pool import StatePool
+from server.engine import SamplingParams  # noqa: E402
+from server.engine.state_pool import StatePool  # noqa: E402
 
 WARMUP_TOKENS = 1024
 RSS_TARGET = 0.005
@@ -74,6 +76,42 @@ def served_stream(tokens: int) -> dict:
         server.wait(30)
 
 
+def session_bytes(model, long_tokens: int) -> dict:
+    """Bytes a session holds (state, history, turn snapshots) after 10 tokens and after `long_tokens`,
+    each in two turns, through the real engine and the shipped model. (Under 6 tokens a session's tail
+    is shorter, so it is a few bytes smaller: 10 is past that.)"""
+    from transformers import AutoTokenizer
+
+    from server.engine import Engine, EngineConfig, EngineRequest
+
+    with torch.inference_mode(False):  # the pool's buffers are written outside inference mode too
+        engine = Engine(model, AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT)), EngineConfig(num_slots=4),
+                        torch.device("cpu")).start()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        measured = {}
+        for total in (10, long_tokens):
+            session = engine.create_session(None).result(60)
+            for turn, length in enumerate((total - total // 5, total // 5)):  # 8 + 2 tokens: both turns past the tail
+                ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).tolist()
+                done = queue.Queue()
+                engine.submit(EngineRequest(f"{total}-{turn}", ids, SamplingParams(max_tokens=0),
+                                            session_id=session.id), done.put).result(60)
+                while not done.get(timeout=600).finished:
+                    pass
+
+            def held(sid=session.id) -> tuple[int, int]:
+                s = engine.sessions.sessions[sid]
+                return s.tokens, s.nbytes() + (engine.pool.slot_bytes if s.slot is not None else 0)
+
+            measured[total] = engine._call(held).result(60)
+    finally:
+        engine.stop()
+    (short_tokens, short_bytes), (long_count, long_bytes) = measured[10], measured[long_tokens]
+    return {"tokens": [short_tokens, long_count], "bytes": [short_bytes, long_bytes],
+            "target": "equal", "pass": short_bytes == long_bytes}
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -109,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                 "growth": growth, "target": f"<= {RSS_TARGET}", "pass": growth <= RSS_TARGET, "samples": samples},
         "tokens_per_s": args.tokens / (time.perf_counter() - started),
     }}
+    result["P8"]["session_bytes"] = session_bytes(model, 2_000 if args.quick else 100_000)
     if not args.no_server:
         result["P8"]["served_rss"] = served_stream(args.tokens)
     emit(result, args.out)

@@ -56,6 +56,15 @@ class Session:
     def tier(self) -> str:
         return "device" if self.slot is not None else "host"
 
+    def nbytes(self) -> int:
+        """Host bytes of everything the session holds: state (when offloaded), history, turn snapshots."""
+        tensors = [*(self.host or {}).values(), self.logits, self.seen]
+        for turn in self.turns:
+            tensors += [*turn.state.values(), turn.history["logits"], turn.history["seen"]]
+        words = len(self.pending) + len(self.tail) + sum(len(t.history["pending"]) + len(t.history["tail"])
+                                                         for t in self.turns)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + 8 * words
+
     def copy_history(self) -> dict:
         """Everything but the state and the bookkeeping: what a fork or a turn snapshot copies."""
         return {"tokens": self.tokens, "pending": list(self.pending), "tail": list(self.tail),

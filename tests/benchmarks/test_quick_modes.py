@@ -55,6 +55,7 @@ def test_memory(tmp_path):
     data = json.loads((tmp_path / "p8.json").read_text())
     assert data["P8"]["state_bytes"]["equal"] is True
     assert data["P8"]["served_rss"]["tokens"] == 2048 and data["P8"]["served_rss"]["end_mb"] > 0
+    assert data["P8"]["session_bytes"]["tokens"] == [10, 2000] and data["P8"]["session_bytes"]["pass"] is True
 
 
 @pytest.mark.parametrize("target", [f"p{i}_" for i in range(1, 9)])
