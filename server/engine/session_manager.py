@@ -235,7 +235,7 @@ class SessionManager:
     def export(self, session_id: str, owner: str | None) -> bytes:
         session = self._idle(session_id, owner)
         self._touch(session)
-        return encode_snapshot(self._state_of(session), session, self.fingerprint)
+        return encode_snapshot(self._state_of(session), session.copy_history(), self.fingerprint)
 
     def import_(self, data: bytes, owner: str | None) -> SessionInfo:
         self._check_capacity()

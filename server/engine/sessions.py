@@ -107,16 +107,28 @@ def model_fingerprint(model: LinearGPT) -> str:
     return digest.hexdigest()
 
 
-def encode_snapshot(state: dict[str, torch.Tensor], session: Session, fingerprint: str) -> bytes:
-    tensors = {f"state.{name}": t.detach().cpu().contiguous() for name, t in state.items()}
-    tensors["pending"] = torch.tensor(session.pending, dtype=torch.int64)
-    tensors["tail"] = torch.tensor(session.tail, dtype=torch.int64)
-    if session.logits is not None:
-        tensors["logits"] = session.logits.detach().float().cpu().contiguous()
-    if session.seen is not None:
-        tensors["seen"] = session.seen.detach().cpu().contiguous()
+def _snapshot_tensors(state: dict[str, torch.Tensor], history: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    tensors = {f"{prefix}state.{name}": t.detach().cpu().contiguous() for name, t in state.items()}
+    tensors[f"{prefix}pending"] = torch.tensor(history["pending"], dtype=torch.int64)
+    tensors[f"{prefix}tail"] = torch.tensor(history["tail"], dtype=torch.int64)
+    if history["logits"] is not None:
+        tensors[f"{prefix}logits"] = history["logits"].detach().float().cpu().contiguous()
+    if history["seen"] is not None:
+        tensors[f"{prefix}seen"] = history["seen"].detach().cpu().contiguous()
+    return tensors
+
+
+def encode_snapshot(state: dict[str, torch.Tensor], history: dict, fingerprint: str, turns: tuple = (),
+                    extra: dict[str, str] | None = None) -> bytes:
+    """The head (state + history, see Session.copy_history) and, for the session store, kept turns and
+    extra metadata (owner, created)."""
+    tensors = _snapshot_tensors(state, history)
+    for turn in turns:
+        tensors.update(_snapshot_tensors(turn.state, turn.history, f"turn.{turn.index}."))
     metadata = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "fingerprint": fingerprint,
-                "tokens": str(session.tokens)}
+                "tokens": str(history["tokens"]), **(extra or {})}
+    if turns:
+        metadata["turns"] = json.dumps([{"index": t.index, "tokens": t.tokens, "created": t.created} for t in turns])
     return st_save(tensors, metadata=metadata)
 
 
@@ -128,25 +140,55 @@ class Snapshot:
     tokens: int
     seen: torch.Tensor | None
     tail: list[int]
+    metadata: dict[str, str] = field(default_factory=dict)
+    turns: tuple[Turn, ...] = ()
+
+    @property
+    def history(self) -> dict:
+        return {"tokens": self.tokens, "pending": self.pending, "logits": self.logits, "seen": self.seen,
+                "tail": self.tail}
 
 
-def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint: str, vocab_size: int) -> Snapshot:
-    """Parse and validate; every problem is an EngineError saying what is wrong."""
-    def invalid(message: str) -> EngineError:
-        return EngineError(f"invalid session snapshot: {message}", kind="invalid", param="snapshot")
+def _invalid(message: str) -> EngineError:
+    return EngineError(f"invalid session snapshot: {message}", kind="invalid", param="snapshot")
 
+
+def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint: str, vocab_size: int,
+                    with_turns: bool = False) -> Snapshot:
+    """Parse and validate; every problem is an EngineError saying what is wrong. Kept turns (a session
+    store's record) are read only `with_turns`; an exported snapshot has none."""
     try:
         tensors = st_load(data)
         metadata = _read_metadata(data)
     except Exception as error:  # noqa: BLE001 - any parse failure is the client's bad input
-        raise invalid(f"not a safetensors file ({error.__class__.__name__})") from None
+        raise _invalid(f"not a safetensors file ({error.__class__.__name__})") from None
     if metadata.get("format") != SNAPSHOT_FORMAT:
-        raise invalid(f"format is {metadata.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+        raise _invalid(f"format is {metadata.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
     version = metadata.get("version")
     if version not in ("1", SNAPSHOT_VERSION):
-        raise invalid(f"version {version!r} is not supported (expected {SNAPSHOT_VERSION})")
+        raise _invalid(f"version {version!r} is not supported (expected {SNAPSHOT_VERSION})")
     if metadata.get("fingerprint") != fingerprint:
-        raise invalid("it was made by a different model (fingerprint mismatch)")
+        raise _invalid("it was made by a different model (fingerprint mismatch)")
+    head = {name: t for name, t in tensors.items() if not (with_turns and name.startswith("turn."))}
+    snapshot = _validated(head, metadata.get("tokens", ""), version, template, vocab_size)
+    turns = []
+    if with_turns:
+        try:
+            listed = json.loads(metadata.get("turns", "[]"))
+            indices = [(int(t["index"]), int(t["tokens"]), float(t["created"])) for t in listed]
+        except (ValueError, TypeError, KeyError):
+            raise _invalid("the turn list is malformed") from None
+        for index, tokens, created in indices:
+            prefix = f"turn.{index}."
+            group = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            turn = _validated(group, str(tokens), version, template, vocab_size)
+            turns.append(Turn(index=index, tokens=tokens, created=created, state=turn.state, history=turn.history))
+    return Snapshot(**{**snapshot.__dict__, "metadata": metadata, "turns": tuple(turns)})
+
+
+def _validated(tensors: dict[str, torch.Tensor], tokens_text: str, version: str, template: dict[str, torch.Tensor],
+               vocab_size: int) -> Snapshot:
+    invalid = _invalid
     expected = {f"state.{name}" for name in template} | {"pending"}
     names = set(tensors)
     optional = {"logits", "seen"} | ({"tail"} if version == "1" else set())
@@ -184,7 +226,7 @@ def decode_snapshot(data: bytes, template: dict[str, torch.Tensor], fingerprint:
     if len(tail) and not bool(((tail >= 0) & (tail < vocab_size)).all()):
         raise invalid("tail holds tokens outside the vocabulary")
     try:
-        tokens = int(metadata.get("tokens", ""))
+        tokens = int(tokens_text)
     except ValueError:
         raise invalid("tokens is not an integer") from None
     if not 0 <= tokens <= MAX_SESSION_TOKENS:
