@@ -44,7 +44,8 @@ def engine_config(settings: Settings, model) -> EngineConfig:
                         prefix_cache_entries=settings.prefix_cache_entries,
                         max_host_sessions=settings.max_host_sessions, session_ttl_s=settings.session_ttl_s,
                         max_n=settings.max_n, max_waiting=settings.max_waiting, max_context=settings.max_context,
-                        reserved_slots=settings.reserved_slots, session_turns_kept=settings.session_turns_kept)
+                        reserved_slots=settings.reserved_slots, session_turns_kept=settings.session_turns_kept,
+                        session_store=settings.session_store)
 
 
 def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  - re-exported for the /metrics route
 
-from .engine.types import PoolStats, RequestStats, StepStats
+from .engine.types import PoolStats, RequestStats, StepStats, StoreStats
 
 disable_created_metrics()  # no *_created series: plain classic text format
 
@@ -63,7 +63,11 @@ class Metrics:
         self.prefix_queries = Counter("linserve_prefix_cache_queries_total", "Prefix-cache lookups.", registry=r)
         self.prefix_hits = Counter("linserve_prefix_cache_hits_total", "Prefix-cache lookups that found a prefix.",
                                    registry=r)
-        for tier in ("device", "host"):
+        self.store_ops = Counter("linserve_session_store_operations_total", "Session-store operations by result.",
+                                 ["op", "result"], registry=r)
+        self.store_seconds = Histogram("linserve_session_store_seconds", "Session-store operation time.", ["op"],
+                                       buckets=REQUEST_BUCKETS, registry=r)
+        for tier in ("device", "host", "store"):
             self.sessions.labels(tier)
         for _, label in CONTEXT_BUCKETS:
             self.itl.labels(label)
@@ -88,6 +92,7 @@ class Metrics:
             self.pool_bytes.labels("in_use").set(stats.state_bytes_in_use)
             self.sessions.labels("device").set(stats.sessions_device)
             self.sessions.labels("host").set(stats.sessions_host)
+            self.sessions.labels("store").set(stats.sessions_store)
         elif isinstance(stats, RequestStats):
             self.queue_wait.observe(stats.queue_wait_s)
             if stats.ttft_s is not None:
@@ -100,6 +105,10 @@ class Metrics:
                 self.prefix_queries.inc()
                 if stats.prefix_cache_hit:
                     self.prefix_hits.inc()
+
+        elif isinstance(stats, StoreStats):
+            self.store_ops.labels(stats.op, "ok" if stats.ok else "error").inc()
+            self.store_seconds.labels(stats.op).observe(stats.seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,7 +34,8 @@ from .scheduler import SchedSeq, Scheduler
 from .session_manager import SessionManager
 from .state_pool import StatePool
 from .steps import StepExecution
-from .types import EngineError, EngineRequest, FinishReason, PoolStats, RequestOutput
+from .session_store import StoreWriter, open_store
+from .types import EngineError, EngineRequest, FinishReason, PoolStats, RequestOutput, StoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class EngineConfig:
     # slots idle sessions can never pin: stateless work always finds room (at least max_n of them)
     reserved_slots: int = 8
     session_turns_kept: int = 8  # turn snapshots per session, for rewind (each one state's bytes)
+    session_store: str = "none"  # "none" or "dir:PATH": the tier below host memory
 
 
 class Engine(StepExecution):
@@ -81,11 +83,14 @@ class Engine(StepExecution):
         cache_entries = config.prefix_cache_entries if self.linear else 0
         self.prefix_cache = PrefixCache(cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
+        self.stats_sink = stats_sink or (lambda stats: None)
+        store = open_store(config.session_store) if self.linear else None
+        self.store_writer = None if store is None else StoreWriter(
+            store, lambda op, ok, seconds: self.stats_sink(StoreStats(op, ok, seconds)))
         self.sessions = SessionManager(self.pool, model, config.max_host_sessions, config.session_ttl_s,
-                                       self.reserved_slots, config.session_turns_kept)
+                                       self.reserved_slots, config.session_turns_kept, store, self.store_writer)
         self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
                                    config.max_prefill_while_decoding)
-        self.stats_sink = stats_sink or (lambda stats: None)
         self.live: dict[str, LiveRequest] = {}
         self._commands: queue.Queue[Command] = queue.Queue()
         self._stopping = threading.Event()
@@ -104,12 +109,13 @@ class Engine(StepExecution):
         return self.death is None and self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight (finish reason `abort`) and end the thread."""
-        if not self._thread.is_alive():
-            return
-        self._stopping.set()  # from here on new requests are refused
-        self._commands.put((lambda: None, None))  # wake the loop
-        self._thread.join(timeout)
+        """Abort everything in flight (finish reason `abort`), end the thread, flush the session store."""
+        if self._thread.is_alive():
+            self._stopping.set()  # from here on new requests are refused
+            self._commands.put((lambda: None, None))  # wake the loop
+            self._thread.join(timeout)
+        if self.store_writer is not None:
+            self.store_writer.close()  # every turn handed over is on disk before the process exits
 
     def submit(self, request: EngineRequest, sink: Sink) -> Future:
         """Future resolves once the request is accepted, or raises EngineError (bad input, busy, full)."""
@@ -334,7 +340,7 @@ class Engine(StepExecution):
         self.stats_sink(PoolStats(
             running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, slots_in_use=self.pool.used_slots,
             slots_total=self.pool.num_slots, state_bytes_in_use=self.pool.bytes_in_use,
-            sessions_device=tiers["device"], sessions_host=tiers["host"],
+            sessions_device=tiers["device"], sessions_host=tiers["host"], sessions_store=self.sessions.stored,
         ))
 
     def _slot_accounting(self) -> dict[str, int]:

@@ -9,6 +9,7 @@ the least recently used one out in its place.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ import torch
 from model import LinearGPT
 
 from .sessions import TAIL_TOKENS, Session, SessionInfo, Turn, decode_snapshot, encode_snapshot, model_fingerprint, new_session_id
+from .session_store import SessionStore, StoreWriter
 from .state_pool import StatePool
 from .types import EngineError
 
@@ -25,12 +27,18 @@ if TYPE_CHECKING:
     from .live import LiveRequest
 
 EXPIRY_CHECK_INTERVAL_S = 1.0
+STORE_SWEEP_INTERVAL_S = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 class SessionManager:
     def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
-                 reserved_slots: int = 0, turns_kept: int = 8) -> None:
+                 reserved_slots: int = 0, turns_kept: int = 8, store: SessionStore | None = None,
+                 writer: StoreWriter | None = None) -> None:
         self.pool = pool
+        self.store, self.writer = store, writer
+        self.stored = store.count() if store is not None else 0  # records in the store (refreshed by the sweep)
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.turns_kept = turns_kept
@@ -40,6 +48,7 @@ class SessionManager:
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._fingerprint: str | None = None
         self._last_expiry = 0.0
+        self._last_store_sweep = 0.0
 
     @property
     def fingerprint(self) -> str:
@@ -50,9 +59,52 @@ class SessionManager:
     # ---- lookup ----
     def get(self, session_id: str, owner: str | None) -> Session:
         session = self.sessions.get(session_id)
+        if session is None and self.store is not None:
+            session = self._load(session_id)
         if session is None or session.owner != owner:  # another key's session does not exist for you
             raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
         return session
+
+    def _load(self, session_id: str) -> Session | None:
+        """A session that is only in the store (after a restart, or expired from memory) comes back to the
+        host tier, turns included; validated like an import."""
+        try:
+            data = self.store.get(session_id)
+        except Exception as error:  # noqa: BLE001 - the store is down: say so, stateless work goes on
+            raise EngineError(f"the session store is unavailable ({error.__class__.__name__})", kind="unavailable") from None
+        if data is None:
+            return None
+        template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
+        try:
+            snapshot = decode_snapshot(data, template, self.fingerprint, self.vocab_size, with_turns=True)
+        except EngineError as error:
+            raise EngineError(f"session {session_id!r} is stored but unreadable: {error.message}",
+                              param="session_id") from None
+        self._check_capacity()
+        meta = snapshot.metadata
+        session = Session(id=session_id, owner=meta.get("owner") or None, host=snapshot.state,
+                          created=float(meta.get("created", time.time())), turns=list(snapshot.turns),
+                          turn_count=int(meta.get("turn_count", 0)), **snapshot.history)
+        self.sessions[session_id] = session
+        self.sessions.move_to_end(session_id, last=False)  # coldest: first to leave memory again
+        return session
+
+    def _persist(self, session: Session) -> None:
+        """Hand the writer thread immutable copies of the session; it encodes and writes them."""
+        if self.writer is None:
+            return
+        latest = session.turns[-1] if session.turns and session.turns[-1].index == session.turn_count else None
+        # the newest turn's snapshot is the head's state (immutable): the writer copies it, not this thread
+        state = latest.state if latest is not None else {n: t.clone() for n, t in self._state_of(session).items()}
+        history, turns = session.copy_history(), tuple(session.turns)
+        extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count)}
+        fingerprint = self.fingerprint
+
+        def encode() -> bytes:
+            own = {name: t.clone() for name, t in state.items()} if latest is not None else state
+            return encode_snapshot(own, history, fingerprint, turns, extra)
+
+        self.writer.put(session.id, encode)
 
     def info(self, session: Session) -> SessionInfo:
         idle = time.monotonic() - session.last_used
@@ -82,6 +134,7 @@ class SessionManager:
 
     def _add(self, session: Session) -> SessionInfo:
         self.sessions[session.id] = session
+        self._persist(session)
         return self.info(session)
 
     def _idle(self, session_id: str, owner: str | None) -> Session:
@@ -128,6 +181,7 @@ class SessionManager:
             recent = list(row.recent) if row is not None else []
             session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + recent)[-TAIL_TOKENS:]
             self._record_turn(session)
+            self._persist(session)
         self.release(session)
 
     # ---- turns ----
@@ -160,11 +214,14 @@ class SessionManager:
         session.turns = [t for t in session.turns if t.index <= index]
         session.turn_count = index
         self._touch(session)
+        self._persist(session)
         return self.info(session)
 
     def delete(self, session_id: str, owner: str | None) -> None:
         session = self._idle(session_id, owner)
         self._drop(session)
+        if self.writer is not None:
+            self.writer.delete(session_id)
 
     def _drop(self, session: Session) -> None:
         if session.slot is not None:
@@ -177,7 +234,16 @@ class SessionManager:
             return
         self._last_expiry = now
         for session in [s for s in self.sessions.values() if not s.busy and now - s.last_used > self.ttl_s]:
-            self._drop(session)
+            self._drop(session)  # with a store, its record stays until the store's own expiry below
+        if self.store is not None and now - self._last_store_sweep >= STORE_SWEEP_INTERVAL_S:
+            self._last_store_sweep = now
+            try:
+                for session_id in self.store.expired(self.ttl_s):
+                    if session_id not in self.sessions:
+                        self.writer.delete(session_id)
+                self.stored = self.store.count()
+            except Exception:  # noqa: BLE001 - a store that cannot be listed is retried next sweep
+                logger.exception("session store sweep failed")
 
     # ---- tiers ----
     def allocate_slot(self, keep: Session | None = None) -> int | None:

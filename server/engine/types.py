@@ -134,6 +134,7 @@ class PoolStats:
     state_bytes_in_use: int
     sessions_device: int
     sessions_host: int
+    sessions_store: int = 0  # records in the session store
 
 
 @dataclass(frozen=True)
@@ -146,3 +147,12 @@ class RequestStats:
     generated_tokens: int
     finish_reason: FinishReason
     prefix_cache_hit: bool | None  # None: not a stateless request (no lookup)
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """One session-store operation (emitted by the writer thread and by loads)."""
+
+    op: str  # "put", "get", "delete"
+    ok: bool
+    seconds: float

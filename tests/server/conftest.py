@@ -16,11 +16,12 @@ from server.settings import Settings
 
 
 @pytest.fixture
-def make_client(tiny_checkpoint):
+def make_client(tiny_checkpoint, tmp_path):
     clients = []
 
     def factory(**overrides) -> TestClient:
-        base = dict(model=str(tiny_checkpoint), device="cpu", num_slots=8, max_prefill_chunk=16, max_batch_tokens=64)
+        base = dict(model=str(tiny_checkpoint), device="cpu", num_slots=8, max_prefill_chunk=16, max_batch_tokens=64,
+                    session_store=f"dir:{tmp_path / f'sessions{len(clients)}'}")
         settings = Settings(**{**base, **overrides})
         client = TestClient(create_app(settings))
         client.__enter__()  # runs the lifespan: model, pool, engine thread
@@ -51,7 +52,8 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16", **(env or {})}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16",
+               "LINSERVE_SESSION_STORE": f"dir:{log_path.parent / 'sessions'}", **(env or {})}
         command = [sys.executable, *entry, "serve", "--model", str(checkpoint), "--port", str(self.port),
                    "--device", "cpu", "--log-level", "warning", *extra]
         with open(log_path, "w") as out:

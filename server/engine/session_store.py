@@ -1,0 +1,130 @@
+"""The tier below host memory: sessions persisted as whole records (snapshot + kept turns + owner).
+
+`SessionStore` is the interface (put / get / delete / expired / count, each a whole record as bytes);
+`DirStore` keeps one file per session, written atomically (temp file, fsync, rename), so a crash never
+leaves a torn record. `StoreWriter` is the thread that encodes and writes records off the engine's hot
+path: the engine hands it immutable copies at the end of every turn and never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+SESSION_ID = re.compile(r"sess-[0-9A-Za-z_-]{1,64}")
+SUFFIX = ".lsess"
+
+
+class SessionStore(Protocol):
+    def put(self, session_id: str, data: bytes) -> None: ...
+    def get(self, session_id: str) -> bytes | None: ...
+    def delete(self, session_id: str) -> None: ...
+    def expired(self, ttl_s: float) -> list[str]: ...
+    def count(self) -> int: ...
+
+
+class DirStore:
+    """`dir:PATH` — one `<id>.lsess` file per session."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _file(self, session_id: str) -> Path | None:
+        return self.path / f"{session_id}{SUFFIX}" if SESSION_ID.fullmatch(session_id) else None
+
+    def put(self, session_id: str, data: bytes) -> None:
+        target = self._file(session_id)
+        if target is None:
+            raise ValueError(f"not a session id: {session_id!r}")
+        temporary = self.path / f".{session_id}.{uuid.uuid4().hex}.tmp"
+        with open(temporary, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, target)  # atomic: readers see the old record or the new one, never half
+
+    def get(self, session_id: str) -> bytes | None:
+        target = self._file(session_id)
+        try:
+            return target.read_bytes() if target is not None else None
+        except FileNotFoundError:
+            return None
+
+    def delete(self, session_id: str) -> None:
+        target = self._file(session_id)
+        if target is not None:
+            target.unlink(missing_ok=True)
+
+    def expired(self, ttl_s: float) -> list[str]:
+        cutoff = time.time() - ttl_s
+        return [f.name[: -len(SUFFIX)] for f in self.path.glob(f"*{SUFFIX}") if f.stat().st_mtime < cutoff]
+
+    def count(self) -> int:
+        return sum(1 for _ in self.path.glob(f"*{SUFFIX}"))
+
+
+def open_store(spec: str) -> SessionStore | None:
+    """`none`, or `dir:PATH`."""
+    if spec == "none":
+        return None
+    if spec.startswith("dir:") and len(spec) > 4:
+        return DirStore(spec[4:])
+    raise ValueError(f"session_store must be 'none' or 'dir:PATH', got {spec!r}")
+
+
+class StoreWriter:
+    """One thread that runs store writes in order: `put(id, encode)` encodes there, not on the caller."""
+
+    def __init__(self, store: SessionStore, on_result: Callable[[str, bool, float], None] | None = None) -> None:
+        self.store = store
+        self.on_result = on_result or (lambda op, ok, seconds: None)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="linserve-session-store", daemon=True)
+        self._thread.start()
+
+    def put(self, session_id: str, encode: Callable[[], bytes]) -> None:
+        self._queue.put(("put", session_id, encode))
+
+    def delete(self, session_id: str) -> None:
+        self._queue.put(("delete", session_id, None))
+
+    def flush(self) -> None:
+        """Wait until everything handed over so far is on disk."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                op, session_id, encode = item
+                started = time.perf_counter()
+                try:
+                    if op == "put":
+                        self.store.put(session_id, encode())
+                    else:
+                        self.store.delete(session_id)
+                    ok = True
+                except Exception:  # noqa: BLE001 - a failed write is logged and counted; serving goes on
+                    logger.exception("session store %s of %s failed", op, session_id)
+                    ok = False
+                self.on_result(op, ok, time.perf_counter() - started)
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,93 @@
+"""The dir session store: every turn is written; a new engine on the same directory continues every
+session exactly (turns and penalties included); a corrupt record is a clear error and the others load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine import Engine, EngineConfig, EngineError, SamplingParams
+from server.engine.session_store import DirStore
+from server.engine.types import StoreStats
+
+from .conftest import run, tokens_of
+
+PENALISED = SamplingParams(max_tokens=8, temperature=0.9, seed=2, repetition_penalty=1.5, ignore_eos=True)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(1, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture
+def store_engine(tiny_model, hf_tokenizer, tmp_path):
+    engines = []
+
+    def factory() -> Engine:
+        stats = []
+        config = EngineConfig(num_slots=8, max_prefill_chunk=16, max_batch_tokens=64,
+                              session_store=f"dir:{tmp_path / 'sessions'}")
+        engine = Engine(tiny_model, hf_tokenizer, config, torch.device("cpu"), stats.append).start()
+        engine.test_stats = stats
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.stop()
+
+
+def store_ops(engine) -> list:
+    return [s for s in engine.test_stats if isinstance(s, StoreStats)]
+
+
+def test_a_restarted_engine_continues_every_session_exactly(store_engine, tmp_path):
+    first = store_engine()
+    a = first.create_session("owner-a").result(10)
+    run(first, prompt(20, 1), SamplingParams(max_tokens=0), "a1", session_id=a.id, owner="owner-a")
+    run(first, [5, 6], PENALISED, "a2", session_id=a.id, owner="owner-a")
+    b = first.create_session(None).result(10)
+    run(first, prompt(9, 2), PENALISED, "b1", session_id=b.id)
+    # the reference: what the sessions give without any restart (on a fork, which leaves them untouched)
+    fork_a = first.fork_session(a.id, "owner-a").result(10)
+    expected_a = tokens_of(run(first, [7], PENALISED, "fa", session_id=fork_a.id, owner="owner-a"))
+    first.stop()  # flushes the writer
+    assert all(op.ok for op in store_ops(first)) and store_ops(first)
+    second = store_engine()
+    assert second.session_info(a.id, "owner-a").result(10).tier == "host"
+    with pytest.raises(EngineError) as error:
+        second.session_info(a.id, "owner-b").result(10)  # ownership travels with the record
+    assert error.value.kind == "not_found"
+    assert tokens_of(run(second, [7], PENALISED, "a3", session_id=a.id, owner="owner-a")) == expected_a
+    turns = second.session_turns(a.id, "owner-a").result(10)
+    assert [t.index for t in turns] == [1, 2, 3]
+    # rewind survives the restart too: back to turn 2 and ask again = the same answer
+    second.rewind_session(a.id, "owner-a", 2).result(10)
+    assert tokens_of(run(second, [7], PENALISED, "a3b", session_id=a.id, owner="owner-a")) == expected_a
+    assert second.session_info(b.id, None).result(10).tokens == 9 + 8
+
+
+def test_a_corrupt_record_is_a_clear_error_and_the_others_load(store_engine, tmp_path):
+    first = store_engine()
+    good = first.create_session(None).result(10)
+    bad = first.create_session(None).result(10)
+    run(first, prompt(5), SamplingParams(max_tokens=0), "g", session_id=good.id)
+    first.stop()
+    record = tmp_path / "sessions" / f"{bad.id}.lsess"
+    record.write_bytes(record.read_bytes()[:100])  # torn, as if written without the atomic rename
+    second = store_engine()
+    with pytest.raises(EngineError) as error:
+        second.session_info(bad.id, None).result(10)
+    assert error.value.kind == "invalid" and "unreadable" in error.value.message
+    assert second.session_info(good.id, None).result(10).tokens == 5
+
+
+def test_deleted_sessions_leave_the_store(store_engine, tmp_path):
+    engine = store_engine()
+    session = engine.create_session(None).result(10)
+    engine.store_writer.flush()
+    assert (tmp_path / "sessions" / f"{session.id}.lsess").exists()
+    engine.delete_session(session.id, None).result(10)
+    engine.store_writer.flush()
+    assert not (tmp_path / "sessions" / f"{session.id}.lsess").exists()
+    assert DirStore(tmp_path / "sessions").count() == 0
