@@ -4,6 +4,7 @@ prompt does not block the event loop."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -130,3 +131,49 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(strict_server):
     while metric(base, "linserve_requests_running") + metric(base, "linserve_requests_waiting") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
+
+
+def _continue(base: str, sid: str, body: dict) -> str:
+    response = httpx.post(f"{base}/v1/sessions/{sid}/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_sessions_survive_sigterm_and_sigkill(tiny_checkpoint, tmp_path):
+    """dir store: SIGTERM flushes, SIGKILL loses at most the turn in flight; after each restart every
+    session continues exactly as a never-restarted fork of it does."""
+    env = {"LINSERVE_SESSION_STORE": f"dir:{tmp_path / 'store'}"}
+    ask = {"prompt": " and", "max_tokens": 6, "temperature": 0.8, "seed": 5, "ignore_eos": True,
+           "repetition_penalty": 1.3}
+    first = ServerProcess(tiny_checkpoint, tmp_path / "a.log", env=env)
+    try:
+        sid = httpx.post(f"{first.base}/v1/sessions", json={"prompt": "HAMLET.\nTo be"}).json()["id"]
+        _continue(first.base, sid, ask)
+        twin = httpx.post(f"{first.base}/v1/sessions/{sid}/fork").json()["id"]
+        expected = _continue(first.base, twin, ask)
+    finally:
+        first.stop()  # SIGTERM: drain and flush
+    second = ServerProcess(tiny_checkpoint, tmp_path / "b.log", env=env)
+    try:
+        assert _continue(second.base, sid, ask) == expected
+        tokens = httpx.get(f"{second.base}/v1/sessions/{sid}").json()["tokens"]
+        # a turn in flight when the process is killed: the session resumes from its last completed turn
+        sock = socket.create_connection(("127.0.0.1", second.port))
+        body = json.dumps({**ask, "max_tokens": 1_000_000, "stream": True}).encode()
+        sock.sendall(b"POST /v1/sessions/%s/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (sid.encode(), len(body), body))
+        received = b""
+        while received.count(b"data: ") < 3:  # generating
+            received += sock.recv(4096)
+        second.process.kill()
+        second.process.wait(10)
+        sock.close()
+    finally:
+        second.stop()
+    third = ServerProcess(tiny_checkpoint, tmp_path / "c.log", env=env)
+    try:
+        assert httpx.get(f"{third.base}/v1/sessions/{sid}").json()["tokens"] == tokens
+        turns = httpx.get(f"{third.base}/v1/sessions/{sid}/turns").json()
+        assert turns[-1]["tokens"] == tokens
+    finally:
+        third.stop()
