@@ -104,6 +104,8 @@ class StoreWriter:
         self._queue.join()
 
     def close(self) -> None:
+        if not self._thread.is_alive():
+            return
         self.flush()
         self._queue.put(None)
         self._thread.join(10)

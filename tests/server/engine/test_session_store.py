@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import Engine, EngineConfig, EngineError, SamplingParams
+from server.engine import EngineError, SamplingParams
 from server.engine.session_store import DirStore
 from server.engine.types import StoreStats
 
@@ -20,21 +20,9 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 @pytest.fixture
-def store_engine(tiny_model, hf_tokenizer, tmp_path):
-    engines = []
-
-    def factory() -> Engine:
-        stats = []
-        config = EngineConfig(num_slots=8, max_prefill_chunk=16, max_batch_tokens=64,
-                              session_store=f"dir:{tmp_path / 'sessions'}")
-        engine = Engine(tiny_model, hf_tokenizer, config, torch.device("cpu"), stats.append).start()
-        engine.test_stats = stats
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        engine.stop()
+def store_engine(make_engine, tmp_path):
+    """Engines on one store directory (a second one is the first after a restart)."""
+    return lambda: make_engine(num_slots=8, session_store=f"dir:{tmp_path / 'sessions'}")
 
 
 def store_ops(engine) -> list:
