@@ -259,11 +259,22 @@ class SessionManager:
     def _offload_lru(self, keep: Session | None) -> bool:
         for session in self.sessions.values():
             if session.slot is not None and not session.busy and session is not keep:
-                session.host = self.pool.export(session.slot, "cpu")
-                self.pool.free(session.slot)
-                session.slot = None
+                self.offload(session)
                 return True
         return False
+
+    def offload(self, session: Session) -> None:
+        """Device → host memory (its slot freed)."""
+        session.host = self.pool.export(session.slot, "cpu")
+        self.pool.free(session.slot)
+        session.slot = None
+
+    def forget(self, session_id: str) -> None:
+        """Drop an idle session from memory only (its store record stays): as after a restart."""
+        session = self.sessions[session_id]
+        if self.store is None or session.busy:
+            raise EngineError("only an idle session with a store record can be forgotten", param="session_id")
+        self._drop(session)
 
     def bring_to_device(self, session: Session) -> int | None:
         if session.slot is not None:

@@ -64,3 +64,9 @@ def test_one_entry_script_per_spec_target(target):
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
                             cwd=BENCHMARKS.parent)
     assert result.returncode == 0 and "--quick" in result.stdout, result.stderr
+
+
+def test_resume_cost_by_tier(tmp_path):
+    run("p10_resume.py", "--out", str(tmp_path / "p10.json"))
+    data = json.loads((tmp_path / "p10.json").read_text())["P10"]
+    assert set(data) == {"device", "host", "dir"} and all(v["ratio"] > 0 for v in data.values())

@@ -1,0 +1,102 @@
+"""SPEC P10 resume — continuing a session costs the same for a 100- and a 100,000-token history, from
+every tier: device slot, host memory, the dir store (as after a restart). (Redis: with issue 10's store.)
+
+    python benchmarks/p10_resume.py [--reps 7] [--quick] [--out FILE]
+
+In process, shipped model, the real engine: a session is prefilled with `history` tokens, then for each
+repetition it is put in the tier and continued by one prompt token and one generated token; the time from
+submit to the last output is recorded. Target: median(100,000) / median(100) <= 1.10 for every tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit  # noqa: E402
+
+from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
+from server.engine import Engine, EngineConfig, EngineRequest, SamplingParams  # noqa: E402
+
+TIERS = ("device", "host", "dir")
+
+
+def finish(engine: Engine, request: EngineRequest) -> float:
+    done: queue.Queue = queue.Queue()
+    started = time.perf_counter()
+    engine.submit(request, done.put).result(600)
+    while not done.get(timeout=600).finished:
+        pass
+    return time.perf_counter() - started
+
+
+def put_in_tier(engine: Engine, session_id: str, tier: str) -> None:
+    manager = engine.sessions
+
+    def move() -> None:
+        session = manager.sessions[session_id]
+        if tier in ("host", "dir") and session.slot is not None:
+            manager.offload(session)
+        if tier == "dir":
+            engine.store_writer.flush()
+            manager.forget(session_id)
+
+    engine._call(move).result(60)
+
+
+def resume_times(engine: Engine, history: int, reps: int, generator: torch.Generator) -> dict[str, list[float]]:
+    vocab = engine.vocab_size
+    session = engine.create_session(None).result(60)
+    ids = torch.randint(0, vocab, (history,), generator=generator).tolist()
+    finish(engine, EngineRequest(f"fill-{history}", ids, SamplingParams(max_tokens=0), session_id=session.id))
+    times: dict[str, list[float]] = {tier: [] for tier in TIERS}
+    for rep in range(reps):
+        for tier in TIERS:  # interleaved: machine noise hits every tier alike
+            put_in_tier(engine, session.id, tier)
+            token = int(torch.randint(0, vocab, (1,), generator=generator))
+            request = EngineRequest(f"r-{history}-{tier}-{rep}", [token], SamplingParams(max_tokens=1, temperature=0),
+                                    session_id=session.id)
+            times[tier].append(finish(engine, request))
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--long", type=int, default=100_000)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.reps, args.long = 2, 1_000
+    from transformers import AutoTokenizer
+
+    model = load_model(DEFAULT_CHECKPOINT, torch.device("cpu")).model
+    with tempfile.TemporaryDirectory() as store:
+        engine = Engine(model, AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT)),
+                        EngineConfig(num_slots=8, session_store=f"dir:{store}"), torch.device("cpu")).start()
+        try:
+            generator = torch.Generator().manual_seed(0)
+            short = resume_times(engine, 100, args.reps, generator)
+            long = resume_times(engine, args.long, args.reps, generator)
+        finally:
+            engine.stop()
+    result = {"P10": {}}
+    for tier in TIERS:
+        a, b = statistics.median(short[tier]), statistics.median(long[tier])
+        result["P10"][tier] = {"ms_at_100": a * 1e3, f"ms_at_{args.long}": b * 1e3, "ratio": b / a,
+                               "target": "<= 1.10", "pass": b / a <= 1.10}
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
