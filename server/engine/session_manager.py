@@ -39,6 +39,7 @@ class SessionManager:
         self.pool = pool
         self.store, self.writer = store, writer
         self.stored = store.count() if store is not None else 0  # records in the store (refreshed by the sweep)
+        self._deleting: set[str] = set()  # deleted, record not yet removed by the writer: never load these
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.turns_kept = turns_kept
@@ -59,7 +60,7 @@ class SessionManager:
     # ---- lookup ----
     def get(self, session_id: str, owner: str | None) -> Session:
         session = self.sessions.get(session_id)
-        if session is None and self.store is not None:
+        if session is None and self.store is not None and session_id not in self._deleting:
             session = self._load(session_id)
         if session is None or session.owner != owner:  # another key's session does not exist for you
             raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
@@ -221,7 +222,8 @@ class SessionManager:
         session = self._idle(session_id, owner)
         self._drop(session)
         if self.writer is not None:
-            self.writer.delete(session_id)
+            self._deleting.add(session_id)
+            self.writer.delete(session_id, lambda: self._deleting.discard(session_id))
 
     def _drop(self, session: Session) -> None:
         if session.slot is not None:

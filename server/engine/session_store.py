@@ -96,8 +96,9 @@ class StoreWriter:
     def put(self, session_id: str, encode: Callable[[], bytes]) -> None:
         self._queue.put(("put", session_id, encode))
 
-    def delete(self, session_id: str) -> None:
-        self._queue.put(("delete", session_id, None))
+    def delete(self, session_id: str, done: Callable[[], None] | None = None) -> None:
+        """Queue a delete (after any queued write of the same session); `done` runs once it is done."""
+        self._queue.put(("delete", session_id, done))
 
     def flush(self) -> None:
         """Wait until everything handed over so far is on disk."""
@@ -123,6 +124,8 @@ class StoreWriter:
                         self.store.put(session_id, encode())
                     else:
                         self.store.delete(session_id)
+                        if encode is not None:
+                            encode()  # the delete's `done` callback
                     ok = True
                 except Exception:  # noqa: BLE001 - a failed write is logged and counted; serving goes on
                     logger.exception("session store %s of %s failed", op, session_id)

@@ -79,3 +79,22 @@ def test_deleted_sessions_leave_the_store(store_engine, tmp_path):
     engine.store_writer.flush()
     assert not (tmp_path / "sessions" / f"{session.id}.lsess").exists()
     assert DirStore(tmp_path / "sessions").count() == 0
+
+
+def test_a_deleted_session_is_gone_at_once_even_before_its_record(store_engine, monkeypatch):
+    engine = store_engine()
+    session = engine.create_session(None).result(10)
+    engine.store_writer.flush()
+    slow_delete = engine.sessions.store.delete
+
+    def delete_later(session_id):
+        import time
+        time.sleep(0.5)
+        slow_delete(session_id)
+
+    monkeypatch.setattr(engine.sessions.store, "delete", delete_later)
+    engine.delete_session(session.id, None).result(10)
+    with pytest.raises(EngineError) as error:
+        engine.session_info(session.id, None).result(10)  # not reloaded from the record still on disk
+    assert error.value.kind == "not_found"
+    engine.store_writer.flush()
