@@ -35,7 +35,7 @@ class Settings(BaseSettings):
     max_host_sessions: int = Field(1024, ge=0, description="sessions offloaded to host memory")
     session_ttl_s: float = Field(3600.0, gt=0)
     session_turns_kept: int = Field(8, ge=0, description="turn snapshots kept per session for rewind")
-    session_store: str = Field("dir:./data/sessions", description="'dir:PATH' (one file per session) or 'none'")
+    session_store: str = Field("dir:./data/sessions", description="'dir:PATH' (one file per session), 'redis://HOST:PORT/DB' or 'none'")
     max_n: int = Field(8, ge=1)
     reserved_slots: int = Field(8, ge=0, description="slots idle sessions never pin (raised to max_n)")
     max_waiting: int = Field(256, ge=1, description="queued requests before 429")

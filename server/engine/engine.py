@@ -63,7 +63,7 @@ class EngineConfig:
     # slots idle sessions can never pin: stateless work always finds room (at least max_n of them)
     reserved_slots: int = 8
     session_turns_kept: int = 8  # turn snapshots per session, for rewind (each one state's bytes)
-    session_store: str = "none"  # "none" or "dir:PATH": the tier below host memory
+    session_store: str = "none"  # "none", "dir:PATH" or "redis://HOST:PORT/DB": the tier below host memory
 
 
 class Engine(StepExecution):
@@ -84,7 +84,7 @@ class Engine(StepExecution):
         self.prefix_cache = PrefixCache(cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         self.stats_sink = stats_sink or (lambda stats: None)
-        store = open_store(config.session_store) if self.linear else None
+        store = open_store(config.session_store, config.session_ttl_s) if self.linear else None
         self.store_writer = None if store is None else StoreWriter(
             store, lambda op, ok, seconds: self.stats_sink(StoreStats(op, ok, seconds)))
         self.sessions = SessionManager(self.pool, model, config.max_host_sessions, config.session_ttl_s,

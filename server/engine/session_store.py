@@ -2,7 +2,7 @@
 
 `SessionStore` is the interface (put / get / delete / expired / count, each a whole record as bytes);
 `DirStore` keeps one file per session, written atomically (temp file, fsync, rename), so a crash never
-leaves a torn record. `StoreWriter` is the thread that encodes and writes records off the engine's hot
+leaves a torn record; `RedisStore` one key per session with the session TTL as its expiry. `StoreWriter` is the thread that encodes and writes records off the engine's hot
 path: the engine hands it immutable copies at the end of every turn and never waits for the disk.
 """
 
@@ -74,13 +74,52 @@ class DirStore:
         return sum(1 for _ in self.path.glob(f"*{SUFFIX}"))
 
 
-def open_store(spec: str) -> SessionStore | None:
-    """`none`, or `dir:PATH`."""
+class RedisStore:
+    """`redis://HOST:PORT/DB` — one key per session, expiring `ttl_s` after its last write (Redis expires
+    them itself). Errors propagate: a load answers 503, a failed write is logged and counted."""
+
+    PREFIX = "linserve:session:"
+
+    def __init__(self, url: str, ttl_s: float) -> None:
+        import redis  # only needed for this store
+
+        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.ttl_ms = max(int(ttl_s * 1000), 1)
+
+    def _key(self, session_id: str) -> str | None:
+        return self.PREFIX + session_id if SESSION_ID.fullmatch(session_id) else None
+
+    def put(self, session_id: str, data: bytes) -> None:
+        key = self._key(session_id)
+        if key is None:
+            raise ValueError(f"not a session id: {session_id!r}")
+        self.client.set(key, data, px=self.ttl_ms)  # one command: the record and its expiry, atomically
+
+    def get(self, session_id: str) -> bytes | None:
+        key = self._key(session_id)
+        return None if key is None else self.client.get(key)
+
+    def delete(self, session_id: str) -> None:
+        key = self._key(session_id)
+        if key is not None:
+            self.client.delete(key)
+
+    def expired(self, ttl_s: float) -> list[str]:
+        return []  # Redis expires keys by itself
+
+    def count(self) -> int:
+        return sum(1 for _ in self.client.scan_iter(match=self.PREFIX + "*", count=1000))
+
+
+def open_store(spec: str, ttl_s: float = 3600.0) -> SessionStore | None:
+    """`none`, `dir:PATH` or `redis://HOST:PORT/DB`."""
     if spec == "none":
         return None
     if spec.startswith("dir:") and len(spec) > 4:
         return DirStore(spec[4:])
-    raise ValueError(f"session_store must be 'none' or 'dir:PATH', got {spec!r}")
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(spec, ttl_s)
+    raise ValueError(f"session_store must be 'none', 'dir:PATH' or 'redis://HOST:PORT/DB', got {spec!r}")
 
 
 class StoreWriter:

@@ -3,6 +3,11 @@ session exactly (turns and penalties included); a corrupt record is a clear erro
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
+import time
+
 import pytest
 import torch
 
@@ -98,3 +103,51 @@ def test_a_deleted_session_is_gone_at_once_even_before_its_record(store_engine, 
         engine.session_info(session.id, None).result(10)  # not reloaded from the record still on disk
     assert error.value.kind == "not_found"
     engine.store_writer.flush()
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server (Debian's package; `.ci/run` installs it) on a free 127.0.0.1 port."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is required (Debian package 'redis-server'; .ci/run installs it)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0", process
+    process.kill()
+    process.wait(10)
+
+
+def test_redis_store_restart_expiry_and_outage(make_engine, redis_url):
+    url, server = redis_url
+    first = make_engine(num_slots=8, session_store=url, session_ttl_s=3600)
+    session = first.create_session("owner").result(10)
+    run(first, prompt(15, 3), SamplingParams(max_tokens=0), "r1", session_id=session.id, owner="owner")
+    twin = first.fork_session(session.id, "owner").result(10)
+    expected = tokens_of(run(first, [4], PENALISED, "rt", session_id=twin.id, owner="owner"))
+    first.stop()
+    assert all(op.ok for op in store_ops(first))
+    second = make_engine(num_slots=8, session_store=url)
+    assert tokens_of(run(second, [4], PENALISED, "r2", session_id=session.id, owner="owner")) == expected
+    # keys carry the session TTL: Redis forgets them by itself
+    short = make_engine(num_slots=8, session_store=url, session_ttl_s=0.3)
+    brief = short.create_session(None).result(10)
+    short.store_writer.flush()
+    time.sleep(0.6)
+    assert short.sessions.store.get(brief.id) is None
+    # Redis gone: a session that must be loaded is a 503-kind error, stateless work goes on
+    server.kill()
+    server.wait(10)
+    with pytest.raises(EngineError) as error:
+        second.session_info(twin.id, "owner").result(30)
+    assert error.value.kind == "unavailable"
+    assert tokens_of(run(second, prompt(4), SamplingParams(max_tokens=3, temperature=0), "stateless"))
