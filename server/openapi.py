@@ -45,10 +45,9 @@ def streamed(model) -> dict[int | str, dict[str, Any]]:
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
-def _limits(app: FastAPI) -> dict[str, dict[str, int]]:
+def _limits(app: FastAPI, vocab: int | None) -> dict[str, dict[str, int]]:
     """Bounds that only the loaded model and the settings know: property → {JSON-schema keyword: value}."""
     state, settings = app.state, app.state.settings
-    vocab = len(state.tokenizer) if getattr(state, "tokenizer", None) is not None else None
     engine = getattr(state, "engine", None)
     n_max = min(settings.max_n, engine.reserved_slots) if engine is not None else settings.max_n
     limits = {"max_tokens": {"maximum": settings.max_tokens_limit},
@@ -83,8 +82,8 @@ def document_errors(app: FastAPI) -> None:
         schemas = document.get("components", {}).get("schemas", {})
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
-        limits = _limits(app)
         vocab = len(app.state.tokenizer) if getattr(app.state, "tokenizer", None) is not None else None
+        limits = _limits(app, vocab)
         for name in ("CompletionRequest", "ChatCompletionRequest", "SessionCreateRequest"):
             properties = schemas.get(name, {}).get("properties", {})
             for field, bounds in limits.items():

@@ -28,7 +28,7 @@ class Row:
     stop: StopMatcher
     next_token: int | None = None  # sampled, not yet consumed by the state
     num_generated: int = 0
-    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_TOKENS))
+    recent: collections.deque | None = None  # a session row's last tokens (its next tail); None otherwise
     finished: bool = False
     last_time: float | None = None
     counts: torch.Tensor | None = None  # (V,) generated-token counts (penalties only)
@@ -56,7 +56,8 @@ class Row:
         if self.counts is not None:
             self.counts[token] += 1
             self.seen[token] = True
-        self.recent.append(token)
+        if self.recent is not None:
+            self.recent.append(token)
         position = self.live.base_position + self.num_generated - 1
         if self.last_time is not None:
             latencies.append((position, now - self.last_time))
@@ -126,6 +127,8 @@ class LiveRequest:
             row = Row(self, index, slot, generator, detokenizer, StopMatcher(params.stop))
             if params.uses_penalties or self.session is not None:  # a session's history records what it saw
                 row.start_penalties(vocab, device)
+            if self.session is not None:
+                row.recent = collections.deque(maxlen=TAIL_TOKENS)
             self.rows.append(row)
 
     def row_for_slot(self, slot: int) -> Row:

@@ -179,7 +179,7 @@ class SessionManager:
                 session.pending, session.logits = [row.next_token], None
             session.seen = seen
             session.tokens += len(consumed_prompt) + generated
-            recent = list(row.recent) if row is not None else []
+            recent = list(row.recent) if row is not None and row.recent is not None else []
             session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + recent)[-TAIL_TOKENS:]
             self._record_turn(session)
             self._persist(session)
