@@ -5,6 +5,35 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+
+def add_device_argument(parser) -> None:
+    parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
+                        help="where the model runs (default: cpu; auto picks CUDA when available)")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device on this machine")
+    return torch.device(name)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so that a wall-clock timing covers the work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(device: torch.device) -> dict:
+    """What the numbers were measured on (goes into every result file)."""
+    info = {"device": device.type, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
 
 def emit(result: dict, out: str | None) -> None:
     """Print the result as JSON, then a PASS/FAIL line per SPEC target in it; write the JSON to `out`."""

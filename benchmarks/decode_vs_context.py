@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from common import emit
+from common import add_device_argument, describe, emit, resolve_device, synchronize
 
 from model import LinearGPT, ModelConfig
 from model.generate import decode_one_token, prefill
@@ -25,11 +25,13 @@ from model.generate import decode_one_token, prefill
 SOFTMAX_MAX_CONTEXT = 8192  # beyond this the naive baseline's prefill alone takes minutes on CPU
 
 
-def median_step(step, steps: int) -> float:
+def median_step(step, steps: int, device: torch.device) -> float:
     times = []
     for _ in range(steps):
+        synchronize(device)
         started = time.perf_counter()
         step()
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -43,14 +45,17 @@ def gpt2_of(config: ModelConfig, max_context: int):
     return GPT2LMHeadModel(gpt2).eval()
 
 
-def memory_bandwidth_gbs(megabytes: int = 512, reps: int = 5) -> float:
-    """Read+write bandwidth of a large copy: bytes moved / time (GB/s)."""
-    src = torch.ones(megabytes * 2**20 // 4)
+def memory_bandwidth_gbs(device: torch.device, megabytes: int = 512, reps: int = 5) -> float:
+    """Read+write bandwidth of a large copy on the device: bytes moved / time (GB/s)."""
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
     times = []
     for _ in range(reps):
+        synchronize(device)
         started = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
@@ -64,19 +69,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small contexts and few repetitions (tests)")
     parser.add_argument("--out")
     parser.add_argument("--plot", help="PNG of step time vs context")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = resolve_device(args.device)
     if args.quick:
         args.contexts, args.reps, args.steps = [16, 256], 1, 3
     torch.manual_seed(0)
     linear_cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=6, n_heads=8, decay=True, conv_kernel=4)
     softmax_cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=6, n_heads=8, attention="softmax")
-    linear, softmax = LinearGPT(linear_cfg).eval(), LinearGPT(softmax_cfg).eval()
-    gpt2 = gpt2_of(linear_cfg, max(args.contexts))
-    token = torch.tensor([1])
+    linear, softmax = LinearGPT(linear_cfg).eval().to(device), LinearGPT(softmax_cfg).eval().to(device)
+    gpt2 = gpt2_of(linear_cfg, max(args.contexts)).to(device)
+    token = torch.tensor([1], device=device)
 
     steps = {}  # (model, context) → callable running one decode step from the same starting state
     for context in args.contexts:
-        ids = torch.randint(0, 4096, (1, context))
+        ids = torch.randint(0, 4096, (1, context), device=device)
         _, state = prefill(linear, ids)
         steps[("linear", context)] = lambda s=state: decode_one_token(linear, token, s)
         if context <= SOFTMAX_MAX_CONTEXT:
@@ -87,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     samples = {key: [] for key in steps}
     for _ in range(args.reps):
         for key, step in steps.items():
-            samples[key].append(median_step(step, args.steps))
-    bandwidth = memory_bandwidth_gbs(64 if args.quick else 512)
+            samples[key].append(median_step(step, args.steps, device))
+    bandwidth = memory_bandwidth_gbs(device, 64 if args.quick else 512)
 
     table = {}
     for (name, context), values in samples.items():
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     read_ms = weight_bytes / (bandwidth * 1e9) * 1e3
     step_ms = table["linear"][first]["median_ms"]
     result = {
-        "threads": torch.get_num_threads(),
+        **describe(device),
         "decode_step": table,
         "P1": {"ratio": p1, "measured": "linear step at the last context / at the first", "contexts": [first, last], "target": "<= 1.05", "pass": p1 <= 1.05},
         "P6": {"weight_bytes": weight_bytes, "bandwidth_gb_s": bandwidth, "weight_read_ms": read_ms,
@@ -136,7 +143,7 @@ def plot_steps(table: dict, path: str) -> None:
 
 def _gpt2_step(gpt2, cache, context: int):
     """One GPT-2 decode step; the cache is cropped back so every step starts from the same context."""
-    out = gpt2(torch.tensor([[1]]), past_key_values=cache, use_cache=True)
+    out = gpt2(torch.tensor([[1]], device=gpt2.device), past_key_values=cache, use_cache=True)
     out.past_key_values.crop(-1)
     return out
 

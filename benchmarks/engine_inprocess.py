@@ -18,24 +18,29 @@ import time
 
 import torch
 
-from common import emit, percentile
+from common import add_device_argument, describe, emit, percentile, resolve_device, synchronize
 
 from model.loading import DEFAULT_CHECKPOINT, load_model
 from server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 
 
 def p3_prefill(model, n_tokens: int, reps: int) -> dict:
-    ids = torch.randint(0, model.config.vocab_size, (1, n_tokens))
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, n_tokens), device=device)
     chunked, stepwise = [], []
     with torch.inference_mode():
+        model(ids[:, :64])  # warm-up (kernels, allocator)
         for _ in range(reps):
+            synchronize(device)
             started = time.perf_counter()
             _, state_chunked = model(ids)
+            synchronize(device)
             chunked.append(time.perf_counter() - started)
             started = time.perf_counter()
             state = None
             for t in range(n_tokens):
                 _, state = model(ids[:, t : t + 1], state)
+            synchronize(device)
             stepwise.append(time.perf_counter() - started)
     worst = max((a - b).abs().max().item() / b.abs().max().item()
                 for a, b in zip(state_chunked.tensors().values(), state.tensors().values()))
@@ -155,18 +160,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk)
     parser.add_argument("--out")
     parser.add_argument("--targets", nargs="+", default=["P3", "P4", "P7"], choices=["P3", "P4", "P7"])
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = resolve_device(args.device)
     from transformers import AutoTokenizer
 
-    lm = load_model(args.model, torch.device("cpu"))
+    lm = load_model(args.model, device)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = lm.model
     quick = args.quick
-    results = {"threads": torch.get_num_threads(), "model": args.model}
+    results = {**describe(device), "model": args.model}
     if "P3" in args.targets:
         results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3)
     config = EngineConfig(num_slots=64, max_prefill_chunk=args.max_prefill_chunk)
-    engine = Engine(model, tokenizer, config, torch.device("cpu")).start()
+    engine = Engine(model, tokenizer, config, device).start()
     try:
         if "P4" in args.targets:
             results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3)

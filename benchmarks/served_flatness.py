@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit  # noqa: E402
+from common import add_device_argument, describe, emit, resolve_device  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
 from model import LinearGPT  # noqa: E402
@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokens per stream for the softmax baseline (its steps grow with context)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out-dir", default="benchmarks/results")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = resolve_device(args.device)
     if args.quick:
         args.streams, args.tokens = 2, 256
     out_dir = Path(args.out_dir)
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         results, report = {}, {}
         for name, (model_dir, port, tokens) in servers.items():
             process = start_server(model_dir, port, args.streams, extra=["--log-level", "warning"],
-                                   env={"LINSERVE_MAX_CONTEXT": str(tokens + 64)})
+                                   env={"LINSERVE_MAX_CONTEXT": str(tokens + 64)}, device=device.type)
             try:
                 summary, records = measure(port, args.streams, tokens)
             finally:
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                             "ratio_spread_over_streams": [min(per_stream), max(per_stream)],
                             "windows": [[0, low], [high, tokens]],
                             "token_throughput_per_s": summary["token_throughput_per_s"]}
+    report["machine"] = describe(device)
     report["P2"] = {"ratio": report["linear"]["ratio"], "target": "<= 1.10", "pass": report["linear"]["ratio"] <= 1.10,
                     "streams": args.streams, "tokens": args.tokens}
     (out_dir / "p2_served_flatness.json").write_text(json.dumps({"summary": report, "bench": results}, indent=2) + "\n")

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit  # noqa: E402
+from common import add_device_argument, describe, emit, resolve_device  # noqa: E402
 from engine_inprocess import run_streams  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
@@ -32,9 +32,9 @@ from server.engine import Engine, EngineConfig  # noqa: E402
 
 
 def start_server(model: str, port: int, slots: int, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
+                 env: dict[str, str] | None = None, device: str = "cpu") -> subprocess.Popen:
     """`linserve serve` on 127.0.0.1:port, returned once /ready answers 200."""
-    command = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--device", "cpu",
+    command = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--device", device,
                "--num-slots", str(slots), *(extra or ["--log-level", "warning"])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, **(env or {})})
@@ -65,16 +65,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = resolve_device(args.device)
     if args.quick:
         args.tokens, args.reps = 16, 1
     from transformers import AutoTokenizer
 
     sizes = (1, 32)
-    model = load_model(args.model, torch.device("cpu")).model
-    engine = Engine(model, AutoTokenizer.from_pretrained(args.model), EngineConfig(num_slots=64),
-                    torch.device("cpu")).start()
-    server = start_server(args.model, args.port, 64)
+    model = load_model(args.model, device).model
+    engine = Engine(model, AutoTokenizer.from_pretrained(args.model), EngineConfig(num_slots=64), device).start()
+    server = start_server(args.model, args.port, 64, device=device.type)
     rates = {(where, n): [] for where in ("engine", "http") for n in sizes}
     try:
         http_rate(args.port, 1, 4)  # warm-up
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         server.terminate()
         server.wait(30)
-    result = {"tokens_per_stream": args.tokens, "reps": args.reps}
+    result = {**describe(device), "tokens_per_stream": args.tokens, "reps": args.reps}
     targets = {1: 0.9, 32: 0.7}
     for n in sizes:
         engine_rate = statistics.median(rates[("engine", n)])

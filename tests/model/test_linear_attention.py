@@ -9,6 +9,9 @@ from model.attention import head_log_decays
 from model.config import ModelConfig
 from model.feature_maps import FeatureMap
 from model.linear_attention import chunked_forward, recurrent_step
+from tests.devices import device_under_test
+
+DEVICE = device_under_test()  # `pytest --device cuda` runs these on the GPU
 
 B, H, D = 2, 3, 8
 EPS = 1e-6
@@ -17,7 +20,7 @@ EPS = 1e-6
 def naive_reference(phi_q, phi_k, v, log_decay, eps=EPS):
     """Explicit masked φ(Q)φ(K)ᵀ with decay γ^(i-j): O(T²), from the empty state."""
     T = phi_q.shape[2]
-    i = torch.arange(T)
+    i = torch.arange(T, device=phi_q.device)
     distance = (i[:, None] - i[None, :]).to(phi_q.dtype)  # (T, T)
     mask = (distance >= 0).to(phi_q.dtype)  # (T, T)
     if log_decay is None:
@@ -32,9 +35,10 @@ def reference_state(phi_k, v, log_decay):
     """Final (S, z) from the definition: Σ_j γ^(T-1-j) φ(k_j) v_jᵀ and Σ_j γ^(T-1-j) φ(k_j)."""
     T = phi_k.shape[2]
     if log_decay is None:
-        w = torch.ones(phi_k.shape[1], T, dtype=phi_k.dtype)
+        w = torch.ones(phi_k.shape[1], T, dtype=phi_k.dtype, device=phi_k.device)
     else:
-        w = torch.exp(log_decay.to(phi_k.dtype)[:, None] * torch.arange(T - 1, -1, -1, dtype=phi_k.dtype))
+        steps = torch.arange(T - 1, -1, -1, dtype=phi_k.dtype, device=phi_k.device)  # (T,)
+        w = torch.exp(log_decay.to(phi_k.dtype)[:, None] * steps)
     weighted = phi_k * w[None, :, :, None]  # (B, H, T, dk)
     return weighted.transpose(-1, -2) @ v, weighted.sum(2)
 
@@ -43,10 +47,11 @@ def features(feature_map: str, T: int, dtype: torch.dtype, seed: int = 0):
     config = ModelConfig(n_heads=H, d_model=H * D, feature_map=feature_map, favor_features=12, eps=EPS)
     fmap = FeatureMap(config, layer_index=1)
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(3))
+    fmap = fmap.to(DEVICE)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=dtype).to(DEVICE) for _ in range(3))
     phi_q = fmap(q, is_query=True)
     phi_k = fmap(k, is_query=False)
-    log_decay = head_log_decays(config)
+    log_decay = head_log_decays(config).to(DEVICE)
     return phi_q, phi_k, v, log_decay
 
 
@@ -109,7 +114,7 @@ def test_prefill_split_anywhere_equals_one_pass(feature_map, use_decay):
 
 def test_empty_input_returns_state_unchanged():
     phi_q, phi_k, v, log_decay = features("elu1", 0, torch.float32)
-    S, z = torch.rand(B, H, D, D), torch.rand(B, H, D)
+    S, z = torch.rand(B, H, D, D, device=DEVICE), torch.rand(B, H, D, device=DEVICE)
     o, S2, z2 = chunked_forward(phi_q, phi_k, v, S, z, log_decay, 4, EPS)
     assert o.shape == (B, H, 0, D) and torch.equal(S2, S) and torch.equal(z2, z)
 
@@ -119,7 +124,8 @@ def test_gradcheck_chunked_fp64(use_decay):
     T, chunk = 11, 4
     phi_q, phi_k, v, log_decay = features("elu1", T, torch.float64, seed=5)
     log_decay = log_decay if use_decay else None
-    S0, z0 = torch.rand(B, H, D, D, dtype=torch.float64), torch.rand(B, H, D, dtype=torch.float64)
+    S0, z0 = (torch.rand(B, H, D, D, dtype=torch.float64, device=DEVICE),
+              torch.rand(B, H, D, dtype=torch.float64, device=DEVICE))
     inputs = tuple(t.detach().requires_grad_() for t in (phi_q, phi_k, v, S0, z0))
 
     def fn(q, k, vv, S, z):
@@ -133,7 +139,7 @@ def test_gradients_of_chunked_and_naive_agree(use_decay):
     T = 29
     phi_q, phi_k, v, log_decay = features("favor", T, torch.float64, seed=9)
     log_decay = log_decay if use_decay else None
-    target = torch.randn(B, H, T, D, dtype=torch.float64)
+    target = torch.randn(B, H, T, D, dtype=torch.float64, device=DEVICE)
     grads = []
     for compute in ("chunked", "naive"):
         leaves = [t.detach().requires_grad_() for t in (phi_q, phi_k, v)]

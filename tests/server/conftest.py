@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.settings import Settings
+from tests.devices import device_name_under_test
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def make_client(tiny_checkpoint, tmp_path):
     clients = []
 
     def factory(**overrides) -> TestClient:
-        base = dict(model=str(tiny_checkpoint), device="cpu", num_slots=8, max_prefill_chunk=16, max_batch_tokens=64,
+        base = dict(model=str(tiny_checkpoint), device=device_name_under_test(), num_slots=8, max_prefill_chunk=16, max_batch_tokens=64,
                     session_store=f"dir:{tmp_path / f'sessions{len(clients)}'}")
         settings = Settings(**{**base, **overrides})
         client = TestClient(create_app(settings))
@@ -55,7 +56,7 @@ class ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16",
                "LINSERVE_SESSION_STORE": f"dir:{log_path.parent / 'sessions'}", **(env or {})}
         command = [sys.executable, *entry, "serve", "--model", str(checkpoint), "--port", str(self.port),
-                   "--device", "cpu", "--log-level", "warning", *extra]
+                   "--device", device_name_under_test(), "--log-level", "warning", *extra]
         with open(log_path, "w") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 90

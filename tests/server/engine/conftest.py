@@ -12,9 +12,9 @@ TINY = ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, conv_kern
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> LinearGPT:
+def tiny_model(device) -> LinearGPT:
     torch.manual_seed(0)
-    return LinearGPT(TINY).eval()
+    return LinearGPT(TINY).eval().to(device)
 
 
 class Collector:
@@ -57,13 +57,13 @@ def assert_slots_balance(engine: Engine) -> dict:
 
 
 @pytest.fixture
-def make_engine(tiny_model, hf_tokenizer):
+def make_engine(tiny_model, hf_tokenizer, device):
     engines = []
 
     def factory(**overrides) -> Engine:
         config = EngineConfig(**{"num_slots": 24, "max_prefill_chunk": 16, "max_batch_tokens": 64, **overrides})
         stats = []
-        engine = Engine(tiny_model, hf_tokenizer, config, torch.device("cpu"), stats.append).start()
+        engine = Engine(tiny_model, hf_tokenizer, config, device, stats.append).start()
         engine.test_stats = stats
         engines.append(engine)
         return engine

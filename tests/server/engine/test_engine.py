@@ -21,14 +21,16 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def test_greedy_matches_the_model_loop(make_engine, tiny_model):
     engine = make_engine()
+    assert all(b.device.type == engine.device.type and b.dtype == torch.float32  # (S, z) on the device, fp32
+               for b in engine.pool.buffers.values())
     ids = prompt(37)
     got = tokens_of(run(engine, ids, GREEDY, "a"))
-    logits, state = tiny_model(torch.tensor([ids]))
+    logits, state = tiny_model(torch.tensor([ids], device=engine.device))
     expected = []
     for _ in range(12):
         token = int(logits[0, -1].argmax())
         expected.append(token)
-        logits, state = tiny_model(torch.tensor([[token]]), state)
+        logits, state = tiny_model(torch.tensor([[token]], device=engine.device), state)
     assert got == expected
 
 
@@ -79,7 +81,7 @@ def test_snapshot_export_import_continues_identically(make_engine):
     assert a == b
 
 
-def test_corrupt_and_foreign_snapshots_are_rejected(make_engine, tiny_model, hf_tokenizer):
+def test_corrupt_and_foreign_snapshots_are_rejected(make_engine, tiny_model, hf_tokenizer, device):
     from model import LinearGPT
 
     engine = make_engine()
@@ -91,7 +93,7 @@ def test_corrupt_and_foreign_snapshots_are_rejected(make_engine, tiny_model, hf_
         with pytest.raises(EngineError, match=message):
             engine.import_session(bad, None).result(10)
     torch.manual_seed(1)
-    foreign = Engine(LinearGPT(tiny_model.config), hf_tokenizer, EngineConfig(num_slots=2), torch.device("cpu")).start()
+    foreign = Engine(LinearGPT(tiny_model.config).to(device), hf_tokenizer, EngineConfig(num_slots=2), device).start()
     try:
         with pytest.raises(EngineError, match="different model"):
             foreign.import_session(data, None).result(10)
@@ -259,8 +261,8 @@ def test_bad_requests_are_rejected_with_a_reason(make_engine):
     assert error.value.param == "top_p"
 
 
-def test_stop_aborts_running_streams(tiny_model, hf_tokenizer):
-    engine = Engine(tiny_model, hf_tokenizer, EngineConfig(num_slots=4), torch.device("cpu")).start()
+def test_stop_aborts_running_streams(tiny_model, hf_tokenizer, device):
+    engine = Engine(tiny_model, hf_tokenizer, EngineConfig(num_slots=4), device).start()
     sink = Collector()
     engine.submit(EngineRequest("forever", prompt(4), SamplingParams(max_tokens=1_000_000, temperature=0, ignore_eos=True)), sink).result(10)
     sink.queue.get(timeout=10)
@@ -282,14 +284,14 @@ def test_idle_sessions_expire_after_ttl(make_engine):
 
 
 @pytest.fixture
-def softmax_engine(hf_tokenizer):
+def softmax_engine(hf_tokenizer, device):
     from model import LinearGPT, ModelConfig
 
     torch.manual_seed(0)
     model = LinearGPT(ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, attention="softmax",
-                                  decay=True, conv_kernel=3)).eval()
+                                  decay=True, conv_kernel=3)).eval().to(device)
     engine = Engine(model, hf_tokenizer, EngineConfig(num_slots=6, max_context=128, max_prefill_chunk=16),
-                    torch.device("cpu")).start()
+                    device).start()
     yield engine, model
     engine.stop()
 
@@ -305,12 +307,12 @@ def test_softmax_model_served_from_kv_pool_matches_its_own_loop(softmax_engine):
     got = tokens_of(sinks[0].wait())
     for sink in list(sinks.values())[1:]:
         sink.wait()
-    logits, state = model(torch.tensor([ids]))
+    logits, state = model(torch.tensor([ids], device=engine.device))
     expected = []
     for _ in range(12):
         token = int(logits[0, -1].argmax())
         expected.append(token)
-        logits, state = model(torch.tensor([[token]]), state)
+        logits, state = model(torch.tensor([[token]], device=engine.device), state)
     assert got == expected
     assert engine.pool.used_slots == 0
 
