@@ -31,7 +31,7 @@ from .kv_pool import KVCachePool
 from .live import LiveRequest
 from .prefix_cache import PrefixCache, scope_seed
 from .scheduler import SchedSeq, Scheduler
-from .session_manager import SessionManager
+from .session_manager import LEASE_GRACE_S, LeaseHeld, SessionManager
 from .state_pool import StatePool
 from .steps import StepExecution
 from .session_store import StoreWriter, open_store
@@ -119,7 +119,50 @@ class Engine(StepExecution):
 
     def submit(self, request: EngineRequest, sink: Sink) -> Future:
         """Future resolves once the request is accepted, or raises EngineError (bad input, busy, full)."""
-        return self._call(lambda: self._accept(request, sink))
+        if request.session_id is None:
+            return self._call(lambda: self._accept(request, sink))
+        return self._call_leased(lambda: self._accept(request, sink))
+
+    def _call_stored(self, fn: Callable[[], object]) -> Future:
+        """`_call` for a command that creates a session: its answer comes once the session's record is in
+        the store, so that any replica (or this one after a crash) finds the id it hands out."""
+        if self.store_writer is None:
+            return self._call(fn)
+        outer: Future = Future()
+
+        def settle(inner: Future) -> None:
+            if inner.exception() is not None:
+                outer.set_exception(inner.exception())
+            else:
+                result = inner.result()
+                self.store_writer.call(lambda: outer.set_result(result))  # after the write queued with it
+
+        self._call(fn).add_done_callback(settle)
+        return outer
+
+    def _call_leased(self, fn: Callable[[], object]) -> Future:
+        """`_call`, retried for up to LEASE_GRACE_S while another replica holds the session's lease: the
+        lease outlives a finished turn until its record is written (milliseconds), and a client that
+        moves on to another replica at once must not get a 409 for that."""
+        outer: Future = Future()
+        deadline = time.monotonic() + LEASE_GRACE_S
+
+        def attempt() -> None:
+            self._call(fn).add_done_callback(settle)
+
+        def settle(inner: Future) -> None:
+            error = inner.exception()
+            if isinstance(error, LeaseHeld) and time.monotonic() < deadline:
+                timer = threading.Timer(0.02, attempt)
+                timer.daemon = True
+                timer.start()
+            elif error is not None:
+                outer.set_exception(error)
+            else:
+                outer.set_result(inner.result())
+
+        attempt()
+        return outer
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -127,28 +170,28 @@ class Engine(StepExecution):
                 self._commands.put((lambda: self._abort(request_id), None))
 
     def create_session(self, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.create(owner))
+        return self._call_stored(lambda: self.sessions.create(owner))
 
     def session_info(self, session_id: str, owner: str | None) -> Future:
         return self._call(lambda: self.sessions.info(self.sessions.get(session_id, owner)))
 
     def fork_session(self, session_id: str, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.fork(session_id, owner))
+        return self._call_stored(lambda: self.sessions.fork(session_id, owner))
 
     def export_session(self, session_id: str, owner: str | None) -> Future:
         return self._call(lambda: self.sessions.export(session_id, owner))
 
     def import_session(self, data: bytes, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.import_(data, owner))
+        return self._call_stored(lambda: self.sessions.import_(data, owner))
 
     def session_turns(self, session_id: str, owner: str | None) -> Future:
         return self._call(lambda: self.sessions.turns(session_id, owner))
 
     def rewind_session(self, session_id: str, owner: str | None, turn: int) -> Future:
-        return self._call(lambda: self.sessions.rewind(session_id, owner, turn))
+        return self._call_leased(lambda: self.sessions.rewind(session_id, owner, turn))
 
     def delete_session(self, session_id: str, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.delete(session_id, owner))
+        return self._call_leased(lambda: self.sessions.delete(session_id, owner))
 
     def counts(self) -> Future:
         """(running, waiting, live) — for tests and health checks."""

@@ -10,8 +10,10 @@ the least recently used one out in its place.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import OrderedDict
+import uuid
+from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +30,16 @@ if TYPE_CHECKING:
 
 EXPIRY_CHECK_INTERVAL_S = 1.0
 STORE_SWEEP_INTERVAL_S = 10.0
+LEASE_MS = 30_000  # a replica that dies mid-turn blocks its session at most this long
+LEASE_RENEW_S = LEASE_MS / 3000  # renewed three times per lease while generating
+LEASE_GRACE_S = 0.5  # a lease still held for a turn's write in flight is waited for this long before 409
+
+
+class LeaseHeld(EngineError):
+    """Another replica holds the session's lease (it is generating, or its last write is in flight)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} is generating on another replica", kind="busy", param="session_id")
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +52,11 @@ class SessionManager:
         self.store, self.writer = store, writer
         self.stored = store.count() if store is not None else 0  # records in the store (refreshed by the sweep)
         self._deleting: set[str] = set()  # deleted, record not yet removed by the writer: never load these
+        self.shared = store is not None and store.shared  # replicas share it: leases and freshness checks
+        self.replica = uuid.uuid4().hex  # this process's name, the first half of every lease token it takes
+        self._unwritten: Counter[str] = Counter()  # queued writes per session (our copy is newer than the store)
+        self._unwritten_lock = threading.Lock()
+        self._last_renew = 0.0
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.turns_kept = turns_kept
@@ -60,19 +77,35 @@ class SessionManager:
     # ---- lookup ----
     def get(self, session_id: str, owner: str | None) -> Session:
         session = self.sessions.get(session_id)
+        if session is not None and self.shared and not session.busy:
+            session = self._fresh(session)
         if session is None and self.store is not None and session_id not in self._deleting:
             session = self._load(session_id)
         if session is None or session.owner != owner:  # another key's session does not exist for you
             raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
         return session
 
+    def _store_call(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as error:  # noqa: BLE001 - the store is down: say so, stateless work goes on
+            raise EngineError(f"the session store is unavailable ({error.__class__.__name__})", kind="unavailable") from None
+
+    def _fresh(self, session: Session) -> Session | None:
+        """Shared store: the in-memory copy if it is still the newest, else None (dropped; another replica
+        advanced, rewound or deleted the session). Our own queued writes make ours the newest."""
+        with self._unwritten_lock:
+            if self._unwritten[session.id]:
+                return session
+        if self._store_call(self.store.revision, session.id) == session.revision:
+            return session
+        self._drop(session)
+        return None
+
     def _load(self, session_id: str) -> Session | None:
         """A session that is only in the store (after a restart, or expired from memory) comes back to the
         host tier, turns included; validated like an import."""
-        try:
-            data = self.store.get(session_id)
-        except Exception as error:  # noqa: BLE001 - the store is down: say so, stateless work goes on
-            raise EngineError(f"the session store is unavailable ({error.__class__.__name__})", kind="unavailable") from None
+        data = self._store_call(self.store.get, session_id)
         if data is None:
             return None
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
@@ -85,27 +118,85 @@ class SessionManager:
         meta = snapshot.metadata
         session = Session(id=session_id, owner=meta.get("owner") or None, host=snapshot.state,
                           created=float(meta.get("created", time.time())), turns=list(snapshot.turns),
-                          turn_count=int(meta.get("turn_count", 0)), **snapshot.history)
+                          turn_count=int(meta.get("turn_count", 0)), revision=meta.get("revision"),
+                          **snapshot.history)
         self.sessions[session_id] = session
         self.sessions.move_to_end(session_id, last=False)  # coldest: first to leave memory again
         return session
 
     def _persist(self, session: Session) -> None:
-        """Hand the writer thread immutable copies of the session; it encodes and writes them."""
+        """Hand the writer thread immutable copies of the session; it encodes and writes them. A lease
+        held for this change is released once the record is written."""
         if self.writer is None:
             return
         latest = session.turns[-1] if session.turns and session.turns[-1].index == session.turn_count else None
         # the newest turn's snapshot is the head's state (immutable): the writer copies it, not this thread
         state = latest.state if latest is not None else {n: t.clone() for n, t in self._state_of(session).items()}
         history, turns = session.copy_history(), tuple(session.turns)
-        extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count)}
+        session.revision = uuid.uuid4().hex
+        extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count),
+                 "revision": session.revision}
         fingerprint = self.fingerprint
+        session_id, release = session.id, self._take_lease(session)
 
         def encode() -> bytes:
             own = {name: t.clone() for name, t in state.items()} if latest is not None else state
             return encode_snapshot(own, history, fingerprint, turns, extra)
 
-        self.writer.put(session.id, encode)
+        def written() -> None:
+            with self._unwritten_lock:
+                self._unwritten[session_id] -= 1
+                if self._unwritten[session_id] <= 0:
+                    del self._unwritten[session_id]
+            if release is not None:
+                release()
+
+        with self._unwritten_lock:
+            self._unwritten[session_id] += 1
+        self.writer.put(session_id, encode, session.revision, written)
+
+    # ---- leases (shared store: one writer per session across replicas) ----
+    def _claim(self, session_id: str, owner: str | None) -> Session:
+        """The idle session, leased to this replica and fresh; 409 if another replica holds the lease."""
+        session = self._idle(session_id, owner)
+        if not self.shared:
+            return session
+        token = f"{self.replica}:{uuid.uuid4().hex[:12]}"  # one per claim: a late release can't free a newer one
+        if not self._store_call(self.store.acquire, session_id, token, LEASE_MS):
+            raise LeaseHeld(session_id)
+        try:
+            session = self._fresh(session) or self._load(session_id)  # what the last holder wrote
+            if session is None or session.owner != owner:
+                raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
+        except EngineError:
+            self.writer.call(lambda: self.store.release(session_id, token))
+            raise
+        session.lease = token
+        return session
+
+    def _take_lease(self, session: Session):
+        """Hand over the session's lease: returns the call that releases it (None if it holds none)."""
+        if session.lease is None:
+            return None
+        session_id, store, token = session.id, self.store, session.lease
+        session.lease = None
+        return lambda: store.release(session_id, token)
+
+    def _release_lease(self, session: Session) -> None:
+        release = self._take_lease(session)
+        if release is not None:
+            self.writer.call(release)  # after any write queued before it
+
+    def renew_leases(self) -> None:
+        now = time.monotonic()
+        if not self.shared or now - self._last_renew < LEASE_RENEW_S:
+            return
+        self._last_renew = now
+        for session in [s for s in self.sessions.values() if s.lease is not None]:
+            try:
+                self.store.renew(session.id, session.lease, LEASE_MS)
+            except Exception:  # noqa: BLE001 - retried next time; the lease outlives a few misses
+                logger.warning("renewing the lease of %s failed", session.id)
 
     def info(self, session: Session) -> SessionInfo:
         idle = time.monotonic() - session.last_used
@@ -150,13 +241,14 @@ class SessionManager:
         return self._add(Session(id=new_session_id(), owner=owner, slot=self.allocate_slot()))
 
     def acquire_for_request(self, session_id: str, owner: str | None) -> Session:
-        session = self._idle(session_id, owner)
+        session = self._claim(session_id, owner)
         session.busy = True
         self._touch(session)
         return session
 
     def release(self, session: Session) -> None:
         session.busy = False
+        self._release_lease(session)  # no-op after a commit that handed it to its write
         self._touch(session)
 
     def commit(self, session: Session, live: LiveRequest) -> None:
@@ -200,10 +292,11 @@ class SessionManager:
 
     def rewind(self, session_id: str, owner: str | None, index: int) -> SessionInfo:
         """Make turn `index` the head again: its state and history back, later turns dropped."""
-        session = self._idle(session_id, owner)
+        session = self._claim(session_id, owner)
         turn = next((t for t in session.turns if t.index == index), None)
         if turn is None:
             kept = [t.index for t in session.turns]
+            self._release_lease(session)
             raise EngineError(f"turn {index} is not kept for this session (kept: {kept})", param="turn")
         for name, value in turn.history.items():
             setattr(session, name, value.clone() if isinstance(value, torch.Tensor) else
@@ -219,11 +312,12 @@ class SessionManager:
         return self.info(session)
 
     def delete(self, session_id: str, owner: str | None) -> None:
-        session = self._idle(session_id, owner)
+        session = self._claim(session_id, owner)
         self._drop(session)
         if self.writer is not None:
             self._deleting.add(session_id)
             self.writer.delete(session_id, lambda: self._deleting.discard(session_id))
+            self._release_lease(session)
 
     def _drop(self, session: Session) -> None:
         if session.slot is not None:
@@ -231,6 +325,7 @@ class SessionManager:
         del self.sessions[session.id]
 
     def expire(self) -> None:
+        self.renew_leases()
         now = time.monotonic()
         if now - self._last_expiry < EXPIRY_CHECK_INTERVAL_S:
             return

@@ -2,8 +2,14 @@
 
 `SessionStore` is the interface (put / get / delete / expired / count, each a whole record as bytes);
 `DirStore` keeps one file per session, written atomically (temp file, fsync, rename), so a crash never
-leaves a torn record; `RedisStore` one key per session with the session TTL as its expiry. `StoreWriter` is the thread that encodes and writes records off the engine's hot
-path: the engine hands it immutable copies at the end of every turn and never waits for the disk.
+leaves a torn record; `RedisStore` one key per session with the session TTL as its expiry. `StoreWriter`
+is the thread that encodes and writes records off the engine's hot path: the engine hands it immutable
+copies at the end of every turn and never waits for the disk.
+
+A shared store (`shared = True`: Redis) is used by several replicas at once. It adds a revision per record
+(a replica compares it with its in-memory copy before using that copy) and a per-session lease (SET NX
+with expiry, renewed while generating, released once the turn's record is written): one writer per
+session across all replicas.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ SUFFIX = ".lsess"
 
 
 class SessionStore(Protocol):
-    def put(self, session_id: str, data: bytes) -> None: ...
+    shared: bool  # several processes use it at once: revisions and leases apply
+
+    def put(self, session_id: str, data: bytes, revision: str = "") -> None: ...
     def get(self, session_id: str) -> bytes | None: ...
     def delete(self, session_id: str) -> None: ...
     def expired(self, ttl_s: float) -> list[str]: ...
@@ -34,7 +42,9 @@ class SessionStore(Protocol):
 
 
 class DirStore:
-    """`dir:PATH` — one `<id>.lsess` file per session."""
+    """`dir:PATH` — one `<id>.lsess` file per session (one process per directory)."""
+
+    shared = False
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -43,7 +53,7 @@ class DirStore:
     def _file(self, session_id: str) -> Path | None:
         return self.path / f"{session_id}{SUFFIX}" if SESSION_ID.fullmatch(session_id) else None
 
-    def put(self, session_id: str, data: bytes) -> None:
+    def put(self, session_id: str, data: bytes, revision: str = "") -> None:
         target = self._file(session_id)
         if target is None:
             raise ValueError(f"not a session id: {session_id!r}")
@@ -79,30 +89,57 @@ class RedisStore:
     them itself). Errors propagate: a load answers 503, a failed write is logged and counted."""
 
     PREFIX = "linserve:session:"
+    REVISION = "linserve:revision:"
+    LEASE = "linserve:lease:"
+    shared = True
+    # compare-and-act on a lease: only its holder may renew or release it
+    _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+    _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
     def __init__(self, url: str, ttl_s: float) -> None:
         import redis  # only needed for this store
 
         self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self.ttl_ms = max(int(ttl_s * 1000), 1)
+        self._renew = self.client.register_script(self._RENEW)
+        self._release = self.client.register_script(self._RELEASE)
 
-    def _key(self, session_id: str) -> str | None:
-        return self.PREFIX + session_id if SESSION_ID.fullmatch(session_id) else None
+    def _key(self, session_id: str, prefix: str = PREFIX) -> str | None:
+        return prefix + session_id if SESSION_ID.fullmatch(session_id) else None
 
-    def put(self, session_id: str, data: bytes) -> None:
+    def put(self, session_id: str, data: bytes, revision: str = "") -> None:
         key = self._key(session_id)
         if key is None:
             raise ValueError(f"not a session id: {session_id!r}")
-        self.client.set(key, data, px=self.ttl_ms)  # one command: the record and its expiry, atomically
+        with self.client.pipeline(transaction=True) as pipe:  # MULTI/EXEC: record, revision and expiry together
+            pipe.set(key, data, px=self.ttl_ms)
+            pipe.set(self.REVISION + session_id, revision, px=self.ttl_ms)
+            pipe.execute()
 
     def get(self, session_id: str) -> bytes | None:
         key = self._key(session_id)
         return None if key is None else self.client.get(key)
 
+    def revision(self, session_id: str) -> str | None:
+        """The revision of the stored record (None: no record)."""
+        key = self._key(session_id, self.REVISION)
+        value = None if key is None else self.client.get(key)
+        return None if value is None else value.decode()
+
     def delete(self, session_id: str) -> None:
         key = self._key(session_id)
         if key is not None:
-            self.client.delete(key)
+            self.client.delete(key, self.REVISION + session_id)
+
+    def acquire(self, session_id: str, holder: str, lease_ms: int) -> bool:
+        key = self._key(session_id, self.LEASE)
+        return key is not None and bool(self.client.set(key, holder, nx=True, px=lease_ms))
+
+    def renew(self, session_id: str, holder: str, lease_ms: int) -> bool:
+        return bool(self._renew(keys=[self.LEASE + session_id], args=[holder, lease_ms]))
+
+    def release(self, session_id: str, holder: str) -> None:
+        self._release(keys=[self.LEASE + session_id], args=[holder])
 
     def expired(self, ttl_s: float) -> list[str]:
         return []  # Redis expires keys by itself
@@ -132,8 +169,14 @@ class StoreWriter:
         self._thread = threading.Thread(target=self._run, name="linserve-session-store", daemon=True)
         self._thread.start()
 
-    def put(self, session_id: str, encode: Callable[[], bytes]) -> None:
-        self._queue.put(("put", session_id, encode))
+    def put(self, session_id: str, encode: Callable[[], bytes], revision: str = "",
+            done: Callable[[], None] | None = None) -> None:
+        """Queue a write; `done` runs once it is written (not after a failed write)."""
+        self._queue.put(("put", session_id, (encode, revision, done)))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the writer thread after everything queued so far (e.g. a lease release)."""
+        self._queue.put(("call", "", fn))
 
     def delete(self, session_id: str, done: Callable[[], None] | None = None) -> None:
         """Queue a delete (after any queued write of the same session); `done` runs once it is done."""
@@ -160,15 +203,20 @@ class StoreWriter:
                 started = time.perf_counter()
                 try:
                     if op == "put":
-                        self.store.put(session_id, encode())
-                    else:
+                        encode, revision, done = encode
+                        self.store.put(session_id, encode(), revision)
+                    elif op == "delete":
+                        done = encode
                         self.store.delete(session_id)
-                        if encode is not None:
-                            encode()  # the delete's `done` callback
+                    else:
+                        done = encode
+                    if done is not None:
+                        done()  # only after success: a failed write keeps its lease/tombstone until it expires
                     ok = True
                 except Exception:  # noqa: BLE001 - a failed write is logged and counted; serving goes on
-                    logger.exception("session store %s of %s failed", op, session_id)
+                    logger.exception("session store %s of %s failed", op, session_id or "a lease")
                     ok = False
-                self.on_result(op, ok, time.perf_counter() - started)
+                if op != "call":
+                    self.on_result(op, ok, time.perf_counter() - started)
             finally:
                 self._queue.task_done()

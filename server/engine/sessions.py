@@ -51,6 +51,8 @@ class Session:
     busy: bool = False
     turns: list[Turn] = field(default_factory=list)  # the last `session_turns_kept`, oldest first
     turn_count: int = 0  # turns completed (the index of the newest)
+    revision: str | None = None  # the store record this copy matches (shared stores: freshness check)
+    lease: str | None = None  # token of the shared store's per-session lease it holds (one writer across replicas)
 
     @property
     def tier(self) -> str:

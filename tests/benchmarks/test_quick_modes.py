@@ -74,4 +74,4 @@ def test_one_entry_script_per_spec_target(target):
 def test_resume_cost_by_tier(tmp_path):
     run("p10_resume.py", "--out", str(tmp_path / "p10.json"))
     data = json.loads((tmp_path / "p10.json").read_text())["P10"]
-    assert set(data) == {"device", "host", "dir"} and all(v["ratio"] > 0 for v in data.values())
+    assert set(data) == {"device", "host", "dir", "redis"} and all(v["ratio"] > 0 for v in data.values())

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,3 +104,25 @@ def start_server(tiny_checkpoint, tmp_path):
     yield factory
     for process in started:
         process.stop()
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server (Debian's package; `.ci/run` installs it) on a free 127.0.0.1 port."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is required (Debian package 'redis-server'; .ci/run installs it)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0", process
+    process.kill()
+    process.wait(10)

@@ -3,19 +3,18 @@ session exactly (turns and penalties included); a corrupt record is a clear erro
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
 import torch
 
-from server.engine import EngineError, SamplingParams
+from server.engine import EngineError, EngineRequest, SamplingParams
 from server.engine.session_store import DirStore
 from server.engine.types import StoreStats
 
-from .conftest import run, tokens_of
+from .conftest import Collector, run, tokens_of
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
 
 PENALISED = SamplingParams(max_tokens=8, temperature=0.9, seed=2, repetition_penalty=1.5, ignore_eos=True)
 
@@ -105,28 +104,6 @@ def test_a_deleted_session_is_gone_at_once_even_before_its_record(store_engine, 
     engine.store_writer.flush()
 
 
-@pytest.fixture
-def redis_url(tmp_path):
-    """A real redis-server (Debian's package; `.ci/run` installs it) on a free 127.0.0.1 port."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is required (Debian package 'redis-server'; .ci/run installs it)"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0", process
-    process.kill()
-    process.wait(10)
-
-
 def test_redis_store_restart_expiry_and_outage(make_engine, redis_url):
     url, server = redis_url
     first = make_engine(num_slots=8, session_store=url, session_ttl_s=3600)
@@ -151,3 +128,61 @@ def test_redis_store_restart_expiry_and_outage(make_engine, redis_url):
         second.session_info(twin.id, "owner").result(30)
     assert error.value.kind == "unavailable"
     assert tokens_of(run(second, prompt(4), SamplingParams(max_tokens=3, temperature=0), "stateless"))
+
+
+def test_replicas_on_one_redis_serve_the_same_sessions(make_engine, redis_url):
+    """Two engines (replicas) on one Redis: a session created on one and continued alternately on both
+    gives the tokens of one engine that never shared it; each sees the other's turns, rewinds and deletes;
+    the lease makes a concurrent continuation a 409 and a dead replica's lease expires."""
+    url, _ = redis_url
+    alone = make_engine(num_slots=8)
+    a, b = make_engine(num_slots=8, session_store=url), make_engine(num_slots=8, session_store=url)
+    turns = [([4, 5], PENALISED), ([6], SamplingParams(max_tokens=6, temperature=0)),
+             ([7, 8, 9], PENALISED), ([10], SamplingParams(max_tokens=5, temperature=0.7, seed=11))]
+    reference = alone.create_session("k").result(10)
+    run(alone, prompt(17, 4), SamplingParams(max_tokens=0), "ref0", session_id=reference.id, owner="k")
+    expected = [tokens_of(run(alone, ids, params, f"ref{i}", session_id=reference.id, owner="k"))
+                for i, (ids, params) in enumerate(turns, 1)]
+    shared = a.create_session("k").result(10)
+    run(b, prompt(17, 4), SamplingParams(max_tokens=0), "s0", session_id=shared.id, owner="k")
+    for i, (ids, params) in enumerate(turns, 1):
+        replica = (a, b)[i % 2]  # A, B, A, B: each continues from what the other wrote
+        assert tokens_of(run(replica, ids, params, f"s{i}", session_id=shared.id, owner="k")) == expected[i - 1]
+    assert a.session_info(shared.id, "k").result(10).tokens == alone.session_info(reference.id, "k").result(10).tokens
+    with pytest.raises(EngineError):
+        b.session_info(shared.id, "other-key").result(10)  # ownership is in the record, on every replica
+    # a rewind on B is what A continues from
+    b.rewind_session(shared.id, "k", 4).result(10)  # turn 1 was the prompt; 4 is before the last answer
+    again = tokens_of(run(a, *turns[3], "s5", session_id=shared.id, owner="k"))
+    assert again == expected[3]
+    # one generation at a time across replicas: B's continuation while A generates is a 409
+    sink = Collector()
+    a.submit(EngineRequest("long", [3], SamplingParams(max_tokens=100_000, ignore_eos=True), session_id=shared.id,
+                           owner="k"), sink).result(10)
+    sink.queue.get(timeout=10)  # A is generating
+    with pytest.raises(EngineError) as error:
+        b.submit(EngineRequest("second", [3], GREEDY, session_id=shared.id, owner="k"), Collector()).result(10)
+    assert error.value.kind == "busy" and "another replica" in error.value.message
+    a.abort("long")
+    sink.wait()
+    assert tokens_of(run(b, [3], GREEDY, "after", session_id=shared.id, owner="k"))  # released after its write
+    # a replica that died mid-turn leaves a lease that expires
+    a.store_writer.flush()
+    b.store_writer.flush()
+    assert a.sessions.store.acquire(shared.id, "a-dead-replica", 1500)  # outlasts the 0.5 s grace
+    with pytest.raises(EngineError) as error:
+        run(a, [3], GREEDY, "blocked", session_id=shared.id, owner="k")
+    assert error.value.kind == "busy"
+    time.sleep(1.0)
+    assert tokens_of(run(a, [3], GREEDY, "expired", session_id=shared.id, owner="k"))
+    # fork on A continued on B == export from A imported on B continued on A
+    fork = a.fork_session(shared.id, "k").result(10)
+    imported = b.import_session(a.export_session(shared.id, "k").result(10), "k").result(10)
+    assert (tokens_of(run(b, [3], PENALISED, "fork", session_id=fork.id, owner="k"))
+            == tokens_of(run(a, [3], PENALISED, "imported", session_id=imported.id, owner="k")))
+    # deleted on one replica: gone on the other (its in-memory copy is dropped, not served)
+    b.delete_session(shared.id, "k").result(10)
+    b.store_writer.flush()
+    with pytest.raises(EngineError) as error:
+        a.session_info(shared.id, "k").result(10)
+    assert error.value.kind == "not_found"
