@@ -76,7 +76,7 @@ def resume_times(engines: dict[str, Engine], histories: tuple[int, ...], reps: i
     times = {history: {tier: [] for tier in engines} for history in histories}
     for rep in range(reps):
         for tier, engine in engines.items():
-            for history in histories:
+            for history in (histories if rep % 2 == 0 else histories[::-1]):  # neither always goes first
                 session_id = sessions[(history, id(engine))]
                 put_in_tier(engine, session_id, tier)
                 token = int(torch.randint(0, engine.vocab_size, (1,), generator=generator))
