@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ..chunks import ChatChunks, CompletionChunks
 from ..engine.types import RequestOutput
 from ..errors import APIError
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
@@ -43,8 +44,12 @@ async def run_completion(request: Request, body: CompletionRequest, settings, to
                     "model": model, "choices": [], "usage": generation.usage}
 
         first = [completion_chunk(generation, model, tokenizer, _empty(i), echo) for i in range(params.n)] if echo else []
-        return stream_events(generation, lambda o: completion_chunk(generation, model, tokenizer, o),
-                             body.include_usage, usage_chunk, first)
+        if params.logprobs is None:  # the hot path: a prepared template, no model per token
+            chunk = CompletionChunks(generation.request_id, generation.created, model)
+        else:
+            def chunk(output) -> str:
+                return completion_chunk(generation, model, tokenizer, output)
+        return stream_events(generation, chunk, body.include_usage, usage_chunk, first)
     rows = await collect(request, generation)
     if rows is None:
         return None
@@ -81,8 +86,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
     model = settings.served_model_name
     want_logprobs = params.logprobs is not None
 
-    def chunk(output) -> str:
-        logprobs = ChatLogprobs(content=chat_logprobs(tokenizer, [output])) if want_logprobs else None
+    def chunk_with_logprobs(output) -> str:
+        logprobs = ChatLogprobs(content=chat_logprobs(tokenizer, [output]))
         choice = ChatChunkChoice(index=output.index, delta=ChatDelta(content=output.text or None), logprobs=logprobs,
                                  finish_reason=output.finish_reason.value if output.finished else None)
         return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model,
@@ -97,6 +102,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
             return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[],
                                        usage=Usage(**generation.usage)).model_dump_json(exclude_none=True)
 
+        chunk = chunk_with_logprobs if want_logprobs else ChatChunks(generation.request_id, generation.created, model)
         return stream_events(generation, chunk, body.include_usage, usage_chunk, role_chunks)
     rows = await collect(request, generation)
     if rows is None:
