@@ -26,5 +26,5 @@ cmake -S "$SRC" -B data/peers/build -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -
 cmake --build data/peers/build --target llama-server -j "$(nproc)"
 mkdir -p "$DEST/bin"
 cp data/peers/build/bin/llama-server "$DEST/bin/"
-cp -r "$SRC/convert_hf_to_gguf.py" "$SRC/gguf-py" "$DEST/"
+cp -r "$SRC/convert_hf_to_gguf.py" "$SRC/conversion" "$SRC/gguf-py" "$DEST/"
 echo "$DEST/bin/llama-server"

@@ -63,7 +63,7 @@ def test_memory(tmp_path):
     assert data["P8"]["session_bytes"]["tokens"] == [10, 2000] and data["P8"]["session_bytes"]["pass"] is True
 
 
-@pytest.mark.parametrize("target", [f"p{i}_" for i in range(1, 9)])
+@pytest.mark.parametrize("target", [f"p{i}_" for i in range(1, 11)])
 def test_one_entry_script_per_spec_target(target):
     (script,) = BENCHMARKS.glob(f"{target}*.py")
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,

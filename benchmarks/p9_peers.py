@@ -1,0 +1,135 @@
+"""SPEC P9 against the peer — linserve vs llama.cpp's `llama-server` (GPT-2 6×256 and Mamba 12×256, random
+weights, GGUF F32), identical `linserve bench` loads, side by side in one run.
+
+    bash benchmarks/peers/build_llama_server.sh && python benchmarks/peers/make_models.py   # once (~15 min)
+    python benchmarks/p9_peers.py [--reps 3] [--quick] [--out FILE] [--plot PNG]
+
+Loads (each repetition runs every load on every server, servers in turn): 1 stream × 512 tokens, 8 streams ×
+256 tokens, 1 stream × 8,192 tokens (ITL p50 of the first and the last 1,024 tokens). All three servers run
+at once on 127.0.0.1 (idle ones cost nothing) with `llama-server -np 8 -cb -t 2`. Target: linserve's tokens/s
+≥ the faster peer's at 1 and 8 streams, and linserve's ITL late/early ≤ 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit  # noqa: E402
+from serving_overhead import start_server  # noqa: E402
+
+from model.loading import DEFAULT_CHECKPOINT  # noqa: E402
+from server.bench.client import LoadSpec, run_load  # noqa: E402
+from server.bench.report import plot, summarize  # noqa: E402
+
+PEERS = Path(__file__).resolve().parents[1] / "data" / "peers"
+LLAMA_SERVER = PEERS / "llama.cpp" / "bin" / "llama-server"
+
+
+def start_llama(gguf: Path, port: int, context_per_slot: int) -> subprocess.Popen:
+    command = [str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "8", "-cb",
+               "-t", "2", "-c", str(8 * context_per_slot), "--log-disable"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {process.returncode}: {' '.join(command)}")
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("llama-server did not become healthy")
+
+
+def one_load(port: int, streams: int, tokens: int) -> tuple[dict, list]:
+    spec = LoadSpec(url=f"http://127.0.0.1:{port}", concurrency=streams, requests=streams, warmup=0,
+                    prompt_tokens=32, max_tokens=tokens, ignore_eos=True, temperature=0.8)
+    model, records, wall = asyncio.run(run_load(spec))
+    failed = [r.error or r.status for r in records if not r.ok]
+    assert not failed, failed
+    return summarize(spec, model, records, wall, max(tokens // 16, 1)), records
+
+
+def itl_p50_ms(records, low: int, high: int) -> float:
+    gaps = [r.token_times[i] - r.token_times[i - 1] for r in records for i in range(max(low, 1), min(high, len(r.token_times)))]
+    return 1e3 * statistics.median(gaps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="short loads, one repetition")
+    parser.add_argument("--out")
+    parser.add_argument("--plot", help="PNG: ITL vs position of the 8,192-token load, all three servers")
+    args = parser.parse_args(argv)
+    if not LLAMA_SERVER.exists():
+        raise SystemExit("build the peer first: bash benchmarks/peers/build_llama_server.sh && "
+                         "python benchmarks/peers/make_models.py")
+    loads = {"1x512": (1, 512), "8x256": (8, 256), "1x8192": (1, 8192)}
+    if args.quick:
+        args.reps, loads = 1, {"1x64": (1, 64), "8x32": (8, 32), "1x256": (1, 256)}
+    long_load = list(loads)[-1]
+    long_tokens = loads[long_load][1]
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    servers = {"linserve": 8901, "llama.cpp gpt2": 8902, "llama.cpp mamba": 8903}
+    processes = [start_server(str(DEFAULT_CHECKPOINT), servers["linserve"], 8, extra=["--log-level", "warning"],
+                              env={"LINSERVE_SESSION_STORE": "none"}),
+                 start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64),
+                 start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64)]
+    rates = {(s, load): [] for s in servers for load in loads}
+    early_late = {s: [] for s in servers}
+    last_summaries = {}
+    try:
+        for name, port in servers.items():
+            one_load(port, 1, 8)  # warm-up
+        for _ in range(args.reps):
+            for load, (streams, tokens) in loads.items():
+                for name, port in servers.items():  # servers in turn within each load: noise falls on all
+                    summary, records = one_load(port, streams, tokens)
+                    rates[(name, load)].append(summary["token_throughput_per_s"])
+                    if load == long_load:
+                        early = itl_p50_ms(records, 0, 1024 if not args.quick else 64)
+                        late = itl_p50_ms(records, tokens - (1024 if not args.quick else 64), tokens)
+                        early_late[name].append((early, late))
+                        last_summaries[name] = summary
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(30)
+    table = {}
+    for name in servers:
+        row = {load: {"tokens_per_s": statistics.median(rates[(name, load)]),
+                      "spread": [min(rates[(name, load)]), max(rates[(name, load)])]} for load in loads}
+        early = statistics.median(e for e, _ in early_late[name])
+        late = statistics.median(l for _, l in early_late[name])
+        row[long_load].update({"itl_p50_first_ms": early, "itl_p50_last_ms": late, "late_over_early": late / early})
+        table[name] = row
+    result = {"loads": loads, "reps": args.reps, "servers": table, "P9": {}}
+    for load in list(loads)[:2]:
+        peer = max(table["llama.cpp gpt2"][load]["tokens_per_s"], table["llama.cpp mamba"][load]["tokens_per_s"])
+        ours = table["linserve"][load]["tokens_per_s"]
+        result["P9"][load] = {"linserve": ours, "faster_peer": peer, "ratio": ours / peer, "target": ">= 1.0",
+                              "pass": ours >= peer}
+    flat = table["linserve"][long_load]["late_over_early"]
+    result["P9"]["itl_late_over_early"] = {"ratio": flat, "target": "<= 1.10", "pass": flat <= 1.10}
+    emit(result, args.out)
+    if args.plot:
+        plot(last_summaries, Path(args.plot))
+
+
+if __name__ == "__main__":
+    main()
