@@ -3,9 +3,28 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import torch
+
+
+def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: float = 120.0) -> subprocess.Popen:
+    """Poll `url` until it answers 200; kill the process and raise if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode}")
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s")
 
 
 def add_device_argument(parser) -> None:

@@ -18,14 +18,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit  # noqa: E402
+from common import emit, wait_until_up  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT  # noqa: E402
@@ -40,18 +38,7 @@ def start_llama(gguf: Path, port: int, context_per_slot: int) -> subprocess.Pope
     command = [str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "8", "-cb",
                "-t", "2", "-c", str(8 * context_per_slot), "--log-disable"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {process.returncode}: {' '.join(command)}")
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("llama-server did not become healthy")
+    return wait_until_up(process, f"http://127.0.0.1:{port}/health", "llama-server")
 
 
 def one_load(port: int, streams: int, tokens: int) -> tuple[dict, list]:

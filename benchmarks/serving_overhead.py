@@ -15,15 +15,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_device_argument, describe, emit, resolve_device  # noqa: E402
+from common import add_device_argument, describe, emit, resolve_device, wait_until_up  # noqa: E402
 from engine_inprocess import run_streams  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
@@ -38,15 +35,7 @@ def start_server(model: str, port: int, slots: int, extra: list[str] | None = No
                "--num-slots", str(slots), *(extra or ["--log-level", "warning"])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server did not start")
+    return wait_until_up(process, f"http://127.0.0.1:{port}/ready", "linserve serve")
 
 
 def http_rate(port: int, streams: int, tokens: int) -> float:
