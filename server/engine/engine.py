@@ -31,7 +31,8 @@ from .kv_pool import KVCachePool
 from .live import LiveRequest
 from .prefix_cache import PrefixCache, scope_seed
 from .scheduler import SchedSeq, Scheduler
-from .session_manager import LEASE_GRACE_S, LeaseHeld, SessionManager
+from .session_leases import LEASE_GRACE_S, LeaseHeld
+from .session_manager import SessionManager
 from .state_pool import StatePool
 from .steps import StepExecution
 from .session_store import StoreWriter, open_store

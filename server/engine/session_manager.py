@@ -21,6 +21,7 @@ import torch
 from model import LinearGPT
 
 from .sessions import TAIL_TOKENS, Session, SessionInfo, Turn, decode_snapshot, encode_snapshot, model_fingerprint, new_session_id
+from .session_leases import SharedStoreAccess
 from .session_store import SessionStore, StoreWriter
 from .state_pool import StatePool
 from .types import EngineError
@@ -30,21 +31,9 @@ if TYPE_CHECKING:
 
 EXPIRY_CHECK_INTERVAL_S = 1.0
 STORE_SWEEP_INTERVAL_S = 10.0
-LEASE_MS = 30_000  # a replica that dies mid-turn blocks its session at most this long
-LEASE_RENEW_S = LEASE_MS / 3000  # renewed three times per lease while generating
-LEASE_GRACE_S = 0.5  # a lease still held for a turn's write in flight is waited for this long before 409
-
-
-class LeaseHeld(EngineError):
-    """Another replica holds the session's lease (it is generating, or its last write is in flight)."""
-
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} is generating on another replica", kind="busy", param="session_id")
 
 logger = logging.getLogger(__name__)
-
-
-class SessionManager:
+class SessionManager(SharedStoreAccess):
     def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
                  reserved_slots: int = 0, turns_kept: int = 8, store: SessionStore | None = None,
                  writer: StoreWriter | None = None) -> None:
@@ -84,23 +73,6 @@ class SessionManager:
         if session is None or session.owner != owner:  # another key's session does not exist for you
             raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
         return session
-
-    def _store_call(self, fn, *args):
-        try:
-            return fn(*args)
-        except Exception as error:  # noqa: BLE001 - the store is down: say so, stateless work goes on
-            raise EngineError(f"the session store is unavailable ({error.__class__.__name__})", kind="unavailable") from None
-
-    def _fresh(self, session: Session) -> Session | None:
-        """Shared store: the in-memory copy if it is still the newest, else None (dropped; another replica
-        advanced, rewound or deleted the session). Our own queued writes make ours the newest."""
-        with self._unwritten_lock:
-            if self._unwritten[session.id]:
-                return session
-        if self._store_call(self.store.revision, session.id) == session.revision:
-            return session
-        self._drop(session)
-        return None
 
     def _load(self, session_id: str) -> Session | None:
         """A session that is only in the store (after a restart, or expired from memory) comes back to the
@@ -154,49 +126,6 @@ class SessionManager:
         with self._unwritten_lock:
             self._unwritten[session_id] += 1
         self.writer.put(session_id, encode, session.revision, written)
-
-    # ---- leases (shared store: one writer per session across replicas) ----
-    def _claim(self, session_id: str, owner: str | None) -> Session:
-        """The idle session, leased to this replica and fresh; 409 if another replica holds the lease."""
-        session = self._idle(session_id, owner)
-        if not self.shared:
-            return session
-        token = f"{self.replica}:{uuid.uuid4().hex[:12]}"  # one per claim: a late release can't free a newer one
-        if not self._store_call(self.store.acquire, session_id, token, LEASE_MS):
-            raise LeaseHeld(session_id)
-        try:
-            session = self._fresh(session) or self._load(session_id)  # what the last holder wrote
-            if session is None or session.owner != owner:
-                raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
-        except EngineError:
-            self.writer.call(lambda: self.store.release(session_id, token))
-            raise
-        session.lease = token
-        return session
-
-    def _take_lease(self, session: Session):
-        """Hand over the session's lease: returns the call that releases it (None if it holds none)."""
-        if session.lease is None:
-            return None
-        session_id, store, token = session.id, self.store, session.lease
-        session.lease = None
-        return lambda: store.release(session_id, token)
-
-    def _release_lease(self, session: Session) -> None:
-        release = self._take_lease(session)
-        if release is not None:
-            self.writer.call(release)  # after any write queued before it
-
-    def renew_leases(self) -> None:
-        now = time.monotonic()
-        if not self.shared or now - self._last_renew < LEASE_RENEW_S:
-            return
-        self._last_renew = now
-        for session in [s for s in self.sessions.values() if s.lease is not None]:
-            try:
-                self.store.renew(session.id, session.lease, LEASE_MS)
-            except Exception:  # noqa: BLE001 - retried next time; the lease outlives a few misses
-                logger.warning("renewing the lease of %s failed", session.id)
 
     def info(self, session: Session) -> SessionInfo:
         idle = time.monotonic() - session.last_used
