@@ -26,7 +26,7 @@ class LeaseHeld(EngineError):
 
 class SharedStoreAccess:
     """Needs from its host class: store, writer, shared, replica, sessions, _unwritten(_lock), _last_renew,
-    and the methods _idle, _load, _drop."""
+    and the methods _idle (lookup with the freshness check) and _drop."""
 
     def _store_call(self, fn, *args):
         try:
@@ -47,17 +47,18 @@ class SharedStoreAccess:
 
     # ---- leases (shared store: one writer per session across replicas) ----
     def _claim(self, session_id: str, owner: str | None) -> Session:
-        """The idle session, leased to this replica and fresh; 409 if another replica holds the lease."""
-        session = self._idle(session_id, owner)
+        """The idle session, leased to this replica; 409 if another replica holds the lease. Shared store:
+        the copy is checked (or loaded) under the lease, so it is what the last holder wrote."""
         if not self.shared:
-            return session
+            return self._idle(session_id, owner)
+        local = self.sessions.get(session_id)
+        if local is not None and local.busy:  # generating here: this replica's own lease is the one held
+            return self._idle(session_id, owner)  # raises "is generating"
         token = f"{self.replica}:{uuid.uuid4().hex[:12]}"  # one per claim: a late release can't free a newer one
         if not self._store_call(self.store.acquire, session_id, token, LEASE_MS):
             raise LeaseHeld(session_id)
         try:
-            session = self._fresh(session) or self._load(session_id)  # what the last holder wrote
-            if session is None or session.owner != owner:
-                raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
+            session = self._idle(session_id, owner)
         except EngineError:
             self.writer.call(lambda: self.store.release(session_id, token))
             raise

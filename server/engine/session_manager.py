@@ -115,17 +115,15 @@ class SessionManager(SharedStoreAccess):
             own = {name: t.clone() for name, t in state.items()} if latest is not None else state
             return encode_snapshot(own, history, fingerprint, turns, extra)
 
-        def written() -> None:
+        def landed() -> None:  # written or failed: from now on the store's revision decides what is newest
             with self._unwritten_lock:
                 self._unwritten[session_id] -= 1
                 if self._unwritten[session_id] <= 0:
                     del self._unwritten[session_id]
-            if release is not None:
-                release()
 
         with self._unwritten_lock:
             self._unwritten[session_id] += 1
-        self.writer.put(session_id, encode, session.revision, written)
+        self.writer.put(session_id, encode, session.revision, done=release, after=landed)
 
     def info(self, session: Session) -> SessionInfo:
         idle = time.monotonic() - session.last_used

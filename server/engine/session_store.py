@@ -170,17 +170,17 @@ class StoreWriter:
         self._thread.start()
 
     def put(self, session_id: str, encode: Callable[[], bytes], revision: str = "",
-            done: Callable[[], None] | None = None) -> None:
-        """Queue a write; `done` runs once it is written (not after a failed write)."""
-        self._queue.put(("put", session_id, (encode, revision, done)))
+            done: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
+        """Queue a write; `done` runs once it is written (not after a failed write), `after` either way."""
+        self._queue.put(("put", session_id, lambda: self.store.put(session_id, encode(), revision), done, after))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the writer thread after everything queued so far (e.g. a lease release)."""
-        self._queue.put(("call", "", fn))
+        self._queue.put(("call", "a lease", fn, None, None))
 
     def delete(self, session_id: str, done: Callable[[], None] | None = None) -> None:
         """Queue a delete (after any queued write of the same session); `done` runs once it is done."""
-        self._queue.put(("delete", session_id, done))
+        self._queue.put(("delete", session_id, lambda: self.store.delete(session_id), done, None))
 
     def flush(self) -> None:
         """Wait until everything handed over so far is on disk."""
@@ -199,23 +199,18 @@ class StoreWriter:
             try:
                 if item is None:
                     return
-                op, session_id, encode = item
+                op, session_id, work, done, after = item
                 started = time.perf_counter()
                 try:
-                    if op == "put":
-                        encode, revision, done = encode
-                        self.store.put(session_id, encode(), revision)
-                    elif op == "delete":
-                        done = encode
-                        self.store.delete(session_id)
-                    else:
-                        done = encode
+                    work()
                     if done is not None:
                         done()  # only after success: a failed write keeps its lease/tombstone until it expires
                     ok = True
                 except Exception:  # noqa: BLE001 - a failed write is logged and counted; serving goes on
-                    logger.exception("session store %s of %s failed", op, session_id or "a lease")
+                    logger.exception("session store %s of %s failed", op, session_id)
                     ok = False
+                if after is not None:
+                    after()
                 if op != "call":
                     self.on_result(op, ok, time.perf_counter() - started)
             finally:
