@@ -11,12 +11,21 @@ import httpx
 import torch
 
 
-def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: float = 120.0) -> subprocess.Popen:
-    """Poll `url` until it answers 200; kill the process and raise if it exits or the time runs out."""
+def compile_settled(body: dict) -> bool:
+    """linserve's /ready body: nothing left to compile (every decode bucket ready, or eager for good)."""
+    step = body.get("decode_step")
+    return step is None or step["status"] in ("eager", "compiled", "declined", "failed")
+
+
+def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: float = 120.0,
+                  settled=None) -> subprocess.Popen:
+    """Poll `url` until it answers 200 (and `settled(json body)` holds, if given); kill the process and
+    raise if it exits or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
+            response = httpx.get(url, timeout=1)
+            if response.status_code == 200 and (settled is None or settled(response.json())):
                 return process
         except httpx.HTTPError:
             pass
@@ -25,6 +34,11 @@ def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: flo
         time.sleep(0.2)
     process.kill()
     raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s")
+
+
+def add_compile_argument(parser) -> None:
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                        help="linserve's decode step (default auto, as `linserve serve`); measured once compiled")
 
 
 def add_device_argument(parser) -> None:

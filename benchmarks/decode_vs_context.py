@@ -12,6 +12,7 @@ the time to read its weights once.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small contexts and few repetitions (tests)")
     parser.add_argument("--out")
     parser.add_argument("--plot", help="PNG of step time vs context")
+    parser.add_argument("--compile-cache", default="data/compile_cache", help="Inductor's on-disk caches")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
@@ -103,19 +105,53 @@ def main(argv: list[str] | None = None) -> None:
                                                "spread_ms": [1e3 * min(values), 1e3 * max(values)]}
     first, last = args.contexts[0], args.contexts[-1]
     p1 = table["linear"][last]["median_ms"] / table["linear"][first]["median_ms"]
-    weight_bytes = sum(p.numel() * p.element_size() for p in linear.parameters())
-    read_ms = weight_bytes / (bandwidth * 1e9) * 1e3
-    step_ms = table["linear"][first]["median_ms"]
+    engine_steps = engine_step_table(linear, device, args, bandwidth)
+    best = min(engine_steps.values(), key=lambda row: row["ratio"])
     result = {
         **describe(device),
         "decode_step": table,
         "P1": {"ratio": p1, "measured": "linear step at the last context / at the first", "contexts": [first, last], "target": "<= 1.05", "pass": p1 <= 1.05},
-        "P6": {"weight_bytes": weight_bytes, "bandwidth_gb_s": bandwidth, "weight_read_ms": read_ms,
-               "step_ms": step_ms, "ratio": step_ms / read_ms, "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5},
+        "engine_step": engine_steps,
+        "P6": {"bandwidth_gb_s": bandwidth, "measured": "the engine's batch-1 step (gather, model, scatter) / one read "
+               "of the weights at the bandwidth, best setting", "setting": best["setting"], "step_ms": best["step_ms"],
+               "weight_read_ms": best["weight_read_ms"], "ratio": best["ratio"], "target": "<= 1.5",
+               "pass": best["ratio"] <= 1.5},
     }
     emit(result, args.out)
     if args.plot:
         plot_steps(table, args.plot)
+
+
+def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: float) -> dict:
+    """The engine's batch-1 decode step (DecodeStep + scatter into the pool) per weights dtype, eager and
+    compiled, each against the time to read that dtype's weights once. --quick measures eager only."""
+    from server.engine.compiled_decode import DecodeStep
+    from server.engine.state_pool import StatePool
+
+    modes = ("off",) if args.quick else ("off", "on")
+    steps, rows = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        typed = copy.deepcopy(model).to(dtype)
+        pool = StatePool(typed, 2, device)
+        for mode in modes:
+            step = DecodeStep(typed, pool, device, mode, max_rows=1, cache_dir=args.compile_cache)
+            step.start()
+            step.wait_compiled()
+            setting = f"{str(dtype).removeprefix('torch.')} {'compiled' if mode == 'on' else 'eager'}"
+            steps[setting] = (step, pool, sum(p.numel() * p.element_size() for p in typed.parameters()))
+            rows[setting] = []
+    for _ in range(args.reps):  # interleaved repetitions, as above
+        for setting, (step, pool, _) in steps.items():
+            rows[setting].append(median_step(lambda: pool.scatter([0], step([1], [0])[1]), args.steps, device))
+    table = {}
+    for setting, values in rows.items():
+        weight_bytes = steps[setting][2]
+        read_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+        step_ms = 1e3 * statistics.median(values)
+        table[setting] = {"setting": setting, "weight_bytes": weight_bytes, "weight_read_ms": read_ms,
+                          "step_ms": step_ms, "spread_ms": [1e3 * min(values), 1e3 * max(values)],
+                          "ratio": step_ms / read_ms}
+    return table
 
 
 def plot_steps(table: dict, path: str) -> None:

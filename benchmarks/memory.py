@@ -50,7 +50,7 @@ def free_port() -> int:
 def served_stream(tokens: int) -> dict:
     """One stateless stream of `tokens` tokens from a real server; its RSS sampled every 4,096 tokens."""
     port = free_port()
-    server = start_server(str(DEFAULT_CHECKPOINT), port, 4)
+    server = start_server(str(DEFAULT_CHECKPOINT), port, 4, compile="off")  # memory, not speed: no compile thread
     try:
         body = {"prompt": "ROMEO.", "max_tokens": tokens, "ignore_eos": True, "temperature": 0.8, "seed": 0,
                 "stream": True}

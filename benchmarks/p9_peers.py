@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, wait_until_up  # noqa: E402
+from common import add_compile_argument, emit, wait_until_up  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT  # noqa: E402
@@ -61,19 +61,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="short loads, one repetition")
     parser.add_argument("--out")
     parser.add_argument("--plot", help="PNG: ITL vs position of the 8,192-token load, all three servers")
+    add_compile_argument(parser)
     args = parser.parse_args(argv)
     if not LLAMA_SERVER.exists():
         raise SystemExit("build the peer first: bash benchmarks/peers/build_llama_server.sh && "
                          "python benchmarks/peers/make_models.py")
     loads = {"1x512": (1, 512), "8x256": (8, 256), "1x8192": (1, 8192)}
     if args.quick:
-        args.reps, loads = 1, {"1x64": (1, 64), "8x32": (8, 32), "1x256": (1, 256)}
+        args.reps, args.compile, loads = 1, "off", {"1x64": (1, 64), "8x32": (8, 32), "1x256": (1, 256)}
     long_load = list(loads)[-1]
     long_tokens = loads[long_load][1]
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     servers = {"linserve": 8901, "llama.cpp gpt2": 8902, "llama.cpp mamba": 8903}
     processes = [start_server(str(DEFAULT_CHECKPOINT), servers["linserve"], 8, extra=["--log-level", "warning"],
-                              env={"LINSERVE_SESSION_STORE": "none"}),
+                              env={"LINSERVE_SESSION_STORE": "none"}, compile=args.compile),
                  start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64),
                  start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64)]
     rates = {(s, load): [] for s in servers for load in loads}

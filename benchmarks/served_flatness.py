@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_device_argument, describe, emit, resolve_device  # noqa: E402
+from common import add_compile_argument, add_device_argument, describe, emit, resolve_device  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
 from model import LinearGPT  # noqa: E402
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-softmax", action="store_true")
     parser.add_argument("--softmax-tokens", type=int, default=2048,
                         help="tokens per stream for the softmax baseline (its steps grow with context)")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="short streams, eager (no compile)")
+    add_compile_argument(parser)
     parser.add_argument("--out-dir", default="benchmarks/results")
     add_device_argument(parser)
     args = parser.parse_args(argv)
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         results, report = {}, {}
         for name, (model_dir, port, tokens) in servers.items():
             process = start_server(model_dir, port, args.streams, extra=["--log-level", "warning"],
-                                   env={"LINSERVE_MAX_CONTEXT": str(tokens + 64)}, device=device.type)
+                                   env={"LINSERVE_MAX_CONTEXT": str(tokens + 64)}, device=device.type,
+                                   compile="off" if args.quick else args.compile)
             try:
                 summary, records = measure(port, args.streams, tokens)
             finally:

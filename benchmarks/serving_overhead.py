@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_device_argument, describe, emit, resolve_device, wait_until_up  # noqa: E402
+from common import add_compile_argument, add_device_argument, compile_settled, describe, emit, resolve_device, wait_until_up  # noqa: E402
 from engine_inprocess import run_streams  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
@@ -28,14 +28,19 @@ from server.bench.client import LoadSpec, run_load  # noqa: E402
 from server.engine import Engine, EngineConfig  # noqa: E402
 
 
+COMPILE_TIMEOUT_S = 900.0  # a cold compile of every bucket takes minutes on 2 cores
+COMPILE_CACHE = "data/compile_cache"  # the server's default compile_cache_dir
+
+
 def start_server(model: str, port: int, slots: int, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None, device: str = "cpu") -> subprocess.Popen:
-    """`linserve serve` on 127.0.0.1:port, returned once /ready answers 200."""
+                 env: dict[str, str] | None = None, device: str = "cpu", compile: str = "auto") -> subprocess.Popen:
+    """`linserve serve` on 127.0.0.1:port, returned once /ready answers 200 and the decode step is compiled
+    (or settled on eager)."""
     command = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--device", device,
-               "--num-slots", str(slots), *(extra or ["--log-level", "warning"])]
+               "--num-slots", str(slots), "--compile", compile, *(extra or ["--log-level", "warning"])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, **(env or {})})
-    return wait_until_up(process, f"http://127.0.0.1:{port}/ready", "linserve serve")
+    return wait_until_up(process, f"http://127.0.0.1:{port}/ready", "linserve serve", COMPILE_TIMEOUT_S, compile_settled)
 
 
 def http_rate(port: int, streams: int, tokens: int) -> float:
@@ -55,16 +60,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out")
     add_device_argument(parser)
+    add_compile_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     if args.quick:
-        args.tokens, args.reps = 16, 1
+        args.tokens, args.reps, args.compile = 16, 1, "off"
     from transformers import AutoTokenizer
 
     sizes = (1, 32)
     model = load_model(args.model, device).model
-    engine = Engine(model, AutoTokenizer.from_pretrained(args.model), EngineConfig(num_slots=64), device).start()
-    server = start_server(args.model, args.port, 64, device=device.type)
+    config = EngineConfig(num_slots=64, compile=args.compile, compile_cache_dir=COMPILE_CACHE)
+    engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device).start()
+    engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm
+    server = start_server(args.model, args.port, 64, device=device.type, compile=args.compile)
     rates = {(where, n): [] for where in ("engine", "http") for n in sizes}
     try:
         http_rate(args.port, 1, 4)  # warm-up

@@ -9,6 +9,7 @@ import torch
 from .hf import LinearGPTForCausalLM
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("float32", "bfloat16")  # weights; the recurrent state is fp32 whatever this is
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"  # ships inside the package
 
 

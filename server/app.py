@@ -8,6 +8,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import torch
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -45,7 +46,8 @@ def engine_config(settings: Settings, model) -> EngineConfig:
                         max_host_sessions=settings.max_host_sessions, session_ttl_s=settings.session_ttl_s,
                         max_n=settings.max_n, max_waiting=settings.max_waiting, max_context=settings.max_context,
                         reserved_slots=settings.reserved_slots, session_turns_kept=settings.session_turns_kept,
-                        session_store=settings.session_store)
+                        session_store=settings.session_store, compile=settings.compile,
+                        compile_cache_dir=settings.compile_cache_dir)
 
 
 def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
@@ -53,7 +55,7 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
 
     path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
     device = resolve_device(settings.device)
-    model = load_model(path, device).model
+    model = load_model(path, device, getattr(torch, settings.dtype)).model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     config = engine_config(settings, model)
     engine = Engine(model, tokenizer, config, device, metrics.observe).start()
@@ -165,11 +167,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/ready", responses=OPERATIONAL_RESPONSES)
     async def ready(request: Request) -> Response:
-        """Readiness: 200 once the model is loaded; 503 while loading, draining or after an engine failure."""
+        """Readiness: 200 once the model is loaded (eager serves while the decode step compiles; the body says
+        how far compiling is); 503 while loading, draining or after an engine failure."""
         if not request.app.state.ready or not engine_alive(request.app):
             return error_response(503, "not ready: loading, draining or failed", code="not_ready",
                                   headers={"Retry-After": str(settings.retry_after_s)})
-        return JSONResponse({"status": "ready"})
+        step = getattr(request.app.state.engine, "decode_step", None)
+        return JSONResponse({"status": "ready", "decode_step": step.describe() if step is not None else None})
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 
 from model.generate import generate_tokens
-from model.loading import DEFAULT_CHECKPOINT, DEVICE_CHOICES, load_model, resolve_device
+from model.loading import DEFAULT_CHECKPOINT, DEVICE_CHOICES, DTYPE_CHOICES, load_model, resolve_device
 
 SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; softmax is scored in windows
 
@@ -84,7 +84,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     path = Path(args.model) if args.model else DEFAULT_CHECKPOINT
-    lm = load_model(path, device)
+    lm = load_model(path, device, getattr(torch, args.dtype))
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     window = args.window
     if window is None and lm.model.config.attention == "softmax":
@@ -92,7 +92,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"note: softmax model: scoring independent windows of {window} tokens", file=sys.stderr)
     works = load_corpus(args.corpus_dir).validation
     result = bits_per_byte(lm.model, tokenizer, works, window=window)
-    report = {"model": str(path), "window": window, "works": list(works), "bits_per_byte": result.bits_per_byte,
+    report = {"model": str(path), "dtype": args.dtype, "window": window, "works": list(works), "bits_per_byte": result.bits_per_byte,
               "nats_per_token": result.nats_per_token, "tokens": result.tokens, "bytes": result.bytes,
               "tokens_per_second": result.tokens_per_second}
     print(json.dumps(report, indent=2))
@@ -104,7 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.settings import Settings
 
     settings = Settings.load(args.config, model=args.model, host=args.host, port=args.port, device=args.device,
-                             api_keys=args.api_key, num_slots=args.num_slots, log_level=args.log_level)
+                             api_keys=args.api_key, num_slots=args.num_slots, log_level=args.log_level,
+                             compile=args.compile, dtype=args.dtype)
     return serve(settings)
 
 
@@ -133,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", choices=DEVICE_CHOICES)
     srv.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     srv.add_argument("--num-slots", type=int, help="state pool slots")
+    srv.add_argument("--compile", choices=["auto", "on", "off"], help="compile the decode step (default auto)")
+    srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights' dtype (default float32; state stays fp32)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
 
@@ -149,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--window", type=int, help="score independent windows of N tokens (default: carry the state through each work)")
     evaluate.add_argument("--corpus-dir", default="data/corpus")
     evaluate.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    evaluate.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="weights' dtype")
     evaluate.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="load-test a running server over HTTP/SSE")

@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this (408)")
     retry_after_s: int = Field(1, ge=0)
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="compile the decode step per batch bucket (CUDA graphs on CUDA); auto: where it pays")
+    compile_cache_dir: str = Field("./data/compile_cache", description="Inductor's caches: a restart recompiles fast")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights' dtype; the (S, z) state stays fp32")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     # set per load() call: which YAML file feeds this instance

@@ -27,6 +27,7 @@ import torch
 from model import LinearGPT
 
 from . import heap
+from .compiled_decode import DecodeStep
 from .kv_pool import KVCachePool
 from .live import LiveRequest
 from .prefix_cache import PrefixCache, scope_seed
@@ -65,6 +66,8 @@ class EngineConfig:
     reserved_slots: int = 8
     session_turns_kept: int = 8  # turn snapshots per session, for rewind (each one state's bytes)
     session_store: str = "none"  # "none", "dir:PATH" or "redis://HOST:PORT/DB": the tier below host memory
+    compile: str = "off"  # the decode step: "off" (eager), "on" or "auto" (see compiled_decode)
+    compile_cache_dir: str | None = None  # Inductor's on-disk caches (None: torch's default place)
 
 
 class Engine(StepExecution):
@@ -81,6 +84,9 @@ class Engine(StepExecution):
         self.linear = model.config.attention == "linear"
         self.pool = (StatePool(model, config.num_slots, device) if self.linear
                      else KVCachePool(model, config.num_slots, config.max_context, device))
+        max_rows = min(config.num_slots, config.max_batch_tokens)
+        self.decode_step = DecodeStep(model, self.pool, device, config.compile, max_rows,
+                                      config.compile_cache_dir) if self.linear else None
         cache_entries = config.prefix_cache_entries if self.linear else 0
         self.prefix_cache = PrefixCache(cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
@@ -103,6 +109,8 @@ class Engine(StepExecution):
     # ---------------------------------------------------------------- public, any thread
     def start(self) -> Engine:
         self._thread.start()
+        if self.decode_step is not None:
+            self.decode_step.start()  # compiles in the background; eager serves meanwhile
         return self
 
     @property
@@ -111,6 +119,8 @@ class Engine(StepExecution):
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything in flight (finish reason `abort`), end the thread, flush the session store."""
+        if self.decode_step is not None:
+            self.decode_step.close()
         if self._thread.is_alive():
             self._stopping.set()  # from here on new requests are refused
             self._commands.put((lambda: None, None))  # wake the loop

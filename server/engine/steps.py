@@ -56,9 +56,14 @@ class StepExecution:
     def _decode(self: Engine, decode: list[tuple[str, int]], latencies: list) -> None:
         rows = [self.live[seq_id].row_for_slot(slot) for seq_id, slot in decode]
         slots = [slot for _, slot in decode]
-        tokens = torch.tensor([[row.next_token] for row in rows], device=self.device)  # (B, 1)
-        logits, state = self.model(tokens, self.pool.gather(slots))  # (B, 1, V)
-        choice = self._choose(rows, logits[:, 0].float())  # may raise: nothing is committed yet
+        tokens = [row.next_token for row in rows]
+        if self.decode_step is not None:  # linear: eager or a compiled bucket / CUDA graph
+            logits, state = self.decode_step(tokens, slots)  # (B, V) fp32
+        else:
+            ids = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1)
+            logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
+            logits = logits[:, 0].float()  # (B, V)
+        choice = self._choose(rows, logits)  # may raise: nothing is committed yet
         self.pool.scatter(slots, state)
         self._deliver(rows, choice, latencies)
 

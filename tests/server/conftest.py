@@ -23,7 +23,7 @@ def make_client(tiny_checkpoint, tmp_path):
 
     def factory(**overrides) -> TestClient:
         base = dict(model=str(tiny_checkpoint), device=device_name_under_test(), num_slots=8, max_prefill_chunk=16, max_batch_tokens=64,
-                    session_store=f"dir:{tmp_path / f'sessions{len(clients)}'}")
+                    session_store=f"dir:{tmp_path / f'sessions{len(clients)}'}", compile="off")  # compiled: test_e2e
         settings = Settings(**{**base, **overrides})
         client = TestClient(create_app(settings))
         client.__enter__()  # runs the lifespan: model, pool, engine thread
@@ -54,7 +54,8 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16",
+        # eager unless a test asks: compiling takes minutes of CPU (the compiled server has its own test)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16", "LINSERVE_COMPILE": "off",
                "LINSERVE_SESSION_STORE": f"dir:{log_path.parent / 'sessions'}", **(env or {})}
         command = [sys.executable, *entry, "serve", "--model", str(checkpoint), "--port", str(self.port),
                    "--device", device_name_under_test(), "--log-level", "warning", *extra]

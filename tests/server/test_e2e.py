@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import signal
@@ -190,3 +191,32 @@ def test_sigterm_ends_running_streams_with_abort(server):
     # uvicorn finishes its graceful shutdown, then re-raises the signal it caught (exit status -SIGTERM)
     assert server["process"].wait(20) in (0, -signal.SIGTERM)
     assert "Traceback" not in server["log"].read_text()
+
+
+def test_a_compiled_server_reports_progress_and_streams_the_same_tokens(start_server, tmp_path):
+    """`--compile on`: ready at once (eager), /ready shows the buckets compiling, then the same text as eager."""
+    body = {"prompt": "ROMEO.", "max_tokens": 40, "temperature": 0.8, "ignore_eos": True}
+    eager = start_server("--num-slots", "2")
+    assert httpx.get(f"{eager['base']}/ready").json()["decode_step"]["status"] == "eager"
+    want = [httpx.post(f"{eager['base']}/v1/completions", json={**body, "seed": s}, timeout=60)
+            .json()["choices"][0]["text"] for s in (0, 1)]
+    assert want[0] != want[1]  # seeded sampling: two different texts
+    eager.stop()
+    compiled = start_server("--num-slots", "2", "--compile", "on",
+                            env={"LINSERVE_COMPILE_CACHE_DIR": str(tmp_path / "cache")})
+    step = httpx.get(f"{compiled['base']}/ready").json()["decode_step"]
+    assert step["compile"] == "on" and step["buckets"] == [1, 2] and step["status"] in ("pending", "compiling", "compiled")
+    deadline = time.monotonic() + 400
+    while step["status"] != "compiled" and time.monotonic() < deadline:
+        assert step["status"] in ("pending", "compiling"), step  # never failed
+        time.sleep(1)
+        step = httpx.get(f"{compiled['base']}/ready").json()["decode_step"]
+    assert step["ready"] == [1, 2], step
+    assert httpx.post(f"{compiled['base']}/v1/completions", json={**body, "seed": 0},
+                      timeout=60).json()["choices"][0]["text"] == want[0]
+    with httpx.Client(timeout=60) as client:  # two at once: bucket 2
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(lambda s: client.post(f"{compiled['base']}/v1/completions", json={**body, "seed": s})
+                                  .json()["choices"][0]["text"], (0, 1)))
+    assert texts == want
+    assert any(path.is_file() for path in (tmp_path / "cache").rglob("*"))

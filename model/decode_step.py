@@ -1,0 +1,50 @@
+"""The decode step as a function of flat tensors: the form `torch.compile` and CUDA graphs capture.
+
+`LinearGPT.forward` takes and returns `ModelState` dataclasses; the compiler wants plain positional
+tensors (and cannot trace `dataclasses.fields`). `flat_decode_step(model)` returns
+
+    step(tokens, *state) -> (logits, *new_state)
+
+with tokens (B, 1) int64, `state` the model's state tensors in `state_names(model)` order (per layer
+S (B, H, dk, dv), z (B, H, dk) and, with a convolution, its window (B, W, C); fp32 always) and logits
+(B, V) fp32. It runs the same modules as `forward`, so it is the same function: only the packaging differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .gpt import LinearGPT
+from .state import BlockState, LinearAttentionState, ModelState
+
+FlatStep = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def state_names(model: LinearGPT) -> list[str]:
+    """The flat order of a linear model's state tensors (that of `ModelState.tensors()`)."""
+    per_layer = ["S", "z"] + (["conv"] if model.config.conv_kernel else [])
+    return [f"blocks.{i}.{name}" for i in range(model.config.n_layers) for name in per_layer]
+
+
+def flat_decode_step(model: LinearGPT) -> FlatStep:
+    """One recurrent step of a linear-attention model over flat tensors (see the module docstring)."""
+    if model.config.attention != "linear":
+        raise ValueError("the flat decode step carries a fixed (S, z) state: attention must be 'linear'")
+    n_layers = model.config.n_layers
+    width = 3 if model.config.conv_kernel else 2  # tensors per layer
+
+    def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        blocks = tuple(
+            BlockState(attn=LinearAttentionState(S=state[width * i], z=state[width * i + 1]),
+                       conv=state[width * i + 2] if width == 3 else None)
+            for i in range(n_layers)
+        )
+        logits, new = model(tokens, ModelState(blocks=blocks))  # (B, 1, V)
+        flat: list[torch.Tensor] = []
+        for block in new.blocks:
+            flat += [block.attn.S, block.attn.z] + ([block.conv] if width == 3 else [])
+        return (logits[:, 0].float(), *flat)  # (B, V) fp32, then the state
+
+    return step
