@@ -22,8 +22,9 @@ from .dependencies import max_token_bytes, require_key
 from .errors import RequestBody, ServerErrors, error_response, install_handlers
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openapi import OPERATIONAL_RESPONSES, document_errors
-from .routes import openai, sessions
+from .routes import openai, sessions, utilities
 from .settings import Settings
+from .version import package_version
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def add_docs(app: FastAPI, settings: Settings) -> None:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.load()
-    app = FastAPI(title="linserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="linserve", version=package_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, description="Causal linear-attention LM server: constant per-token latency "
                   "and state size.")
     app.state.settings = settings
@@ -157,6 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_handlers(app)
     app.include_router(openai.router)
     app.include_router(sessions.router)
+    app.include_router(utilities.router)
 
     @app.get("/health", responses=OPERATIONAL_RESPONSES)
     async def health(request: Request) -> Response:

@@ -1,4 +1,8 @@
-"""`linserve` command line: serve, generate, train, eval, bench, info."""
+"""`linserve` command line: serve, generate, train, eval, bench, info.
+
+Only the standard library is imported here: torch, transformers and the server load inside the command
+that needs them, so `linserve --help` and `--version` answer at once.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +12,43 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from pydantic import ValidationError
-from tokenizers import Tokenizer
+from server.version import package_version
 
-from model.generate import generate_tokens
-from model.loading import DEFAULT_CHECKPOINT, DEVICE_CHOICES, DTYPE_CHOICES, load_model, resolve_device
-
+# the same tuples as model.loading's (a test keeps them equal); repeated so that --help needs no torch
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("float32", "bfloat16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; softmax is scored in windows
 
 
-def _load_for_generation(args: argparse.Namespace, device: torch.device):
+def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",)) -> Path:
+    """The checkpoint directory to use (the shipped one by default); a clear error if it is not one."""
+    if model is None:
+        from model.loading import DEFAULT_CHECKPOINT
+
+        return DEFAULT_CHECKPOINT
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"--model {model}: no such directory")
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"--model {model}: not a checkpoint directory (missing {', '.join(missing)})")
+    return path
+
+
+def _load_for_generation(args: argparse.Namespace, device):
     from transformers import AutoTokenizer
 
-    path = Path(args.model) if args.model else DEFAULT_CHECKPOINT
-    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
-        raise SystemExit(f"error: {path} is not a checkpoint directory with config.json and tokenizer.json")
+    from model.loading import load_model
+
+    path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
     return load_model(path, device).model, AutoTokenizer.from_pretrained(path)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from model.generate import generate_tokens
+    from model.loading import resolve_device
+
     device = resolve_device(args.device)
     model, tokenizer = _load_for_generation(args, device)
     prompt_ids = tokenizer.encode(args.prompt)
@@ -52,6 +73,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from model.loading import resolve_device
+
     device = resolve_device(args.device)
     model, _ = _load_for_generation(args, device)
     config = model.config
@@ -63,6 +86,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from model.loading import resolve_device
     from model.training.trainer import TrainConfig, Trainer
 
     cfg = TrainConfig.from_yaml(args.config)
@@ -79,11 +105,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+    from tokenizers import Tokenizer
+
+    from model.loading import load_model, resolve_device
     from model.training.corpus import load_corpus
     from model.training.evaluate import bits_per_byte
 
     device = resolve_device(args.device)
-    path = Path(args.model) if args.model else DEFAULT_CHECKPOINT
+    path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
     lm = load_model(path, device, getattr(torch, args.dtype))
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     window = args.window
@@ -100,78 +130,110 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from server.serve import serve
     from server.settings import Settings
 
     settings = Settings.load(args.config, model=args.model, host=args.host, port=args.port, device=args.device,
                              api_keys=args.api_key, num_slots=args.num_slots, log_level=args.log_level,
                              compile=args.compile, dtype=args.dtype)
+    from server.preflight import preflight
+
+    preflight(settings)  # port, model directory, device: one-line errors before anything heavy loads
+    from server.serve import serve
+
     return serve(settings)
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none (None: 'not given', resolved later) or says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or "[default:" in (action.help or "") or "(default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="linserve", description="Serve causal linear-attention language models.")
+    formatter = DefaultsFormatter
+    parser = argparse.ArgumentParser(prog="linserve", description="Serve causal linear-attention language models.",
+                                     formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"linserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def model_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", help="checkpoint directory (default: the shipped checkpoint)")
-        p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-        p.add_argument("--seed", type=int, default=0)
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=formatter)
 
-    gen = sub.add_parser("generate", help="stream a completion of PROMPT to stdout")
-    gen.add_argument("prompt")
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="checkpoint directory [default: the shipped checkpoint]")
+        p.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="auto: cuda when available")
+
+    gen = command("generate", "stream a completion of PROMPT to stdout")
+    gen.add_argument("prompt", help="the text to continue")
     model_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--max-tokens", type=int, default=200, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    gen.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens")
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + sessions)")
-    srv.add_argument("--model", help="checkpoint directory (default: the shipped checkpoint)")
-    srv.add_argument("--config", help="YAML settings file (default: configs/server.yaml if present)")
-    srv.add_argument("--host")
-    srv.add_argument("--port", type=int)
-    srv.add_argument("--device", choices=DEVICE_CHOICES)
-    srv.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
-    srv.add_argument("--num-slots", type=int, help="state pool slots")
-    srv.add_argument("--compile", choices=["auto", "on", "off"], help="compile the decode step (default auto)")
-    srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights' dtype (default float32; state stays fp32)")
-    srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    # serve: flags default to None ("not given") so that the environment and the config file still apply;
+    # the help shows the effective default, read from Settings (the one place defaults live)
+    from server.settings import Settings
+
+    def setting(name: str, text: str) -> str:
+        default = Settings.model_fields[name].get_default(call_default_factory=True)
+        return f"{text} [default: {default if default not in (None, []) else 'none'}]"
+
+    srv = command("serve", "serve a model over HTTP (OpenAI-compatible API + sessions)")
+    srv.add_argument("--model", help="checkpoint directory [default: the shipped checkpoint]")
+    srv.add_argument("--config", help="YAML settings file [default: configs/server.yaml if present]")
+    srv.add_argument("--host", help=setting("host", "listen address"))
+    srv.add_argument("--port", type=int, help=setting("port", "listen port"))
+    srv.add_argument("--device", choices=DEVICE_CHOICES, help=setting("device", "where the model runs"))
+    srv.add_argument("--api-key", action="append", help=setting("api_keys", "require this Bearer key; repeatable"))
+    srv.add_argument("--num-slots", type=int, help=setting("num_slots", "state-pool slots"))
+    srv.add_argument("--compile", choices=["auto", "on", "off"], help=setting("compile", "compile the decode step"))
+    srv.add_argument("--dtype", choices=DTYPE_CHOICES, help=setting("dtype", "weights' dtype; the state stays fp32"))
+    srv.add_argument("--log-level", choices=LOG_LEVELS, help=setting("log_level", "log level"))
     srv.set_defaults(func=cmd_serve)
 
-    train = sub.add_parser("train", help="prepare the corpus and tokenizer, train, write an HF checkpoint")
+    train = command("train", "prepare the corpus and tokenizer, train, write an HF checkpoint")
     train.add_argument("--config", required=True, help="configs/train/NAME.yaml")
     train.add_argument("--out-dir", help="override the config's out_dir")
     train.add_argument("--max-steps", type=int, help="override optim.max_steps")
-    train.add_argument("--threads", type=int, help="torch CPU threads")
-    train.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    train.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    train.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="auto: cuda when available")
     train.set_defaults(func=cmd_train)
 
-    evaluate = sub.add_parser("eval", help="held-out bits per byte of a checkpoint")
-    evaluate.add_argument("--model", help="checkpoint directory (default: the shipped checkpoint)")
+    evaluate = command("eval", "held-out bits per byte of a checkpoint")
+    model_args(evaluate)
     evaluate.add_argument("--window", type=int, help="score independent windows of N tokens (default: carry the state through each work)")
-    evaluate.add_argument("--corpus-dir", default="data/corpus")
-    evaluate.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    evaluate.add_argument("--corpus-dir", default="data/corpus", help="where the corpus is (downloaded if absent)")
     evaluate.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="weights' dtype")
     evaluate.set_defaults(func=cmd_eval)
 
-    bench = sub.add_parser("bench", help="load-test a running server over HTTP/SSE")
-    from server.bench.cli import add_arguments, run as run_bench
+    bench = command("bench", "load-test a running server over HTTP/SSE")
+    from server.bench.cli import add_arguments
 
     add_arguments(bench)
-    bench.set_defaults(func=run_bench)
+    bench.set_defaults(func=cmd_bench)
 
-    info = sub.add_parser("info", help="print the model's config, parameter count and state bytes per session")
+    info = command("info", "print the model's config, parameter count and state bytes per session")
     model_args(info)
     info.set_defaults(func=cmd_info)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from server.bench.cli import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ValidationError) as error:
+    except (ValueError, FileNotFoundError, OSError) as error:  # start-up errors: one line, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -26,9 +26,9 @@ def render_chat(messages, tokenizer) -> str:
         USER.\\n<content>\\n\\nASSISTANT.\\n<content>\\n\\n … ASSISTANT.\\n
     """
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages], tokenize=False,
-                                             add_generation_prompt=True)
-    turns = [f"{m.name or DEFAULT_CHAT_ROLES[m.role]}.\n{m.content}\n\n" for m in messages]
+        return tokenizer.apply_chat_template([{**m.model_dump(exclude_none=True), "content": m.text} for m in messages],
+                                             tokenize=False, add_generation_prompt=True)
+    turns = [f"{m.name or DEFAULT_CHAT_ROLES[m.role]}.\n{m.text}\n\n" for m in messages]
     return "".join(turns) + "ASSISTANT.\n"
 
 

@@ -7,7 +7,8 @@ same distribution in every context bucket.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
+                               generate_latest)
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  - re-exported for the /metrics route
 
 from .engine.types import PoolStats, RequestStats, StepStats, StoreStats
@@ -34,6 +35,7 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, open fds, …
         self.ttft = Histogram("linserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
                               buckets=REQUEST_BUCKETS, registry=r)
         self.itl = Histogram("linserve_inter_token_latency_seconds",

@@ -15,7 +15,7 @@ from .schemas import ErrorResponse
 DESCRIPTIONS = {
     400: "Invalid request: the message says what is wrong and `param` which field",
     401: "Missing or invalid API key",
-    404: "No such session (or it belongs to another key)",
+    404: "Not found: no such session (or it belongs to another key), or `model` names a model not served here",
     408: "The request body did not arrive in time",
     409: "The session is busy with another generation",
     413: "Request body too large",
@@ -31,7 +31,7 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 AUTH = (401, 503)
 BODY = (400, 401, 408, 413, 429, 503)
-GENERATION = (*BODY, 500)
+GENERATION = (*BODY, 404, 500)  # 404: `model` names a model this server does not serve
 SESSION = (401, 404, 409, 503)
 OPERATIONAL_RESPONSES = errors(503)
 

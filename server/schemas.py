@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationInfo,
-                      field_validator)
+                      field_validator, model_validator)
 
 from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
 
@@ -36,10 +36,19 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Sampling(BaseModel):
-    """Fields shared by completions and chat completions; ranges checked here give 400 with `param`."""
+# accepted and ignored: they change nothing a client could observe here
+HARMLESS_EXTRAS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
-    model_config = ConfigDict(extra="ignore")
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions; ranges checked here give 400 with `param`.
+
+    A parameter linserve does not implement is refused with a 400 naming it (never silently ignored),
+    except the harmless ones in HARMLESS_EXTRAS and the neutral values of a few (`best_of: 1`,
+    `response_format: {"type": "text"}`, `suffix: ""`, `parallel_tool_calls` without tools)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: Text | None = None
     max_tokens: Int | None = Field(None, ge=0)
@@ -58,6 +67,34 @@ class _Sampling(BaseModel):
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: Float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: StrictBool = False
+    logit_bias: dict[str, Float] | None = Field(None, description="token id (as a string) → bias in [-100, 100]")
+
+    @model_validator(mode="after")
+    def _no_unsupported_parameters(self):
+        extras = dict(self.model_extra or {})
+        neutral = {"best_of": lambda v: v in (None, 1), "suffix": lambda v: v in (None, ""),
+                   "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+                   "parallel_tool_calls": lambda v: True, "tool_choice": lambda v: v in (None, "none")}
+        refused = sorted(name for name, value in extras.items()
+                         if name not in HARMLESS_EXTRAS and not (name in neutral and neutral[name](value)))
+        if refused:
+            raise ValueError(f"unsupported parameter{'s' if len(refused) > 1 else ''}: {', '.join(refused)} "
+                             "(linserve does not implement them)")
+        return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries")
+        for token, bias in value.items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids as strings, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -81,6 +118,7 @@ class _Sampling(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, logprobs=logprobs, n=self.n,
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
+            logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
         )
 
     @property
@@ -97,10 +135,30 @@ class CompletionRequest(_Sampling):
         return self._params(default_max_tokens, self.logprobs)
 
 
+def _content_parts(value):
+    """Chat content: a string, or a list of text parts (`{"type": "text", "text": …}`) — the form many clients
+    send. Other part types (images, audio, files) are refused by name."""
+    if isinstance(value, str) or not isinstance(value, list):
+        return value
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string 'text'")
+        _valid_unicode(part["text"])
+    return value
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text
+    content: Annotated[Text | list[dict], BeforeValidator(_content_parts)]
     name: Text | None = None
+
+    @property
+    def text(self) -> str:
+        """The message's text: a list of parts is joined as OpenAI does (no separator)."""
+        return self.content if isinstance(self.content, str) else "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -120,7 +178,42 @@ class SessionCreateRequest(BaseModel):
     prompt: Text | list[Int] = ""
 
 
+class TokenizeRequest(BaseModel):
+    """`prompt` (text) or `messages` (a chat, rendered as /v1/chat/completions does), not both."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: Text = ""
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    model: Text | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if self.messages is not None and self.prompt:
+            raise ValueError("give either prompt or messages, not both")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[Int] = Field(max_length=1_000_000)
+    model: Text | None = None
+
+
 # ---------------------------------------------------------------- responses
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_prompt_tokens: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionInfo(BaseModel):
+    version: str
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 DEFAULT_CONFIG_FILE = Path("configs/server.yaml")
@@ -81,4 +81,21 @@ class Settings(BaseSettings):
         class _FromFile(cls):  # a subclass carries the YAML path into settings_customise_sources
             _yaml_file = path
 
-        return cls(**_FromFile(**overrides).model_dump())
+        try:
+            return cls(**_FromFile(**overrides).model_dump())
+        except ValidationError as error:
+            raise ValueError(describe_invalid(error, path)) from None
+
+
+def describe_invalid(error: ValidationError, path: Path | None) -> str:
+    """One line per bad value, naming the setting the way a user sets it: flag, LINSERVE_ variable, file key."""
+    lines = []
+    for problem in error.errors():
+        name = str(problem["loc"][0]) if problem["loc"] else "?"
+        where = f"--{name.replace('_', '-')}, {Settings.model_config['env_prefix']}{name.upper()}"
+        where += f" or '{name}' in {path}" if path is not None else ""
+        if problem["type"] == "extra_forbidden":
+            lines.append(f"unknown setting '{name}'" + (f" in {path}" if path is not None else ""))
+        else:
+            lines.append(f"invalid {name} ({where}): {problem['msg']}, got {problem.get('input')!r}")
+    return "; ".join(lines)

@@ -8,34 +8,34 @@ import json
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
-from .client import BenchError, LoadSpec, run_load
-from .report import plot, render_text, summarize
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--compare", metavar="URL", help="run the identical load against this server too")
     parser.add_argument("--model", help="model id (default: the first of /v1/models)")
-    parser.add_argument("--api-key")
+    parser.add_argument("--api-key", help="Bearer key, if the server requires one")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, default=1, help="closed loop: requests in flight")
     mode.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
     parser.add_argument("--requests", type=int, default=16, help="requests to measure (after warm-up)")
     parser.add_argument("--duration", type=float, help="stop issuing after this many seconds")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bin", type=int, help="position bin width for ITL vs position (default max_tokens/16)")
+    parser.add_argument("--warmup", type=int, default=1, help="requests sent first and not measured")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of each request")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates at most")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="generate max-tokens even past end-of-text")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of each request's sampling")
+    parser.add_argument("--bin", type=int, help="position bin width for ITL vs position [default: max_tokens/16]")
     parser.add_argument("--out", default="bench.json", help="JSON result")
     parser.add_argument("--plot", default="bench.png", help="PNG plot")
 
 
 def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .client import BenchError, LoadSpec, run_load
+    from .report import plot, render_text, summarize
     targets = [("A", args.url)] + ([("B", args.compare)] if args.compare else [])
     results = {}
     for label, url in targets:

@@ -217,6 +217,8 @@ class DecodeStep:
         # freezing is read from the global config (passed in `options` it has no effect): weights become
         # constants, which the C++ GEMM template of max-autotune needs to pack them
         torch._inductor.config.freezing = True
+        torch._inductor.config.autotune_num_choices_displayed = 0  # no autotuning tables on stderr
+        torch._inductor.config.max_autotune_report_choices_stats = False
         return torch.compile(self.eager_step, dynamic=False, fullgraph=True, mode="max-autotune-no-cudagraphs")
 
     def _dummy(self, size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -326,6 +326,9 @@ class Engine(StepExecution):
             raise EngineError(f"top_k must be <= the vocabulary size {self.vocab_size} (0 disables it)", param="top_k")
         if any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
             raise EngineError("prompt holds token ids outside the vocabulary", param="prompt")
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
+            raise EngineError(f"logit_bias names token ids outside the vocabulary (0..{self.vocab_size - 1})",
+                              param="logit_bias")
         session = None
         feed = list(request.prompt_ids)
         if request.session_id is not None:

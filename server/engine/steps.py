@@ -36,6 +36,16 @@ class Choice:
     broken: list[bool]  # rows whose logits were not finite: their requests fail
 
 
+def logit_bias_rows(params: list, like: torch.Tensor) -> torch.Tensor:
+    """Each row's `logit_bias` as a dense (B, V) tensor of additions (zeros where a row has none)."""
+    rows = [b for b, p in enumerate(params) for _ in p.logit_bias]
+    ids = [token for p in params for token, _ in p.logit_bias]
+    values = torch.tensor([bias for p in params for _, bias in p.logit_bias], dtype=like.dtype)
+    bias = torch.zeros_like(like)  # (B, V)
+    bias[torch.tensor(rows), torch.tensor(ids)] = values.to(like.device)
+    return bias
+
+
 class StepExecution:
     """The model-facing half of the engine (mixed into Engine; runs on the engine thread only)."""
 
@@ -119,6 +129,8 @@ class StepExecution:
         finite = torch.isfinite(logits).all(dim=-1)  # (B,) checked with the tokens: no extra device sync
         logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # (B, V) broken rows: anything
         processed = logits
+        if any(p.logit_bias for p in params):
+            processed = processed + logit_bias_rows(params, logits)  # (B, V)
         if bp.any_penalty:
             counts = torch.stack([row.counts if row.counts is not None else logits.new_zeros(self.vocab_size)
                                   for row in rows])  # (B, V)

@@ -45,6 +45,7 @@ class SamplingParams:
     n: int = 1
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self) -> None:
         checks = [
@@ -60,6 +61,7 @@ class SamplingParams:
             ("n", self.n >= 1, "must be >= 1"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("logit_bias", all(-100 <= bias <= 100 for _, bias in self.logit_bias), "biases must be in [-100, 100]"),
         ]
         for name, ok, message in checks:
             if not ok:

@@ -31,8 +31,16 @@ def completion_chunk(generation: Generation, model: str, tokenizer, output, echo
                               choices=[choice]).model_dump_json(exclude_none=True)
 
 
+def check_model(name: str | None, settings) -> None:
+    """`model` omitted means the served model; naming another one is a 404, as OpenAI and vLLM answer."""
+    if name is not None and name != settings.served_model_name:
+        raise APIError(404, f"the model {name!r} does not exist here; this server serves "
+                       f"{settings.served_model_name!r}", "model", code="model_not_found")
+
+
 async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
                          session_id: str | None = None):
+    check_model(body.model, settings)
     prompt_ids = await encode_prompt(request, body.prompt, allow_empty=session_id is not None)
     params = body.to_sampling_params(settings.max_tokens_default)
     generation = await start_generation(request, prompt_ids, params, "cmpl", session_id, owner)
@@ -77,6 +85,7 @@ async def completions(request: Request, body: CompletionRequest, settings: Setti
              responses={**streamed(ChatCompletionResponse), **errors(*GENERATION)})
 async def chat_completions(request: Request, body: ChatCompletionRequest, settings: SettingsDep,
                            tokenizer: TokenizerDep, owner: Owner):
+    check_model(body.model, settings)
     limit = settings.max_tokens_limit
     if body.max_completion_tokens is not None and body.max_completion_tokens > limit:
         raise APIError(400, f"max_completion_tokens must be <= {limit}", "max_completion_tokens")

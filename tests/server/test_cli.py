@@ -24,7 +24,70 @@ def test_generate_streams_at_most_max_tokens():
     assert 1 <= generated <= 12
 
 
-def test_missing_checkpoint_is_a_clear_error():
-    result = run_cli("generate", "x", "--model", "/nonexistent/dir")
-    assert result.returncode != 0
-    assert "not a checkpoint directory" in result.stderr
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """A start-up failure as a user should see it: non-zero exit, one `error: …` line, no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    assert "--model /nonexistent/dir: no such directory" in one_line_error(
+        run_cli("generate", "x", "--model", "/nonexistent/dir"))
+    assert "not a checkpoint directory (missing config.json" in one_line_error(
+        run_cli("serve", "--model", str(tmp_path), "--port", "0"))
+
+
+def test_a_busy_port_is_one_line_before_the_model_loads():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        message = one_line_error(run_cli("serve", "--port", str(port), "--model", "/nonexistent/dir"))
+    assert f"cannot listen on 127.0.0.1:{port}" in message  # reported before the (bad) model is even looked at
+
+
+def test_cuda_without_a_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        return  # the message is for machines without one; with a GPU the flag is valid (served elsewhere)
+    assert "no CUDA device is available" in one_line_error(run_cli("serve", "--device", "cuda", "--port", "0"))
+
+
+def test_a_bad_environment_value_names_the_variable():
+    import os
+
+    env = {**os.environ, "LINSERVE_NUM_SLOTS": "many"}
+    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0"], capture_output=True,
+                            text=True, timeout=60, env=env)
+    message = one_line_error(result)
+    assert "LINSERVE_NUM_SLOTS" in message and "integer" in message and "'many'" in message
+
+
+def test_help_and_version_need_no_torch():
+    probe = ("import sys; from server.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("linserve ")
+
+
+def test_every_flag_has_help_and_no_flag_is_idle():
+    from server.cli import DEVICE_CHOICES, DTYPE_CHOICES, build_parser
+    from model.loading import DEVICE_CHOICES as MODEL_DEVICES, DTYPE_CHOICES as MODEL_DTYPES
+
+    assert (DEVICE_CHOICES, DTYPE_CHOICES) == (MODEL_DEVICES, MODEL_DTYPES)
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, command in commands.items():
+        for action in command._actions:
+            assert action.help, f"linserve {name} {action.option_strings}: no help"
+        text = command.format_help()
+        assert "default" in text, name
+    assert "[default: 8000]" in commands["serve"].format_help()  # from Settings, the one place defaults live
+    assert run_cli("info", "--seed", "1").returncode == 2  # removed: it did nothing

@@ -32,3 +32,11 @@ def test_invalid_values_and_missing_file_are_errors(tmp_path):
     typo.write_text("num_slot: 3\n")
     with pytest.raises(ValueError):
         Settings.load(typo)
+
+
+def test_the_example_config_loads_and_holds_only_defaults():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "server.example.yaml"
+    loaded = Settings.load(path)  # unknown keys would raise (extra="forbid")
+    assert loaded.model_dump() == Settings().model_dump()

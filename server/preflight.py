@@ -1,0 +1,51 @@
+"""Checks `linserve serve` makes before anything heavy loads: each failure is one clear line (ValueError).
+
+Order matters for the user: the port (instant) and the model directory come before torch is imported, so
+a busy port or a typo in `--model` is reported at once, not after seconds of loading.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from .settings import Settings
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail if nothing could listen on host:port now (uvicorn binds the same way, with SO_REUSEADDR)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host}: cannot resolve it ({error.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            hint = " (is another server running there? choose another --port)" if error.errno == 98 else ""
+            raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}{hint}") from None
+
+
+def check_checkpoint(model: str | None) -> None:
+    if model is None:  # the shipped checkpoint
+        return
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"--model {model}: no such directory")
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"--model {model}: not a checkpoint directory (missing {', '.join(missing)})")
+
+
+def preflight(settings: Settings) -> None:
+    check_port(settings.host, settings.port)
+    check_checkpoint(settings.model)
+    from model.loading import resolve_device  # imports torch
+
+    resolve_device(settings.device)  # --device cuda without a GPU: a ValueError saying so

@@ -1,0 +1,34 @@
+"""Utility routes as vLLM and llama.cpp's server offer them: /tokenize, /detokenize, /version."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from ..dependencies import Owner, TokenizerDep, encode_prompt
+from ..errors import APIError
+from ..generation import render_chat
+from ..openapi import BODY, errors
+from ..schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, VersionInfo
+
+router = APIRouter()
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=errors(*BODY))
+async def tokenize(request: Request, body: TokenizeRequest, tokenizer: TokenizerDep, owner: Owner) -> TokenizeResponse:
+    """A prompt's token ids (as `/v1/completions` would see them), or a chat's after its template."""
+    text = render_chat(body.messages, tokenizer) if body.messages is not None else body.prompt
+    ids = await encode_prompt(request, text, allow_empty=True)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_prompt_tokens=request.app.state.settings.max_prompt_tokens)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(*BODY))
+async def detokenize(body: DetokenizeRequest, tokenizer: TokenizerDep, owner: Owner) -> DetokenizeResponse:
+    vocab = len(tokenizer)
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+
+@router.get("/version", response_model=VersionInfo)
+async def version(request: Request) -> VersionInfo:
+    return VersionInfo(version=request.app.version)
