@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from .settings import Settings
 from .version import package_version
 
 logger = logging.getLogger(__name__)
+access_log = logging.getLogger("linserve.access")
 
 
 def engine_config(settings: Settings, model) -> EngineConfig:
@@ -103,7 +105,10 @@ async def drain(app: FastAPI) -> None:
 
 
 class RequestMetrics:
-    """Counts every HTTP request by route template and status (no per-session labels)."""
+    """The outermost middleware: gives every HTTP request an id (the client's `X-Request-Id` if it sent a
+    sane one), returns it in `X-Request-Id`, counts the request by route template and status (no
+    per-session labels) and writes one access-log line — method, path, status, duration, id; never the
+    query string, the API key or the prompt."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -112,11 +117,15 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        request_id = client_request_id(scope) or f"req-{uuid.uuid4().hex[:16]}"
+        scope.setdefault("state", {})["request_id"] = request_id
         status = {"code": 500}
+        started = time.perf_counter()
 
         async def recording_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
@@ -125,6 +134,20 @@ class RequestMetrics:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            client = scope.get("client")
+            access_log.info('%s "%s %s" %d %.1f ms %s', f"{client[0]}:{client[1]}" if client else "-",
+                            scope.get("method"), scope.get("path"), status["code"],
+                            1e3 * (time.perf_counter() - started), request_id)
+
+
+def client_request_id(scope: Scope) -> str | None:
+    """A client's own X-Request-Id, kept if it is short printable ASCII (it goes into logs and headers)."""
+    for name, value in scope.get("headers", []):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if 0 < len(text) <= 128 and all(33 <= ord(c) < 127 for c in text):
+                return text
+    return None
 
 
 def add_docs(app: FastAPI, settings: Settings) -> None:

@@ -23,17 +23,14 @@ SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; s
 
 def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",)) -> Path:
     """The checkpoint directory to use (the shipped one by default); a clear error if it is not one."""
+    from server.preflight import check_checkpoint
+
+    check_checkpoint(model, files)
     if model is None:
         from model.loading import DEFAULT_CHECKPOINT
 
         return DEFAULT_CHECKPOINT
-    path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"--model {model}: no such directory")
-    missing = [name for name in files if not (path / name).is_file()]
-    if missing:
-        raise ValueError(f"--model {model}: not a checkpoint directory (missing {', '.join(missing)})")
-    return path
+    return Path(model)
 
 
 def _load_for_generation(args: argparse.Namespace, device):

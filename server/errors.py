@@ -124,7 +124,7 @@ class ServerErrors:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception:  # noqa: BLE001 - the last line of defence: a bug, answered in the API's shape
-            request_id = f"req-{uuid.uuid4().hex}"
+            request_id = scope.get("state", {}).get("request_id") or f"req-{uuid.uuid4().hex}"
             logger.exception("unhandled error in %s %s (%s)", scope.get("method"), scope.get("path"), request_id)
             if not started:
                 response = error_response(500, f"internal server error (request id {request_id})",

@@ -32,13 +32,14 @@ def check_port(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}{hint}") from None
 
 
-def check_checkpoint(model: str | None) -> None:
-    if model is None:  # the shipped checkpoint
+def check_checkpoint(model: str | None, files: tuple[str, ...] = CHECKPOINT_FILES) -> None:
+    """`--model` names a directory holding `files` (None: the shipped checkpoint, always there)."""
+    if model is None:
         return
     path = Path(model)
     if not path.is_dir():
         raise ValueError(f"--model {model}: no such directory")
-    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    missing = [name for name in files if not (path / name).is_file()]
     if missing:
         raise ValueError(f"--model {model}: not a checkpoint directory (missing {', '.join(missing)})")
 

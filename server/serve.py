@@ -17,6 +17,7 @@ from .app import create_app, drain
 from .settings import Settings
 
 ENGINE_DEAD_EXIT_STATUS = 3
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # uvicorn's lines and linserve's alike
 
 
 def json_400(protocol, message: str) -> None:
@@ -56,10 +57,12 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings) -> int:
     """Runs until SIGTERM/SIGINT (status 0) or until the engine dies (status 3)."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     app = create_app(settings)
+    # log_config=None: uvicorn's loggers propagate to the root handler above, so every line has one format;
+    # its access log is off — the app writes its own (linserve.access), with the request id
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=10, http=HTTP_PROTOCOL)
+                            timeout_graceful_shutdown=10, http=HTTP_PROTOCOL, log_config=None, access_log=False)
     server = DrainingServer(config)
     engine_dead = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import shutil
 import signal
 import socket
@@ -220,3 +221,23 @@ def test_a_compiled_server_reports_progress_and_streams_the_same_tokens(start_se
                                   .json()["choices"][0]["text"], (0, 1)))
     assert texts == want
     assert any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
+
+
+def test_logs_have_one_format_and_an_access_line_per_request(start_server):
+    """uvicorn's lines and linserve's share one format; each request logs its id, never its key or prompt."""
+    served = start_server("--num-slots", "2", "--log-level", "info", "--api-key", "sekrit-key")
+    headers = {"Authorization": "Bearer sekrit-key", "X-Request-Id": "client-chosen-7"}
+    response = httpx.post(f"{served['base']}/v1/completions", headers=headers,
+                          json={"prompt": "PROMPT-SHOULD-NOT-BE-LOGGED", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200 and response.headers["x-request-id"] == "client-chosen-7"
+    own = httpx.get(f"{served['base']}/health").headers["x-request-id"]
+    served.stop()
+    lines = [line for line in served.log.read_text().splitlines() if line.strip()]
+    pattern = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+    assert lines and all(pattern.match(line) for line in lines), [l for l in lines if not pattern.match(l)][:3]
+    assert any(" uvicorn.error: " in line for line in lines)  # uvicorn's own lines, same format
+    access = [line for line in lines if " linserve.access: " in line]
+    assert any('"POST /v1/completions" 200' in line and line.endswith("client-chosen-7") for line in access)
+    assert any('"GET /health" 200' in line and line.endswith(own) for line in access)
+    text = served.log.read_text()
+    assert "sekrit-key" not in text and "PROMPT-SHOULD-NOT-BE-LOGGED" not in text

@@ -76,3 +76,25 @@ def test_metrics_carry_process_metrics(client):
     text = client.get("/metrics").text
     for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):
         assert f"\n{name} " in text, name
+
+
+def test_docs_are_counted_under_their_own_endpoint_names(client):
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert client.get(path).status_code == 200
+    text = client.get("/metrics").text
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert f'linserve_requests_total{{endpoint="{path}",status="200"}} 1.0' in text, path
+
+
+def test_tokenize_detokenize_version(client):
+    ids = client.post("/tokenize", json={"prompt": "ROMEO. What light"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_prompt_tokens"] > 0
+    assert client.post("/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": "ROMEO. What light"}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hail"}]}).json()
+    assert chat["count"] > 1
+    assert client.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}).status_code == 400
+    bad = client.post("/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    from server.version import package_version
+
+    assert client.get("/version").json() == {"version": package_version()}
