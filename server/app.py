@@ -119,13 +119,18 @@ class RequestMetrics:
             return
         request_id = client_request_id(scope) or f"req-{uuid.uuid4().hex[:16]}"
         scope.setdefault("state", {})["request_id"] = request_id
-        status = {"code": 500}
+        status: dict = {"code": 500}
         started = time.perf_counter()
 
         async def recording_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+                headers = list(message.get("headers", []))
+                own = [value for name, value in headers if name.lower() == b"x-request-id"]
+                if own:  # an engine error names its generation's id: the log line follows it
+                    status["id"] = own[0].decode("latin-1")
+                else:
+                    message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
@@ -137,7 +142,7 @@ class RequestMetrics:
             client = scope.get("client")
             access_log.info('%s "%s %s" %d %.1f ms %s', f"{client[0]}:{client[1]}" if client else "-",
                             scope.get("method"), scope.get("path"), status["code"],
-                            1e3 * (time.perf_counter() - started), request_id)
+                            1e3 * (time.perf_counter() - started), status.get("id", request_id))
 
 
 def client_request_id(scope: Scope) -> str | None:
