@@ -13,8 +13,10 @@ import torch
 
 def compile_settled(body: dict) -> bool:
     """linserve's /ready body: nothing left to compile (every decode bucket ready, or eager for good)."""
+    from server.engine.compiled_decode import SETTLED
+
     step = body.get("decode_step")
-    return step is None or step["status"] in ("eager", "compiled", "declined", "failed")
+    return step is None or step["status"] in SETTLED
 
 
 def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: float = 120.0,

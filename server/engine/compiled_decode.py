@@ -37,6 +37,7 @@ from .state_pool import StatePool
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("auto", "on", "off")
+SETTLED = ("eager", "compiled", "declined", "failed")  # statuses after which nothing more gets compiled
 AUTO_MIN_GAIN = 1.1
 
 
@@ -99,11 +100,6 @@ class DecodeStep:
     def ready_sizes(self) -> list[int]:
         return sorted(self._ready)
 
-    @property
-    def settled(self) -> bool:
-        """Nothing left to compile: every bucket ready, or eager for good (off, declined, failed)."""
-        return self.status in ("eager", "compiled", "declined", "failed")
-
     def describe(self) -> dict:
         """For /ready: {"compile", "status", "buckets", "ready"}."""
         return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes}
@@ -113,11 +109,11 @@ class DecodeStep:
         rows = len(slots)
         bucket = self._bucket_for(rows)
         if bucket is None:
-            outputs = self._eager(tokens, slots)
+            outputs = self._run(self.eager_step, rows, tokens, slots)
         elif self.device.type == "cuda":
             outputs = self._replay(bucket, tokens, slots)
         else:
-            outputs = self._compiled(bucket, tokens, slots)
+            outputs = self._run(bucket.step, bucket.size, tokens, slots)
         state = {name: tensor[:rows] for name, tensor in zip(self.names, outputs[1:])}  # (B, …) each
         return outputs[0][:rows], ModelState.from_tensors(state, self.model.config.n_layers, "linear")
 
@@ -130,16 +126,12 @@ class DecodeStep:
                 return self._ready.get(size)
         return None  # more rows than the largest bucket
 
-    def _eager(self, tokens: list[int], slots: list[int]) -> tuple[torch.Tensor, ...]:
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)  # (B,)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # (B, 1)
-        return self.eager_step(ids, *self._gather(index))
-
-    def _compiled(self, bucket: Bucket, tokens: list[int], slots: list[int]) -> tuple[torch.Tensor, ...]:
-        pad = bucket.size - len(slots)
+    def _run(self, step, size: int, tokens: list[int], slots: list[int]) -> tuple[torch.Tensor, ...]:
+        """`step` over the rows padded to `size` (eager: size = rows, no padding)."""
+        pad = size - len(slots)
         index = torch.tensor(slots + slots[:1] * pad, dtype=torch.long, device=self.device)  # (P,)
         ids = torch.tensor(tokens + tokens[:1] * pad, dtype=torch.long, device=self.device)[:, None]  # (P, 1)
-        return bucket.step(ids, *self._gather(index))
+        return step(ids, *self._gather(index))
 
     def _replay(self, bucket: Bucket, tokens: list[int], slots: list[int]) -> tuple[torch.Tensor, ...]:
         if bucket.graph is None:
