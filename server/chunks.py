@@ -16,6 +16,15 @@ from .engine.types import RequestOutput
 _escape = json.JSONEncoder(ensure_ascii=False).encode  # str → JSON string literal, quotes included
 
 
+def chunk_json(chunk) -> str:
+    """A chunk model (with logprobs, or a stream's first chunk) as JSON: fields left unset are omitted, but every
+    choice carries `finish_reason`, null until its last chunk — as the template chunks below do."""
+    data = chunk.model_dump(exclude_none=True)
+    for choice in data.get("choices", []):
+        choice.setdefault("finish_reason", None)
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
 def _head(request_id: str, kind: str, created: int, model: str) -> str:
     """`{"id":…,"object":…,"created":…,"model":…,"choices":[{"index":` — the part every chunk shares."""
     fields = json.dumps({"id": request_id, "object": kind, "created": created, "model": model},

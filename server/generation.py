@@ -4,9 +4,10 @@ streaming (SSE) and not, with cancellation when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -34,28 +35,44 @@ def render_chat(messages, tokenizer) -> str:
 
 @dataclass
 class Generation:
-    """One accepted engine request and its output stream."""
+    """One HTTP request's accepted engine requests (one per prompt) and their merged output stream: prompt
+    p's row r arrives as index p × n + r, as OpenAI numbers the choices of a batch of prompts."""
 
     engine: Engine
     request_id: str
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
     stream: OutputStream
     created: int = field(default_factory=lambda: int(time.time()))
     generated: int = 0
+    engine_ids: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) * self.params.n
 
     def abort(self) -> None:
-        self.engine.abort(self.request_id)
+        for engine_id in self.engine_ids:
+            self.engine.abort(engine_id)
 
     @property
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.generated,
-                "total_tokens": len(self.prompt_ids) + self.generated}
+        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.generated,
+                "total_tokens": prompt_tokens + self.generated}
 
 
-async def start_generation(request: Request, prompt_ids: list[int], params: SamplingParams, prefix: str,
+def _offset_sink(sink, offset: int):
+    """A sink that renumbers a prompt's rows into the request's choice indices (engine thread)."""
+    if offset == 0:
+        return sink
+    return lambda output: sink(dataclasses.replace(output, index=output.index + offset))
+
+
+async def start_generation(request: Request, prompts: Sequence[list[int]], params: SamplingParams, prefix: str,
                            session_id: str | None = None, owner: str | None = None) -> Generation:
-    """Submit to the engine and wait until it accepts (EngineError → HTTP error before any byte is sent)."""
+    """Submit one engine request per prompt and wait until each is accepted (EngineError → HTTP error before
+    any byte is sent; the prompts accepted before a refused one are aborted)."""
     state = request.app.state
     if state.draining or not state.engine.alive:
         reason = "the server is shutting down" if state.draining else "the engine has failed; the server is restarting"
@@ -63,23 +80,33 @@ async def start_generation(request: Request, prompt_ids: list[int], params: Samp
     if params.max_tokens > state.settings.max_tokens_limit:
         raise APIError(400, f"max_tokens must be <= {state.settings.max_tokens_limit}", "max_tokens")
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    stream = OutputStream(asyncio.get_running_loop(), params.n)
-    engine_request = EngineRequest(request_id, prompt_ids, params, session_id=session_id, owner=owner)
-    try:
-        await asyncio.wrap_future(state.engine.submit(engine_request, stream.sink))
-    except EngineError as error:
-        raise from_engine_error(error, state.settings.retry_after_s) from None
-    return Generation(state.engine, request_id, prompt_ids, params, stream)
+    stream = OutputStream(asyncio.get_running_loop(), len(prompts) * params.n)
+    generation = Generation(state.engine, request_id, list(prompts), params, stream)
+    for number, prompt_ids in enumerate(prompts):
+        engine_id = request_id if len(prompts) == 1 else f"{request_id}-{number}"
+        engine_request = EngineRequest(engine_id, prompt_ids, params, session_id=session_id, owner=owner)
+        generation.engine_ids.append(engine_id)  # aborted below if anything fails, even while being accepted
+        try:
+            await asyncio.wrap_future(state.engine.submit(engine_request, _offset_sink(stream.sink, number * params.n)))
+        except EngineError as error:
+            generation.abort()
+            raise from_engine_error(error, state.settings.retry_after_s) from None
+        except BaseException:  # cancelled (the client left): the engine may accept it after all
+            generation.abort()
+            raise
+    return generation
 
 
 async def collect(request: Request, generation: Generation) -> list[list[RequestOutput]] | None:
     """All outputs per row, or None if the client disconnected first (the generation is then aborted)."""
-    rows: list[list[RequestOutput]] = [[] for _ in range(generation.params.n)]
+    rows: list[list[RequestOutput]] = [[] for _ in range(generation.rows)]
 
     async def gather() -> list[list[RequestOutput]]:
         async for output in generation.stream:
             rows[output.index].append(output)
             generation.generated += output.token_id is not None
+            if output.finish_reason is FinishReason.ERROR:
+                generation.abort()  # a failed prompt fails the request: its other prompts stop too
         return rows
 
     try:
@@ -116,6 +143,7 @@ def stream_events(generation: Generation, make_chunk, include_usage: bool, usage
                     if output.finish_reason is FinishReason.ERROR:
                         if not failed:  # one error event per request, whichever of its rows reports it
                             events.append(error_event(generation, output))
+                            generation.abort()  # its other prompts stop too
                         failed = True
                         continue
                     events.append(sse_event(make_chunk(output)))  # one event per token, even if its text is withheld
@@ -124,7 +152,7 @@ def stream_events(generation: Generation, make_chunk, include_usage: bool, usage
                 yield sse_event(usage_chunk())
             yield sse_event("[DONE]")
         finally:
-            if finished_rows < generation.params.n:
+            if finished_rows < generation.rows:
                 generation.abort()  # cancelled: the client went away or the server is stopping
 
     return EventStreamResponse(events())

@@ -58,12 +58,23 @@ def _limits(app: FastAPI, vocab: int | None) -> dict[str, dict[str, int]]:
     return limits
 
 
-def _bound_prompt(schema: dict, vocab: int | None, max_tokens: int) -> None:
+def _bound_prompt(schema: dict, vocab: int | None, max_tokens: int, max_prompts: int | None) -> None:
+    """A token-id list holds at most max_prompt_tokens ids in the vocabulary; a batch at most max_prompts prompts."""
+    def bound_ids(option: dict) -> None:
+        option["maxItems"] = max_tokens
+        if vocab is not None:
+            option["items"] = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+
     for option in schema.get("anyOf", []):
-        if option.get("type") == "array":
-            option["maxItems"] = max_tokens
-            if vocab is not None:
-                option["items"] = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+        if option.get("type") != "array":
+            continue
+        items = option.get("items", {})
+        if items.get("type") == "integer":
+            bound_ids(option)
+        elif max_prompts is not None:  # a batch: of texts, or of token-id lists
+            option["maxItems"] = max_prompts
+            if items.get("type") == "array":
+                bound_ids(items)
 
 
 def document_errors(app: FastAPI) -> None:
@@ -90,7 +101,8 @@ def document_errors(app: FastAPI) -> None:
                 if field in properties:
                     _bound(properties[field], bounds)
             if "prompt" in properties:
-                _bound_prompt(properties["prompt"], vocab, app.state.settings.max_prompt_tokens)
+                batch = app.state.settings.max_prompts_per_request if name == "CompletionRequest" else None
+                _bound_prompt(properties["prompt"], vocab, app.state.settings.max_prompt_tokens, batch)
             if "stream_options" in properties:  # only together with stream: true
                 schemas[name]["if"] = {"required": ["stream_options"],
                                        "properties": {"stream_options": {"not": {"type": "null"}}}}

@@ -127,12 +127,20 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Text | list[Int] = ""
+    prompt: Text | list[Int] | list[Text] | list[list[Int]] = Field(
+        "", description="a text, a list of token ids, or a batch of either (one generation per prompt)")
     logprobs: Int | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return self._params(default_max_tokens, self.logprobs)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: a list of texts or of token-id lists is a batch, anything else one prompt."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
 
 
 def _content_parts(value):

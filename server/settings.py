@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     session_turns_kept: int = Field(8, ge=0, description="turn snapshots kept per session for rewind")
     session_store: str = Field("dir:./data/sessions", description="'dir:PATH' (one file per session), 'redis://HOST:PORT/DB' or 'none'")
     max_n: int = Field(8, ge=1)
+    max_prompts_per_request: int = Field(32, ge=1, description="prompts in one /v1/completions batch (400 beyond)")
     reserved_slots: int = Field(8, ge=0, description="slots idle sessions never pin (raised to max_n)")
     max_waiting: int = Field(256, ge=1, description="queued requests before 429")
     max_context: int = Field(8192, ge=16, description="softmax models: KV-cache tokens per slot (400 beyond)")

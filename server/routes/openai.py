@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ..chunks import ChatChunks, CompletionChunks
+from ..chunks import ChatChunks, CompletionChunks, chunk_json
 from ..engine.types import RequestOutput
 from ..errors import APIError
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
@@ -27,8 +27,8 @@ def completion_chunk(generation: Generation, model: str, tokenizer, output, echo
     logprobs = completion_logprobs(tokenizer, [output]) if generation.params.logprobs is not None else None
     choice = CompletionChoice(index=output.index, text=echo_text + output.text, logprobs=logprobs,
                               finish_reason=output.finish_reason.value if output.finished else None)
-    return CompletionResponse(id=generation.request_id, created=generation.created, model=model,
-                              choices=[choice]).model_dump_json(exclude_none=True)
+    return chunk_json(CompletionResponse(id=generation.request_id, created=generation.created, model=model,
+                                         choices=[choice]))
 
 
 def check_model(name: str | None, settings) -> None:
@@ -38,20 +38,37 @@ def check_model(name: str | None, settings) -> None:
                        f"{settings.served_model_name!r}", "model", code="model_not_found")
 
 
+async def encode_prompts(request: Request, body: CompletionRequest, settings, session_id: str | None) -> list[list[int]]:
+    """Token ids of each prompt of the request (a session continues with exactly one)."""
+    prompts = body.prompts
+    if session_id is not None and len(prompts) > 1:
+        raise APIError(400, "a session continues with one prompt, not a batch", "prompt")
+    if len(prompts) > settings.max_prompts_per_request:
+        raise APIError(400, f"a batch holds at most {settings.max_prompts_per_request} prompts (max_prompts_per_request)"
+                       f", got {len(prompts)}", "prompt")
+    return [await encode_prompt(request, prompt, allow_empty=session_id is not None) for prompt in prompts]
+
+
 async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
                          session_id: str | None = None):
     check_model(body.model, settings)
-    prompt_ids = await encode_prompt(request, body.prompt, allow_empty=session_id is not None)
+    prompts = await encode_prompts(request, body, settings, session_id)
     params = body.to_sampling_params(settings.max_tokens_default)
-    generation = await start_generation(request, prompt_ids, params, "cmpl", session_id, owner)
+    generation = await start_generation(request, prompts, params, "cmpl", session_id, owner)
     model = settings.served_model_name
-    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    # echo: each choice starts with its prompt's text (a token-id prompt decoded)
+    echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts] if body.echo else None
+
+    def echo(index: int) -> str:
+        return echoes[index // params.n] if echoes else ""
+
     if body.stream:
         def usage_chunk() -> dict:
             return {"id": generation.request_id, "object": "text_completion", "created": generation.created,
                     "model": model, "choices": [], "usage": generation.usage}
 
-        first = [completion_chunk(generation, model, tokenizer, _empty(i), echo) for i in range(params.n)] if echo else []
+        first = [completion_chunk(generation, model, tokenizer, _empty(i), echo(i)) for i in range(generation.rows)
+                 if echo(i)]
         if params.logprobs is None:  # the hot path: a prepared template, no model per token
             chunk = CompletionChunks(generation.request_id, generation.created, model)
         else:
@@ -63,9 +80,9 @@ async def run_completion(request: Request, body: CompletionRequest, settings, to
         return None
     choices = []
     for index, outputs in enumerate(rows):
-        logprobs = completion_logprobs(tokenizer, outputs, len(echo)) if params.logprobs is not None else None
-        choices.append(CompletionChoice(index=index, text=echo + "".join(o.text for o in outputs), logprobs=logprobs,
-                                        finish_reason=outputs[-1].finish_reason.value))
+        logprobs = completion_logprobs(tokenizer, outputs, len(echo(index))) if params.logprobs is not None else None
+        choices.append(CompletionChoice(index=index, text=echo(index) + "".join(o.text for o in outputs),
+                                        logprobs=logprobs, finish_reason=outputs[-1].finish_reason.value))
     return CompletionResponse(id=generation.request_id, created=generation.created, model=model, choices=choices,
                               usage=Usage(**generation.usage))
 
@@ -91,7 +108,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
         raise APIError(400, f"max_completion_tokens must be <= {limit}", "max_completion_tokens")
     prompt_ids = await encode_prompt(request, render_chat(body.messages, tokenizer), allow_empty=False)
     params = body.to_sampling_params(settings.max_tokens_default)
-    generation = await start_generation(request, prompt_ids, params, "chatcmpl", None, owner)
+    generation = await start_generation(request, [prompt_ids], params, "chatcmpl", None, owner)
     model = settings.served_model_name
     want_logprobs = params.logprobs is not None
 
@@ -99,13 +116,14 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
         logprobs = ChatLogprobs(content=chat_logprobs(tokenizer, [output]))
         choice = ChatChunkChoice(index=output.index, delta=ChatDelta(content=output.text or None), logprobs=logprobs,
                                  finish_reason=output.finish_reason.value if output.finished else None)
-        return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model,
-                                   choices=[choice]).model_dump_json(exclude_none=True)
+        return chunk_json(ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model,
+                                              choices=[choice]))
 
     if body.stream:
-        role_chunks = [ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]).model_dump_json(exclude_none=True)
-            for i in range(params.n)]
+        role_chunks = [chunk_json(ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model,
+                                                      choices=[ChatChunkChoice(index=i, delta=ChatDelta(
+                                                          role="assistant", content=""))]))
+                       for i in range(params.n)]
 
         def usage_chunk() -> str:
             return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[],

@@ -46,7 +46,7 @@ async def create_session(request: Request, owner: Owner, body: SessionCreateRequ
         return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
     done = False
     try:
-        generation = await start_generation(request, prompt_ids, SamplingParams(max_tokens=0), "sess", info.id, owner)
+        generation = await start_generation(request, [prompt_ids], SamplingParams(max_tokens=0), "sess", info.id, owner)
         if await collect(request, generation) is None:
             return None
         info = await engine_call(request, engine.session_info(info.id, owner))

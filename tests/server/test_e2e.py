@@ -107,20 +107,21 @@ def test_session_create_continue_fork_export_import_delete(server):
             assert http.get(f"/v1/sessions/{s}").status_code == 404
 
 
-def test_client_disconnect_mid_stream_frees_the_slot(server):
+@pytest.mark.parametrize("prompt", ["B", ["B", "C", "D"]], ids=["one prompt", "a batch"])
+def test_client_disconnect_mid_stream_frees_the_slot(server, prompt):
     base = server["base"]
+    requests = 1 if isinstance(prompt, str) else len(prompt)
     aborted_before = metric(base, 'linserve_requests_finished_total{reason="abort"}', default=0.0)
-    sock = raw_stream_request(server["port"], {"prompt": "B", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True})
-    data = b""
-    while data.count(b"data: ") < 3:
-        data += sock.recv(4096)
-    assert metric(base, "linserve_requests_running") == 1
+    sock = raw_stream_request(server["port"], {"prompt": prompt, "max_tokens": 1_000_000, "stream": True,
+                                               "ignore_eos": True})
+    read_events(sock, 3 * requests)
+    assert metric(base, "linserve_requests_running") == requests
     sock.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and metric(base, "linserve_requests_running") != 0:
         time.sleep(0.05)
     assert metric(base, "linserve_requests_running") == 0
-    assert metric(base, 'linserve_requests_finished_total{reason="abort"}') == aborted_before + 1
+    assert metric(base, 'linserve_requests_finished_total{reason="abort"}') == aborted_before + requests
     assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0  # no session is left either
 
 
@@ -164,6 +165,19 @@ def test_full_queue_is_429_with_retry_after(start_server):
     assert rejected.json()["error"]["type"] == "rate_limit_error"
     running.close()
     queued.close()
+    deadline = time.monotonic() + 10
+    while metric(small.base, "linserve_requests_running") + metric(small.base, "linserve_requests_waiting") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # a batch that does not fit (one slot, one waiting place): a later prompt is refused, and those accepted
+    # before it (one or two, as the engine admitted the first to the slot or not yet) are aborted
+    aborted = metric(small.base, 'linserve_requests_finished_total{reason="abort"}')
+    batch = httpx.post(f"{small.base}/v1/completions", json={**body, "stream": False, "prompt": ["a", "b", "c"]})
+    assert batch.status_code == 429
+    while metric(small.base, "linserve_requests_running") + metric(small.base, "linserve_requests_waiting") > 0:
+        assert time.monotonic() < deadline + 10, "the accepted prompts of a refused batch kept running"
+        time.sleep(0.05)
+    assert metric(small.base, 'linserve_requests_finished_total{reason="abort"}') in (aborted + 1, aborted + 2)
 
 
 def test_metrics_pass_promtool(server, tmp_path):

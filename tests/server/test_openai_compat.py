@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+
+from tests.server.engine.conftest import assert_slots_balance
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -98,3 +102,77 @@ def test_tokenize_detokenize_version(client):
     from server.version import package_version
 
     assert client.get("/version").json() == {"version": package_version()}
+
+
+# ---------------------------------------------------------------- a batch of prompts in /v1/completions
+PROMPTS = ["ROMEO.", "JULIET. O Romeo", "Enter"]
+
+
+def completion(client, prompt, **extra):
+    response = client.post("/v1/completions", json={"prompt": prompt, **GREEDY, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_batch_of_prompts_gives_each_prompts_own_choices_in_order(client):
+    alone = [completion(client, p, n=2, temperature=0.9, seed=7) for p in PROMPTS]
+    batch = completion(client, PROMPTS, n=2, temperature=0.9, seed=7)
+    assert [c["index"] for c in batch["choices"]] == list(range(6))  # index = prompt × n + row
+    for p, single in enumerate(alone):
+        for row in range(2):
+            assert batch["choices"][p * 2 + row]["text"] == single["choices"][row]["text"]
+    assert batch["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in alone)
+    assert batch["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in alone) == 36
+    assert_slots_balance(client.app.state.engine)
+
+
+def test_a_batch_of_token_id_lists_equals_the_batch_of_texts(client):
+    ids = [client.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in PROMPTS]
+    texts = completion(client, PROMPTS, echo=True)
+    tokens = completion(client, ids, echo=True)
+    assert [c["text"] for c in tokens["choices"]] == [c["text"] for c in texts["choices"]]
+    assert all(c["text"].startswith(p) for c, p in zip(texts["choices"], PROMPTS))  # echo: each its own prompt
+
+
+def sse(response) -> list[dict]:
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_streamed_batch_merges_every_prompts_rows(client, logprobs):
+    body = {"prompt": PROMPTS, **GREEDY, "n": 2, "stream": True, "stream_options": {"include_usage": True},
+            "logprobs": logprobs}
+    chunks = sse(client.post("/v1/completions", json=body))
+    whole = completion(client, PROMPTS, n=2)
+    texts, finishes = ["" for _ in range(6)], [[] for _ in range(6)]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        finishes[choice["index"]].append(choice["finish_reason"])  # the key is always there: null until the end
+    assert texts == [c["text"] for c in whole["choices"]]
+    assert all(f[-1] == "length" and set(f[:-1]) == {None} for f in finishes), finishes
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+
+def test_chat_stream_chunks_carry_a_null_finish_reason_until_the_last(client):
+    for extra in ({}, {"logprobs": True, "top_logprobs": 1}):
+        body = {"messages": [{"role": "user", "content": "Hail"}], **GREEDY, "stream": True, **extra}
+        choices = [c["choices"][0] for c in sse(client.post("/v1/chat/completions", json=body))]
+        assert choices[0]["delta"]["role"] == "assistant"
+        assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+
+
+def test_batch_limits_are_clear_400s(make_client):
+    client = make_client(max_prompts_per_request=2)
+    too_many = client.post("/v1/completions", json={"prompt": PROMPTS, **GREEDY})
+    assert too_many.status_code == 400 and "at most 2 prompts" in too_many.json()["error"]["message"]
+    session = client.post("/v1/sessions", json={}).json()["id"]
+    batch = client.post(f"/v1/sessions/{session}/completions", json={"prompt": ["a", "b"], **GREEDY})
+    assert batch.status_code == 400 and "one prompt" in batch.json()["error"]["message"]
+    mixed = client.post("/v1/completions", json={"prompt": ["a", [1, 2]], **GREEDY})
+    assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
+    long = client.post("/v1/completions", json={"prompt": ["a", "b " * 200_000], **GREEDY})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "prompt_too_long"
+    assert_slots_balance(client.app.state.engine)
