@@ -331,6 +331,16 @@ class SessionDetail(SessionCreated):
     last_used: float
 
 
+class SessionList(BaseModel):
+    """A page of the caller's sessions, newest first unless `order=asc`; the next page: `after=<last_id>`."""
+
+    object: Literal["list"] = "list"
+    data: list[SessionDetail]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class SessionRef(BaseModel):
     id: str
 

@@ -33,6 +33,7 @@ from .live import LiveRequest
 from .prefix_cache import PrefixCache, scope_seed
 from .scheduler import SchedSeq, Scheduler
 from .session_leases import LEASE_GRACE_S, LeaseHeld
+from .session_listing import list_sessions
 from .session_manager import SessionManager
 from .state_pool import StatePool
 from .steps import StepExecution
@@ -203,6 +204,30 @@ class Engine(StepExecution):
 
     def delete_session(self, session_id: str, owner: str | None) -> Future:
         return self._call_leased(lambda: self.sessions.delete(session_id, owner))
+
+    def list_sessions(self, owner: str | None, after: str | None, limit: int, descending: bool) -> Future:
+        """(a page of the caller's sessions, whether more follow): memory snapshotted on the engine thread,
+        the store read on its writer thread (see session_listing)."""
+        outer: Future = Future()
+
+        def page(memory: dict) -> None:
+            try:
+                outer.set_result(list_sessions(memory, self.sessions.store, owner or "", after, limit, descending,
+                                               self.pool.slot_bytes))
+            except Exception as error:  # noqa: BLE001 - the store is down: 503, as for any store read
+                outer.set_exception(EngineError(f"the session store is unavailable ({error.__class__.__name__})",
+                                                kind="unavailable"))
+
+        def settle(inner: Future) -> None:
+            if inner.exception() is not None:
+                outer.set_exception(inner.exception())
+            elif self.store_writer is None:
+                page(inner.result())
+            else:
+                self.store_writer.call(lambda: page(inner.result()))
+
+        self._call(lambda: self.sessions.owned_infos(owner)).add_done_callback(settle)
+        return outer
 
     def counts(self) -> Future:
         """(running, waiting, live) — for tests and health checks."""

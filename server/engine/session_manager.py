@@ -107,7 +107,7 @@ class SessionManager(SharedStoreAccess):
         history, turns = session.copy_history(), tuple(session.turns)
         session.revision = uuid.uuid4().hex
         extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count),
-                 "revision": session.revision}
+                 "revision": session.revision, "updated": repr(time.time())}
         fingerprint = self.fingerprint
         session_id, release = session.id, self._take_lease(session)
 
@@ -123,12 +123,16 @@ class SessionManager(SharedStoreAccess):
 
         with self._unwritten_lock:
             self._unwritten[session_id] += 1
-        self.writer.put(session_id, encode, session.revision, done=release, after=landed)
+        self.writer.put(session_id, encode, session.revision, session.owner or "", done=release, after=landed)
 
     def info(self, session: Session) -> SessionInfo:
         idle = time.monotonic() - session.last_used
         return SessionInfo(id=session.id, tokens=session.tokens, state_bytes=self.pool.slot_bytes, tier=session.tier,
                            created=session.created, last_used=time.time() - idle)
+
+    def owned_infos(self, owner: str | None) -> dict[str, SessionInfo]:
+        """The caller's sessions in memory, described (a listing's snapshot; engine thread)."""
+        return {s.id: self.info(s) for s in self.sessions.values() if s.owner == owner}
 
     def count(self, tier: str) -> int:
         return self.tier_counts()[tier]
@@ -243,7 +247,7 @@ class SessionManager(SharedStoreAccess):
         self._drop(session)
         if self.writer is not None:
             self._deleting.add(session_id)
-            self.writer.delete(session_id, lambda: self._deleting.discard(session_id))
+            self.writer.delete(session_id, lambda: self._deleting.discard(session_id), session.owner or "")
             self._release_lease(session)
 
     def _drop(self, session: Session) -> None:

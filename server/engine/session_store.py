@@ -6,6 +6,11 @@ leaves a torn record; `RedisStore` one key per session with the session TTL as i
 is the thread that encodes and writes records off the engine's hot path: the engine hands it immutable
 copies at the end of every turn and never waits for the disk.
 
+Each store also keeps an index of session ids per owner (`owned`: ids in order, after a cursor — session
+ids begin with their creation time, so that is creation order) and reads a record's metadata alone
+(`metadata`): listing a caller's sessions never reads whole records. An index entry whose record is gone
+(expired) is dropped when a listing meets it.
+
 A shared store (`shared = True`: Redis) is used by several replicas at once. It adds a revision per record
 (a replica compares it with its in-memory copy before using that copy) and a per-session lease (SET NX
 with expiry, renewed while generating, released once the turn's record is written): one writer per
@@ -14,6 +19,8 @@ session across all replicas.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import queue
@@ -34,11 +41,40 @@ SUFFIX = ".lsess"
 class SessionStore(Protocol):
     shared: bool  # several processes use it at once: revisions and leases apply
 
-    def put(self, session_id: str, data: bytes, revision: str = "") -> None: ...
+    def put(self, session_id: str, data: bytes, revision: str = "", owner: str = "") -> None: ...
     def get(self, session_id: str) -> bytes | None: ...
-    def delete(self, session_id: str) -> None: ...
+    def delete(self, session_id: str, owner: str | None = None) -> None: ...  # owner None: read from the record
     def expired(self, ttl_s: float) -> list[str]: ...
     def count(self) -> int: ...
+    def owned(self, owner: str, after: str | None, limit: int, descending: bool) -> list[str]: ...
+    def metadata(self, session_id: str) -> dict[str, str] | None: ...
+    def unindex(self, session_id: str, owner: str) -> None: ...
+
+
+def owner_key(owner: str | None) -> str:
+    """A file- and key-safe name for an owner (an API key's id; empty: no key)."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:32] if owner else "anonymous"
+
+
+def header_metadata(read: Callable[[int, int], bytes]) -> dict[str, str] | None:
+    """A safetensors record's metadata from its header alone; `read(start, length)` reads the record's bytes."""
+    size = read(0, 8)
+    if len(size) < 8:
+        return None
+    length = int.from_bytes(size, "little")
+    try:
+        header = json.loads(read(8, length))
+    except ValueError:
+        return None
+    return header.get("__metadata__") or {} if isinstance(header, dict) else None
+
+
+def page_of(ids: list[str], after: str | None, limit: int, descending: bool) -> list[str]:
+    """Up to `limit` of the sorted `ids` that come after the cursor in the listing's order."""
+    ordered = sorted(ids, reverse=descending)
+    if after is not None:
+        ordered = [i for i in ordered if (i < after if descending else i > after)]
+    return ordered[:limit]
 
 
 class DirStore:
@@ -49,14 +85,33 @@ class DirStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.owners = self.path / "owners"  # owners/<owner key>/<session id>: empty files, the owner index
+        if not self.owners.is_dir():
+            self._build_index()
 
     def _file(self, session_id: str) -> Path | None:
         return self.path / f"{session_id}{SUFFIX}" if SESSION_ID.fullmatch(session_id) else None
 
-    def put(self, session_id: str, data: bytes, revision: str = "") -> None:
+    def _build_index(self) -> None:
+        """The owner index of a directory written before it existed (or with its index removed)."""
+        for record in self.path.glob(f"*{SUFFIX}"):
+            session_id = record.name[: -len(SUFFIX)]
+            metadata = self.metadata(session_id)
+            if metadata is not None:
+                self._index(session_id, metadata.get("owner", ""))
+        self.owners.mkdir(exist_ok=True)
+
+    def _index(self, session_id: str, owner: str) -> None:
+        entry = self.owners / owner_key(owner) / session_id
+        if not entry.exists():
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            entry.touch()
+
+    def put(self, session_id: str, data: bytes, revision: str = "", owner: str = "") -> None:
         target = self._file(session_id)
         if target is None:
             raise ValueError(f"not a session id: {session_id!r}")
+        self._index(session_id, owner)  # first: a record is never without its entry
         temporary = self.path / f".{session_id}.{uuid.uuid4().hex}.tmp"
         with open(temporary, "wb") as out:
             out.write(data)
@@ -71,10 +126,19 @@ class DirStore:
         except FileNotFoundError:
             return None
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, owner: str | None = None) -> None:
         target = self._file(session_id)
-        if target is not None:
-            target.unlink(missing_ok=True)
+        if target is None:
+            return
+        if owner is None:
+            owner = (self.metadata(session_id) or {}).get("owner")
+        target.unlink(missing_ok=True)
+        if owner is not None:
+            self.unindex(session_id, owner)
+
+    def unindex(self, session_id: str, owner: str) -> None:
+        if SESSION_ID.fullmatch(session_id):
+            (self.owners / owner_key(owner) / session_id).unlink(missing_ok=True)
 
     def expired(self, ttl_s: float) -> list[str]:
         cutoff = time.time() - ttl_s
@@ -82,6 +146,27 @@ class DirStore:
 
     def count(self) -> int:
         return sum(1 for _ in self.path.glob(f"*{SUFFIX}"))
+
+    def owned(self, owner: str, after: str | None, limit: int, descending: bool) -> list[str]:
+        try:
+            ids = os.listdir(self.owners / owner_key(owner))
+        except FileNotFoundError:
+            return []
+        return page_of(ids, after, limit, descending)
+
+    def metadata(self, session_id: str) -> dict[str, str] | None:
+        target = self._file(session_id)
+        if target is None:
+            return None
+        try:
+            with open(target, "rb") as record:
+                def read(start: int, length: int) -> bytes:
+                    record.seek(start)
+                    return record.read(length)
+
+                return header_metadata(read)
+        except FileNotFoundError:
+            return None
 
 
 class RedisStore:
@@ -91,6 +176,7 @@ class RedisStore:
     PREFIX = "linserve:session:"
     REVISION = "linserve:revision:"
     LEASE = "linserve:lease:"
+    OWNER = "linserve:owner:"  # a sorted set of session ids per owner (score 0: ordered by id)
     shared = True
     # compare-and-act on a lease: only its holder may renew or release it
     _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
@@ -107,13 +193,18 @@ class RedisStore:
     def _key(self, session_id: str, prefix: str = PREFIX) -> str | None:
         return prefix + session_id if SESSION_ID.fullmatch(session_id) else None
 
-    def put(self, session_id: str, data: bytes, revision: str = "") -> None:
+    def put(self, session_id: str, data: bytes, revision: str = "", owner: str = "") -> None:
         key = self._key(session_id)
         if key is None:
             raise ValueError(f"not a session id: {session_id!r}")
-        with self.client.pipeline(transaction=True) as pipe:  # MULTI/EXEC: record, revision and expiry together
+        index = self.OWNER + owner_key(owner)
+        with self.client.pipeline(transaction=True) as pipe:  # MULTI/EXEC: record, revision, index and expiry
             pipe.set(key, data, px=self.ttl_ms)
             pipe.set(self.REVISION + session_id, revision, px=self.ttl_ms)
+            pipe.zadd(index, {session_id: 0})
+            # the index lives as long as its longest-lived record: set on a new index, else only extended
+            pipe.pexpire(index, self.ttl_ms, nx=True)
+            pipe.pexpire(index, self.ttl_ms, gt=True)
             pipe.execute()
 
     def get(self, session_id: str) -> bytes | None:
@@ -126,10 +217,32 @@ class RedisStore:
         value = None if key is None else self.client.get(key)
         return None if value is None else value.decode()
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, owner: str | None = None) -> None:
         key = self._key(session_id)
-        if key is not None:
-            self.client.delete(key, self.REVISION + session_id)
+        if key is None:
+            return
+        if owner is None:
+            owner = (self.metadata(session_id) or {}).get("owner")
+        self.client.delete(key, self.REVISION + session_id)
+        if owner is not None:
+            self.unindex(session_id, owner)
+
+    def unindex(self, session_id: str, owner: str) -> None:
+        self.client.zrem(self.OWNER + owner_key(owner), session_id)
+
+    def owned(self, owner: str, after: str | None, limit: int, descending: bool) -> list[str]:
+        index = self.OWNER + owner_key(owner)
+        if descending:
+            ids = self.client.zrevrangebylex(index, "+" if after is None else f"({after}", "-", start=0, num=limit)
+        else:
+            ids = self.client.zrangebylex(index, "-" if after is None else f"({after}", "+", start=0, num=limit)
+        return [i.decode() for i in ids]
+
+    def metadata(self, session_id: str) -> dict[str, str] | None:
+        key = self._key(session_id)
+        if key is None:
+            return None
+        return header_metadata(lambda start, length: self.client.getrange(key, start, start + length - 1))
 
     def acquire(self, session_id: str, holder: str, lease_ms: int) -> bool:
         key = self._key(session_id, self.LEASE)
@@ -169,18 +282,18 @@ class StoreWriter:
         self._thread = threading.Thread(target=self._run, name="linserve-session-store", daemon=True)
         self._thread.start()
 
-    def put(self, session_id: str, encode: Callable[[], bytes], revision: str = "",
+    def put(self, session_id: str, encode: Callable[[], bytes], revision: str = "", owner: str = "",
             done: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
         """Queue a write; `done` runs once it is written (not after a failed write), `after` either way."""
-        self._queue.put(("put", session_id, lambda: self.store.put(session_id, encode(), revision), done, after))
+        self._queue.put(("put", session_id, lambda: self.store.put(session_id, encode(), revision, owner), done, after))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the writer thread after everything queued so far (e.g. a lease release)."""
         self._queue.put(("call", "a lease", fn, None, None))
 
-    def delete(self, session_id: str, done: Callable[[], None] | None = None) -> None:
+    def delete(self, session_id: str, done: Callable[[], None] | None = None, owner: str | None = None) -> None:
         """Queue a delete (after any queued write of the same session); `done` runs once it is done."""
-        self._queue.put(("delete", session_id, lambda: self.store.delete(session_id), done, None))
+        self._queue.put(("delete", session_id, lambda: self.store.delete(session_id, owner), done, None))
 
     def flush(self) -> None:
         """Wait until everything handed over so far is on disk."""

@@ -97,7 +97,9 @@ class SessionInfo:
 
 
 def new_session_id() -> str:
-    return "sess-" + uuid.uuid4().hex
+    """`sess-` + 12 hex digits of the creation time in milliseconds + 20 random hex digits: ids sort in
+    creation order (a listing's order and cursor) and are still unguessable (80 random bits)."""
+    return f"sess-{time.time_ns() // 1_000_000:012x}{uuid.uuid4().hex[:20]}"
 
 
 def model_fingerprint(model: LinearGPT) -> str:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request, Response
 from starlette.convertors import StringConvertor, register_url_convertor
 
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
@@ -12,9 +14,10 @@ from ..engine import SamplingParams
 from ..engine.types import EngineError
 from ..errors import from_engine_error
 from ..generation import collect, start_generation
-from ..openapi import BINARY, BODY, GENERATION, SESSION, errors, streamed
+from ..engine.session_store import SESSION_ID
+from ..openapi import AUTH, BINARY, BODY, GENERATION, SESSION, errors, streamed
 from ..schemas import (CompletionRequest, CompletionResponse, RewindRequest, SessionCreated, SessionCreateRequest,
-                       SessionDetail, SessionRef, TurnInfo)
+                       SessionDetail, SessionList, SessionRef, TurnInfo)
 from .openai import run_completion
 
 class SessionIdConvertor(StringConvertor):
@@ -55,6 +58,23 @@ async def create_session(request: Request, owner: Owner, body: SessionCreateRequ
         if not done:  # queued after the abort of its prefill, so the session is idle again by then
             engine.delete_session(info.id, owner)
     return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
+
+
+MAX_PAGE = 100
+
+
+@router.get("", response_model=SessionList, responses=errors(*AUTH, 400))
+async def list_sessions(request: Request, owner: Owner,
+                        limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="sessions per page")] = 20,
+                        after: Annotated[str | None, Query(description="the last id of the previous page",
+                                                           pattern=f"^{SESSION_ID.pattern}$")] = None,
+                        order: Annotated[Literal["desc", "asc"], Query(description="by creation time")] = "desc"
+                        ) -> SessionList:
+    """The caller's sessions (with API keys: the key's own), in every tier: device, host and store."""
+    engine = request.app.state.engine
+    sessions, has_more = await engine_call(request, engine.list_sessions(owner, after, limit, order == "desc"))
+    return SessionList(data=[SessionDetail(**info.__dict__) for info in sessions], has_more=has_more,
+                       first_id=sessions[0].id if sessions else None, last_id=sessions[-1].id if sessions else None)
 
 
 @router.post("/import", response_model=SessionRef, responses=errors(*BODY),

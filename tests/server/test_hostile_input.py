@@ -3,7 +3,6 @@ engine thread). Every answer is a JSON error in OpenAI's shape; the engine survi
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
