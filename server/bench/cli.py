@@ -56,8 +56,11 @@ def run(args: argparse.Namespace) -> int:
         results[f"{label} {url}"] = result
         print(render_text(label, result))
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.plot)
-    print(f"wrote {args.out} and {args.plot}")
+    try:
+        plot(results, args.plot)
+        print(f"wrote {args.out} and {args.plot}")
+    except ImportError:  # the server image leaves plotting out: pip install 'linserve[bench]'
+        print(f"wrote {args.out} (no plot: matplotlib is not installed; pip install 'linserve[bench]')")
     failed = any(r["succeeded"] < r["requests"] for r in results.values())
     if failed:
         print("error: some requests failed (see errors_by_status)", file=sys.stderr)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -56,6 +57,11 @@ class Bucket:
     graph: torch.cuda.CUDAGraph | None = None
     io: torch.Tensor | None = None  # (2, size) int64 on the device: tokens, slot index (CUDA graphs read it)
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
+
+
+def cpp_compiler_available() -> bool:
+    """Inductor builds its CPU kernels with a C++ compiler ($CXX, else g++): a slim image may have none."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
 
 
 class DecodeStep:
@@ -164,6 +170,10 @@ class DecodeStep:
 
     # ------------------------------------------------------------------ compile thread
     def _compile_all(self) -> None:
+        if self.device.type == "cpu" and self.mode == "auto" and not cpp_compiler_available():
+            logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU); serving eagerly")
+            self.status = "declined"
+            return
         self.status = "compiling"
         try:
             step = self._compiler()

@@ -107,16 +107,13 @@ def start_server(tiny_checkpoint, tmp_path):
         process.stop()
 
 
-@pytest.fixture
-def redis_url(tmp_path):
-    """A real redis-server (Debian's package; `.ci/run` installs it) on a free 127.0.0.1 port."""
+def start_redis(directory) -> tuple[str, subprocess.Popen]:
+    """A real redis-server (Debian's package; `.ci/run` installs it) on a free 127.0.0.1 port: (url, process)."""
     binary = shutil.which("redis-server")
     assert binary, "redis-server is required (Debian package 'redis-server'; .ci/run installs it)"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "no", "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -124,6 +121,12 @@ def redis_url(tmp_path):
             break
         except OSError:
             time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0", process
+    return f"redis://127.0.0.1:{port}/0", process
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    url, process = start_redis(tmp_path)
+    yield url, process
     process.kill()
     process.wait(10)

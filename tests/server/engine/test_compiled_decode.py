@@ -147,3 +147,12 @@ def test_shipped_model_compiled_and_bf16_over_512_tokens(device, compile_cache):
         _, logits = decode_through(*steps[torch.bfloat16, mode], prompt, 512, forced=fp32_tokens)
         assert (logits - fp32_logits).abs().max() < 0.3, mode
         assert (logits.argmax(-1) == fp32_logits.argmax(-1)).float().mean() >= 0.97, mode
+
+
+def test_auto_on_a_cpu_without_a_cpp_compiler_declines_at_once(tiny_model, monkeypatch):
+    """A slim container image has no g++: `compile=auto` serves eagerly instead of failing in Inductor."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    step = DecodeStep(tiny_model, StatePool(tiny_model, 2, torch.device("cpu")), torch.device("cpu"), "auto", max_rows=2)
+    step.start()
+    assert step.wait_compiled(10) is False and step.status == "declined" and step.ready_sizes == []
