@@ -9,7 +9,7 @@ import re
 import kubernetes_validate
 import yaml
 
-from tests.deploy.facts import ROOT, exported_metrics, metric_names_in, server_routes, settings_env_names  # noqa: F401
+from tests.deploy.facts import ROOT, metric_names_in, settings_env_names
 
 KUBE = ROOT / "deploy" / "kubernetes"
 KUSTOMIZATION = yaml.safe_load((KUBE / "kustomization.yaml").read_text())

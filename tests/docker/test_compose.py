@@ -8,7 +8,7 @@ import re
 
 import yaml
 
-from tests.deploy.facts import ROOT, exported_metrics, metric_names_in, server_routes, settings_env_names  # noqa: F401
+from tests.deploy.facts import ROOT, metric_names_in, settings_env_names
 
 DOCKER = ROOT / "docker"
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
