@@ -52,3 +52,16 @@ def test_statistics():
     records = [RequestRecord(start=0, status=200, token_times=[0.1, 0.2, 0.4], prompt_tokens=10)]
     rows = itl_by_position(records, 10, bin_size=2)
     assert [(r["start"], r["count"]) for r in rows] == [(10, 1), (12, 1)]  # positions 11 and 12
+
+
+def test_without_matplotlib_it_writes_the_json_and_says_why_no_plot(server, tmp_path):
+    """The server image leaves plotting out (it is the `bench` extra): the load test still runs and reports."""
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    code = ("import sys; sys.modules['matplotlib'] = None; from server.cli import main; "  # import fails as if absent
+            f"sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, "bench", "--url", server["base"], "--requests", "2",
+                             "--max-tokens", "4", "--out", str(out), "--plot", str(png)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text()) and not png.exists()
+    assert "no plot: matplotlib is not installed; pip install 'linserve[bench]'" in result.stdout
