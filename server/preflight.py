@@ -6,6 +6,7 @@ a busy port or a typo in `--model` is reported at once, not after seconds of loa
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 
@@ -44,9 +45,19 @@ def check_checkpoint(model: str | None, files: tuple[str, ...] = CHECKPOINT_FILE
         raise ValueError(f"--model {model}: not a checkpoint directory (missing {', '.join(missing)})")
 
 
+GPU_DRIVER_SIGNS = ("/proc/driver/nvidia/version", "/dev/nvidia0", "/dev/kfd")  # NVIDIA, ROCm
+
+
+def check_gpu_driver(device: str) -> None:
+    """`--device cuda` on a machine with no GPU driver at all fails at once (torch would take seconds to say so)."""
+    if device == "cuda" and not any(Path(sign).exists() for sign in GPU_DRIVER_SIGNS) and not shutil.which("nvidia-smi"):
+        raise ValueError("--device cuda was asked for, but no CUDA device is available (no GPU driver found)")
+
+
 def preflight(settings: Settings) -> None:
     check_port(settings.host, settings.port)
     check_checkpoint(settings.model)
+    check_gpu_driver(settings.device)
     from model.loading import resolve_device  # imports torch
 
     resolve_device(settings.device)  # --device cuda without a GPU: a ValueError saying so

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120)
@@ -91,3 +93,16 @@ def test_every_flag_has_help_and_no_flag_is_idle():
         assert "default" in text, name
     assert "[default: 8000]" in commands["serve"].format_help()  # from Settings, the one place defaults live
     assert run_cli("info", "--seed", "1").returncode == 2  # removed: it did nothing
+
+
+def test_cuda_is_refused_before_torch_loads_where_no_gpu_driver_exists(monkeypatch, tmp_path):
+    from server import preflight
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    monkeypatch.setattr(preflight, "GPU_DRIVER_SIGNS", (str(tmp_path / "absent"),))
+    with pytest.raises(ValueError, match="no CUDA device is available"):
+        preflight.check_gpu_driver("cuda")
+    preflight.check_gpu_driver("auto")  # only an explicit cuda is checked
+    (tmp_path / "version").write_text("NVRM version: 580")
+    monkeypatch.setattr(preflight, "GPU_DRIVER_SIGNS", (str(tmp_path / "version"),))
+    preflight.check_gpu_driver("cuda")  # a driver is there: torch decides next
