@@ -1,7 +1,7 @@
 """The engine: one thread owns the model, the state pool and every live request.
 
 Callers (async handlers, tests, the CLI) talk to it only through `submit`, `abort` and the session
-methods, which enqueue commands and return futures; outputs go to a per-request sink callable, called
+methods (`session_commands.py`), which enqueue commands and return futures; outputs go to a per-request sink callable, called
 on the engine thread. Each step decodes one token for every running row and spends the rest of a token
 budget on chunked prefill, so a long prompt never stalls running streams.
 
@@ -32,8 +32,7 @@ from .kv_pool import KVCachePool
 from .live import LiveRequest
 from .prefix_cache import PrefixCache, scope_seed
 from .scheduler import SchedSeq, Scheduler
-from .session_leases import LEASE_GRACE_S, LeaseHeld
-from .session_listing import list_sessions
+from .session_commands import SessionCommands
 from .session_manager import SessionManager
 from .state_pool import StatePool
 from .steps import StepExecution
@@ -71,7 +70,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None  # Inductor's on-disk caches (None: torch's default place)
 
 
-class Engine(StepExecution):
+class Engine(StepExecution, SessionCommands):
     def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
                  stats_sink: StatsSink | None = None) -> None:
         self.model = model.eval()
@@ -135,99 +134,10 @@ class Engine(StepExecution):
             return self._call(lambda: self._accept(request, sink))
         return self._call_leased(lambda: self._accept(request, sink))
 
-    def _call_stored(self, fn: Callable[[], object]) -> Future:
-        """`_call` for a command that creates a session: its answer comes once the session's record is in
-        the store, so that any replica (or this one after a crash) finds the id it hands out."""
-        if self.store_writer is None:
-            return self._call(fn)
-        outer: Future = Future()
-
-        def settle(inner: Future) -> None:
-            if inner.exception() is not None:
-                outer.set_exception(inner.exception())
-            else:
-                result = inner.result()
-                self.store_writer.call(lambda: outer.set_result(result))  # after the write queued with it
-
-        self._call(fn).add_done_callback(settle)
-        return outer
-
-    def _call_leased(self, fn: Callable[[], object]) -> Future:
-        """`_call`, retried for up to LEASE_GRACE_S while another replica holds the session's lease: the
-        lease outlives a finished turn until its record is written (milliseconds), and a client that
-        moves on to another replica at once must not get a 409 for that."""
-        outer: Future = Future()
-        deadline = time.monotonic() + LEASE_GRACE_S
-
-        def attempt() -> None:
-            self._call(fn).add_done_callback(settle)
-
-        def settle(inner: Future) -> None:
-            error = inner.exception()
-            if isinstance(error, LeaseHeld) and time.monotonic() < deadline:
-                timer = threading.Timer(0.02, attempt)
-                timer.daemon = True
-                timer.start()
-            elif error is not None:
-                outer.set_exception(error)
-            else:
-                outer.set_result(inner.result())
-
-        attempt()
-        return outer
-
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self.death is None:
                 self._commands.put((lambda: self._abort(request_id), None))
-
-    def create_session(self, owner: str | None) -> Future:
-        return self._call_stored(lambda: self.sessions.create(owner))
-
-    def session_info(self, session_id: str, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.info(self.sessions.get(session_id, owner)))
-
-    def fork_session(self, session_id: str, owner: str | None) -> Future:
-        return self._call_stored(lambda: self.sessions.fork(session_id, owner))
-
-    def export_session(self, session_id: str, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.export(session_id, owner))
-
-    def import_session(self, data: bytes, owner: str | None) -> Future:
-        return self._call_stored(lambda: self.sessions.import_(data, owner))
-
-    def session_turns(self, session_id: str, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.turns(session_id, owner))
-
-    def rewind_session(self, session_id: str, owner: str | None, turn: int) -> Future:
-        return self._call_leased(lambda: self.sessions.rewind(session_id, owner, turn))
-
-    def delete_session(self, session_id: str, owner: str | None) -> Future:
-        return self._call_leased(lambda: self.sessions.delete(session_id, owner))
-
-    def list_sessions(self, owner: str | None, after: str | None, limit: int, descending: bool) -> Future:
-        """(a page of the caller's sessions, whether more follow): memory snapshotted on the engine thread,
-        the store read on its writer thread (see session_listing)."""
-        outer: Future = Future()
-
-        def page(memory: dict) -> None:
-            try:
-                outer.set_result(list_sessions(memory, self.sessions.store, owner or "", after, limit, descending,
-                                               self.pool.slot_bytes))
-            except Exception as error:  # noqa: BLE001 - the store is down: 503, as for any store read
-                outer.set_exception(EngineError(f"the session store is unavailable ({error.__class__.__name__})",
-                                                kind="unavailable"))
-
-        def settle(inner: Future) -> None:
-            if inner.exception() is not None:
-                outer.set_exception(inner.exception())
-            elif self.store_writer is None:
-                page(inner.result())
-            else:
-                self.store_writer.call(lambda: page(inner.result()))
-
-        self._call(lambda: self.sessions.owned_infos(owner)).add_done_callback(settle)
-        return outer
 
     def counts(self) -> Future:
         """(running, waiting, live) — for tests and health checks."""

@@ -28,7 +28,8 @@ class SharedStoreAccess:
     """Needs from its host class: store, writer, shared, replica, sessions, _unwritten(_lock), _last_renew,
     and the methods _idle (lookup with the freshness check) and _drop."""
 
-    def _store_call(self, fn, *args):
+    def store_call(self, fn, *args):
+        """`fn(*args)` against the store; any failure is the 503-kind EngineError "store unavailable"."""
         try:
             return fn(*args)
         except Exception as error:  # noqa: BLE001 - the store is down: say so, stateless work goes on
@@ -40,7 +41,7 @@ class SharedStoreAccess:
         with self._unwritten_lock:
             if self._unwritten[session.id]:
                 return session
-        if self._store_call(self.store.revision, session.id) == session.revision:
+        if self.store_call(self.store.revision, session.id) == session.revision:
             return session
         self._drop(session)
         return None
@@ -55,7 +56,7 @@ class SharedStoreAccess:
         if local is not None and local.busy:  # generating here: this replica's own lease is the one held
             return self._idle(session_id, owner)  # raises "is generating"
         token = f"{self.replica}:{uuid.uuid4().hex[:12]}"  # one per claim: a late release can't free a newer one
-        if not self._store_call(self.store.acquire, session_id, token, LEASE_MS):
+        if not self.store_call(self.store.acquire, session_id, token, LEASE_MS):
             raise LeaseHeld(session_id)
         try:
             session = self._idle(session_id, owner)

@@ -77,7 +77,7 @@ class SessionManager(SharedStoreAccess):
     def _load(self, session_id: str) -> Session | None:
         """A session that is only in the store (after a restart, or expired from memory) comes back to the
         host tier, turns included; validated like an import."""
-        data = self._store_call(self.store.get, session_id)
+        data = self.store_call(self.store.get, session_id)
         if data is None:
             return None
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
