@@ -48,14 +48,14 @@ def finish(engine: Engine, request: EngineRequest) -> float:
 
 def put_in_tier(engine: Engine, session_id: str, tier: str) -> None:
     manager = engine.sessions
-    engine.store_writer.flush()  # the previous turn's record is written: no disk work overlaps a timing
+    engine.store_worker.flush()  # the previous turn's record is written: no disk work overlaps a timing
 
     def move() -> None:
         session = manager.sessions[session_id]
         if tier in ("host", *STORE_TIERS) and session.slot is not None:
             manager.offload(session)
         if tier in STORE_TIERS:
-            manager.forget(session_id)
+            manager.discard(session)  # from memory only: its record stays, as after a restart
 
     engine._call(move).result(60)
 

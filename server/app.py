@@ -49,7 +49,8 @@ def engine_config(settings: Settings, model) -> EngineConfig:
                         max_host_sessions=settings.max_host_sessions, session_ttl_s=settings.session_ttl_s,
                         max_n=settings.max_n, max_waiting=settings.max_waiting, max_context=settings.max_context,
                         reserved_slots=settings.reserved_slots, session_turns_kept=settings.session_turns_kept,
-                        session_store=settings.session_store, compile=settings.compile,
+                        session_store=settings.session_store,
+                        session_store_timeout_s=settings.session_store_timeout_s, compile=settings.compile,
                         compile_cache_dir=settings.compile_cache_dir)
 
 
@@ -141,8 +142,14 @@ class RequestMetrics:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
             client = scope.get("client")
             access_log.info('%s "%s %s" %d %.1f ms %s', f"{client[0]}:{client[1]}" if client else "-",
-                            scope.get("method"), scope.get("path"), status["code"],
-                            1e3 * (time.perf_counter() - started), status.get("id", request_id))
+                            log_safe(scope.get("method", "")), log_safe(scope.get("path", "")), status["code"],
+                            1e3 * (time.perf_counter() - started), log_safe(status.get("id", request_id)))
+
+
+def log_safe(text: str) -> str:
+    """A client-controlled value as it may appear in a log line: control characters, non-ASCII, quotes and
+    backslashes escaped (`\\n`, `\\x1b`, `\\"`), so one request is always one line that says what was sent."""
+    return text.encode("unicode_escape").decode("ascii").replace('"', '\\"')
 
 
 def client_request_id(scope: Scope) -> str | None:
@@ -203,7 +210,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return error_response(503, "not ready: loading, draining or failed", code="not_ready",
                                   headers={"Retry-After": str(settings.retry_after_s)})
         step = getattr(request.app.state.engine, "decode_step", None)
-        return JSONResponse({"status": "ready", "decode_step": step.describe() if step is not None else None})
+        # stateless work needs no store: ready stays 200 while it is down, and says so
+        return JSONResponse({"status": "ready", "decode_step": step.describe() if step is not None else None,
+                             "session_store": request.app.state.engine.store_status()})
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},

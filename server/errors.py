@@ -20,7 +20,8 @@ from .engine.types import EngineError
 
 logger = logging.getLogger(__name__)
 
-ENGINE_STATUS = {"invalid": 400, "not_found": 404, "busy": 409, "capacity": 429, "unavailable": 503, "dead": 503}
+ENGINE_STATUS = {"invalid": 400, "not_found": 404, "busy": 409, "capacity": 429, "unavailable": 503, "dead": 503,
+                 "store_unavailable": 503}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 409: "conflict_error",
                413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",

@@ -14,10 +14,11 @@ from fastapi import Request
 
 from .engine import Engine, EngineRequest, SamplingParams
 from .engine.types import EngineError, FinishReason, RequestOutput, TokenLogprob
-from .errors import APIError, from_engine_error
+from .errors import ENGINE_STATUS, APIError, from_engine_error
 from .schemas import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from .streaming import EventStreamResponse, OutputStream, race_disconnect, sse_event
 
+INLINE_RENDER_MESSAGES = 64  # longer chats are rendered on a worker thread
 DEFAULT_CHAT_ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT", "tool": "TOOL"}
 
 
@@ -31,6 +32,23 @@ def render_chat(messages, tokenizer) -> str:
                                              tokenize=False, add_generation_prompt=True)
     turns = [f"{m.name or DEFAULT_CHAT_ROLES[m.role]}.\n{m.text}\n\n" for m in messages]
     return "".join(turns) + "ASSISTANT.\n"
+
+
+async def chat_prompt(request: Request, messages, tokenizer) -> str:
+    """A chat's prompt text: at most `max_chat_messages` messages (400 beyond), and no more text than a
+    prompt may have (checked on the messages' bytes, before anything is rendered); rendered off the event
+    loop when large."""
+    settings = request.app.state.settings
+    if len(messages) > settings.max_chat_messages:
+        raise APIError(400, f"a chat may have at most {settings.max_chat_messages} messages, got {len(messages)}",
+                       "messages", "too_many_messages")
+    text_bytes = sum(len(m.text.encode()) for m in messages)
+    if text_bytes > settings.max_prompt_tokens * request.app.state.max_token_bytes:
+        raise APIError(400, f"the chat is longer than max_prompt_tokens ({settings.max_prompt_tokens} tokens)",
+                       "messages", "prompt_too_long")
+    if len(messages) <= INLINE_RENDER_MESSAGES:
+        return render_chat(messages, tokenizer)
+    return await asyncio.to_thread(render_chat, messages, tokenizer)
 
 
 @dataclass
@@ -116,15 +134,28 @@ async def collect(request: Request, generation: Generation) -> list[list[Request
             generation.abort()
     failed = next((r[-1] for r in rows if r and r[-1].finish_reason is FinishReason.ERROR), None)
     if failed is not None and not disconnected:
-        raise APIError(500, f"{failed.error} (request id {generation.request_id})", code="engine_error",
-                       headers={"X-Request-Id": generation.request_id})
+        status, code = error_status(failed)
+        headers = {"X-Request-Id": generation.request_id}
+        if status == 503:
+            headers["Retry-After"] = str(request.app.state.settings.retry_after_s)
+        raise APIError(status, f"{failed.error} (request id {generation.request_id})", code=code, headers=headers)
     return None if disconnected else result
+
+
+def error_status(output: RequestOutput) -> tuple[int, str]:
+    """(HTTP status, error code) of a failed output: the session store's failure is a 503 (the turn was not
+    stored: retry), anything else the engine's own (500)."""
+    if output.error_kind is not None and ENGINE_STATUS.get(output.error_kind) == 503:
+        return 503, output.error_kind
+    return 500, "engine_error"
 
 
 def error_event(generation: Generation, output: RequestOutput) -> bytes:
     """A failed generation's last event, in OpenAI's error shape (then the stream ends with [DONE])."""
+    status, code = error_status(output)
+    kind = "service_unavailable" if status == 503 else "server_error"
     return sse_event({"error": {"message": f"{output.error} (request id {generation.request_id})",
-                                "type": "server_error", "param": None, "code": "engine_error"}})
+                                "type": kind, "param": None, "code": code}})
 
 
 def stream_events(generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=()) -> EventStreamResponse:

@@ -11,7 +11,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
                                generate_latest)
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  - re-exported for the /metrics route
 
-from .engine.types import PoolStats, RequestStats, StepStats, StoreStats
+from .engine.types import PoolStats, RecordSkipped, RequestStats, StepStats, StoreStats
 
 disable_created_metrics()  # no *_created series: plain classic text format
 
@@ -65,10 +65,16 @@ class Metrics:
         self.prefix_queries = Counter("linserve_prefix_cache_queries_total", "Prefix-cache lookups.", registry=r)
         self.prefix_hits = Counter("linserve_prefix_cache_hits_total", "Prefix-cache lookups that found a prefix.",
                                    registry=r)
-        self.store_ops = Counter("linserve_session_store_operations_total", "Session-store operations by result.",
-                                 ["op", "result"], registry=r)
+        self.store_ops = Counter("linserve_session_store_operations_total",
+                                 "Session-store calls by operation and result (ok, or the kind of failure: timeout, "
+                                 "connection, permission, missing, io, error).", ["op", "result"], registry=r)
+        self.store_up = Gauge("linserve_session_store_up", "1 while the session store takes calls, 0 while it is "
+                              "down or not answering (set by every call and by probes).", registry=r)
+        self.store_skipped = Counter("linserve_session_store_records_skipped_total",
+                                     "Unreadable session-store records skipped by listings.", registry=r)
         self.store_seconds = Histogram("linserve_session_store_seconds", "Session-store operation time.", ["op"],
                                        buckets=REQUEST_BUCKETS, registry=r)
+        self.store_up.set(1)
         for tier in ("device", "host", "store"):
             self.sessions.labels(tier)
         for _, label in CONTEXT_BUCKETS:
@@ -109,8 +115,11 @@ class Metrics:
                     self.prefix_hits.inc()
 
         elif isinstance(stats, StoreStats):
-            self.store_ops.labels(stats.op, "ok" if stats.ok else "error").inc()
+            self.store_ops.labels(stats.op, stats.result).inc()
             self.store_seconds.labels(stats.op).observe(stats.seconds)
+            self.store_up.set(int(stats.up))
+        elif isinstance(stats, RecordSkipped):
+            self.store_skipped.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,6 +39,7 @@ class StreamOptions(BaseModel):
 # accepted and ignored: they change nothing a client could observe here
 HARMLESS_EXTRAS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_TOKEN_ID_DIGITS = 10  # beyond any vocabulary
 
 
 class _Sampling(BaseModel):
@@ -90,8 +91,10 @@ class _Sampling(BaseModel):
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries")
         for token, bias in value.items():
-            if not token.isdigit():
-                raise ValueError(f"logit_bias keys are token ids as strings, got {token!r}")
+            # ASCII digits only ("²" and "①" are digits to str.isdigit but not to int), and short enough to parse
+            if not (token.isascii() and token.isdigit() and len(token) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"logit_bias keys are token ids as strings of at most {MAX_TOKEN_ID_DIGITS} "
+                                 f"digits, got {token[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value

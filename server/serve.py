@@ -1,7 +1,8 @@
 """`linserve serve`: uvicorn running the app; on SIGTERM/SIGINT running streams end first (`abort`).
 
-Two things uvicorn would otherwise do its own way: a malformed HTTP request is answered in the API's
-JSON error shape (not plain text), and a dead engine stops the server and the process exits with
+What uvicorn would otherwise do its own way: a malformed HTTP request is answered in the API's JSON
+error shape (not plain text); connections that send no request head in time are closed and open
+connections are capped (GuardedConnection); a dead engine stops the server and the process exits with
 status 3 so that a supervisor (systemd, Kubernetes, compose) restarts it.
 """
 
@@ -20,30 +21,93 @@ ENGINE_DEAD_EXIT_STATUS = 3
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # uvicorn's lines and linserve's alike
 
 
-def json_400(protocol, message: str) -> None:
-    body = json.dumps({"error": {"message": f"malformed HTTP request: {message}", "type": "invalid_request_error",
-                                 "param": None, "code": "bad_http_request"}}).encode()
-    head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+def json_error(protocol, status: bytes, code: str, message: str) -> None:
+    """Answer in the API's JSON error shape straight on the transport, and close the connection."""
+    kind = "invalid_request_error" if status.startswith(b"400") else "service_unavailable"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    head = (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n" % len(body))
     protocol.transport.write(head + body)
     protocol.transport.close()
 
 
-class JsonErrorsH11(H11Protocol):
+class GuardedConnection:
+    """What every connection gets, whatever HTTP parser runs it:
+    - a request head (request line and headers) must arrive within `head_timeout_s` of the connection
+      opening or of its previous response ending, else the connection is closed: slowloris clients and
+      idle sockets cannot hold the server's file descriptors;
+    - beyond `max_connections` open connections a new one is answered 503 at once and closed;
+    - a malformed request is answered in the API's JSON error shape (not uvicorn's plain text)."""
+
+    head_timeout_s = 5.0
+    max_connections = 1000
+    retry_after_s = 1
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            json_error(self, b"503 Service Unavailable", "too_many_connections",
+                       f"the server holds its maximum of {self.max_connections} connections; retry later")
+            return
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()  # the next request's head has the same deadline as the first's
+
+    def _arm_head_timer(self) -> None:
+        armed_for = self.cycle  # a new request replaces the cycle: then the head arrived in time
+        self.loop.call_later(self.head_timeout_s, self._head_deadline, armed_for)
+
+    def _head_deadline(self, armed_for) -> None:
+        if self.cycle is armed_for and (armed_for is None or armed_for.response_complete):
+            if not self.transport.is_closing():
+                self.transport.close()
+
     def send_400_response(self, msg: str) -> None:
-        json_400(self, msg)
+        json_error(self, b"400 Bad Request", "bad_http_request", f"malformed HTTP request: {msg}")
+
+
+class GuardedH11(GuardedConnection, H11Protocol):
+    pass
 
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class JsonErrorsHttpTools(HttpToolsProtocol):
-        def send_400_response(self, msg: str) -> None:
-            json_400(self, msg)
+    class GuardedHttpTools(GuardedConnection, HttpToolsProtocol):
+        pass
 
-    HTTP_PROTOCOL: type = JsonErrorsHttpTools
+    HTTP_PROTOCOL: type = GuardedHttpTools
 except ImportError:  # httptools is optional in uvicorn: h11 then
-    HTTP_PROTOCOL = JsonErrorsH11
+    HTTP_PROTOCOL = GuardedH11
+
+
+def connection_limit(wanted: int) -> int:
+    """`wanted` connections, within what the process may open: the soft file limit is raised to the hard
+    one, and a few hundred descriptors stay free for everything else (files, the store, the engine)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    except (ImportError, ValueError, OSError):
+        return wanted
+    allowed = max(16, soft - 256)
+    if wanted > allowed:
+        logging.getLogger(__name__).warning("max_connections %d exceeds what %d file descriptors allow: %d",
+                                            wanted, soft, allowed)
+    return min(wanted, allowed)
+
+
+def protocol_for(settings: Settings) -> type:
+    limit = connection_limit(settings.max_connections)
+    return type(HTTP_PROTOCOL.__name__, (HTTP_PROTOCOL,), {"head_timeout_s": settings.header_timeout_s,
+                                                           "max_connections": limit})
 
 
 class DrainingServer(uvicorn.Server):
@@ -61,8 +125,10 @@ def serve(settings: Settings) -> int:
     app = create_app(settings)
     # log_config=None: uvicorn's loggers propagate to the root handler above, so every line has one format;
     # its access log is off — the app writes its own (linserve.access), with the request id
+    protocol = protocol_for(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=10, http=HTTP_PROTOCOL, log_config=None, access_log=False)
+                            timeout_graceful_shutdown=10, http=protocol, log_config=None, access_log=False,
+                            limit_concurrency=protocol.max_connections + 1)  # (this guard answers first)
     server = DrainingServer(config)
     engine_dead = []
 

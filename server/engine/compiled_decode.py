@@ -20,6 +20,7 @@ timed against eager at start-up and compiling goes on only if it is at least AUT
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -59,6 +60,32 @@ class Bucket:
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
 
 
+# torch.fx's Tracer.trace (which make_fx, and so AOTAutograd and Inductor's pattern matcher, run while
+# compiling) patches torch.nn.Module.__call__ and __getattr__ for the whole process while it traces: a model
+# call on another thread meanwhile goes through the tracer (seen: NameError "module is not installed as a
+# submodule" in a request served eagerly during the background compile). Every trace holds TRACING (see
+# guard_tracing) and so does every engine step: a step never runs inside a trace window, a trace never
+# starts inside a step. Re-entrant: a recompile traced on the engine thread itself is fine.
+TRACING = threading.RLock()
+
+
+def guard_tracing() -> None:
+    """Make torch.fx's Tracer.trace hold TRACING (once per process; subclasses trace through it)."""
+    from torch.fx import _symbolic_trace
+
+    original = _symbolic_trace.Tracer.trace
+    if getattr(original, "_holds_linserve_lock", False):
+        return
+
+    @functools.wraps(original)
+    def trace(self, *args, **kwargs):
+        with TRACING:
+            return original(self, *args, **kwargs)
+
+    trace._holds_linserve_lock = True
+    _symbolic_trace.Tracer.trace = trace
+
+
 def cpp_compiler_available() -> bool:
     """Inductor builds its CPU kernels with a C++ compiler ($CXX, else g++): a slim image may have none."""
     return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
@@ -90,6 +117,7 @@ class DecodeStep:
     def start(self) -> None:
         if self.mode == "off" or self._thread is not None:
             return
+        guard_tracing()  # before the first trace: the engine's steps and the compiler's traces never overlap
         self._thread = threading.Thread(target=self._compile_all, name="linserve-compile", daemon=True)
         self._thread.start()
 

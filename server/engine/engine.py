@@ -27,17 +27,20 @@ import torch
 from model import LinearGPT
 
 from . import heap
-from .compiled_decode import DecodeStep
+from .compiled_decode import TRACING, DecodeStep
 from .kv_pool import KVCachePool
 from .live import LiveRequest
 from .prefix_cache import PrefixCache, scope_seed
 from .scheduler import SchedSeq, Scheduler
 from .session_commands import SessionCommands
 from .session_manager import SessionManager
+from .sessions import Session
 from .state_pool import StatePool
 from .steps import StepExecution
-from .session_store import StoreWriter, open_store
-from .types import EngineError, EngineRequest, FinishReason, PoolStats, RequestOutput, StoreStats
+from .session_store import open_store
+from .store_worker import StoreWorker
+from .types import (EngineError, EngineRequest, FinishReason, PoolStats, RecordSkipped, RequestOutput,
+                    StoreStats)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class EngineConfig:
     reserved_slots: int = 8
     session_turns_kept: int = 8  # turn snapshots per session, for rewind (each one state's bytes)
     session_store: str = "none"  # "none", "dir:PATH" or "redis://HOST:PORT/DB": the tier below host memory
+    session_store_timeout_s: float = 2.0  # deadline of every store call; a later one fails (503), taking no effect
     compile: str = "off"  # the decode step: "off" (eager), "on" or "auto" (see compiled_decode)
     compile_cache_dir: str | None = None  # Inductor's on-disk caches (None: torch's default place)
 
@@ -91,17 +95,20 @@ class Engine(StepExecution, SessionCommands):
         self.prefix_cache = PrefixCache(cache_entries, config.max_prefill_chunk, self.pool.slot_bytes)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         self.stats_sink = stats_sink or (lambda stats: None)
-        store = open_store(config.session_store, config.session_ttl_s) if self.linear else None
-        self.store_writer = None if store is None else StoreWriter(
-            store, lambda op, ok, seconds: self.stats_sink(StoreStats(op, ok, seconds)))
+        store = (open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
+                 if self.linear else None)
+        self.store_worker = None if store is None else StoreWorker(store, config.session_store_timeout_s,
+                                                                   self._store_result)
         self.sessions = SessionManager(self.pool, model, config.max_host_sessions, config.session_ttl_s,
-                                       self.reserved_slots, config.session_turns_kept, store, self.store_writer)
+                                       self.reserved_slots, config.session_turns_kept, store, self.store_worker)
+        self._skipped_logged: set[str] = set()
         self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
                                    config.max_prefill_while_decoding)
         self.live: dict[str, LiveRequest] = {}
         self._commands: queue.Queue[Command] = queue.Queue()
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # orders enqueueing against death
+        self._exited = False  # the thread has left its loop: internal calls run on the caller's thread
         self.death: BaseException | None = None
         self.on_death: list[Callable[[BaseException], None]] = []
         self._thread = threading.Thread(target=self._run, name="linserve-engine", daemon=True)
@@ -125,14 +132,15 @@ class Engine(StepExecution, SessionCommands):
             self._stopping.set()  # from here on new requests are refused
             self._commands.put((lambda: None, None))  # wake the loop
             self._thread.join(timeout)
-        if self.store_writer is not None:
-            self.store_writer.close()  # every turn handed over is on disk before the process exits
+        if self.store_worker is not None:
+            self.store_worker.close()  # every turn handed over is stored (or failed) before the process exits
 
     def submit(self, request: EngineRequest, sink: Sink) -> Future:
         """Future resolves once the request is accepted, or raises EngineError (bad input, busy, full)."""
         if request.session_id is None:
             return self._call(lambda: self._accept(request, sink))
-        return self._call_leased(lambda: self._accept(request, sink))
+        return self._session_command(lambda session: self._accept(request, sink, session), request.session_id,
+                                     request.owner, claim=True)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -147,7 +155,22 @@ class Engine(StepExecution, SessionCommands):
         """Who holds which slot, taken on the engine thread (the balance every engine test asserts)."""
         return self._call(self._slot_accounting)
 
+    def store_status(self) -> dict | None:
+        """The session store's health (None: no store), for /ready."""
+        return None if self.store_worker is None else self.store_worker.status()
+
     # ---------------------------------------------------------------- engine thread
+    def _internal_call(self, fn: Callable[[], object]) -> Future:
+        """`_call` for the engine's own follow-ups (a store write settling): taken while stopping too, and
+        run on the caller's thread once the engine thread has ended (nothing races with it then)."""
+        future: Future = Future()
+        with self._lock:
+            if self.death is None and not self._exited:
+                self._commands.put((fn, future))
+                return future
+        self._run_command(fn, future)
+        return future
+
     def _call(self, fn: Callable[[], object]) -> Future:
         future: Future = Future()
         with self._lock:
@@ -171,7 +194,7 @@ class Engine(StepExecution, SessionCommands):
                 if plan.empty:
                     continue
                 try:
-                    with torch.inference_mode():
+                    with torch.inference_mode(), TRACING:  # never inside a compile's trace window
                         self._step(plan)
                     failures = 0
                 except Exception as error:  # noqa: BLE001 - fail what the step touched, keep serving
@@ -183,6 +206,8 @@ class Engine(StepExecution, SessionCommands):
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise RuntimeError(f"{failures} consecutive engine steps failed") from error
             self._abort_all()
+            with self._lock:
+                self._exited = True
             self._drain_commands(block=False)  # late commands still get an answer (new requests: unavailable)
             self._emit_pool_stats()
         except BaseException as error:  # noqa: BLE001 - the thread is ending: say so everywhere
@@ -239,13 +264,16 @@ class Engine(StepExecution, SessionCommands):
             future.set_result(result)
 
     def _emit(self, live: LiveRequest, output: RequestOutput) -> None:
+        if output.finished and live.held is not None:  # a session turn's end waits for its store write
+            live.held.append(output)
+            return
         try:
             live.sink(output)
         except Exception:  # noqa: BLE001 - a broken sink must not take the engine down
             logger.exception("output sink of %s failed; aborting it", live.request.request_id)
             self._commands.put((lambda: self._abort(live.request.request_id), None))
 
-    def _accept(self, request: EngineRequest, sink: Sink) -> None:
+    def _accept(self, request: EngineRequest, sink: Sink, session: Session | None = None) -> None:
         if self._stopping.is_set():
             raise EngineError("the engine is shutting down", kind="unavailable")
         if request.request_id in self.live:
@@ -264,13 +292,11 @@ class Engine(StepExecution, SessionCommands):
         if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
             raise EngineError(f"logit_bias names token ids outside the vocabulary (0..{self.vocab_size - 1})",
                               param="logit_bias")
-        session = None
         feed = list(request.prompt_ids)
-        if request.session_id is not None:
-            self.sessions.get(request.session_id, request.owner)  # 404 before anything about the body
+        if session is not None:  # found (404) and claimed (409) before anything about the body
             if params.n != 1:
                 raise EngineError("n must be 1 when continuing a session", param="n")
-            session = self.sessions.acquire_for_request(request.session_id, request.owner)
+            self.sessions.acquire_for_request(session, len(feed) + params.max_tokens + 1)
             feed = session.pending + feed
             if not feed and session.logits is None:  # a new, empty session: start from end-of-text, as
                 if self.eos_id is None:              # a stateless request with an empty prompt does
@@ -350,7 +376,10 @@ class Engine(StepExecution, SessionCommands):
     def _finish_live(self, live: LiveRequest, reason: FinishReason) -> None:
         del self.live[live.request.request_id]
         if live.session is not None:
-            self.sessions.commit(live.session, live)
+            step = self.sessions.commit(live.session, live)
+            if step is not None:  # its final outputs are held until the turn is stored
+                live.held = []
+                self._run_store_step(replace(step, settle=lambda error, _: self._settle_turn(live, step, error)))
         self.stats_sink(live.request_stats(reason, time.monotonic()))
         if len(live.feed) >= heap.LARGE_TOKENS:
             live.feed = []
@@ -365,6 +394,28 @@ class Engine(StepExecution, SessionCommands):
         self._finish_live(live, reason)
         for output in outputs:
             self._emit(live, output)
+
+    def _settle_turn(self, live: LiveRequest, step, error: BaseException | None) -> None:
+        """The turn's record is written (its held outputs go out) or not (the session rolls back to its last
+        stored turn and the request fails with the store's 503)."""
+        held, live.held = live.held, None
+        try:
+            step.settle(error, None)
+        except EngineError as failure:
+            held = [replace(output, token_id=None, text="", logprob=None, finish_reason=FinishReason.ERROR,
+                            error=failure.message, error_kind=failure.kind) for output in held]
+        for output in held:
+            self._emit(live, output)
+
+    def _store_result(self, op: str, result: str, seconds: float) -> None:
+        self.stats_sink(StoreStats(op, result, seconds, self.store_worker.up if self.store_worker else True))
+
+    def _skipped_record(self, session_id: str, reason: str) -> None:
+        """A broken record met by a listing (store thread): counted every time, logged once per record."""
+        self.stats_sink(RecordSkipped())
+        if session_id not in self._skipped_logged and len(self._skipped_logged) < 10_000:
+            self._skipped_logged.add(session_id)
+            logger.warning("session store record %s is unreadable (%s): skipped", session_id, reason)
 
     def _abort(self, request_id: str) -> None:
         self._end(request_id, FinishReason.ABORT)

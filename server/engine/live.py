@@ -102,6 +102,7 @@ class LiveRequest:
     consumed: int = 0  # feed tokens consumed by the state so far
     last_logits: torch.Tensor | None = None  # (V,) after the last consumed feed token
     prefix_digest: bytes = b""  # prefix-cache key chain at the last block boundary consumed
+    held: list[RequestOutput] | None = None  # final outputs waiting for the session turn's store write
 
     @property
     def base_position(self) -> int:

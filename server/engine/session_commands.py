@@ -1,11 +1,12 @@
-"""The engine's session methods (any thread): each enqueues a command for the engine thread and returns a
-future. Mixed into `Engine`, which provides `_call`, `sessions` (the SessionManager), `store_writer` and `pool`.
+"""The engine's session methods (any thread): each returns a future. Mixed into `Engine`, which provides
+`_call` / `_internal_call` (run on the engine thread), `sessions` (the SessionManager) and `store_worker`.
 
-Two ways a command's answer can wait on the session store:
-- `_after_writes`: the answer is made on the store's writer thread once every write queued before it has
-  landed — a new session is answered only when its record is stored (any replica finds the id it gets), and
-  a listing reads a store that holds every session this replica has made. The engine never waits for I/O.
-- `_call_leased`: retried for a moment while another replica holds the session's lease.
+A command that names a session runs in up to three hops, and the engine thread never waits for I/O:
+1. lookup (store thread): the record if this process holds no current copy, the revision and, for a
+   change on a shared store, the lease — `StoreAccess.lookup`;
+2. act (engine thread): the change in memory; it returns the answer, or a `StoreStep`;
+3. store, then settle: the step runs on the store thread (with its deadline), then settles on the engine
+   thread — the answer, or the rollback and a 503 — so 2xx always means stored.
 """
 
 from __future__ import annotations
@@ -15,88 +16,145 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .session_leases import LEASE_GRACE_S, LeaseHeld
+from .session_leases import LEASE_GRACE_S, LeaseHeld, Lookup
 from .session_listing import list_sessions
+from .session_manager import SessionBusy, StaleLookup, store_failure
+from .sessions import Session
+from .store_worker import StoreStep
+
+LOOKUP_ATTEMPTS = 3  # a session that changes under every lookup (it cannot, short of a bug) is a 503
 
 
 class SessionCommands:
     def create_session(self, owner: str | None) -> Future:
-        return self._after_writes(lambda: self.sessions.create(owner))
+        return self._session_command(lambda _: self.sessions.create(owner))
 
     def session_info(self, session_id: str, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.info(self.sessions.get(session_id, owner)))
+        return self._session_command(self.sessions.info, session_id, owner)
 
     def fork_session(self, session_id: str, owner: str | None) -> Future:
-        return self._after_writes(lambda: self.sessions.fork(session_id, owner))
+        return self._session_command(lambda source: self.sessions.fork(source, owner), session_id, owner)
 
     def export_session(self, session_id: str, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.export(session_id, owner))
+        return self._session_command(self.sessions.export, session_id, owner)
 
     def import_session(self, data: bytes, owner: str | None) -> Future:
-        return self._after_writes(lambda: self.sessions.import_(data, owner))
+        return self._session_command(lambda _: self.sessions.import_(data, owner))
 
     def session_turns(self, session_id: str, owner: str | None) -> Future:
-        return self._call(lambda: self.sessions.turns(session_id, owner))
+        return self._session_command(lambda session: list(session.turns), session_id, owner)
 
     def rewind_session(self, session_id: str, owner: str | None, turn: int) -> Future:
-        return self._call_leased(lambda: self.sessions.rewind(session_id, owner, turn))
+        return self._session_command(lambda session: self.sessions.rewind(session, turn), session_id, owner,
+                                     claim=True)
 
-    def delete_session(self, session_id: str, owner: str | None) -> Future:
-        return self._call_leased(lambda: self.sessions.delete(session_id, owner))
+    def delete_session(self, session_id: str, owner: str | None, wait_s: float = LEASE_GRACE_S) -> Future:
+        """`wait_s`: how long a session busy here or elsewhere is waited for before a 409."""
+        return self._session_command(self.sessions.delete, session_id, owner, claim=True, wait_s=wait_s)
 
     def list_sessions(self, owner: str | None, after: str | None, limit: int, descending: bool) -> Future:
         """(a page of the caller's sessions, whether more follow): the in-memory ones snapshotted on the engine
-        thread, the store read after the queued writes (see session_listing)."""
-        def page(memory: dict):
-            return self.sessions.store_call(list_sessions, memory, self.sessions.store, owner or "", after, limit,
-                                             descending, self.pool.slot_bytes)
+        thread, the store's read on the store thread (see session_listing)."""
+        def snapshot(_) -> object:
+            memory = self.sessions.owned_infos(owner)
+            if self.store_worker is None:
+                return list_sessions(memory, None, owner or "", after, limit, descending, self.pool.slot_bytes)
+            return StoreStep("list", lambda deadline: list_sessions(
+                memory, self.sessions.store, owner or "", after, limit, descending, self.pool.slot_bytes,
+                self._skipped_record))
 
-        return self._after_writes(lambda: self.sessions.owned_infos(owner), page)
+        return self._session_command(snapshot)
 
-    # ------------------------------------------------------------------ how answers wait on the store
-    def _after_writes(self, fn: Callable[[], object], then: Callable[[object], object] = lambda result: result) -> Future:
-        """`fn` on the engine thread, then `then(its result)` on the store's writer thread after every write
-        queued so far (at once, on the engine thread, without a store); the future gets what `then` returns."""
+    # ------------------------------------------------------------------ the hops
+    def _session_command(self, act: Callable[[Session | None], object], session_id: str | None = None,
+                         owner: str | None = None, claim: bool = False, wait_s: float = LEASE_GRACE_S) -> Future:
+        """`act(session)` on the engine thread after the store lookup (see the module doc); a StoreStep it
+        returns is run, then settled, before the future resolves. A session busy here or on another replica
+        is waited for up to `wait_s` (a turn that is finishing stores its record in milliseconds)."""
         outer: Future = Future()
+        grace_until = time.monotonic() + wait_s
+        attempts = [0]
 
-        def finish(result: object) -> None:
-            try:
-                outer.set_result(then(result))
-            except Exception as error:  # noqa: BLE001 - handed to the caller (an EngineError from the store)
-                outer.set_exception(error)
+        def look(refetch: bool = False) -> None:
+            if session_id is None or self.store_worker is None:
+                act_on(None)
+                return
+            if not self.sessions.shared and not refetch and self.sessions.holds(session_id):
+                act_on(Lookup(session_id, None, None, None, fetched=False))  # nothing to read (re-checked there)
+                return
+            access = self.sessions.access
+            looked = self.store_worker.submit(
+                "get", lambda deadline: access.lookup(session_id, claim, refetch, deadline))
+            looked.add_done_callback(lambda f: after_lookup(f))
 
-        def settle(inner: Future) -> None:
-            if inner.exception() is not None:
-                outer.set_exception(inner.exception())
-            elif self.store_writer is None:
-                finish(inner.result())
+        def later() -> None:
+            timer = threading.Timer(0.02, look)
+            timer.daemon = True
+            timer.start()
+
+        def after_lookup(looked: Future) -> None:
+            error = looked.exception()
+            if isinstance(error, LeaseHeld) and time.monotonic() < grace_until:
+                later()
+            elif error is not None:
+                outer.set_exception(store_failure(error, "the session could not be read"))
             else:
-                self.store_writer.call(lambda: finish(inner.result()))
+                act_on(looked.result())
 
-        self._call(fn).add_done_callback(settle)
-        return outer
+        def act_on(found: Lookup | None) -> None:
+            self._call(lambda: self._act(act, session_id, owner, claim, found)).add_done_callback(after_act)
 
-    def _call_leased(self, fn: Callable[[], object]) -> Future:
-        """`_call`, retried for up to LEASE_GRACE_S while another replica holds the session's lease: the
-        lease outlives a finished turn until its record is written (milliseconds), and a client that
-        moves on to another replica at once must not get a 409 for that."""
-        outer: Future = Future()
-        deadline = time.monotonic() + LEASE_GRACE_S
-
-        def attempt() -> None:
-            self._call(fn).add_done_callback(settle)
-
-        def settle(inner: Future) -> None:
-            error = inner.exception()
-            if isinstance(error, LeaseHeld) and time.monotonic() < deadline:
-                timer = threading.Timer(0.02, attempt)
-                timer.daemon = True
-                timer.start()
+        def after_act(acted: Future) -> None:
+            error = acted.exception()
+            if claim and isinstance(error, SessionBusy) and time.monotonic() < grace_until:
+                later()
+            elif isinstance(error, StaleLookup) and attempts[0] < LOOKUP_ATTEMPTS:
+                attempts[0] += 1
+                look(refetch=True)
+            elif isinstance(error, StaleLookup):
+                outer.set_exception(store_failure(error, "the session kept changing while it was read"))
             elif error is not None:
                 outer.set_exception(error)
+            elif isinstance(acted.result(), StoreStep):
+                self._run_store_step(acted.result(), outer)
             else:
-                outer.set_result(inner.result())
+                outer.set_result(acted.result())
 
-        attempt()
+        look()
         return outer
 
+    def _act(self, act: Callable, session_id: str | None, owner: str | None, claim: bool, found: Lookup | None):
+        """Engine thread: resolve the session (a lease taken for it is given back if anything fails)."""
+        try:
+            session = None
+            if session_id is not None:
+                session = self.sessions.resolve(session_id, owner, found)
+                if claim:
+                    self.sessions.claim(session, found)
+            return act(session)
+        except BaseException:
+            if found is not None and found.lease is not None and (session is None or session.lease == found.lease):
+                if session is not None:
+                    session.lease = None
+                self.store_worker.submit("release", lambda deadline: self.sessions.access.release(
+                    found.session_id, found.lease), None)
+            raise
+
+    def _run_store_step(self, step: StoreStep, outer: Future | None = None) -> None:
+        """Run the step on the store thread, then settle it on the engine thread; the answer goes to `outer`."""
+        def stored(done: Future) -> None:
+            error = done.exception()
+            if step.settle is None:
+                if outer is not None:
+                    if error is None:
+                        outer.set_result(done.result())
+                    else:
+                        outer.set_exception(store_failure(error, "the sessions could not be listed"))
+                return
+            result = None if error is not None else done.result()
+            settled = self._internal_call(lambda: step.settle(error, result))
+            if outer is not None:
+                settled.add_done_callback(lambda s: outer.set_exception(s.exception()) if s.exception() is not None
+                                          else outer.set_result(s.result()))
+
+        self.store_worker.submit(step.op, step.run).add_done_callback(stored)

@@ -1,27 +1,41 @@
 """A caller's sessions, a page at a time: the ones in memory (device and host tiers) merged with the store's
 owner index, in id order (= creation order), after a cursor.
 
-Runs on the store's writer thread (after every write queued before it, so a session just created is in
+Runs on the store worker's thread (after every write queued before it, so a session just created is in
 the store) with a snapshot of the in-memory sessions taken on the engine thread: the engine never waits
-for the store's I/O. Store-only sessions are described from their record's metadata, never read whole.
+for the store's I/O. Store-only sessions are described from their record's metadata, never read whole; a
+record that cannot be read (torn, foreign bytes, a header declaring gigabytes, fields that are not
+numbers) is skipped and reported to `on_skip`, never allowed to break the listing.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Callable
 
-from .session_store import SessionStore, page_of
+from .session_store import BrokenRecord, SessionStore, page_of
 from .sessions import SessionInfo
 
 
 def store_info(session_id: str, metadata: dict[str, str], state_bytes: int) -> SessionInfo:
-    created = float(metadata.get("created", 0.0))
-    return SessionInfo(id=session_id, tokens=int(metadata.get("tokens", 0)), state_bytes=state_bytes, tier="store",
-                       created=created, last_used=float(metadata.get("updated", created)))
+    """A store-only session described from its record's metadata (BrokenRecord if a field is malformed)."""
+    try:
+        created = float(metadata.get("created", 0.0))
+        last_used = float(metadata.get("updated", created))
+        tokens = int(metadata.get("tokens", 0))
+    except ValueError:
+        raise BrokenRecord("its metadata holds a malformed number") from None
+    if not (math.isfinite(created) and math.isfinite(last_used) and tokens >= 0):
+        raise BrokenRecord("its metadata holds an out-of-range number")
+    return SessionInfo(id=session_id, tokens=tokens, state_bytes=state_bytes, tier="store", created=created,
+                       last_used=last_used)
 
 
 def list_sessions(memory: dict[str, SessionInfo], store: SessionStore | None, owner: str, after: str | None,
-                  limit: int, descending: bool, state_bytes: int) -> tuple[list[SessionInfo], bool]:
+                  limit: int, descending: bool, state_bytes: int,
+                  on_skip: Callable[[str, str], None] = lambda session_id, reason: None
+                  ) -> tuple[list[SessionInfo], bool]:
     """(up to `limit` sessions, whether more follow). A shared store (replicas) is the list: this replica's
     memory only describes the sessions it holds. Otherwise memory adds sessions whose record is not written."""
     from_memory = deque(page_of(list(memory), after, limit + 1, descending)
@@ -46,11 +60,14 @@ def list_sessions(memory: dict[str, SessionInfo], store: SessionStore | None, ow
             if session_id in memory:
                 found.append(memory[session_id])
                 continue
-            metadata = store.metadata(session_id)
-            if metadata is None or metadata.get("owner", "") != owner:
-                store.unindex(session_id, owner)  # its record expired (or was never written): drop the entry
-                continue
-            found.append(store_info(session_id, metadata, state_bytes))
+            try:
+                metadata = store.metadata(session_id)
+                if metadata is None or metadata.get("owner", "") != owner:
+                    store.unindex(session_id, owner)  # its record expired (or was never written): drop the entry
+                    continue
+                found.append(store_info(session_id, metadata, state_bytes))
+            except BrokenRecord as broken:
+                on_skip(session_id, str(broken))
         else:
             session_id = from_memory.popleft()
             if from_store and from_store[0] == session_id:

@@ -1,5 +1,12 @@
 """Session registry: tiers (device slot or host memory), LRU offload, TTL expiry, limits, fork, export,
-import. Runs on the engine thread only.
+import. Runs on the engine thread only, and never touches the store: a change that must be stored
+returns a `StoreStep` (the write, run by the store worker, and how to settle it back here).
+
+Durability: with a store, a create, continue, fork, import, rewind or delete is answered only after its
+record is written (or removed). Until then the session is `busy` (nothing else can change it). A failed or
+late write rolls the change back: a new session is dropped with its slot, a changed one drops its
+in-memory copy (the store still holds its last acknowledged turn, which the next access loads), a failed
+delete leaves the session as it was.
 
 Capacity: once host memory is full, idle sessions pin at most `num_slots - reserved_slots` device slots,
 so running requests (stateless ones above all) always get a slot eventually: the session limit is
@@ -10,20 +17,21 @@ the least recently used one out in its place.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
 
 from model import LinearGPT
 
-from .sessions import TAIL_TOKENS, Session, SessionInfo, Turn, decode_snapshot, encode_snapshot, model_fingerprint, new_session_id
-from .session_leases import SharedStoreAccess
-from .session_store import SessionStore, StoreWriter
+from .session_leases import LEASE_RENEW_S, Lookup, StoreAccess
+from .session_store import SessionStore
+from .sessions import (MAX_SESSION_TOKENS, TAIL_TOKENS, Session, SessionInfo, Turn, decode_snapshot, encode_snapshot,
+                       model_fingerprint, new_session_id, record_fields)
 from .state_pool import StatePool
+from .store_worker import StoreStep, StoreWorker, error_kind
 from .types import EngineError
 
 if TYPE_CHECKING:
@@ -33,19 +41,36 @@ EXPIRY_CHECK_INTERVAL_S = 1.0
 STORE_SWEEP_INTERVAL_S = 10.0
 
 logger = logging.getLogger(__name__)
-class SessionManager(SharedStoreAccess):
+
+
+class SessionBusy(EngineError):
+    """The session is generating, or its last change is being stored (409 once the caller's wait is over)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} is generating", kind="busy", param="session_id")
+
+
+class StaleLookup(Exception):
+    """The session changed between the store lookup and the engine thread: look it up again."""
+
+
+def store_failure(error: BaseException, outcome: str) -> EngineError:
+    """A store call that failed or ran out of time, as the 503 its caller gets."""
+    if isinstance(error, EngineError):
+        return error
+    return EngineError(f"the session store is unavailable ({error_kind(error)}: {type(error).__name__}); {outcome}",
+                       kind="store_unavailable")
+
+
+class SessionManager:
     def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
                  reserved_slots: int = 0, turns_kept: int = 8, store: SessionStore | None = None,
-                 writer: StoreWriter | None = None) -> None:
+                 worker: StoreWorker | None = None) -> None:
         self.pool = pool
-        self.store, self.writer = store, writer
-        self.stored = store.count() if store is not None else 0  # records in the store (refreshed by the sweep)
-        self._deleting: set[str] = set()  # deleted, record not yet removed by the writer: never load these
+        self.store, self.worker = store, worker
+        self.access = None if store is None else StoreAccess(store, self._held)
         self.shared = store is not None and store.shared  # replicas share it: leases and freshness checks
-        self.replica = uuid.uuid4().hex  # this process's name, the first half of every lease token it takes
-        self._unwritten: Counter[str] = Counter()  # queued writes per session (our copy is newer than the store)
-        self._unwritten_lock = threading.Lock()
-        self._last_renew = 0.0
+        self.stored = 0  # records in the store (counted by the sweep, on the store thread)
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.turns_kept = turns_kept
@@ -55,7 +80,9 @@ class SessionManager(SharedStoreAccess):
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._fingerprint: str | None = None
         self._last_expiry = 0.0
-        self._last_store_sweep = 0.0
+        self._last_renew = 0.0
+        self._last_sweep = -STORE_SWEEP_INTERVAL_S
+        self._sweeping = False
 
     @property
     def fingerprint(self) -> str:
@@ -63,67 +90,53 @@ class SessionManager(SharedStoreAccess):
             self._fingerprint = model_fingerprint(self.model)
         return self._fingerprint
 
-    # ---- lookup ----
-    def get(self, session_id: str, owner: str | None) -> Session:
+    def holds(self, session_id: str) -> bool:
+        """Whether this process has the session in memory (any thread: a hint the engine thread re-checks)."""
+        return session_id in self.sessions
+
+    def _held(self, session_id: str) -> tuple[bool, str | None]:
+        """(held in memory, its revision) — read by the store thread as a hint."""
         session = self.sessions.get(session_id)
-        if session is not None and self.shared and not session.busy:
-            session = self._fresh(session)
-        if session is None and self.store is not None and session_id not in self._deleting:
-            session = self._load(session_id)
+        return (False, None) if session is None else (True, session.revision)
+
+    # ---- lookup ----
+    def resolve(self, session_id: str, owner: str | None, found: Lookup | None) -> Session:
+        """The session, from memory or from the record the store lookup fetched."""
+        session = self.sessions.get(session_id)
+        if found is not None:
+            if session is not None and self.shared and not session.busy and session.revision != found.revision:
+                self._drop(session)  # another replica advanced, rewound or deleted it since we held it
+                session = None
+            if session is None and found.data is not None:
+                session = self._adopt(session_id, found.data)
+            elif session is None and not found.fetched:
+                raise StaleLookup(session_id)
         if session is None or session.owner != owner:  # another key's session does not exist for you
             raise EngineError(f"session {session_id!r} not found", kind="not_found", param="session_id")
         return session
 
-    def _load(self, session_id: str) -> Session | None:
+    def claim(self, session: Session, found: Lookup | None) -> Session:
+        """The session, idle, for a command that changes it (with the shared store's lease, if taken)."""
+        if session.busy:
+            raise SessionBusy(session.id)
+        session.lease = found.lease if found is not None else None
+        return session
+
+    def _adopt(self, session_id: str, data: bytes) -> Session:
         """A session that is only in the store (after a restart, or expired from memory) comes back to the
-        host tier, turns included; validated like an import."""
-        data = self.store_call(self.store.get, session_id)
-        if data is None:
-            return None
+        host tier, turns included; validated like an import, metadata too."""
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
         try:
             snapshot = decode_snapshot(data, template, self.fingerprint, self.vocab_size, with_turns=True)
+            fields = record_fields(snapshot.metadata)
         except EngineError as error:
             raise EngineError(f"session {session_id!r} is stored but unreadable: {error.message}",
                               param="session_id") from None
         self._check_capacity()
-        meta = snapshot.metadata
-        session = Session(id=session_id, owner=meta.get("owner") or None, host=snapshot.state,
-                          created=float(meta.get("created", time.time())), turns=list(snapshot.turns),
-                          turn_count=int(meta.get("turn_count", 0)), revision=meta.get("revision"),
-                          **snapshot.history)
+        session = Session(id=session_id, host=snapshot.state, turns=list(snapshot.turns), **fields, **snapshot.history)
         self.sessions[session_id] = session
         self.sessions.move_to_end(session_id, last=False)  # coldest: first to leave memory again
         return session
-
-    def _persist(self, session: Session) -> None:
-        """Hand the writer thread immutable copies of the session; it encodes and writes them. A lease
-        held for this change is released once the record is written."""
-        if self.writer is None:
-            return
-        latest = session.turns[-1] if session.turns and session.turns[-1].index == session.turn_count else None
-        # the newest turn's snapshot is the head's state (immutable): the writer copies it, not this thread
-        state = latest.state if latest is not None else {n: t.clone() for n, t in self._state_of(session).items()}
-        history, turns = session.copy_history(), tuple(session.turns)
-        session.revision = uuid.uuid4().hex
-        extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count),
-                 "revision": session.revision, "updated": repr(time.time())}
-        fingerprint = self.fingerprint
-        session_id, release = session.id, self._take_lease(session)
-
-        def encode() -> bytes:
-            own = {name: t.clone() for name, t in state.items()} if latest is not None else state
-            return encode_snapshot(own, history, fingerprint, turns, extra)
-
-        def landed() -> None:  # written or failed: from now on the store's revision decides what is newest
-            with self._unwritten_lock:
-                self._unwritten[session_id] -= 1
-                if self._unwritten[session_id] <= 0:
-                    del self._unwritten[session_id]
-
-        with self._unwritten_lock:
-            self._unwritten[session_id] += 1
-        self.writer.put(session_id, encode, session.revision, session.owner or "", done=release, after=landed)
 
     def info(self, session: Session) -> SessionInfo:
         idle = time.monotonic() - session.last_used
@@ -133,9 +146,6 @@ class SessionManager(SharedStoreAccess):
     def owned_infos(self, owner: str | None) -> dict[str, SessionInfo]:
         """The caller's sessions in memory, described (a listing's snapshot; engine thread)."""
         return {s.id: self.info(s) for s in self.sessions.values() if s.owner == owner}
-
-    def count(self, tier: str) -> int:
-        return self.tier_counts()[tier]
 
     def tier_counts(self) -> dict[str, int]:
         """Sessions per tier, in one pass (reported after every engine step)."""
@@ -155,36 +165,95 @@ class SessionManager(SharedStoreAccess):
             raise EngineError(f"session limit reached ({self.max_sessions}): delete sessions or retry later",
                               kind="capacity")
 
-    def _add(self, session: Session) -> SessionInfo:
-        self.sessions[session.id] = session
-        self._persist(session)
-        return self.info(session)
+    def _check_store(self) -> None:
+        """Refuse a change at once while the store is known to be down: it could not be acknowledged."""
+        if self.worker is not None and not self.worker.up:
+            raise EngineError(f"the session store is unavailable ({self.worker.last_error}); retry later",
+                              kind="store_unavailable")
 
-    def _idle(self, session_id: str, owner: str | None) -> Session:
-        session = self.get(session_id, owner)
-        if session.busy:
-            raise EngineError(f"session {session_id!r} is generating", kind="busy", param="session_id")
-        return session
+    # ---- writes ----
+    def _record_write(self, session: Session):
+        """The store write of the session as it is now: immutable copies handed to the store thread, which
+        encodes and writes them (and then releases the lease this change held)."""
+        latest = session.turns[-1] if session.turns and session.turns[-1].index == session.turn_count else None
+        # the newest turn's snapshot is the head's state (immutable): the store thread copies it, not this one
+        state = latest.state if latest is not None else {n: t.clone() for n, t in self._state_of(session).items()}
+        history, turns = session.copy_history(), tuple(session.turns)
+        session.revision = uuid.uuid4().hex
+        extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count),
+                 "revision": session.revision, "updated": repr(time.time())}
+        fingerprint, store, access = self.fingerprint, self.store, self.access
+        session_id, revision, owner, lease = session.id, session.revision, session.owner or "", session.lease
+        session.lease = None
+
+        def write(deadline: float | None) -> None:
+            own = {name: t.clone() for name, t in state.items()} if latest is not None else state
+            try:
+                store.put(session_id, encode_snapshot(own, history, fingerprint, turns, extra), revision, owner,
+                          deadline)
+            finally:
+                if lease is not None:
+                    access.release(session_id, lease)
+
+        return write
+
+    def _stored_change(self, session: Session, done: str, failed: str, new: bool = False) -> StoreStep | SessionInfo:
+        """Answer once the session's record is written; if it is not, roll back (see the module doc)."""
+        if self.store is None:
+            return self.info(session)
+        session.busy = True
+
+        def settle(error: BaseException | None, _: object) -> SessionInfo:
+            if error is not None:
+                self.discard(session)
+                raise store_failure(error, failed)
+            session.busy = False
+            self._touch(session)
+            return self.info(session)
+
+        return StoreStep("put", self._record_write(session), settle)
+
+    def _add(self, session: Session) -> StoreStep | SessionInfo:
+        self.sessions[session.id] = session
+        return self._stored_change(session, "created", "the session was not created")
+
+    def discard(self, session: Session) -> None:
+        """Drop the in-memory copy (and its slot), if it is still the one held."""
+        if self.sessions.get(session.id) is session:
+            self._drop(session)
+
+    def _drop(self, session: Session) -> None:
+        if session.slot is not None:
+            self.pool.free(session.slot)
+            session.slot = None
+        del self.sessions[session.id]
 
     # ---- lifecycle ----
-    def create(self, owner: str | None) -> SessionInfo:
+    def create(self, owner: str | None) -> StoreStep | SessionInfo:
+        self._check_store()
         self._check_capacity()
         return self._add(Session(id=new_session_id(), owner=owner, slot=self.allocate_slot()))
 
-    def acquire_for_request(self, session_id: str, owner: str | None) -> Session:
-        session = self._claim(session_id, owner)
+    def acquire_for_request(self, session: Session, new_tokens: int) -> Session:
+        """A claimed session, busy from now until its turn is stored."""
+        if session.tokens + new_tokens > MAX_SESSION_TOKENS:  # so every record it writes can be imported back
+            raise EngineError(f"the session would pass {MAX_SESSION_TOKENS} tokens", param="max_tokens")
+        self._check_store()
         session.busy = True
         self._touch(session)
         return session
 
     def release(self, session: Session) -> None:
+        """The end of a command that stored nothing (its lease, if any, is given back after queued writes)."""
         session.busy = False
-        self._release_lease(session)  # no-op after a commit that handed it to its write
+        if session.lease is not None:
+            lease, session.lease = session.lease, None
+            self.worker.submit("release", lambda deadline: self.access.release(session.id, lease), None)
         self._touch(session)
 
-    def commit(self, session: Session, live: LiveRequest) -> None:
+    def commit(self, session: Session, live: LiveRequest) -> StoreStep | None:
         """After a request: the history grows by what the state consumed plus the sampled tokens; each
-        change of the head is a turn."""
+        change of the head is a turn. Returns the turn's store write (None: nothing to store; released)."""
         old_pending = len(session.pending)
         consumed_prompt: list[int] = []
         if live.consumed >= old_pending and live.consumed > 0:
@@ -192,21 +261,32 @@ class SessionManager(SharedStoreAccess):
             session.pending, session.logits = [], live.last_logits
         row = live.rows[0] if live.rows else None
         generated = row.num_generated if row is not None else 0
-        if consumed_prompt or generated:
-            # out of place: these tensors may come from inside or outside inference mode
-            seen = session.seen if session.seen is not None else torch.zeros(self.vocab_size, dtype=torch.bool)
-            if consumed_prompt:
-                seen = seen.index_fill(0, torch.tensor(consumed_prompt), True)
-            if generated:
-                seen = seen | (row.counts > 0).cpu()
-                session.pending, session.logits = [row.next_token], None
-            session.seen = seen
-            session.tokens += len(consumed_prompt) + generated
-            recent = list(row.recent) if row is not None and row.recent is not None else []
-            session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + recent)[-TAIL_TOKENS:]
-            self._record_turn(session)
-            self._persist(session)
-        self.release(session)
+        if not (consumed_prompt or generated):
+            self.release(session)
+            return None
+        # out of place: these tensors may come from inside or outside inference mode
+        seen = session.seen if session.seen is not None else torch.zeros(self.vocab_size, dtype=torch.bool)
+        if consumed_prompt:
+            seen = seen.index_fill(0, torch.tensor(consumed_prompt), True)
+        if generated:
+            seen = seen | (row.counts > 0).cpu()
+            session.pending, session.logits = [row.next_token], None
+        session.seen = seen
+        session.tokens += len(consumed_prompt) + generated
+        recent = list(row.recent) if row is not None and row.recent is not None else []
+        session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + recent)[-TAIL_TOKENS:]
+        self._record_turn(session)
+        if self.store is None:
+            self.release(session)
+            return None
+
+        def settle(error: BaseException | None, _: object) -> None:
+            if error is not None:
+                self.discard(session)  # the store keeps the last acknowledged turn; the next access loads it
+                raise store_failure(error, "this turn was not stored and is not part of the session")
+            self.release(session)
+
+        return StoreStep("put", self._record_write(session), settle)
 
     # ---- turns ----
     def _record_turn(self, session: Session) -> None:
@@ -218,16 +298,12 @@ class SessionManager(SharedStoreAccess):
                                   history=session.copy_history()))
         del session.turns[: -self.turns_kept]
 
-    def turns(self, session_id: str, owner: str | None) -> list[Turn]:
-        return list(self.get(session_id, owner).turns)
-
-    def rewind(self, session_id: str, owner: str | None, index: int) -> SessionInfo:
+    def rewind(self, session: Session, index: int) -> StoreStep | SessionInfo:
         """Make turn `index` the head again: its state and history back, later turns dropped."""
-        session = self._claim(session_id, owner)
         turn = next((t for t in session.turns if t.index == index), None)
         if turn is None:
             kept = [t.index for t in session.turns]
-            self._release_lease(session)
+            self.release(session)
             raise EngineError(f"turn {index} is not kept for this session (kept: {kept})", param="turn")
         for name, value in turn.history.items():
             setattr(session, name, value.clone() if isinstance(value, torch.Tensor) else
@@ -239,41 +315,66 @@ class SessionManager(SharedStoreAccess):
         session.turns = [t for t in session.turns if t.index <= index]
         session.turn_count = index
         self._touch(session)
-        self._persist(session)
-        return self.info(session)
+        return self._stored_change(session, "rewound", "the session was not rewound")
 
-    def delete(self, session_id: str, owner: str | None) -> None:
-        session = self._claim(session_id, owner)
-        self._drop(session)
-        if self.writer is not None:
-            self._deleting.add(session_id)
-            self.writer.delete(session_id, lambda: self._deleting.discard(session_id), session.owner or "")
-            self._release_lease(session)
+    def delete(self, session: Session) -> StoreStep | None:
+        if self.store is None:
+            self._drop(session)
+            return None
+        session.busy = True
+        store, access, session_id, owner, lease = self.store, self.access, session.id, session.owner or "", session.lease
+        session.lease = None
 
-    def _drop(self, session: Session) -> None:
-        if session.slot is not None:
-            self.pool.free(session.slot)
-        del self.sessions[session.id]
+        def remove(deadline: float | None) -> None:
+            try:
+                store.delete(session_id, owner, deadline)
+            finally:
+                if lease is not None:
+                    access.release(session_id, lease)
+
+        def settle(error: BaseException | None, _: object) -> None:
+            session.busy = False
+            if error is not None:
+                raise store_failure(error, "the session was not deleted")
+            self.discard(session)
+
+        return StoreStep("delete", remove, settle)
 
     def expire(self) -> None:
-        self.renew_leases()
+        """Housekeeping between steps: memory TTL, and the store's upkeep handed to its thread."""
         now = time.monotonic()
+        if self.shared and now - self._last_renew >= LEASE_RENEW_S:
+            self._last_renew = now
+            leases = [(s.id, s.lease) for s in self.sessions.values() if s.lease is not None]
+            if leases:
+                self.worker.submit("renew", lambda deadline: self.access.renew(leases), None)
         if now - self._last_expiry < EXPIRY_CHECK_INTERVAL_S:
             return
         self._last_expiry = now
         for session in [s for s in self.sessions.values() if not s.busy and now - s.last_used > self.ttl_s]:
             self._drop(session)  # with a store, its record stays until the store's own expiry below
-        if self.store is not None and now - self._last_store_sweep >= STORE_SWEEP_INTERVAL_S:
-            self._last_store_sweep = now
+        if self.store is not None and not self._sweeping and now - self._last_sweep >= STORE_SWEEP_INTERVAL_S:
+            self._last_sweep, self._sweeping = now, True
+            self.worker.submit("sweep", self._sweep_store(set(self.sessions)), None)
+
+    def _sweep_store(self, in_memory: set[str]):
+        store, ttl_s = self.store, self.ttl_s
+
+        def sweep(deadline: float | None) -> None:
             try:
-                for session_id in self.store.expired(self.ttl_s):
-                    if session_id not in self.sessions:
-                        self.writer.delete(session_id)
-                self.stored = self.store.count()
-            except Exception:  # noqa: BLE001 - a store that cannot be listed is retried next sweep
-                logger.exception("session store sweep failed")
+                for session_id in store.expired(ttl_s):
+                    if session_id not in in_memory:
+                        store.delete(session_id)
+                self.stored = store.count()
+            finally:
+                self._sweeping = False
+
+        return sweep
 
     # ---- tiers ----
+    def count(self, tier: str) -> int:
+        return self.tier_counts()[tier]
+
     def allocate_slot(self, keep: Session | None = None) -> int | None:
         """A free slot, offloading the least recently used idle session (never `keep`) to host memory if
         needed. `keep` on the host tier is about to leave it: its place there counts as free."""
@@ -297,13 +398,6 @@ class SessionManager(SharedStoreAccess):
         self.pool.free(session.slot)
         session.slot = None
 
-    def forget(self, session_id: str) -> None:
-        """Drop an idle session from memory only (its store record stays): as after a restart."""
-        session = self.sessions[session_id]
-        if self.store is None or session.busy:
-            raise EngineError("only an idle session with a store record can be forgotten", param="session_id")
-        self._drop(session)
-
     def bring_to_device(self, session: Session) -> int | None:
         if session.slot is not None:
             return session.slot
@@ -324,8 +418,10 @@ class SessionManager(SharedStoreAccess):
             return session.host
         return {name: buffer[0].new_zeros(buffer.shape[1:]).cpu() for name, buffer in self.pool.buffers.items()}
 
-    def fork(self, session_id: str, owner: str | None) -> SessionInfo:
-        source = self._idle(session_id, owner)
+    def fork(self, source: Session, owner: str | None) -> StoreStep | SessionInfo:
+        if source.busy:  # mid-turn its state and history disagree
+            raise SessionBusy(source.id)
+        self._check_store()
         self._check_capacity()
         child = Session(id=new_session_id(), owner=owner, **source.copy_history())
         slot = self.allocate_slot(keep=source) if source.slot is not None else None  # never offload the source
@@ -337,12 +433,14 @@ class SessionManager(SharedStoreAccess):
         self._touch(source)
         return self._add(child)
 
-    def export(self, session_id: str, owner: str | None) -> bytes:
-        session = self._idle(session_id, owner)
+    def export(self, session: Session) -> bytes:
+        if session.busy:
+            raise SessionBusy(session.id)
         self._touch(session)
         return encode_snapshot(self._state_of(session), session.copy_history(), self.fingerprint)
 
-    def import_(self, data: bytes, owner: str | None) -> SessionInfo:
+    def import_(self, data: bytes, owner: str | None) -> StoreStep | SessionInfo:
+        self._check_store()
         self._check_capacity()
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
         snapshot = decode_snapshot(data, template, self.fingerprint, self.model.config.vocab_size)

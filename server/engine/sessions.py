@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -151,6 +152,20 @@ class Snapshot:
     def history(self) -> dict:
         return {"tokens": self.tokens, "pending": self.pending, "logits": self.logits, "seen": self.seen,
                 "tail": self.tail}
+
+
+def record_fields(metadata: dict[str, str]) -> dict:
+    """The bookkeeping a store record carries beside the snapshot (owner, creation time, turn count,
+    revision), validated: a record with a malformed field is unreadable, never a server error."""
+    try:
+        created = float(metadata.get("created", "0"))
+        turn_count = int(metadata.get("turn_count", "0"))
+    except ValueError:
+        raise _invalid("its created time or turn count is not a number") from None
+    if not (math.isfinite(created) and 0 <= created < 2**40 and 0 <= turn_count <= MAX_SESSION_TOKENS):
+        raise _invalid("its created time or turn count is out of range")
+    return {"owner": metadata.get("owner") or None, "created": created, "turn_count": turn_count,
+            "revision": metadata.get("revision")}
 
 
 def _invalid(message: str) -> EngineError:

@@ -107,6 +107,7 @@ class RequestOutput:
     position: int = 0  # the token's position in its whole sequence (session history included)
     session_id: str | None = None
     error: str | None = None  # with finish_reason ERROR: what went wrong (no internals)
+    error_kind: str | None = None  # with an error: its EngineError kind (e.g. "store_unavailable": a 503)
 
     @property
     def finished(self) -> bool:
@@ -153,8 +154,14 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class StoreStats:
-    """One session-store operation (emitted by the writer thread and by loads)."""
+    """One session-store call (emitted by the store worker's thread)."""
 
-    op: str  # "put", "get", "delete"
-    ok: bool
+    op: str  # "get", "put", "delete", "list", "sweep", "renew", "release", "ping"
+    result: str  # "ok", or the kind of failure: "timeout", "connection", "permission", "missing", "io", "error"
     seconds: float
+    up: bool  # the store's health after this call
+
+
+@dataclass(frozen=True)
+class RecordSkipped:
+    """A listing met a store record it cannot read, and skipped it."""

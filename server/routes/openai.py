@@ -9,7 +9,7 @@ from ..engine.types import RequestOutput
 from ..errors import APIError
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..openapi import AUTH, GENERATION, errors, streamed
-from ..generation import (Generation, chat_logprobs, collect, completion_logprobs, render_chat, start_generation,
+from ..generation import (Generation, chat_logprobs, chat_prompt, collect, completion_logprobs, start_generation,
                           stream_events)
 from ..schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice, CompletionRequest,
@@ -106,7 +106,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
     limit = settings.max_tokens_limit
     if body.max_completion_tokens is not None and body.max_completion_tokens > limit:
         raise APIError(400, f"max_completion_tokens must be <= {limit}", "max_completion_tokens")
-    prompt_ids = await encode_prompt(request, render_chat(body.messages, tokenizer), allow_empty=False)
+    text = await chat_prompt(request, body.messages, tokenizer)
+    prompt_ids = await encode_prompt(request, text, allow_empty=False)
     params = body.to_sampling_params(settings.max_tokens_default)
     generation = await start_generation(request, [prompt_ids], params, "chatcmpl", None, owner)
     model = settings.served_model_name

@@ -29,6 +29,7 @@ class SessionIdConvertor(StringConvertor):
 
 register_url_convertor("session_id", SessionIdConvertor())
 router = APIRouter(prefix="/v1/sessions")
+CLEANUP_WAIT_S = 30.0  # a failed create's session is deleted once its aborted prefill has settled
 
 
 async def engine_call(request: Request, future):
@@ -55,8 +56,8 @@ async def create_session(request: Request, owner: Owner, body: SessionCreateRequ
         info = await engine_call(request, engine.session_info(info.id, owner))
         done = True
     finally:
-        if not done:  # queued after the abort of its prefill, so the session is idle again by then
-            engine.delete_session(info.id, owner)
+        if not done:  # waits for the aborted prefill's turn to settle (milliseconds), then deletes
+            engine.delete_session(info.id, owner, wait_s=CLEANUP_WAIT_S)
     return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
 
 

@@ -2,31 +2,40 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from ..dependencies import Owner, TokenizerDep, encode_prompt
 from ..errors import APIError
-from ..generation import render_chat
+from ..generation import chat_prompt
 from ..openapi import BODY, errors
 from ..schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, VersionInfo
 
 router = APIRouter()
+INLINE_DETOKENIZE = 4096  # ids decoded on the event loop; more go to a worker thread
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=errors(*BODY))
 async def tokenize(request: Request, body: TokenizeRequest, tokenizer: TokenizerDep, owner: Owner) -> TokenizeResponse:
     """A prompt's token ids (as `/v1/completions` would see them), or a chat's after its template."""
-    text = render_chat(body.messages, tokenizer) if body.messages is not None else body.prompt
+    text = await chat_prompt(request, body.messages, tokenizer) if body.messages is not None else body.prompt
     ids = await encode_prompt(request, text, allow_empty=True)
     return TokenizeResponse(tokens=ids, count=len(ids), max_prompt_tokens=request.app.state.settings.max_prompt_tokens)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(*BODY))
 async def detokenize(body: DetokenizeRequest, tokenizer: TokenizerDep, owner: Owner) -> DetokenizeResponse:
+    """Long lists are checked and decoded on a worker thread: the event loop (and /health) never waits."""
     vocab = len(tokenizer)
-    if any(not 0 <= t < vocab for t in body.tokens):
-        raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+    def decode() -> str:
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return tokenizer.decode(body.tokens)
+
+    text = decode() if len(body.tokens) <= INLINE_DETOKENIZE else await asyncio.to_thread(decode)
+    return DetokenizeResponse(prompt=text)
 
 
 @router.get("/version", response_model=VersionInfo)

@@ -97,12 +97,12 @@ def test_stack_errors_are_json_with_the_right_allow(client):
 
 
 def test_an_unhandled_exception_is_a_json_500_with_a_request_id(client, monkeypatch):
-    import server.routes.openai as routes
+    import server.generation as generation
 
     def broken(messages, tokenizer):
         raise RuntimeError("injected bug")
 
-    monkeypatch.setattr(routes, "render_chat", broken)
+    monkeypatch.setattr(generation, "render_chat", broken)
     response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     error = error_of(response, 500)
     assert response.headers["x-request-id"] in error["message"]

@@ -157,3 +157,40 @@ def test_auto_on_a_cpu_without_a_cpp_compiler_declines_at_once(tiny_model, monke
     step = DecodeStep(tiny_model, StatePool(tiny_model, 2, torch.device("cpu")), torch.device("cpu"), "auto", max_rows=2)
     step.start()
     assert step.wait_compiled(10) is False and step.status == "declined" and step.ready_sizes == []
+
+
+class _Traced(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x).relu()
+
+
+def test_compile_time_tracing_never_reaches_the_engines_eager_calls(make_engine):
+    """torch.fx's Tracer.trace patches nn.Module.__call__ for the whole process while it traces (the
+    background compile traces through make_fx): without the guard, the engine's eager model calls meanwhile
+    go through the tracer and fail ('module is not installed as a submodule'), three in a row kill the
+    engine. With it (installed by DecodeStep.start), traces and engine steps never overlap."""
+    from server.engine.compiled_decode import guard_tracing
+    from server.engine.types import FinishReason
+
+    guard_tracing()
+    engine = make_engine(num_slots=8)
+    stop = threading.Event()
+
+    def trace_continuously() -> None:
+        while not stop.is_set():
+            torch.fx.symbolic_trace(_Traced())
+
+    tracer = threading.Thread(target=trace_continuously, daemon=True)
+    tracer.start()
+    try:
+        for i in range(30):
+            outputs = run(engine, list(range(1, 41)), SamplingParams(max_tokens=8, temperature=0), f"r{i}")
+            assert outputs[-1].finish_reason is not FinishReason.ERROR, outputs[-1].error
+    finally:
+        stop.set()
+        tracer.join(10)
+    assert engine.alive

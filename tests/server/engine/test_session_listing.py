@@ -96,13 +96,13 @@ def test_replicas_on_one_redis_list_the_same_sessions(make_engine, redis_url):
     a = make_engine(num_slots=8, session_store=url)
     b = make_engine(num_slots=8, session_store=url)
     ids = create(a, "me", 5, tokens=3)
-    a.store_writer.flush()  # each turn's record is written off the hot path: B sees it once it has landed
+    a.store_worker.flush()  # each turn's record is written off the hot path: B sees it once it has landed
     on_b = all_pages(b, "me", 2)
     assert [s.id for s in on_b] == ids[::-1] and {s.tier for s in on_b} == {"store"} and on_b[0].tokens == 3
     b.session_info(ids[0], "me").result(10)  # b holds it now
     assert [s.tier for s in all_pages(b, "me", 10, descending=False)][0] == "host"
     a.delete_session(ids[2], "me").result(10)
-    a.store_writer.flush()
+    a.store_worker.flush()
     assert [s.id for s in all_pages(b, "me", 3)] == [ids[4], ids[3], ids[1], ids[0]]
     assert all_pages(a, "other", 3) == []
     # a record Redis expired leaves an index entry behind: the listing drops it

@@ -3,6 +3,7 @@ session exactly (turns and penalties included); a corrupt record is a clear erro
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from server.engine import EngineError, EngineRequest, SamplingParams
 from server.engine.session_store import DirStore
-from server.engine.types import StoreStats
+from server.engine.types import RecordSkipped, StoreStats
 
 from .conftest import Collector, run, tokens_of
 
@@ -44,7 +45,7 @@ def test_a_restarted_engine_continues_every_session_exactly(store_engine, tmp_pa
     fork_a = first.fork_session(a.id, "owner-a").result(10)
     expected_a = tokens_of(run(first, [7], PENALISED, "fa", session_id=fork_a.id, owner="owner-a"))
     first.stop()  # flushes the writer
-    assert all(op.ok for op in store_ops(first)) and store_ops(first)
+    assert all(op.result == "ok" for op in store_ops(first)) and store_ops(first)
     second = store_engine()
     assert second.session_info(a.id, "owner-a").result(10).tier == "host"
     with pytest.raises(EngineError) as error:
@@ -77,31 +78,34 @@ def test_a_corrupt_record_is_a_clear_error_and_the_others_load(store_engine, tmp
 def test_deleted_sessions_leave_the_store(store_engine, tmp_path):
     engine = store_engine()
     session = engine.create_session(None).result(10)
-    engine.store_writer.flush()
+    engine.store_worker.flush()
     assert (tmp_path / "sessions" / f"{session.id}.lsess").exists()
     engine.delete_session(session.id, None).result(10)
-    engine.store_writer.flush()
+    engine.store_worker.flush()
     assert not (tmp_path / "sessions" / f"{session.id}.lsess").exists()
     assert DirStore(tmp_path / "sessions").count() == 0
 
 
-def test_a_deleted_session_is_gone_at_once_even_before_its_record(store_engine, monkeypatch):
+def test_a_delete_is_answered_once_its_record_is_gone(store_engine, tmp_path, monkeypatch):
     engine = store_engine()
     session = engine.create_session(None).result(10)
-    engine.store_writer.flush()
+    record = tmp_path / "sessions" / f"{session.id}.lsess"
+    assert record.exists()  # a create is answered once stored
     slow_delete = engine.sessions.store.delete
 
-    def delete_later(session_id):
-        import time
+    def delete_later(*args):
         time.sleep(0.5)
-        slow_delete(session_id)
+        slow_delete(*args)
 
     monkeypatch.setattr(engine.sessions.store, "delete", delete_later)
-    engine.delete_session(session.id, None).result(10)
+    deleted = engine.delete_session(session.id, None)
+    time.sleep(0.2)
+    assert not deleted.done() and record.exists()  # not acknowledged while the record is still there
+    deleted.result(10)
+    assert not record.exists()
     with pytest.raises(EngineError) as error:
-        engine.session_info(session.id, None).result(10)  # not reloaded from the record still on disk
+        engine.session_info(session.id, None).result(10)
     assert error.value.kind == "not_found"
-    engine.store_writer.flush()
 
 
 def test_redis_store_restart_expiry_and_outage(make_engine, redis_url):
@@ -112,13 +116,13 @@ def test_redis_store_restart_expiry_and_outage(make_engine, redis_url):
     twin = first.fork_session(session.id, "owner").result(10)
     expected = tokens_of(run(first, [4], PENALISED, "rt", session_id=twin.id, owner="owner"))
     first.stop()
-    assert all(op.ok for op in store_ops(first))
+    assert all(op.result == "ok" for op in store_ops(first))
     second = make_engine(num_slots=8, session_store=url)
     assert tokens_of(run(second, [4], PENALISED, "r2", session_id=session.id, owner="owner")) == expected
     # keys carry the session TTL: Redis forgets them by itself
     short = make_engine(num_slots=8, session_store=url, session_ttl_s=0.3)
     brief = short.create_session(None).result(10)
-    short.store_writer.flush()
+    short.store_worker.flush()
     time.sleep(0.6)
     assert short.sessions.store.get(brief.id) is None
     # Redis gone: a session that must be loaded is a 503-kind error, stateless work goes on
@@ -126,7 +130,7 @@ def test_redis_store_restart_expiry_and_outage(make_engine, redis_url):
     server.wait(10)
     with pytest.raises(EngineError) as error:
         second.session_info(twin.id, "owner").result(30)
-    assert error.value.kind == "unavailable"
+    assert error.value.kind == "store_unavailable"
     assert tokens_of(run(second, prompt(4), SamplingParams(max_tokens=3, temperature=0), "stateless"))
 
 
@@ -167,8 +171,8 @@ def test_replicas_on_one_redis_serve_the_same_sessions(make_engine, redis_url):
     sink.wait()
     assert tokens_of(run(b, [3], GREEDY, "after", session_id=shared.id, owner="k"))  # released after its write
     # a replica that died mid-turn leaves a lease that expires
-    a.store_writer.flush()
-    b.store_writer.flush()
+    a.store_worker.flush()
+    b.store_worker.flush()
     assert a.sessions.store.acquire(shared.id, "a-dead-replica", 1500)  # outlasts the 0.5 s grace
     with pytest.raises(EngineError) as error:
         run(a, [3], GREEDY, "blocked", session_id=shared.id, owner="k")
@@ -182,7 +186,77 @@ def test_replicas_on_one_redis_serve_the_same_sessions(make_engine, redis_url):
             == tokens_of(run(a, [3], PENALISED, "imported", session_id=imported.id, owner="k")))
     # deleted on one replica: gone on the other (its in-memory copy is dropped, not served)
     b.delete_session(shared.id, "k").result(10)
-    b.store_writer.flush()
+    b.store_worker.flush()
     with pytest.raises(EngineError) as error:
         a.session_info(shared.id, "k").result(10)
     assert error.value.kind == "not_found"
+
+
+def rewrite_metadata(record, **changes) -> None:
+    """Re-save a real record with some metadata fields changed (what a hand-edited or foreign record is)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(record), "pt") as reader:
+        metadata = {**reader.metadata(), **changes}
+        tensors = {name: reader.get_tensor(name) for name in reader.keys()}
+    save_file(tensors, str(record), metadata=metadata)
+
+
+@pytest.mark.parametrize("field,value", [("created", "yesterday"), ("turn_count", "many"), ("created", "inf")])
+def test_a_record_with_malformed_metadata_is_a_400_naming_the_session(store_engine, tmp_path, field, value):
+    first = store_engine()
+    broken = first.create_session(None).result(10)
+    run(first, prompt(5), GREEDY, "b", session_id=broken.id)
+    first.stop()
+    rewrite_metadata(tmp_path / "sessions" / f"{broken.id}.lsess", **{field: value})
+    second = store_engine()
+    for command in (lambda: second.session_info(broken.id, None),
+                    lambda: second.submit(EngineRequest("c", [1], GREEDY, session_id=broken.id), Collector())):
+        with pytest.raises(EngineError) as error:
+            command().result(10)
+        assert error.value.kind == "invalid" and broken.id in error.value.message
+    page, _ = second.list_sessions(None, None, 10, True).result(10)
+    if field == "created":
+        assert [s.id for s in page] == []  # skipped in the listing too (its created time is not a number)
+
+
+def test_unreadable_records_are_skipped_by_listings_without_reading_what_they_declare(store_engine, tmp_path):
+    engine = store_engine()
+    good = engine.create_session("me").result(10)
+    directory = tmp_path / "sessions"
+    owners = next((directory / "owners").iterdir())  # the owner "me"'s index
+    for name, data in [("sess-0random", os.urandom(4096)),
+                       ("sess-1huge", (2**40).to_bytes(8, "little") + b"{" * 64),  # declares a 1 TiB header
+                       ("sess-2short", b"\x01\x02"),
+                       ("sess-3notjson", (16).to_bytes(8, "little") + b"\xff" * 16)]:
+        (directory / f"{name}.lsess").write_bytes(data)
+        (owners / name).touch()
+    for _ in range(2):
+        page, more = engine.list_sessions("me", None, 10, True).result(10)
+        assert [s.id for s in page] == [good.id] and not more
+    skipped = [s for s in engine.test_stats if isinstance(s, RecordSkipped)]
+    assert len(skipped) == 8  # counted each time a listing meets one
+    assert engine.store_worker.up  # a broken record is not a broken store
+
+
+def test_whatever_the_server_exports_it_imports_back(make_engine):
+    """A snapshot at the token limit imports; the session cannot be continued past the limit, so no export
+    is ever out of range."""
+    engine = make_engine(num_slots=8)
+    session = engine.create_session(None).result(10)
+    run(engine, prompt(3), GREEDY, "p", session_id=session.id)
+    snapshot = engine.export_session(session.id, None).result(10)
+    from safetensors.torch import load, save
+
+    from server.engine.sessions import MAX_SESSION_TOKENS, _read_metadata
+
+    metadata = {**_read_metadata(snapshot), "tokens": str(MAX_SESSION_TOKENS - 8)}
+    near_limit = engine.import_session(save(load(snapshot), metadata=metadata), None).result(10)
+    run(engine, [1], SamplingParams(max_tokens=2, temperature=0), "ok", session_id=near_limit.id)  # 3 of 8 left
+    with pytest.raises(EngineError) as error:
+        run(engine, [1], SamplingParams(max_tokens=8, temperature=0), "past", session_id=near_limit.id)
+    assert error.value.kind == "invalid" and error.value.param == "max_tokens"
+    exported = engine.export_session(near_limit.id, None).result(10)
+    again = engine.import_session(exported, None).result(10)
+    assert engine.session_info(again.id, None).result(10).tokens == MAX_SESSION_TOKENS - 8 + 3
