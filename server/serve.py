@@ -18,17 +18,24 @@ from .app import create_app, drain
 from .settings import Settings
 
 ENGINE_DEAD_EXIT_STATUS = 3
+LINGER_S = 1.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # uvicorn's lines and linserve's alike
 
 
-def json_error(protocol, status: bytes, code: str, message: str) -> None:
-    """Answer in the API's JSON error shape straight on the transport, and close the connection."""
+def json_error(protocol, status: bytes, code: str, message: str, linger: bool = False) -> None:
+    """Answer in the API's JSON error shape straight on the transport, and close the connection (`linger`:
+    half-close first and close a moment later, so a request the client is sending meanwhile does not turn
+    the answer into a connection reset)."""
     kind = "invalid_request_error" if status.startswith(b"400") else "service_unavailable"
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     head = (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n" % len(body))
     protocol.transport.write(head + body)
-    protocol.transport.close()
+    if linger and protocol.transport.can_write_eof():
+        protocol.transport.write_eof()
+        protocol.loop.call_later(LINGER_S, protocol.transport.close)
+    else:
+        protocol.transport.close()
 
 
 class GuardedConnection:
@@ -43,13 +50,21 @@ class GuardedConnection:
     max_connections = 1000
     retry_after_s = 1
 
+    refused = False
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
+            self.refused = True  # what it sends is never read: answered already
             json_error(self, b"503 Service Unavailable", "too_many_connections",
-                       f"the server holds its maximum of {self.max_connections} connections; retry later")
+                       f"the server holds its maximum of {self.max_connections} connections; retry later",
+                       linger=True)
             return
         self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.refused:
+            super().data_received(data)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

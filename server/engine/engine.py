@@ -408,7 +408,8 @@ class Engine(StepExecution, SessionCommands):
             self._emit(live, output)
 
     def _store_result(self, op: str, result: str, seconds: float) -> None:
-        self.stats_sink(StoreStats(op, result, seconds, self.store_worker.up if self.store_worker else True))
+        worker = getattr(self, "store_worker", None)  # (a probe may report before the constructor has finished)
+        self.stats_sink(StoreStats(op, result, seconds, worker.up if worker is not None else result == "ok"))
 
     def _skipped_record(self, session_id: str, reason: str) -> None:
         """A broken record met by a listing (store thread): counted every time, logged once per record."""

@@ -26,8 +26,10 @@ LOOKUP_ATTEMPTS = 3  # a session that changes under every lookup (it cannot, sho
 
 
 class SessionCommands:
-    def create_session(self, owner: str | None) -> Future:
-        return self._session_command(lambda _: self.sessions.create(owner))
+    def create_session(self, owner: str | None, first_prompt: bool = False) -> Future:
+        """`first_prompt`: the caller continues the session with a prompt at once; that turn writes the record
+        (until then it exists in this process only, and a failure leaves nothing in the store)."""
+        return self._session_command(lambda _: self.sessions.create(owner, first_prompt))
 
     def session_info(self, session_id: str, owner: str | None) -> Future:
         return self._session_command(self.sessions.info, session_id, owner)

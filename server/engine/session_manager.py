@@ -207,7 +207,7 @@ class SessionManager:
             if error is not None:
                 self.discard(session)
                 raise store_failure(error, failed)
-            session.busy = False
+            session.busy, session.stored = False, True
             self._touch(session)
             return self.info(session)
 
@@ -229,10 +229,17 @@ class SessionManager:
         del self.sessions[session.id]
 
     # ---- lifecycle ----
-    def create(self, owner: str | None) -> StoreStep | SessionInfo:
+    def create(self, owner: str | None, first_prompt: bool = False) -> StoreStep | SessionInfo:
+        """A new session. `first_prompt`: its record is written by its first turn (the prompt's prefill),
+        not now — one write, so a create that fails half-way leaves no record behind."""
         self._check_store()
         self._check_capacity()
-        return self._add(Session(id=new_session_id(), owner=owner, slot=self.allocate_slot()))
+        session = Session(id=new_session_id(), owner=owner, slot=self.allocate_slot())
+        if first_prompt and self.store is not None:
+            session.stored = False
+            self.sessions[session.id] = session
+            return self.info(session)
+        return self._add(session)
 
     def acquire_for_request(self, session: Session, new_tokens: int) -> Session:
         """A claimed session, busy from now until its turn is stored."""
@@ -284,6 +291,7 @@ class SessionManager:
             if error is not None:
                 self.discard(session)  # the store keeps the last acknowledged turn; the next access loads it
                 raise store_failure(error, "this turn was not stored and is not part of the session")
+            session.stored = True
             self.release(session)
 
         return StoreStep("put", self._record_write(session), settle)
@@ -318,8 +326,10 @@ class SessionManager:
         return self._stored_change(session, "rewound", "the session was not rewound")
 
     def delete(self, session: Session) -> StoreStep | None:
-        if self.store is None:
+        if self.store is None or not session.stored:  # (a session whose first turn never got stored)
             self._drop(session)
+            if session.lease is not None:
+                self.release(session)
             return None
         session.busy = True
         store, access, session_id, owner, lease = self.store, self.access, session.id, session.owner or "", session.lease

@@ -53,6 +53,7 @@ class Session:
     turns: list[Turn] = field(default_factory=list)  # the last `session_turns_kept`, oldest first
     turn_count: int = 0  # turns completed (the index of the newest)
     revision: str | None = None  # the store record this copy matches (shared stores: freshness check)
+    stored: bool = True  # False: created with a first prompt, not yet written (its first turn writes it)
     lease: str | None = None  # token of the shared store's per-session lease it holds (one writer across replicas)
 
     @property

@@ -45,7 +45,8 @@ async def create_session(request: Request, owner: Owner, body: SessionCreateRequ
     fails or the client leaves: no failure path leaves a session (and its slot) behind."""
     engine = request.app.state.engine
     prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True) if body else []
-    info = await engine_call(request, engine.create_session(owner))
+    # with a prompt, one write: the prompt's turn stores the new session (a failed prefill or write leaves none)
+    info = await engine_call(request, engine.create_session(owner, first_prompt=bool(prompt_ids)))
     if not prompt_ids:
         return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
     done = False

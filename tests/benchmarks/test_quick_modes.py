@@ -75,3 +75,12 @@ def test_resume_cost_by_tier(tmp_path):
     run("p10_resume.py", "--out", str(tmp_path / "p10.json"))
     data = json.loads((tmp_path / "p10.json").read_text())["P10"]
     assert set(data) == {"device", "host", "dir", "redis"} and all(v["ratio"] > 0 for v in data.values())
+
+
+def test_p13_store_outage(tmp_path):
+    run("p13_store_outage.py", "--out", str(tmp_path / "p13.json"))
+    data = json.loads((tmp_path / "p13.json").read_text())["P13"]
+    assert set(data) == {"redis-frozen", "redis-killed", "dir-unwritable"}
+    for scenario in data.values():
+        assert scenario["ok"], scenario  # the ledger holds even in a 2-second run: nothing acknowledged is lost
+        assert scenario["session_requests"]["outage"].get("503")  # the outage was seen as one

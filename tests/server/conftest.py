@@ -50,14 +50,14 @@ class ServerProcess:
     """A real `linserve serve` on a free 127.0.0.1 port; stopped with SIGTERM."""
 
     def __init__(self, checkpoint, log_path, *extra: str, env: dict | None = None,
-                 entry: tuple[str, ...] = ("-m", "server.cli")) -> None:
+                 entry: tuple[str, ...] = ("-m", "server.cli"), prefix: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log_path
         # eager unless a test asks: compiling takes minutes of CPU (the compiled server has its own test)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16", "LINSERVE_COMPILE": "off",
                "LINSERVE_SESSION_STORE": f"dir:{log_path.parent / 'sessions'}", **(env or {})}
-        command = [sys.executable, *entry, "serve", "--model", str(checkpoint), "--port", str(self.port),
+        command = [*prefix, sys.executable, *entry, "serve", "--model", str(checkpoint), "--port", str(self.port),
                    "--device", device_name_under_test(), "--log-level", "warning", *extra]
         with open(log_path, "w") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

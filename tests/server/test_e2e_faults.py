@@ -177,3 +177,72 @@ def test_sessions_survive_sigterm_and_sigkill(tiny_checkpoint, tmp_path):
         assert turns[-1]["tokens"] == tokens
     finally:
         third.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tiny_checkpoint, tmp_path_factory):
+    env = {"LINSERVE_HEADER_TIMEOUT_S": "1", "LINSERVE_MAX_CONNECTIONS": "40"}
+    process = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("guarded") / "serve.log", "--log-level", "info",
+                            env=env)
+    yield process
+    process.stop()
+
+
+def closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> bool:
+    """Whether the server closes `sock` within `seconds` (sending `drip` one byte every 0.2 s meanwhile)."""
+    deadline = time.monotonic() + seconds
+    sock.settimeout(0.2)
+    sent = 0
+    while time.monotonic() < deadline:
+        try:
+            if sent < len(drip):
+                sock.sendall(drip[sent : sent + 1])
+                sent += 1
+            if sock.recv(4096) == b"":
+                return True
+        except socket.timeout:
+            continue
+        except OSError:  # reset: closed too
+            return True
+    return False
+
+
+def test_slowloris_and_idle_connections_are_closed_and_open_connections_capped(guarded_server):
+    port = guarded_server.port
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    try:
+        results = []
+        threads = [threading.Thread(target=lambda s=s, d=d: results.append(closed_within(s, 4.0, d)))
+                   for s, d in [(s, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200) for s in slow]
+                   + [(s, b"") for s in idle]]
+        for thread in threads:
+            thread.start()
+        assert httpx.get(f"{guarded_server.base}/health", timeout=5).status_code == 200  # still served meanwhile
+        for thread in threads:
+            thread.join(10)
+        assert results == [True] * 30  # none held past the 1 s head deadline (before: held a full minute)
+    finally:
+        for sock in slow + idle:
+            sock.close()
+    # beyond max_connections (40) a new connection is answered 503 at once, not left to exhaust descriptors
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+    try:
+        time.sleep(0.2)
+        answer = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", wait=3)
+        assert answer.startswith(b"HTTP/1.1 503") and b'"too_many_connections"' in answer, answer[:200]
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx.get(f"{guarded_server.base}/health", timeout=5).status_code == 200
+
+
+def test_a_request_can_never_forge_an_access_log_line(guarded_server):
+    forged = b'GET /x%0aFORGED-LINE%20%22GET%20/admin%22%20200%0d%1b[2J HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n'
+    assert raw_exchange(guarded_server.port, forged).startswith(b"HTTP/1.1 404")
+    time.sleep(0.3)
+    lines = guarded_server.log.read_text().splitlines()
+    assert not [line for line in lines if line.startswith("FORGED") or "\x1b" in line]
+    access = [line for line in lines if "linserve.access" in line and "FORGED" in line]
+    assert len(access) == 1 and '/x\\nFORGED-LINE \\"GET /admin\\" 200\\r\\x1b[2J' in access[0], access

@@ -76,6 +76,31 @@ def test_logit_bias_is_validated(client):
         assert response.json()["error"]["param"] == "logit_bias"
 
 
+def test_logit_bias_keys_that_are_digits_only_to_unicode_are_a_400_on_every_route(client):
+    """"²" and "①" pass str.isdigit but not int(); a 5,000-digit key passes both and exceeds int()'s limit."""
+    session = client.post("/v1/sessions", json={}).json()["id"]
+    routes = [("/v1/completions", {"prompt": "ROMEO."}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+              (f"/v1/sessions/{session}/completions", {"prompt": "ROMEO."})]
+    for key in ("²", "①", "٣", "7" * 5000, "-1", " 1"):
+        for path, body in routes:
+            response = client.post(path, json={**body, "max_tokens": 1, "logit_bias": {key: 1}})
+            assert response.status_code == 400, (path, key[:10], response.text[:200])
+            assert response.json()["error"]["param"] == "logit_bias"
+    assert client.get(f"/v1/sessions/{session}").json()["tokens"] == 0  # no refused request touched it
+
+
+def test_a_chat_beyond_the_message_limit_is_a_400_before_anything_is_rendered(make_client):
+    client = make_client(max_chat_messages=100)
+    chat = {"messages": [{"role": "user", "content": "word"}] * 101}
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+        response = client.post(path, json={**chat, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
+        assert response.json()["error"]["code"] == "too_many_messages"
+    chat["messages"] = chat["messages"][:100]
+    assert client.post("/tokenize", json=chat).json()["count"] > 100
+
+
 def test_metrics_carry_process_metrics(client):
     text = client.get("/metrics").text
     for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):

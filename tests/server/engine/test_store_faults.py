@@ -245,3 +245,38 @@ def test_a_dead_redis_leaves_nothing_behind_and_its_sessions_return_with_it(make
     finally:
         server.kill()
         server.wait(10)
+
+
+@pytest.mark.parametrize("kind", ["dir", "redis"])
+def test_the_engine_thread_never_calls_the_store(make_engine, redis_url, tmp_path, kind):
+    """Every store method, wrapped to note its caller's thread, over a session's whole life (create, turns,
+    fork, export, import, rewind, listing, delete, a restart's load): never the engine thread."""
+    spec = redis_url[0] if kind == "redis" else f"dir:{tmp_path / 'sessions'}"
+    engine = make_engine(num_slots=8, session_store=spec)
+    callers: set[str] = set()
+
+    def watch(store) -> None:
+        for name in ("put", "get", "delete", "expired", "count", "owned", "metadata", "unindex", "ping",
+                     "revision", "acquire", "renew", "release"):
+            method = getattr(store, name, None)
+            if method is not None:
+                def noted(*args, _method=method, **kwargs):
+                    callers.add(threading.current_thread().name)
+                    return _method(*args, **kwargs)
+                setattr(store, name, noted)
+
+    watch(engine.sessions.store)
+    session = engine.create_session("k").result(10)
+    run(engine, prompt(9), GREEDY, "t1", session_id=session.id, owner="k")
+    run(engine, [3], GREEDY, "t2", session_id=session.id, owner="k")
+    fork = engine.fork_session(session.id, "k").result(10)
+    imported = engine.import_session(engine.export_session(session.id, "k").result(10), "k").result(10)
+    engine.rewind_session(session.id, "k", 1).result(10)
+    assert len(engine.list_sessions("k", None, 10, True).result(10)[0]) == 3
+    engine.delete_session(fork.id, "k").result(10)
+    engine.stop()
+    second = make_engine(num_slots=8, session_store=spec)
+    watch(second.sessions.store)
+    assert second.session_info(imported.id, "k").result(10).tokens == 9 + 6 + 1 + 6
+    second.delete_session(imported.id, "k").result(10)
+    assert callers == {"linserve-session-store"}, callers

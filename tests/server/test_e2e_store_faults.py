@@ -1,0 +1,214 @@
+"""Session-store outages against real servers: a store directory made unwritable under a running
+`linserve serve`, and a Redis frozen with SIGSTOP under two replicas. A stateless stream runs alongside
+each (its token gaps must not notice), every session request during the outage is a 503 in OpenAI's
+shape that leaves nothing behind, and after the store returns — and after a restart — every acknowledged
+turn is there and nothing unacknowledged is."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import ServerProcess, start_redis
+
+pytestmark = pytest.mark.slow
+
+STORE_TIMEOUT = {"LINSERVE_SESSION_STORE_TIMEOUT_S": "0.5"}
+ASK = {"prompt": " and", "max_tokens": 5, "temperature": 0}
+
+
+def as_unprivileged() -> tuple[str, ...]:
+    """Root ignores file permissions: run the server as root without the capabilities that let it (then an
+    unwritable directory is unwritable to it, as to any service user)."""
+    if os.geteuid() != 0:
+        return ()
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is needed to drop root's file-permission override"
+    caps = "-dac_override,-dac_read_search,-fowner"
+    return (setpriv, f"--inh-caps={caps}", f"--bounding-set={caps}", "--")
+
+
+class Stream:
+    """A stateless SSE stream to `base`; the gaps between its events, per phase."""
+
+    def __init__(self, base: str) -> None:
+        self.phase, self.gaps = "baseline", {"baseline": [], "outage": [], "done": []}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(base,), daemon=True)
+        self._thread.start()
+
+    def _run(self, base: str) -> None:
+        body = {"prompt": "x", "max_tokens": 1_000_000, "ignore_eos": True, "stream": True, "temperature": 0}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            last = None
+            for line in response.iter_lines():
+                if self._stop.is_set():
+                    return
+                if not line.startswith("data: {"):
+                    continue
+                now = time.perf_counter()
+                if last is not None:
+                    self.gaps[self.phase].append(now - last)
+                last = now
+
+    def switch(self, phase: str, min_tokens: int = 150) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.gaps[self.phase]) < min_tokens and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.phase = phase
+
+    def stop(self) -> dict:
+        self.switch("done")
+        self._stop.set()
+        self._thread.join(30)
+        p99 = {p: statistics.quantiles(self.gaps[p], n=100)[98] for p in ("baseline", "outage")}
+        return {**p99, "max_outage": max(self.gaps["outage"]), "tokens": len(self.gaps["outage"])}
+
+
+def assert_kept_pace(pace: dict) -> None:
+    """p99 gap during the outage near its own baseline (a ratio; same machine, same run), and no gap near
+    the store's 0.5 s timeout (an engine that waited on the store shows whole timeouts)."""
+    assert pace["outage"] <= 3.0 * pace["baseline"], pace
+    assert pace["max_outage"] < 0.25, pace
+
+
+def store_503(response: httpx.Response) -> dict:
+    assert response.status_code == 503, response.text
+    assert response.headers.get("retry-after")
+    error = response.json()["error"]
+    assert error["code"] == "store_unavailable" and "session store" in error["message"], error
+    return error
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def slots_balance(base: str) -> None:
+    """Invariant 5 from outside: with nothing running, pool bytes in use = device sessions × state bytes."""
+    in_use = metric(base, 'linserve_state_pool_bytes{kind="in_use"}')
+    per_session = metric(base, "linserve_state_bytes_per_session")
+    assert in_use == metric(base, 'linserve_sessions{tier="device"}') * per_session
+
+
+def wait_store(base: str, up: bool, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{base}/ready").json()["session_store"]["up"] != up:
+        assert time.monotonic() < deadline, f"the store never became up={up}"
+        time.sleep(0.1)
+
+
+def completion(base: str, sid: str, body: dict = ASK) -> httpx.Response:
+    return httpx.post(f"{base}/v1/sessions/{sid}/completions", json=body, timeout=60)
+
+
+def session_work(base: str, sid: str) -> list[int]:
+    """The session requests each phase sends beside the stream (so both phases carry the same engine work):
+    their statuses. Anything it creates is deleted again when the store takes it."""
+    statuses, made = [], []
+    for response in [completion(base, sid)] + [httpx.post(f"{base}/v1/sessions", json={"prompt": "x"})
+                                                for _ in range(3)] + [httpx.post(f"{base}/v1/sessions/{sid}/fork")]:
+        statuses.append(response.status_code)
+        if response.status_code == 200 and response.json()["id"].startswith("sess-"):
+            made.append(response.json()["id"])
+    statuses.append(completion(base, sid).status_code)
+    for made_id in made:
+        assert httpx.delete(f"{base}/v1/sessions/{made_id}").status_code == 204
+    return statuses
+
+
+def test_an_unwritable_store_directory_acknowledges_nothing_and_loses_nothing(tiny_checkpoint, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    env = {"LINSERVE_SESSION_STORE": f"dir:{store}", **STORE_TIMEOUT}
+    server = ServerProcess(tiny_checkpoint, tmp_path / "a.log", env=env, prefix=as_unprivileged())
+    try:
+        base = server.base
+        kept = httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET.\nTo be"}).json()["id"]
+        assert completion(base, kept).status_code == 200
+        doomed = httpx.post(f"{base}/v1/sessions/{kept}/fork").json()["id"]
+        expected = completion(base, doomed).json()["choices"][0]["text"]  # what `kept` answers next
+        assert httpx.delete(f"{base}/v1/sessions/{doomed}").status_code == 204
+        scratch = httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}).json()["id"]
+        stream = Stream(base)
+        assert set(session_work(base, scratch)) == {200}  # the baseline: the same work, the store up
+        assert httpx.delete(f"{base}/v1/sessions/{scratch}").status_code == 204
+        listed = [(s["id"], s["tokens"]) for s in httpx.get(f"{base}/v1/sessions").json()["data"]]
+        stream.switch("outage")
+        store.chmod(0o500)  # read-only for the server from here on
+        try:
+            # the first turn is generated, then its write is refused: the turn is not part of the session;
+            # from then on the store is known to be down and every change is refused at once
+            assert set(session_work(base, kept)) == {503}
+            store_503(completion(base, kept))
+            store_503(httpx.post(f"{base}/v1/sessions/{kept}/fork"))
+            store_503(httpx.post(f"{base}/v1/sessions", json={}))
+            ready = httpx.get(f"{base}/ready")
+            assert ready.status_code == 200 and ready.json()["session_store"]["up"] is False  # stateless: ready
+            assert metric(base, "linserve_session_store_up") == 0
+            assert metric(base, 'linserve_session_store_operations_total{op="put",result="permission"}') >= 1
+            assert_kept_pace(stream.stop())
+            slots_balance(base)
+        finally:
+            store.chmod(0o700)
+        wait_store(base, up=True)
+        after = [(s["id"], s["tokens"]) for s in httpx.get(f"{base}/v1/sessions").json()["data"]]
+        assert after == listed  # nothing was left behind, the failed turn is not counted
+        assert completion(base, kept).json()["choices"][0]["text"] == expected
+    finally:
+        server.stop()
+    restarted = ServerProcess(tiny_checkpoint, tmp_path / "b.log", env=env)
+    try:
+        ids = [s["id"] for s in httpx.get(f"{restarted.base}/v1/sessions").json()["data"]]
+        assert ids == [kept]  # the deleted fork stays deleted; no failed create came to exist
+        assert httpx.get(f"{restarted.base}/v1/sessions/{doomed}").status_code == 404
+    finally:
+        restarted.stop()
+
+
+def test_a_frozen_redis_under_two_replicas_acknowledges_only_what_it_stored(tiny_checkpoint, tmp_path):
+    url, redis = start_redis(tmp_path)
+    env = {"LINSERVE_SESSION_STORE": url, **STORE_TIMEOUT}
+    one = ServerProcess(tiny_checkpoint, tmp_path / "one.log", env=env)
+    two = ServerProcess(tiny_checkpoint, tmp_path / "two.log", env=env)
+    try:
+        kept = httpx.post(f"{one.base}/v1/sessions", json={"prompt": "HAMLET.\nTo be"}).json()["id"]
+        assert completion(two.base, kept).status_code == 200  # the other replica continues it
+        tokens = httpx.get(f"{one.base}/v1/sessions/{kept}").json()["tokens"]
+        stream = Stream(two.base)
+        stream.switch("outage")
+        redis.send_signal(signal.SIGSTOP)
+        try:
+            for body in ({}, {"prompt": "x"}, {"prompt": "HAMLET."}):  # with a prompt: one write, by its turn
+                started = time.monotonic()
+                store_503(httpx.post(f"{one.base}/v1/sessions", json=body))
+                assert time.monotonic() - started < 3.0  # its deadline, not Redis' return
+            store_503(completion(one.base, kept))
+            store_503(httpx.delete(f"{two.base}/v1/sessions/{kept}"))
+            assert_kept_pace(stream.stop())
+        finally:
+            redis.send_signal(signal.SIGCONT)
+        for base in (one.base, two.base):
+            wait_store(base, up=True)
+        time.sleep(0.3)  # every command Redis found waiting in its sockets has run
+        for base in (one.base, two.base):
+            assert [s["id"] for s in httpx.get(f"{base}/v1/sessions").json()["data"]] == [kept]
+            assert httpx.get(f"{base}/v1/sessions/{kept}").json()["tokens"] == tokens
+            slots_balance(base)
+        assert json.loads(httpx.get(f"{one.base}/ready").text)["session_store"]["kind"] == "redis"
+    finally:
+        one.stop()
+        two.stop()
+        redis.kill()
+        redis.wait(10)
