@@ -107,13 +107,15 @@ def start_server(tiny_checkpoint, tmp_path):
         process.stop()
 
 
-def start_redis(directory) -> tuple[str, subprocess.Popen]:
-    """A real redis-server (Debian's package; `.ci/run` installs it) on a free 127.0.0.1 port: (url, process)."""
+def start_redis(directory, port: int | None = None, durable: bool = False) -> tuple[str, subprocess.Popen]:
+    """A real redis-server (Debian's package; `.ci/run` installs it) on 127.0.0.1 (a free port unless given):
+    (url, process). `durable`: every write appended to its file and fsync'd, so it survives a SIGKILL."""
     binary = shutil.which("redis-server")
     assert binary, "redis-server is required (Debian package 'redis-server'; .ci/run installs it)"
-    port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = port or free_port()
+    persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence,
+                                "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

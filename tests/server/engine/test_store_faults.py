@@ -6,11 +6,8 @@ after the store returns every acknowledged turn is there and every acknowledged 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import threading
 import time
 
@@ -20,7 +17,7 @@ import torch
 from server.engine import EngineError, EngineRequest, SamplingParams
 from server.engine.types import FinishReason
 
-from ..conftest import free_port
+from ..conftest import start_redis
 from .conftest import Collector, assert_slots_balance, run, tokens_of
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -203,26 +200,9 @@ def test_a_frozen_redis_fails_in_time_and_what_it_runs_on_waking_changes_nothing
     assert_slots_balance(engine)
 
 
-def durable_redis(port: int, directory) -> subprocess.Popen:
-    """redis-server with every write appended and fsync'd (what a deployment that keeps sessions runs)."""
-    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "yes", "--appendfsync", "always", "--dir", str(directory)],
-                               stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
-
-
 def test_a_dead_redis_leaves_nothing_behind_and_its_sessions_return_with_it(make_engine, tmp_path):
-    assert shutil.which("redis-server"), "redis-server is required (Debian package 'redis-server')"
-    port = free_port()
-    server = durable_redis(port, tmp_path)
-    url = f"redis://127.0.0.1:{port}/0"
+    url, server = start_redis(tmp_path, durable=True)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
     try:
         engine = make_engine(num_slots=8, session_store=url, session_store_timeout_s=TIMEOUT_S)
         kept = engine.create_session(None).result(10)
@@ -238,7 +218,7 @@ def test_a_dead_redis_leaves_nothing_behind_and_its_sessions_return_with_it(make
         assert memory_sessions(engine) == before  # nothing left behind (6 -> 21 sessions, before this fix)
         assert tokens_of(run(engine, prompt(4), GREEDY, "stateless"))  # stateless work goes on
         assert_slots_balance(engine)
-        server = durable_redis(port, tmp_path)  # back, with its data
+        _, server = start_redis(tmp_path, port, durable=True)  # back, with its data
         wait_up(engine)
         assert tokens_of(run(engine, [3], GREEDY, "after", session_id=kept.id)) == expected
         assert engine.session_info(twin.id, None).result(10).tokens == 8 + 6 + 1 + 6
