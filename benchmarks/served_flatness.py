@@ -63,13 +63,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokens per stream for the softmax baseline (its steps grow with context)")
     parser.add_argument("--quick", action="store_true", help="short streams, eager (no compile)")
     add_compile_argument(parser)
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--out-dir", default=None,
+                        help="default: benchmarks/results (the published figures); --quick: data/quick (never those)")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     if args.quick:
         args.streams, args.tokens = 2, 256
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir or ("data/quick" if args.quick else "benchmarks/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
 
     servers = {"linear": (str(DEFAULT_CHECKPOINT), 8811, args.tokens)}

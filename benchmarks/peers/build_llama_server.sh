@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` (CPU only) from the llama-cpp-python sdist on the package index, once,
+# Builds llama.cpp's `llama-server` (CPU only) from the llama-cpp-python sdist (pip download), once,
 # into data/peers/llama.cpp/ (never run by the tests). Also keeps the sdist's convert_hf_to_gguf.py and gguf-py.
 #   bash benchmarks/peers/build_llama_server.sh        (~15 min on 2 cores)
 set -euo pipefail
@@ -8,15 +8,9 @@ VERSION=0.3.36
 DEST=data/peers/llama.cpp
 if [ -x "$DEST/bin/llama-server" ]; then echo "$DEST/bin/llama-server (cached)"; exit 0; fi
 mkdir -p data/peers/src
-# the sdist itself, straight from the index (pip download would need its build backend to read metadata)
-[ -f "data/peers/src/llama_cpp_python-$VERSION.tar.gz" ] || python - "$VERSION" <<'PY'
-import re, sys, urllib.parse, urllib.request
-name = f"llama_cpp_python-{sys.argv[1]}.tar.gz"
-index = "https://pypi.org/simple/llama-cpp-python/"
-page = urllib.request.urlopen(index).read().decode()
-(href,) = {h for h in re.findall(r'href="([^"]+)"', page) if h.split("#")[0].endswith("/" + name)}
-urllib.request.urlretrieve(urllib.parse.urljoin(index, href.split("#")[0]), f"data/peers/src/{name}")
-PY
+# the sdist itself, from wherever pip is configured to look (--no-binary: the source, never a wheel)
+[ -f "data/peers/src/llama_cpp_python-$VERSION.tar.gz" ] || \
+  python -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d data/peers/src
 tar -xzf "data/peers/src/llama_cpp_python-$VERSION.tar.gz" -C data/peers/src
 SRC="data/peers/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 # CPU only: hide any CUDA compiler from CMake
