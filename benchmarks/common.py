@@ -74,7 +74,7 @@ def emit(result: dict, out: str | None) -> None:
     """Print the result as JSON, then a PASS/FAIL line per SPEC target in it; write the JSON to `out`."""
     text = json.dumps(result, indent=2)
     print(text)
-    for name, verdict in targets(result):
+    for _, verdict in targets(result):
         print(verdict)
     if out:
         Path(out).write_text(text + "\n")
@@ -87,7 +87,11 @@ def targets(result: dict, prefix: str = ""):
             if "target" in value and "pass" in value:
                 measured = value.get("ratio", value.get("speedup", value.get("growth")))
                 shown = f"{measured:.3g}" if isinstance(measured, float) else measured
-                yield prefix + str(key), f"{prefix}{key}: {'PASS' if value['pass'] else 'FAIL'} (measured {shown}, target {value['target']})"
+                yield (
+                    prefix + str(key),
+                    f"{prefix}{key}: {'PASS' if value['pass'] else 'FAIL'} "
+                    f"(measured {shown}, target {value['target']})",
+                )
             else:
                 yield from targets(value, f"{prefix}{key}.")
 

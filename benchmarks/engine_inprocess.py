@@ -17,11 +17,11 @@ import threading
 import time
 
 import torch
-
 from common import add_device_argument, describe, emit, percentile, resolve_device, synchronize
 
 from model.loading import DEFAULT_CHECKPOINT, load_model
 from server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+from server.settings import Settings  # noqa: E402
 
 
 def p3_prefill(model, n_tokens: int, reps: int) -> dict:
@@ -45,9 +45,17 @@ def p3_prefill(model, n_tokens: int, reps: int) -> dict:
     worst = max((a - b).abs().max().item() / b.abs().max().item()
                 for a, b in zip(state_chunked.tensors().values(), state.tensors().values()))
     ratio = statistics.median(stepwise) / statistics.median(chunked)
-    return {"tokens": n_tokens, "chunked_s": statistics.median(chunked), "token_by_token_s": statistics.median(stepwise),
-            "chunked_spread_s": [min(chunked), max(chunked)], "token_by_token_spread_s": [min(stepwise), max(stepwise)],
-            "speedup": ratio, "final_state_max_rel_diff": worst, "target": ">= 20x", "pass": ratio >= 20 and worst < 1e-4}
+    return {
+        "tokens": n_tokens,
+        "chunked_s": statistics.median(chunked),
+        "token_by_token_s": statistics.median(stepwise),
+        "chunked_spread_s": [min(chunked), max(chunked)],
+        "token_by_token_spread_s": [min(stepwise), max(stepwise)],
+        "speedup": ratio,
+        "final_state_max_rel_diff": worst,
+        "target": ">= 20x",
+        "pass": ratio >= 20 and worst < 1e-4,
+    }
 
 
 def run_streams(engine: Engine, n_streams: int, max_tokens: int, tag: str, prompt_len: int = 16) -> tuple[float, int]:
@@ -69,8 +77,10 @@ def run_streams(engine: Engine, n_streams: int, max_tokens: int, tag: str, promp
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, ignore_eos=True)
     started = time.perf_counter()
-    accepted = [engine.submit(EngineRequest(f"{tag}-{i}", list(range(1, prompt_len + 1)), params), sink)
-                for i in range(n_streams)]  # all at once, as concurrent clients would
+    accepted = [
+        engine.submit(EngineRequest(f"{tag}-{i}", list(range(1, prompt_len + 1)), params), sink)
+        for i in range(n_streams)
+    ]  # all at once, as concurrent clients would
     for future in accepted:
         future.result(30)
     done.wait(600)
@@ -85,8 +95,13 @@ def p4_batching(engine: Engine, max_tokens: int, reps: int, sizes=(1, 32)) -> di
             rates[n].append(tokens / seconds)
     medians = {n: statistics.median(v) for n, v in rates.items()}
     ratio = medians[sizes[-1]] / medians[sizes[0]]
-    return {"tokens_per_s": medians, "spread": {n: [min(v), max(v)] for n, v in rates.items()},
-            "ratio": ratio, "target": ">= 8x", "pass": ratio >= 8}
+    return {
+        "tokens_per_s": medians,
+        "spread": {n: [min(v), max(v)] for n, v in rates.items()},
+        "ratio": ratio,
+        "target": ">= 8x",
+        "pass": ratio >= 8,
+    }
 
 
 def itl_during(engine: Engine, streams: int, max_tokens: int, long_prompt: int | None, tag: str) -> list[float]:
@@ -145,19 +160,28 @@ def p7_mixed(engine: Engine, long_prompt: int, streams: int, max_tokens: int, re
             samples += len(itls) if prompt else 0
     without, with_ = statistics.median(p99["without"]), statistics.median(p99["with"])
     ratio = with_ / without
-    return {"streams": streams, "long_prompt_tokens": long_prompt, "reps": reps,
-            "itl_p99_without_ms": without, "itl_p99_with_ms": with_,
-            "itl_p99_without_spread_ms": [min(p99["without"]), max(p99["without"])],
-            "itl_p99_with_spread_ms": [min(p99["with"]), max(p99["with"])],
-            "itl_p50_without_ms": statistics.median(p50["without"]), "itl_p50_with_ms": statistics.median(p50["with"]),
-            "samples_with": samples, "ratio": ratio, "target": "<= 2x", "pass": ratio <= 2}
+    return {
+        "streams": streams,
+        "long_prompt_tokens": long_prompt,
+        "reps": reps,
+        "itl_p99_without_ms": without,
+        "itl_p99_with_ms": with_,
+        "itl_p99_without_spread_ms": [min(p99["without"]), max(p99["without"])],
+        "itl_p99_with_spread_ms": [min(p99["with"]), max(p99["with"])],
+        "itl_p50_without_ms": statistics.median(p50["without"]),
+        "itl_p50_with_ms": statistics.median(p50["with"]),
+        "samples_with": samples,
+        "ratio": ratio,
+        "target": "<= 2x",
+        "pass": ratio <= 2,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk)
+    parser.add_argument("--max-prefill-chunk", type=int, default=Settings.model_fields["max_prefill_chunk"].default)
     parser.add_argument("--out")
     parser.add_argument("--targets", nargs="+", default=["P3", "P4", "P7"], choices=["P3", "P4", "P7"])
     add_device_argument(parser)
@@ -172,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {**describe(device), "model": args.model}
     if "P3" in args.targets:
         results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3)
-    config = EngineConfig(num_slots=64, max_prefill_chunk=args.max_prefill_chunk)
+    config = EngineConfig.from_settings(
+        Settings(compile="off", session_store="none", num_slots=64, max_prefill_chunk=args.max_prefill_chunk)
+    )
     engine = Engine(model, tokenizer, config, device).start()
     try:
         if "P4" in args.targets:

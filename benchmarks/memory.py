@@ -31,6 +31,7 @@ from model.generate import decode_one_token, prefill
 from model.loading import DEFAULT_CHECKPOINT, load_model
 from server.engine import SamplingParams  # noqa: E402
 from server.engine.state_pool import StatePool  # noqa: E402
+from server.settings import Settings  # noqa: E402
 
 WARMUP_TOKENS = 1024
 RSS_TARGET = 0.005
@@ -85,31 +86,40 @@ def session_bytes(model, long_tokens: int) -> dict:
     from server.engine import Engine, EngineConfig, EngineRequest
 
     with torch.inference_mode(False):  # the pool's buffers are written outside inference mode too
-        engine = Engine(model, AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT)), EngineConfig(num_slots=4),
-                        torch.device("cpu")).start()
+        engine = Engine(
+            model,
+            AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT)),
+            EngineConfig.from_settings(Settings(compile="off", session_store="none", num_slots=4)),
+            torch.device("cpu"),
+        ).start()
     generator = torch.Generator().manual_seed(0)
     try:
         measured = {}
         for total in (10, long_tokens):
-            session = engine.create_session(None).result(60)
+            session = engine.sessions.create(None).result(60)
             for turn, length in enumerate((total - total // 5, total // 5)):  # 8 + 2 tokens: both turns past the tail
                 ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).tolist()
                 done = queue.Queue()
-                engine.submit(EngineRequest(f"{total}-{turn}", ids, SamplingParams(max_tokens=0),
-                                            session_id=session.id), done.put).result(60)
+                engine.submit(
+                    EngineRequest(f"{total}-{turn}", ids, SamplingParams(max_tokens=0), session_id=session.id), done.put
+                ).result(60)
                 while not done.get(timeout=600).finished:
                     pass
 
             def held(sid=session.id) -> tuple[int, int]:
-                s = engine.sessions.sessions[sid]
+                s = engine.registry.by_id[sid]
                 return s.tokens, s.nbytes() + (engine.pool.slot_bytes if s.slot is not None else 0)
 
-            measured[total] = engine._call(held).result(60)
+            measured[total] = engine.commands.call(held).result(60)
     finally:
         engine.stop()
     (short_tokens, short_bytes), (long_count, long_bytes) = measured[10], measured[long_tokens]
-    return {"tokens": [short_tokens, long_count], "bytes": [short_bytes, long_bytes],
-            "target": "equal", "pass": short_bytes == long_bytes}
+    return {
+        "tokens": [short_tokens, long_count],
+        "bytes": [short_bytes, long_bytes],
+        "target": "equal",
+        "pass": short_bytes == long_bytes,
+    }
 
 
 @torch.inference_mode()
@@ -124,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         args.tokens = 2048
     model = load_model(DEFAULT_CHECKPOINT, torch.device("cpu")).model
     c = model.config
-    formula = c.n_layers * 4 * (c.n_heads * c.d_feature * c.d_head + c.n_heads * c.d_feature + c.conv_window * c.d_model)
+    formula = (
+        c.n_layers * 4 * (c.n_heads * c.d_feature * c.d_head + c.n_heads * c.d_feature + c.conv_window * c.d_model)
+    )
     logits, state = prefill(model, torch.tensor([[0]]))
     pool = StatePool(model, 4, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
@@ -139,14 +151,27 @@ def main(argv: list[str] | None = None) -> None:
             samples.append({"tokens": i, "rss_mb": rss_bytes() / 2**20, "state_bytes": state.nbytes()})
     end = rss_bytes()
     growth = (end - baseline) / baseline
-    result = {"P8": {
-        "state_bytes": {"formula": formula, "config_state_bytes": model.state_bytes(), "pool_slot_bytes": pool.slot_bytes,
-                        "actual_after_generation": state.nbytes(), "equal": formula == model.state_bytes()
-                        == pool.slot_bytes == state.nbytes()},
-        "rss": {"tokens": args.tokens, "after_warmup_mb": baseline / 2**20, "end_mb": end / 2**20,
-                "growth": growth, "target": f"<= {RSS_TARGET}", "pass": growth <= RSS_TARGET, "samples": samples},
-        "tokens_per_s": args.tokens / (time.perf_counter() - started),
-    }}
+    result = {
+        "P8": {
+            "state_bytes": {
+                "formula": formula,
+                "config_state_bytes": model.state_bytes(),
+                "pool_slot_bytes": pool.slot_bytes,
+                "actual_after_generation": state.nbytes(),
+                "equal": formula == model.state_bytes() == pool.slot_bytes == state.nbytes(),
+            },
+            "rss": {
+                "tokens": args.tokens,
+                "after_warmup_mb": baseline / 2**20,
+                "end_mb": end / 2**20,
+                "growth": growth,
+                "target": f"<= {RSS_TARGET}",
+                "pass": growth <= RSS_TARGET,
+                "samples": samples,
+            },
+            "tokens_per_s": args.tokens / (time.perf_counter() - started),
+        }
+    }
     result["P8"]["session_bytes"] = session_bytes(model, 2_000 if args.quick else 100_000)
     if not args.no_server:
         result["P8"]["served_rss"] = served_stream(args.tokens)

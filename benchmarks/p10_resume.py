@@ -7,7 +7,8 @@ Redis: `--redis URL`, else a private `redis-server` (Debian's package) on a free
 
 In process, shipped model, the real engine: two sessions are prefilled with 100 and `--long` tokens; in
 each repetition each is put in each tier (the store's writes finished first) and continued by one prompt
-token and one generated token; the time from submit to the last output is recorded. Target: median(100,000) / median(100) <= 1.10 for every tier.
+token and one generated token; the time from submit to the last output is recorded.
+Target: median(100,000) / median(100) <= 1.10 for every tier.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from common import emit  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
 from server.engine import Engine, EngineConfig, EngineRequest, SamplingParams  # noqa: E402
+from server.settings import Settings  # noqa: E402
 
 TIERS = ("device", "host", "dir")
 STORE_TIERS = ("dir", "redis")  # continued from the store: the session is in no slot and not in host memory
@@ -47,41 +49,47 @@ def finish(engine: Engine, request: EngineRequest) -> float:
 
 
 def put_in_tier(engine: Engine, session_id: str, tier: str) -> None:
-    manager = engine.sessions
+    registry = engine.registry
     engine.store_worker.flush()  # the previous turn's record is written: no disk work overlaps a timing
 
     def move() -> None:
-        session = manager.sessions[session_id]
+        session = registry.by_id[session_id]
         if tier in ("host", *STORE_TIERS) and session.slot is not None:
-            manager.offload(session)
+            registry.offload(session)
         if tier in STORE_TIERS:
-            manager.discard(session)  # from memory only: its record stays, as after a restart
+            registry.discard(session)  # from memory only: its record stays, as after a restart
 
-    engine._call(move).result(60)
+    engine.commands.call(move).result(60)
 
 
 def new_session(engine: Engine, history: int, generator: torch.Generator) -> str:
-    session = engine.create_session(None).result(60)
+    session = engine.sessions.create(None).result(60)
     ids = torch.randint(0, engine.vocab_size, (history,), generator=generator).tolist()
     finish(engine, EngineRequest(f"fill-{history}", ids, SamplingParams(max_tokens=0), session_id=session.id))
     return session.id
 
 
-def resume_times(engines: dict[str, Engine], histories: tuple[int, ...], reps: int,
-                 generator: torch.Generator) -> dict:
+def resume_times(engines: dict[str, Engine], histories: tuple[int, ...], reps: int, generator: torch.Generator) -> dict:
     """times[history][tier]: seconds per continuation, histories and tiers interleaved in every repetition
     so machine noise falls on all of them alike. `engines`: tier → the engine measuring it."""
-    sessions = {(history, id(engine)): new_session(engine, history, generator)
-                for engine in set(engines.values()) for history in histories}
+    sessions = {
+        (history, id(engine)): new_session(engine, history, generator)
+        for engine in set(engines.values())
+        for history in histories
+    }
     times = {history: {tier: [] for tier in engines} for history in histories}
     for rep in range(reps):
         for tier, engine in engines.items():
-            for history in (histories if rep % 2 == 0 else histories[::-1]):  # neither always goes first
+            for history in histories if rep % 2 == 0 else histories[::-1]:  # neither always goes first
                 session_id = sessions[(history, id(engine))]
                 put_in_tier(engine, session_id, tier)
                 token = int(torch.randint(0, engine.vocab_size, (1,), generator=generator))
-                request = EngineRequest(f"r-{history}-{tier}-{rep}", [token],
-                                        SamplingParams(max_tokens=1, temperature=0), session_id=session_id)
+                request = EngineRequest(
+                    f"r-{history}-{tier}-{rep}",
+                    [token],
+                    SamplingParams(max_tokens=1, temperature=0),
+                    session_id=session_id,
+                )
                 times[history][tier].append(finish(engine, request))
     return times
 
@@ -102,9 +110,16 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT))
     started = []
     with tempfile.TemporaryDirectory() as store, private_redis(args.redis, store) as redis_url:
+
         def engine_on(spec: str) -> Engine:
-            started.append(Engine(model, tokenizer, EngineConfig(num_slots=8, session_store=spec),
-                                  torch.device("cpu")).start())
+            started.append(
+                Engine(
+                    model,
+                    tokenizer,
+                    EngineConfig.from_settings(Settings(compile="off", num_slots=8, session_store=spec)),
+                    torch.device("cpu"),
+                ).start()
+            )
             return started[-1]
 
         local = engine_on(f"dir:{store}")
@@ -120,8 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     result = {"P10": {}}
     for tier in engines:
         a, b = statistics.median(short[tier]), statistics.median(long[tier])
-        result["P10"][tier] = {"ms_at_100": a * 1e3, f"ms_at_{args.long}": b * 1e3, "ratio": b / a,
-                               "target": "<= 1.10", "pass": b / a <= 1.10}
+        result["P10"][tier] = {
+            "ms_at_100": a * 1e3,
+            f"ms_at_{args.long}": b * 1e3,
+            "ratio": b / a,
+            "target": "<= 1.10",
+            "pass": b / a <= 1.10,
+        }
     emit(result, args.out)
 
 
@@ -135,8 +155,11 @@ def private_redis(url: str | None, directory: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--dir", directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", directory],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(200):
             with contextlib.suppress(OSError):

@@ -127,11 +127,17 @@ def verify(base: str, churn: Churn) -> dict:
         got = httpx.get(f"{base}/v1/sessions/{sid}", timeout=30)
         if got.status_code != 200 or got.json()["tokens"] != tokens:
             wrong.append((sid, tokens, got.status_code, got.text[:100]))
-    resurrected = [sid for sid in churn.deleted if httpx.get(f"{base}/v1/sessions/{sid}", timeout=30).status_code != 404]
+    resurrected = [sid for sid in churn.deleted
+                   if httpx.get(f"{base}/v1/sessions/{sid}", timeout=30).status_code != 404]
     listed = {s["id"] for s in httpx.get(f"{base}/v1/sessions", params={"limit": 100}, timeout=30).json()["data"]}
-    return {"acknowledged_sessions": len(churn.live), "acknowledged_deletes": len(churn.deleted),
-            "lost_or_changed": wrong, "resurrected": resurrected, "unacknowledged_listed": sorted(listed - set(churn.live)),
-            "ok": not wrong and not resurrected and listed == set(churn.live)}
+    return {
+        "acknowledged_sessions": len(churn.live),
+        "acknowledged_deletes": len(churn.deleted),
+        "lost_or_changed": wrong,
+        "resurrected": resurrected,
+        "unacknowledged_listed": sorted(listed - set(churn.live)),
+        "ok": not wrong and not resurrected and listed == set(churn.live),
+    }
 
 
 def scenario(name: str, seconds: float, checkpoint: str | None, work: Path) -> dict:
@@ -189,10 +195,16 @@ def scenario(name: str, seconds: float, checkpoint: str | None, work: Path) -> d
         p99 = {phase: percentile(stream.gaps[phase], 0.99) * 1e3 for phase in ("quiet", "baseline", "outage")}
         ratio = p99["outage"] / max(p99["quiet"], p99["baseline"])
         ledger = verify(base, churn)
-        return {"itl_p99_ms": p99, "tokens": {p: len(g) for p, g in stream.gaps.items()}, "ratio": ratio,
-                "ratio_vs_quiet": p99["outage"] / p99["quiet"],
-                "session_requests": churn.statuses, **ledger, "target": f"<= {TARGET}x and nothing lost",
-                "pass": ratio <= TARGET and ledger["ok"]}
+        return {
+            "itl_p99_ms": p99,
+            "tokens": {p: len(g) for p, g in stream.gaps.items()},
+            "ratio": ratio,
+            "ratio_vs_quiet": p99["outage"] / p99["quiet"],
+            "session_requests": churn.statuses,
+            **ledger,
+            "target": f"<= {TARGET}x and nothing lost",
+            "pass": ratio <= TARGET and ledger["ok"],
+        }
     finally:
         server.terminate()
         server.wait(30)
@@ -214,8 +226,10 @@ def main() -> None:
         if shutil.which(program) is None:
             raise SystemExit(f"{program} is needed (Debian: redis-server, util-linux)")
     with tempfile.TemporaryDirectory() as work:
-        results = {name: scenario(name, seconds, args.model, Path(work) / name)
-                   for name in ("redis-frozen", "redis-killed", "dir-unwritable")}
+        results = {
+            name: scenario(name, seconds, args.model, Path(work) / name)
+            for name in ("redis-frozen", "redis-killed", "dir-unwritable")
+        }
     emit({"P13": results, "phase_seconds": seconds, "store_timeout_s": STORE_TIMEOUT_S}, args.out)
 
 

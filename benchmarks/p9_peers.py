@@ -20,7 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_compile_argument, emit, wait_until_up  # noqa: E402
@@ -51,7 +50,11 @@ def one_load(port: int, streams: int, tokens: int) -> tuple[dict, list]:
 
 
 def itl_p50_ms(records, low: int, high: int) -> float:
-    gaps = [r.token_times[i] - r.token_times[i - 1] for r in records for i in range(max(low, 1), min(high, len(r.token_times)))]
+    gaps = [
+        r.token_times[i] - r.token_times[i - 1]
+        for r in records
+        for i in range(max(low, 1), min(high, len(r.token_times)))
+    ]
     return 1e3 * statistics.median(gaps)
 
 
@@ -64,8 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     add_compile_argument(parser)
     args = parser.parse_args(argv)
     if not LLAMA_SERVER.exists():
-        raise SystemExit("build the peer first: bash benchmarks/peers/build_llama_server.sh && "
-                         "python benchmarks/peers/make_models.py")
+        raise SystemExit(
+            "build the peer first: bash benchmarks/peers/build_llama_server.sh && "
+            "python benchmarks/peers/make_models.py"
+        )
     loads = {"1x512": (1, 512), "8x256": (8, 256), "1x8192": (1, 8192)}
     if args.quick:
         args.reps, args.compile, loads = 1, "off", {"1x64": (1, 64), "8x32": (8, 32), "1x256": (1, 256)}
@@ -73,15 +78,23 @@ def main(argv: list[str] | None = None) -> None:
     long_tokens = loads[long_load][1]
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     servers = {"linserve": 8901, "llama.cpp gpt2": 8902, "llama.cpp mamba": 8903}
-    processes = [start_server(str(DEFAULT_CHECKPOINT), servers["linserve"], 8, extra=["--log-level", "warning"],
-                              env={"LINSERVE_SESSION_STORE": "none"}, compile=args.compile),
-                 start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64),
-                 start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64)]
+    processes = [
+        start_server(
+            str(DEFAULT_CHECKPOINT),
+            servers["linserve"],
+            8,
+            extra=["--log-level", "warning"],
+            env={"LINSERVE_SESSION_STORE": "none"},
+            compile=args.compile,
+        ),
+        start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64),
+        start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64),
+    ]
     rates = {(s, load): [] for s in servers for load in loads}
     early_late = {s: [] for s in servers}
     last_summaries = {}
     try:
-        for name, port in servers.items():
+        for port in servers.values():
             one_load(port, 1, 8)  # warm-up
         for _ in range(args.reps):
             for load, (streams, tokens) in loads.items():
@@ -100,18 +113,28 @@ def main(argv: list[str] | None = None) -> None:
             process.wait(30)
     table = {}
     for name in servers:
-        row = {load: {"tokens_per_s": statistics.median(rates[(name, load)]),
-                      "spread": [min(rates[(name, load)]), max(rates[(name, load)])]} for load in loads}
+        row = {
+            load: {
+                "tokens_per_s": statistics.median(rates[(name, load)]),
+                "spread": [min(rates[(name, load)]), max(rates[(name, load)])],
+            }
+            for load in loads
+        }
         early = statistics.median(e for e, _ in early_late[name])
-        late = statistics.median(l for _, l in early_late[name])
+        late = statistics.median(later for _, later in early_late[name])
         row[long_load].update({"itl_p50_first_ms": early, "itl_p50_last_ms": late, "late_over_early": late / early})
         table[name] = row
     result = {"loads": loads, "reps": args.reps, "servers": table, "P9": {}}
     for load in list(loads)[:2]:
         peer = max(table["llama.cpp gpt2"][load]["tokens_per_s"], table["llama.cpp mamba"][load]["tokens_per_s"])
         ours = table["linserve"][load]["tokens_per_s"]
-        result["P9"][load] = {"linserve": ours, "faster_peer": peer, "ratio": ours / peer, "target": ">= 1.0",
-                              "pass": ours >= peer}
+        result["P9"][load] = {
+            "linserve": ours,
+            "faster_peer": peer,
+            "ratio": ours / peer,
+            "target": ">= 1.0",
+            "pass": ours >= peer,
+        }
     flat = table["linserve"][long_load]["late_over_early"]
     result["P9"]["itl_late_over_early"] = {"ratio": flat, "target": "<= 1.10", "pass": flat <= 1.10}
     emit(result, args.out)

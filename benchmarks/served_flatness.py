@@ -42,13 +42,25 @@ def softmax_twin(directory: Path) -> None:
 
 
 def p50_between(records, low: int, high: int) -> float:
-    gaps = [r.token_times[i] - r.token_times[i - 1] for r in records for i in range(max(low, 1), min(high, len(r.token_times)))]
+    gaps = [
+        r.token_times[i] - r.token_times[i - 1]
+        for r in records
+        for i in range(max(low, 1), min(high, len(r.token_times)))
+    ]
     return statistics.median(gaps) * 1e3 if gaps else float("nan")
 
 
 def measure(port: int, streams: int, tokens: int) -> tuple[dict, list]:
-    spec = LoadSpec(url=f"http://127.0.0.1:{port}", concurrency=streams, requests=streams, warmup=1, prompt_tokens=16,
-                    max_tokens=tokens, ignore_eos=True, temperature=0.8)
+    spec = LoadSpec(
+        url=f"http://127.0.0.1:{port}",
+        concurrency=streams,
+        requests=streams,
+        warmup=1,
+        prompt_tokens=16,
+        max_tokens=tokens,
+        ignore_eos=True,
+        temperature=0.8,
+    )
     model, records, wall = asyncio.run(run_load(spec))
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
     return summarize(spec, model, records, wall, max(tokens // 16, 1)), records
@@ -59,12 +71,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--no-softmax", action="store_true")
-    parser.add_argument("--softmax-tokens", type=int, default=2048,
-                        help="tokens per stream for the softmax baseline (its steps grow with context)")
+    parser.add_argument(
+        "--softmax-tokens",
+        type=int,
+        default=2048,
+        help="tokens per stream for the softmax baseline (its steps grow with context)",
+    )
     parser.add_argument("--quick", action="store_true", help="short streams, eager (no compile)")
     add_compile_argument(parser)
-    parser.add_argument("--out-dir", default=None,
-                        help="default: benchmarks/results (the published figures); --quick: data/quick (never those)")
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="default: benchmarks/results (the published figures); --quick: data/quick (never those)",
+    )
     add_device_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
@@ -80,9 +99,15 @@ def main(argv: list[str] | None = None) -> None:
             servers["softmax"] = (tmp, 8812, min(args.softmax_tokens, args.tokens))
         results, report = {}, {}
         for name, (model_dir, port, tokens) in servers.items():
-            process = start_server(model_dir, port, args.streams, extra=["--log-level", "warning"],
-                                   env={"LINSERVE_MAX_CONTEXT": str(tokens + 64)}, device=device.type,
-                                   compile="off" if args.quick else args.compile)
+            process = start_server(
+                model_dir,
+                port,
+                args.streams,
+                extra=["--log-level", "warning"],
+                env={"LINSERVE_MAX_CONTEXT": str(tokens + 64)},
+                device=device.type,
+                compile="off" if args.quick else args.compile,
+            )
             try:
                 summary, records = measure(port, args.streams, tokens)
             finally:
@@ -92,13 +117,23 @@ def main(argv: list[str] | None = None) -> None:
             low, high = tokens // 8, tokens - tokens // 8
             early, late = p50_between(records, 0, low), p50_between(records, high, tokens)
             per_stream = [p50_between([r], high, tokens) / p50_between([r], 0, low) for r in records]
-            report[name] = {"tokens": tokens, "itl_p50_first_ms": early, "itl_p50_last_ms": late, "ratio": late / early,
-                            "ratio_spread_over_streams": [min(per_stream), max(per_stream)],
-                            "windows": [[0, low], [high, tokens]],
-                            "token_throughput_per_s": summary["token_throughput_per_s"]}
+            report[name] = {
+                "tokens": tokens,
+                "itl_p50_first_ms": early,
+                "itl_p50_last_ms": late,
+                "ratio": late / early,
+                "ratio_spread_over_streams": [min(per_stream), max(per_stream)],
+                "windows": [[0, low], [high, tokens]],
+                "token_throughput_per_s": summary["token_throughput_per_s"],
+            }
     report["machine"] = describe(device)
-    report["P2"] = {"ratio": report["linear"]["ratio"], "target": "<= 1.10", "pass": report["linear"]["ratio"] <= 1.10,
-                    "streams": args.streams, "tokens": args.tokens}
+    report["P2"] = {
+        "ratio": report["linear"]["ratio"],
+        "target": "<= 1.10",
+        "pass": report["linear"]["ratio"] <= 1.10,
+        "streams": args.streams,
+        "tokens": args.tokens,
+    }
     (out_dir / "p2_served_flatness.json").write_text(json.dumps({"summary": report, "bench": results}, indent=2) + "\n")
     plot(results, out_dir / "p2_served_flatness.png")
     emit(report, None)

@@ -17,16 +17,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_compile_argument, add_device_argument, compile_settled, describe, emit, resolve_device, wait_until_up  # noqa: E402
+from common import (  # noqa: E402
+    add_compile_argument,
+    add_device_argument,
+    compile_settled,
+    describe,
+    emit,
+    resolve_device,
+    wait_until_up,
+)
 from engine_inprocess import run_streams  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
 from server.bench.client import LoadSpec, run_load  # noqa: E402
 from server.engine import Engine, EngineConfig  # noqa: E402
-
+from server.settings import Settings  # noqa: E402
 
 COMPILE_TIMEOUT_S = 900.0  # a cold compile of every bucket takes minutes on 2 cores
 COMPILE_CACHE = "data/compile_cache"  # the server's default compile_cache_dir
@@ -40,12 +47,22 @@ def start_server(model: str, port: int, slots: int, extra: list[str] | None = No
                "--num-slots", str(slots), "--compile", compile, *(extra or ["--log-level", "warning"])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, **(env or {})})
-    return wait_until_up(process, f"http://127.0.0.1:{port}/ready", "linserve serve", COMPILE_TIMEOUT_S, compile_settled)
+    return wait_until_up(
+        process, f"http://127.0.0.1:{port}/ready", "linserve serve", COMPILE_TIMEOUT_S, compile_settled
+    )
 
 
 def http_rate(port: int, streams: int, tokens: int) -> float:
-    spec = LoadSpec(url=f"http://127.0.0.1:{port}", concurrency=streams, requests=streams, warmup=0, prompt_tokens=16,
-                    max_tokens=tokens, ignore_eos=True, temperature=0.8)
+    spec = LoadSpec(
+        url=f"http://127.0.0.1:{port}",
+        concurrency=streams,
+        requests=streams,
+        warmup=0,
+        prompt_tokens=16,
+        max_tokens=tokens,
+        ignore_eos=True,
+        temperature=0.8,
+    )
     _, records, wall = asyncio.run(run_load(spec))
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
     return sum(r.completion_tokens for r in records) / wall
@@ -69,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
 
     sizes = (1, 32)
     model = load_model(args.model, device).model
-    config = EngineConfig(num_slots=64, compile=args.compile, compile_cache_dir=COMPILE_CACHE)
+    config = EngineConfig.from_settings(
+        Settings(session_store="none", num_slots=64, compile=args.compile, compile_cache_dir=COMPILE_CACHE)
+    )
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device).start()
     engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm
     server = start_server(args.model, args.port, 64, device=device.type, compile=args.compile)
@@ -90,11 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     for n in sizes:
         engine_rate = statistics.median(rates[("engine", n)])
         http = statistics.median(rates[("http", n)])
-        result.setdefault("P5", {})[f"streams_{n}"] = {"engine_tokens_per_s": engine_rate, "http_tokens_per_s": http,
-                                  "ratio": http / engine_rate, "target": f">= {targets[n]}",
-                                  "pass": http / engine_rate >= targets[n],
-                                  "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
-                                  "http_spread": [min(rates[("http", n)]), max(rates[("http", n)])]}
+        result.setdefault("P5", {})[f"streams_{n}"] = {
+            "engine_tokens_per_s": engine_rate,
+            "http_tokens_per_s": http,
+            "ratio": http / engine_rate,
+            "target": f">= {targets[n]}",
+            "pass": http / engine_rate >= targets[n],
+            "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
+            "http_spread": [min(rates[("http", n)]), max(rates[("http", n)])],
+        }
     emit(result, args.out)
 
 

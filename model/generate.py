@@ -27,7 +27,9 @@ def decode_one_token(model: LinearGPT, token: torch.Tensor, state: ModelState) -
     return logits[:, 0], state
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
     """logits (B, V) → token ids (B,). temperature 0 is greedy."""
     if temperature <= 0:
         return logits.argmax(dim=-1)

@@ -82,24 +82,8 @@ class ModelState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def select(self, rows: Tensor | list[int]) -> ModelState:
-        """Rows of the batch (a copy), e.g. to fork or to split a batch."""
-        index = torch.as_tensor(rows, dtype=torch.long, device=self._device())
-        return self.map(lambda t: t.index_select(0, index))
-
     def clone(self) -> ModelState:
         return self.map(torch.clone)
 
     def to(self, device: torch.device | str) -> ModelState:
         return self.map(lambda t: t.to(device))
-
-    def _device(self) -> torch.device:
-        return next(iter(self.tensors().values())).device
-
-    @staticmethod
-    def cat(states: list[ModelState]) -> ModelState:
-        """Stack several states along the batch dimension (same kind and, for KV caches, same length)."""
-        flat = [s.tensors() for s in states]  # each state flattened once
-        merged = {name: torch.cat([f[name] for f in flat], dim=0) for name in flat[0]}
-        first = states[0]
-        return ModelState.from_tensors(merged, len(first.blocks), "linear" if first.is_linear else "softmax")

@@ -17,9 +17,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from model.loading import DEFAULT_CHECKPOINT, load_model, resolve_device
 
+from .dependencies import max_token_bytes, require_key
 from .engine import Engine, EngineConfig
 from .engine.state_pool import slots_for_budget
-from .dependencies import max_token_bytes, require_key
 from .errors import RequestBody, ServerErrors, error_response, install_handlers
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openapi import OPERATIONAL_RESPONSES, document_errors
@@ -42,16 +42,7 @@ def engine_config(settings: Settings, model) -> EngineConfig:
         if budget_slots < 1:
             raise ValueError(f"a memory budget of {budget_mb} MB holds no slot of {slot_bytes} bytes")
         slots = budget_slots if linear else min(slots, budget_slots)
-    return EngineConfig(num_slots=slots, max_batch_tokens=settings.max_batch_tokens,
-                        max_prefill_chunk=settings.max_prefill_chunk,
-                        max_prefill_while_decoding=settings.max_prefill_while_decoding,
-                        prefix_cache_entries=settings.prefix_cache_entries,
-                        max_host_sessions=settings.max_host_sessions, session_ttl_s=settings.session_ttl_s,
-                        max_n=settings.max_n, max_waiting=settings.max_waiting, max_context=settings.max_context,
-                        reserved_slots=settings.reserved_slots, session_turns_kept=settings.session_turns_kept,
-                        session_store=settings.session_store,
-                        session_store_timeout_s=settings.session_store_timeout_s, compile=settings.compile,
-                        compile_cache_dir=settings.compile_cache_dir)
+    return EngineConfig.from_settings(settings, num_slots=slots)
 
 
 def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:

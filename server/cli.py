@@ -14,10 +14,6 @@ from pathlib import Path
 
 from server.version import package_version
 
-# the same tuples as model.loading's (a test keeps them equal); repeated so that --help needs no torch
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
-DTYPE_CHOICES = ("float32", "bfloat16")
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; softmax is scored in windows
 
 
@@ -65,7 +61,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             printed = text
     elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
-    print(f"[{len(generated)} tokens in {elapsed:.2f}s, {len(generated) / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
+    print(
+        f"[{len(generated)} tokens in {elapsed:.2f}s, {len(generated) / max(elapsed, 1e-9):.1f} tokens/s]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -75,7 +74,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, _ = _load_for_generation(args, device)
     config = model.config
-    print(f"attention={config.attention} feature_map={config.feature_map} decay={config.decay} conv_kernel={config.conv_kernel}")
+    print(
+        f"attention={config.attention} feature_map={config.feature_map} decay={config.decay} "
+        f"conv_kernel={config.conv_kernel}"
+    )
     print(f"layers={config.n_layers} d_model={config.d_model} heads={config.n_heads} vocab={config.vocab_size}")
     print(f"parameters={model.num_parameters()}")
     print(f"state_bytes_per_session={model.state_bytes()}")
@@ -119,9 +121,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"note: softmax model: scoring independent windows of {window} tokens", file=sys.stderr)
     works = load_corpus(args.corpus_dir).validation
     result = bits_per_byte(lm.model, tokenizer, works, window=window)
-    report = {"model": str(path), "dtype": args.dtype, "window": window, "works": list(works), "bits_per_byte": result.bits_per_byte,
-              "nats_per_token": result.nats_per_token, "tokens": result.tokens, "bytes": result.bytes,
-              "tokens_per_second": result.tokens_per_second}
+    report = {
+        "model": str(path),
+        "dtype": args.dtype,
+        "window": window,
+        "works": list(works),
+        "bits_per_byte": result.bits_per_byte,
+        "nats_per_token": result.nats_per_token,
+        "tokens": result.tokens,
+        "bytes": result.bytes,
+        "tokens_per_second": result.tokens_per_second,
+    }
     print(json.dumps(report, indent=2))
     return 0
 
@@ -129,15 +139,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from server.settings import Settings
 
-    settings = Settings.load(args.config, model=args.model, host=args.host, port=args.port, device=args.device,
-                             api_keys=args.api_key, num_slots=args.num_slots, log_level=args.log_level,
-                             compile=args.compile, dtype=args.dtype)
+    settings = Settings.load(args.config, **{name: getattr(args, name) for name in Settings.model_fields})
     from server.preflight import preflight
 
     preflight(settings)  # port, model directory, device: one-line errors before anything heavy loads
     from server.serve import serve
 
     return serve(settings)
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, generated from `Settings` (name, type, choices, description and default come
+    from there, the one place they live). Flags default to None ("not given") so that the environment and
+    the config file still apply; the help shows the effective default."""
+    import typing
+
+    from server.settings import Settings
+
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = "none" if default in (None, []) else default
+        text = f"{field.description or name.replace('_', ' ')} [default: {shown}]"
+        kinds = [t for t in typing.get_args(field.annotation) or (field.annotation,) if t is not type(None)]
+        kind = kinds[0] if kinds else str
+        if name == "api_keys":  # a list: one flag per key
+            parser.add_argument("--api-key", dest="api_keys", action="append", help=text + "; repeatable")
+        elif typing.get_origin(field.annotation) is typing.Literal:
+            parser.add_argument(f"--{name.replace('_', '-')}", choices=typing.get_args(field.annotation), help=text)
+        elif kind is bool:
+            parser.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, help=text)
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=kind if kind in (int, float) else str, help=text)
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -151,17 +183,25 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     formatter = DefaultsFormatter
-    parser = argparse.ArgumentParser(prog="linserve", description="Serve causal linear-attention language models.",
-                                     formatter_class=formatter)
+    parser = argparse.ArgumentParser(
+        prog="linserve", description="Serve causal linear-attention language models.", formatter_class=formatter
+    )
     parser.add_argument("--version", action="version", version=f"linserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, formatter_class=formatter)
 
+    import typing
+
+    from server.settings import Settings
+
+    # the choices the settings allow (a test keeps them equal to model.loading's); read here, not repeated
+    devices, dtypes = (typing.get_args(Settings.model_fields[name].annotation) for name in ("device", "dtype"))
+
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="checkpoint directory [default: the shipped checkpoint]")
-        p.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="auto: cuda when available")
+        p.add_argument("--device", choices=devices, default="auto", help="auto: cuda when available")
 
     gen = command("generate", "stream a completion of PROMPT to stdout")
     gen.add_argument("prompt", help="the text to continue")
@@ -172,25 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens")
     gen.set_defaults(func=cmd_generate)
 
-    # serve: flags default to None ("not given") so that the environment and the config file still apply;
-    # the help shows the effective default, read from Settings (the one place defaults live)
-    from server.settings import Settings
-
-    def setting(name: str, text: str) -> str:
-        default = Settings.model_fields[name].get_default(call_default_factory=True)
-        return f"{text} [default: {default if default not in (None, []) else 'none'}]"
-
     srv = command("serve", "serve a model over HTTP (OpenAI-compatible API + sessions)")
-    srv.add_argument("--model", help="checkpoint directory [default: the shipped checkpoint]")
     srv.add_argument("--config", help="YAML settings file [default: configs/server.yaml if present]")
-    srv.add_argument("--host", help=setting("host", "listen address"))
-    srv.add_argument("--port", type=int, help=setting("port", "listen port"))
-    srv.add_argument("--device", choices=DEVICE_CHOICES, help=setting("device", "where the model runs"))
-    srv.add_argument("--api-key", action="append", help=setting("api_keys", "require this Bearer key; repeatable"))
-    srv.add_argument("--num-slots", type=int, help=setting("num_slots", "state-pool slots"))
-    srv.add_argument("--compile", choices=["auto", "on", "off"], help=setting("compile", "compile the decode step"))
-    srv.add_argument("--dtype", choices=DTYPE_CHOICES, help=setting("dtype", "weights' dtype; the state stays fp32"))
-    srv.add_argument("--log-level", choices=LOG_LEVELS, help=setting("log_level", "log level"))
+    add_setting_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
     train = command("train", "prepare the corpus and tokenizer, train, write an HF checkpoint")
@@ -198,14 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out-dir", help="override the config's out_dir")
     train.add_argument("--max-steps", type=int, help="override optim.max_steps")
     train.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    train.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="auto: cuda when available")
+    train.add_argument("--device", choices=devices, default="auto", help="auto: cuda when available")
     train.set_defaults(func=cmd_train)
 
     evaluate = command("eval", "held-out bits per byte of a checkpoint")
     model_args(evaluate)
-    evaluate.add_argument("--window", type=int, help="score independent windows of N tokens (default: carry the state through each work)")
+    evaluate.add_argument(
+        "--window", type=int, help="score independent windows of N tokens (default: carry the state through each work)"
+    )
     evaluate.add_argument("--corpus-dir", default="data/corpus", help="where the corpus is (downloaded if absent)")
-    evaluate.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="weights' dtype")
+    evaluate.add_argument("--dtype", choices=dtypes, default="float32", help="weights' dtype")
     evaluate.set_defaults(func=cmd_eval)
 
     bench = command("bench", "load-test a running server over HTTP/SSE")

@@ -19,17 +19,26 @@ from .schemas import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from .streaming import EventStreamResponse, OutputStream, race_disconnect, sse_event
 
 INLINE_RENDER_MESSAGES = 64  # longer chats are rendered on a worker thread
-DEFAULT_CHAT_ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT", "tool": "TOOL"}
+DEFAULT_CHAT_ROLES = {
+    "system": "SYSTEM",
+    "developer": "SYSTEM",
+    "user": "USER",
+    "assistant": "ASSISTANT",
+    "tool": "TOOL",
+}
 
 
 def render_chat(messages, tokenizer) -> str:
     """The checkpoint's chat template if it has one; else plain speaker turns, like a play's:
 
-        USER.\\n<content>\\n\\nASSISTANT.\\n<content>\\n\\n … ASSISTANT.\\n
+    USER.\\n<content>\\n\\nASSISTANT.\\n<content>\\n\\n … ASSISTANT.\\n
     """
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{**m.model_dump(exclude_none=True), "content": m.text} for m in messages],
-                                             tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{**m.model_dump(exclude_none=True), "content": m.text} for m in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     turns = [f"{m.name or DEFAULT_CHAT_ROLES[m.role]}.\n{m.text}\n\n" for m in messages]
     return "".join(turns) + "ASSISTANT.\n"
 
@@ -40,12 +49,20 @@ async def chat_prompt(request: Request, messages, tokenizer) -> str:
     loop when large."""
     settings = request.app.state.settings
     if len(messages) > settings.max_chat_messages:
-        raise APIError(400, f"a chat may have at most {settings.max_chat_messages} messages, got {len(messages)}",
-                       "messages", "too_many_messages")
+        raise APIError(
+            400,
+            f"a chat may have at most {settings.max_chat_messages} messages, got {len(messages)}",
+            "messages",
+            "too_many_messages",
+        )
     text_bytes = sum(len(m.text.encode()) for m in messages)
     if text_bytes > settings.max_prompt_tokens * request.app.state.max_token_bytes:
-        raise APIError(400, f"the chat is longer than max_prompt_tokens ({settings.max_prompt_tokens} tokens)",
-                       "messages", "prompt_too_long")
+        raise APIError(
+            400,
+            f"the chat is longer than max_prompt_tokens ({settings.max_prompt_tokens} tokens)",
+            "messages",
+            "prompt_too_long",
+        )
     if len(messages) <= INLINE_RENDER_MESSAGES:
         return render_chat(messages, tokenizer)
     return await asyncio.to_thread(render_chat, messages, tokenizer)
@@ -76,8 +93,11 @@ class Generation:
     @property
     def usage(self) -> dict:
         prompt_tokens = sum(len(ids) for ids in self.prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.generated,
-                "total_tokens": prompt_tokens + self.generated}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": self.generated,
+            "total_tokens": prompt_tokens + self.generated,
+        }
 
 
 def _offset_sink(sink, offset: int):
@@ -87,8 +107,14 @@ def _offset_sink(sink, offset: int):
     return lambda output: sink(dataclasses.replace(output, index=output.index + offset))
 
 
-async def start_generation(request: Request, prompts: Sequence[list[int]], params: SamplingParams, prefix: str,
-                           session_id: str | None = None, owner: str | None = None) -> Generation:
+async def start_generation(
+    request: Request,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    prefix: str,
+    session_id: str | None = None,
+    owner: str | None = None,
+) -> Generation:
     """Submit one engine request per prompt and wait until each is accepted (EngineError → HTTP error before
     any byte is sent; the prompts accepted before a refused one are aborted)."""
     state = request.app.state
@@ -154,11 +180,21 @@ def error_event(generation: Generation, output: RequestOutput) -> bytes:
     """A failed generation's last event, in OpenAI's error shape (then the stream ends with [DONE])."""
     status, code = error_status(output)
     kind = "service_unavailable" if status == 503 else "server_error"
-    return sse_event({"error": {"message": f"{output.error} (request id {generation.request_id})",
-                                "type": kind, "param": None, "code": code}})
+    return sse_event(
+        {
+            "error": {
+                "message": f"{output.error} (request id {generation.request_id})",
+                "type": kind,
+                "param": None,
+                "code": code,
+            }
+        }
+    )
 
 
-def stream_events(generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=()) -> EventStreamResponse:
+def stream_events(
+    generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=()
+) -> EventStreamResponse:
     """SSE: one event per token (and per finish), optional usage event, then [DONE]."""
 
     async def events() -> AsyncIterator[bytes]:
@@ -216,7 +252,9 @@ def chat_logprobs(tokenizer, outputs: list[RequestOutput]) -> list[ChatTokenLogp
         if lp is None:
             continue
         text = token_text(tokenizer, lp.token_id)
-        top = [TopLogprob(token=token_text(tokenizer, t), logprob=v, bytes=list(token_text(tokenizer, t).encode()))
-               for t, v in lp.top]
+        top = [
+            TopLogprob(token=token_text(tokenizer, t), logprob=v, bytes=list(token_text(tokenizer, t).encode()))
+            for t, v in lp.top
+        ]
         content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
     return content

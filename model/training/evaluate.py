@@ -49,7 +49,9 @@ def work_nll(model: LinearGPT, ids: torch.Tensor, block: int, window: int | None
     total = 0.0
     for start in range(0, len(windows_in), batch):
         logits, _ = model(windows_in[start : start + batch])  # (b, N, V)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), windows_out[start : start + batch].flatten(), reduction="sum").item()
+        total += F.cross_entropy(
+            logits.flatten(0, 1).float(), windows_out[start : start + batch].flatten(), reduction="sum"
+        ).item()
     if full < len(inputs):
         logits, _ = model(inputs[None, full:])  # (1, r, V)
         total += F.cross_entropy(logits[0].float(), targets[full:], reduction="sum").item()

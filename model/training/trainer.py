@@ -184,7 +184,8 @@ class Trainer:
             if opt.eval_interval and self.step % opt.eval_interval == 0 and self.step < opt.max_steps:
                 bpb = self.validate(opt.eval_works)
                 self.history.append({"step": self.step, "loss": loss, "val_bpb_subset": bpb})
-                bar.write(f"step {self.step}: loss {loss:.3f}, validation bits/byte (first {opt.eval_works} works) {bpb:.4f}")
+                bar.write(f"step {self.step}: loss {loss:.3f}, "
+                          f"validation bits/byte (first {opt.eval_works} works) {bpb:.4f}")
             if opt.checkpoint_interval and self.step % opt.checkpoint_interval == 0:
                 self._save_resume()
         bar.close()
@@ -194,7 +195,9 @@ class Trainer:
         final_dir = self.out_dir / "final"
         save_checkpoint(self.model, self.tokenizer, final_dir, DTYPES[self.cfg.save_dtype])
         works = self.cfg.final_eval_works
-        windowed = bits_per_byte(self.model, self.tokenizer, self.validation, window=self.cfg.optim.seq_len, max_works=works)
+        windowed = bits_per_byte(
+            self.model, self.tokenizer, self.validation, window=self.cfg.optim.seq_len, max_works=works
+        )
         carried = None
         if self.model.config.attention == "linear":
             carried = bits_per_byte(self.model, self.tokenizer, self.validation, max_works=works)

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                         ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed)
         bar = tqdm(total=spec.requests, desc=f"bench {label}", unit="req", dynamic_ncols=True, file=sys.stderr)
         try:
-            model, records, wall = asyncio.run(run_load(spec, lambda record: bar.update(1)))
+            model, records, wall = asyncio.run(run_load(spec, lambda record, bar=bar: bar.update(1)))
         except BenchError as error:
             bar.close()
             print(f"error: {error}", file=sys.stderr)

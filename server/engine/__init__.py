@@ -6,7 +6,7 @@ Names are resolved lazily so that torch-free parts (the scheduler, the types) im
 from importlib import import_module
 
 _EXPORTS = {
-    "Engine": ".engine", "EngineConfig": ".engine", "SessionInfo": ".sessions",
+    "Engine": ".core", "EngineConfig": ".types", "SessionInfo": ".sessions.records",
     "EngineError": ".types", "EngineRequest": ".types", "FinishReason": ".types", "RequestOutput": ".types",
     "RequestStats": ".types", "PoolStats": ".types", "SamplingParams": ".types", "StepStats": ".types",
 }

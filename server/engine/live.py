@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
-from .sessions import TAIL_TOKENS, Session
+from .sessions.records import TAIL_TOKENS, Session, TurnResult
 from .state_pool import StatePool
 from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, TokenLogprob
 
@@ -157,6 +157,14 @@ class LiveRequest:
             return [row.finish_without_token(reason, error) for row in self.rows if not row.finished]
         # still waiting: every one of its n sequences ends
         return [self.output(index, None, "", None, reason, 0, 0, error) for index in range(self.request.params.n)]
+
+    def turn_result(self) -> TurnResult:
+        """What this request did to its session, as plain values for the registry."""
+        row = self.rows[0] if self.rows else None
+        if row is None or not row.num_generated:
+            return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits)
+        return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, row.num_generated, row.counts,
+                          row.next_token, tuple(row.recent or ()))
 
     def request_stats(self, reason: FinishReason, now: float) -> RequestStats:
         admitted = self.admitted_time if self.admitted_time is not None else now

@@ -41,7 +41,6 @@ class SlotAllocator(Protocol):
 class StepPlan:
     decode: list[tuple[str, int]]  # (seq_id, slot): one token each
     prefill: list[tuple[str, int, int]]  # (seq_id, start, length); length 0 = sample from stored logits
-    admitted: list[str]
     failed: list[tuple[str, Exception]] = field(default_factory=list)  # admission raised: dropped from the queue
 
     @property
@@ -112,7 +111,6 @@ class Scheduler:
                 length = self._chunk(seq, budget)
                 prefill.append((seq.seq_id, seq.prefilled, length))
                 budget -= length
-        admitted: list[str] = []
         failed: list[tuple[str, Exception]] = []
         while self.waiting and budget > 0:
             seq = next(iter(self.waiting.values()))
@@ -127,11 +125,10 @@ class Scheduler:
             del self.waiting[seq.seq_id]
             seq.slots, seq.status = slots, Status.PREFILLING
             self.active[seq.seq_id] = seq
-            admitted.append(seq.seq_id)
             length = self._chunk(seq, budget)
             prefill.append((seq.seq_id, seq.prefilled, length))
             budget -= max(length, 1)
-        return StepPlan(decode=decode, prefill=prefill, admitted=admitted, failed=failed)
+        return StepPlan(decode=decode, prefill=prefill, failed=failed)
 
     def _chunk(self, seq: SchedSeq, budget: int) -> int:
         """Next prefill length: chunk ends stay on multiples of max_prefill_chunk (prefix-cache boundaries)."""

@@ -80,10 +80,14 @@ class StatePool(SlotPool):
         if model.config.attention != "linear":
             raise ValueError("the state pool holds fixed-size (S, z) states: attention must be 'linear'")
         template = model.init_state(1, device).tensors()  # name → (1, …) fp32
-        buffers = {name: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device) for name, t in template.items()}
+        buffers = {
+            name: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device) for name, t in template.items()
+        }
         super().__init__(buffers, num_slots, model.config.n_layers, device)
         if self.slot_bytes != model.state_bytes():
-            raise AssertionError(f"state bytes {self.slot_bytes} differ from the config's formula {model.state_bytes()}")
+            raise AssertionError(
+                f"state bytes {self.slot_bytes} differ from the config's formula {model.state_bytes()}"
+            )
 
     def gather(self, slots: list[int]) -> ModelState:
         index = self._index(slots)

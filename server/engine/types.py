@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class FinishReason(str, enum.Enum):
@@ -20,6 +20,36 @@ class FinishReason(str, enum.Enum):
 # (seed + i) mod 2**64, always a valid generator seed.
 SEED_MIN, SEED_MAX = -(2**53), 2**53
 MAX_TOP_K = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs from the server's settings, field for field (the defaults, and what each one
+    means, live once: in `server.settings.Settings`)."""
+
+    num_slots: int
+    max_batch_tokens: int  # decode rows + prefill tokens per step
+    max_prefill_chunk: int
+    max_prefill_while_decoding: int  # prefill tokens per step while streams decode (their ITL bound)
+    prefix_cache_entries: int
+    max_host_sessions: int
+    session_ttl_s: float
+    max_n: int
+    max_waiting: int
+    max_context: int  # softmax models only: KV-cache capacity per slot
+    reserved_slots: int  # slots idle sessions never pin: stateless work always finds room (at least max_n)
+    session_turns_kept: int
+    session_store: str  # "none", "dir:PATH" or "redis://HOST:PORT/DB": the tier below host memory
+    session_store_timeout_s: float
+    compile: str  # the decode step: "off" (eager), "on" or "auto" (see compiled_decode)
+    compile_cache_dir: str | None
+
+    @classmethod
+    def from_settings(cls, settings: object, **overrides: object) -> EngineConfig:
+        """Each field from the attribute of the same name (any object: the engine does not import the
+        settings class), then `overrides` (e.g. num_slots computed from a memory budget)."""
+        values = {f.name: getattr(settings, f.name) for f in fields(cls)}
+        return cls(**{**values, **overrides})
 
 
 class EngineError(Exception):

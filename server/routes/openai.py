@@ -5,15 +5,35 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ..chunks import ChatChunks, CompletionChunks, chunk_json
+from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..engine.types import RequestOutput
 from ..errors import APIError
-from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
+from ..generation import (
+    Generation,
+    chat_logprobs,
+    chat_prompt,
+    collect,
+    completion_logprobs,
+    start_generation,
+    stream_events,
+)
 from ..openapi import AUTH, GENERATION, errors, streamed
-from ..generation import (Generation, chat_logprobs, chat_prompt, collect, completion_logprobs, start_generation,
-                          stream_events)
-from ..schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice, CompletionRequest,
-                       CompletionResponse, ModelCard, ModelList, Usage)
+from ..schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
 
 router = APIRouter()
 
@@ -38,19 +58,26 @@ def check_model(name: str | None, settings) -> None:
                        f"{settings.served_model_name!r}", "model", code="model_not_found")
 
 
-async def encode_prompts(request: Request, body: CompletionRequest, settings, session_id: str | None) -> list[list[int]]:
+async def encode_prompts(
+    request: Request, body: CompletionRequest, settings, session_id: str | None
+) -> list[list[int]]:
     """Token ids of each prompt of the request (a session continues with exactly one)."""
     prompts = body.prompts
     if session_id is not None and len(prompts) > 1:
         raise APIError(400, "a session continues with one prompt, not a batch", "prompt")
     if len(prompts) > settings.max_prompts_per_request:
-        raise APIError(400, f"a batch holds at most {settings.max_prompts_per_request} prompts (max_prompts_per_request)"
-                       f", got {len(prompts)}", "prompt")
+        raise APIError(
+            400,
+            f"a batch holds at most {settings.max_prompts_per_request} prompts (max_prompts_per_request)"
+            f", got {len(prompts)}",
+            "prompt",
+        )
     return [await encode_prompt(request, prompt, allow_empty=session_id is not None) for prompt in prompts]
 
 
-async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
-                         session_id: str | None = None):
+async def run_completion(
+    request: Request, body: CompletionRequest, settings, tokenizer, owner, session_id: str | None = None
+):
     check_model(body.model, settings)
     prompts = await encode_prompts(request, body, settings, session_id)
     params = body.to_sampling_params(settings.max_tokens_default)
@@ -63,17 +90,29 @@ async def run_completion(request: Request, body: CompletionRequest, settings, to
         return echoes[index // params.n] if echoes else ""
 
     if body.stream:
-        def usage_chunk() -> dict:
-            return {"id": generation.request_id, "object": "text_completion", "created": generation.created,
-                    "model": model, "choices": [], "usage": generation.usage}
 
-        first = [completion_chunk(generation, model, tokenizer, _empty(i), echo(i)) for i in range(generation.rows)
-                 if echo(i)]
+        def usage_chunk() -> dict:
+            return {
+                "id": generation.request_id,
+                "object": "text_completion",
+                "created": generation.created,
+                "model": model,
+                "choices": [],
+                "usage": generation.usage,
+            }
+
+        first = [
+            completion_chunk(generation, model, tokenizer, _empty(i), echo(i))
+            for i in range(generation.rows)
+            if echo(i)
+        ]
         if params.logprobs is None:  # the hot path: a prepared template, no model per token
             chunk = CompletionChunks(generation.request_id, generation.created, model)
         else:
+
             def chunk(output) -> str:
                 return completion_chunk(generation, model, tokenizer, output)
+
         return stream_events(generation, chunk, body.include_usage, usage_chunk, first)
     rows = await collect(request, generation)
     if rows is None:
@@ -81,10 +120,21 @@ async def run_completion(request: Request, body: CompletionRequest, settings, to
     choices = []
     for index, outputs in enumerate(rows):
         logprobs = completion_logprobs(tokenizer, outputs, len(echo(index))) if params.logprobs is not None else None
-        choices.append(CompletionChoice(index=index, text=echo(index) + "".join(o.text for o in outputs),
-                                        logprobs=logprobs, finish_reason=outputs[-1].finish_reason.value))
-    return CompletionResponse(id=generation.request_id, created=generation.created, model=model, choices=choices,
-                              usage=Usage(**generation.usage))
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=echo(index) + "".join(o.text for o in outputs),
+                logprobs=logprobs,
+                finish_reason=outputs[-1].finish_reason.value,
+            )
+        )
+    return CompletionResponse(
+        id=generation.request_id,
+        created=generation.created,
+        model=model,
+        choices=choices,
+        usage=Usage(**generation.usage),
+    )
 
 
 def _empty(index: int) -> RequestOutput:
@@ -93,15 +143,18 @@ def _empty(index: int) -> RequestOutput:
 
 
 @router.post("/v1/completions", response_model=None, responses={**streamed(CompletionResponse), **errors(*GENERATION)})
-async def completions(request: Request, body: CompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep,
-                      owner: Owner):
+async def completions(
+    request: Request, body: CompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep, owner: Owner
+):
     return await run_completion(request, body, settings, tokenizer, owner)
 
 
-@router.post("/v1/chat/completions", response_model=None,
-             responses={**streamed(ChatCompletionResponse), **errors(*GENERATION)})
-async def chat_completions(request: Request, body: ChatCompletionRequest, settings: SettingsDep,
-                           tokenizer: TokenizerDep, owner: Owner):
+@router.post(
+    "/v1/chat/completions", response_model=None, responses={**streamed(ChatCompletionResponse), **errors(*GENERATION)}
+)
+async def chat_completions(
+    request: Request, body: ChatCompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep, owner: Owner
+):
     check_model(body.model, settings)
     limit = settings.max_tokens_limit
     if body.max_completion_tokens is not None and body.max_completion_tokens > limit:
@@ -115,29 +168,56 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
 
     def chunk_with_logprobs(output) -> str:
         logprobs = ChatLogprobs(content=chat_logprobs(tokenizer, [output]))
-        choice = ChatChunkChoice(index=output.index, delta=ChatDelta(content=output.text or None), logprobs=logprobs,
-                                 finish_reason=output.finish_reason.value if output.finished else None)
-        return chunk_json(ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model,
-                                              choices=[choice]))
+        choice = ChatChunkChoice(
+            index=output.index,
+            delta=ChatDelta(content=output.text or None),
+            logprobs=logprobs,
+            finish_reason=output.finish_reason.value if output.finished else None,
+        )
+        return chunk_json(
+            ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[choice])
+        )
 
     if body.stream:
-        role_chunks = [chunk_json(ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model,
-                                                      choices=[ChatChunkChoice(index=i, delta=ChatDelta(
-                                                          role="assistant", content=""))]))
-                       for i in range(params.n)]
+        role_chunks = [
+            chunk_json(
+                ChatCompletionChunk(
+                    id=generation.request_id,
+                    created=generation.created,
+                    model=model,
+                    choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
+                )
+            )
+            for i in range(params.n)
+        ]
 
         def usage_chunk() -> str:
-            return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[],
-                                       usage=Usage(**generation.usage)).model_dump_json(exclude_none=True)
+            return ChatCompletionChunk(
+                id=generation.request_id,
+                created=generation.created,
+                model=model,
+                choices=[],
+                usage=Usage(**generation.usage),
+            ).model_dump_json(exclude_none=True)
 
         chunk = chunk_with_logprobs if want_logprobs else ChatChunks(generation.request_id, generation.created, model)
         return stream_events(generation, chunk, body.include_usage, usage_chunk, role_chunks)
     rows = await collect(request, generation)
     if rows is None:
         return None
-    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(o.text for o in outputs)),
-                          logprobs=ChatLogprobs(content=chat_logprobs(tokenizer, outputs)) if want_logprobs else None,
-                          finish_reason=outputs[-1].finish_reason.value)
-               for i, outputs in enumerate(rows)]
-    return ChatCompletionResponse(id=generation.request_id, created=generation.created, model=model, choices=choices,
-                                  usage=Usage(**generation.usage))
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content="".join(o.text for o in outputs)),
+            logprobs=ChatLogprobs(content=chat_logprobs(tokenizer, outputs)) if want_logprobs else None,
+            finish_reason=outputs[-1].finish_reason.value,
+        )
+        for i, outputs in enumerate(rows)
+    ]
+    return ChatCompletionResponse(
+        id=generation.request_id,
+        created=generation.created,
+        model=model,
+        choices=choices,
+        usage=Usage(**generation.usage),
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
@@ -11,20 +10,30 @@ from starlette.convertors import StringConvertor, register_url_convertor
 
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..engine import SamplingParams
+from ..engine.sessions.stores import SESSION_ID, SESSION_ID_PATTERN
 from ..engine.types import EngineError
 from ..errors import from_engine_error
 from ..generation import collect, start_generation
-from ..engine.session_store import SESSION_ID
 from ..openapi import AUTH, BINARY, BODY, GENERATION, SESSION, errors, streamed
-from ..schemas import (CompletionRequest, CompletionResponse, RewindRequest, SessionCreated, SessionCreateRequest,
-                       SessionDetail, SessionList, SessionRef, TurnInfo)
+from ..schemas import (
+    CompletionRequest,
+    CompletionResponse,
+    RewindRequest,
+    SessionCreated,
+    SessionCreateRequest,
+    SessionDetail,
+    SessionList,
+    SessionRef,
+    TurnInfo,
+)
 from .openai import run_completion
+
 
 class SessionIdConvertor(StringConvertor):
     """Session ids look like `sess-…`: so `/v1/sessions/import` is never taken for a session id, and a
     path names exactly the methods documented for it."""
 
-    regex = "sess-[0-9A-Za-z_-]+"
+    regex = SESSION_ID_PATTERN
 
 
 register_url_convertor("session_id", SessionIdConvertor())
@@ -46,7 +55,7 @@ async def create_session(request: Request, owner: Owner, body: SessionCreateRequ
     engine = request.app.state.engine
     prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True) if body else []
     # with a prompt, one write: the prompt's turn stores the new session (a failed prefill or write leaves none)
-    info = await engine_call(request, engine.create_session(owner, first_prompt=bool(prompt_ids)))
+    info = await engine_call(request, engine.sessions.create(owner, first_prompt=bool(prompt_ids)))
     if not prompt_ids:
         return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
     done = False
@@ -54,11 +63,11 @@ async def create_session(request: Request, owner: Owner, body: SessionCreateRequ
         generation = await start_generation(request, [prompt_ids], SamplingParams(max_tokens=0), "sess", info.id, owner)
         if await collect(request, generation) is None:
             return None
-        info = await engine_call(request, engine.session_info(info.id, owner))
+        info = await engine_call(request, engine.sessions.info(info.id, owner))
         done = True
     finally:
         if not done:  # waits for the aborted prefill's turn to settle (milliseconds), then deletes
-            engine.delete_session(info.id, owner, wait_s=CLEANUP_WAIT_S)
+            engine.sessions.delete(info.id, owner, wait_s=CLEANUP_WAIT_S)
     return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
 
 
@@ -74,7 +83,7 @@ async def list_sessions(request: Request, owner: Owner,
                         ) -> SessionList:
     """The caller's sessions (with API keys: the key's own), in every tier: device, host and store."""
     engine = request.app.state.engine
-    sessions, has_more = await engine_call(request, engine.list_sessions(owner, after, limit, order == "desc"))
+    sessions, has_more = await engine_call(request, engine.sessions.list(owner, after, limit, order == "desc"))
     return SessionList(data=[SessionDetail(**info.__dict__) for info in sessions], has_more=has_more,
                        first_id=sessions[0].id if sessions else None, last_id=sessions[-1].id if sessions else None)
 
@@ -84,13 +93,13 @@ async def list_sessions(request: Request, owner: Owner,
                                             "description": "a snapshot from GET /v1/sessions/{id}/state"}})
 async def import_session(request: Request, owner: Owner) -> SessionRef:
     data = await request.body()
-    info = await engine_call(request, request.app.state.engine.import_session(data, owner))
+    info = await engine_call(request, request.app.state.engine.sessions.import_(data, owner))
     return SessionRef(id=info.id)
 
 
 @router.get("/{session_id:session_id}", response_model=SessionDetail, responses=errors(*SESSION))
 async def get_session(request: Request, session_id: str, owner: Owner) -> SessionDetail:
-    info = await engine_call(request, request.app.state.engine.session_info(session_id, owner))
+    info = await engine_call(request, request.app.state.engine.sessions.info(session_id, owner))
     return SessionDetail(**info.__dict__)
 
 
@@ -103,7 +112,7 @@ async def session_completions(request: Request, session_id: str, body: Completio
 
 @router.post("/{session_id:session_id}/fork", response_model=SessionRef, responses=errors(*SESSION, 429))
 async def fork_session(request: Request, session_id: str, owner: Owner) -> SessionRef:
-    info = await engine_call(request, request.app.state.engine.fork_session(session_id, owner))
+    info = await engine_call(request, request.app.state.engine.sessions.fork(session_id, owner))
     return SessionRef(id=info.id)
 
 
@@ -111,7 +120,7 @@ async def fork_session(request: Request, session_id: str, owner: Owner) -> Sessi
     200: {"content": {"application/octet-stream": BINARY}, "description": "the session's safetensors snapshot"},
     **errors(*SESSION)})
 async def export_session(request: Request, session_id: str, owner: Owner) -> Response:
-    data = await engine_call(request, request.app.state.engine.export_session(session_id, owner))
+    data = await engine_call(request, request.app.state.engine.sessions.export(session_id, owner))
     return Response(data, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{session_id}.safetensors"'})
 
@@ -119,18 +128,18 @@ async def export_session(request: Request, session_id: str, owner: Owner) -> Res
 @router.get("/{session_id:session_id}/turns", response_model=list[TurnInfo], responses=errors(*SESSION))
 async def list_turns(request: Request, session_id: str, owner: Owner) -> list[TurnInfo]:
     """The kept turns, oldest first: each a snapshot the session can be rewound to."""
-    turns = await engine_call(request, request.app.state.engine.session_turns(session_id, owner))
+    turns = await engine_call(request, request.app.state.engine.sessions.turns(session_id, owner))
     return [TurnInfo(turn=t.index, tokens=t.tokens, created=t.created) for t in turns]
 
 
 @router.post("/{session_id:session_id}/rewind", response_model=SessionDetail, responses=errors(*BODY, 404, 409))
 async def rewind(request: Request, session_id: str, body: RewindRequest, owner: Owner) -> SessionDetail:
     """Make a kept turn the head again (later turns are dropped): regenerate or edit the last answer."""
-    info = await engine_call(request, request.app.state.engine.rewind_session(session_id, owner, body.turn))
+    info = await engine_call(request, request.app.state.engine.sessions.rewind(session_id, owner, body.turn))
     return SessionDetail(**info.__dict__)
 
 
 @router.delete("/{session_id:session_id}", status_code=204, response_class=Response, responses=errors(*SESSION))
 async def delete_session(request: Request, session_id: str, owner: Owner) -> Response:
-    await engine_call(request, request.app.state.engine.delete_session(session_id, owner))
+    await engine_call(request, request.app.state.engine.sessions.delete(session_id, owner))
     return Response(status_code=204)

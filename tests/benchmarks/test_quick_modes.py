@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.devices import device_name_under_test
+from tests.helpers import require_program
 
 pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -78,6 +79,7 @@ def test_resume_cost_by_tier(tmp_path):
 
 
 def test_p13_store_outage(tmp_path):
+    require_program("redis-server", "redis-server")
     run("p13_store_outage.py", "--out", str(tmp_path / "p13.json"))
     data = json.loads((tmp_path / "p13.json").read_text())["P13"]
     assert set(data) == {"redis-frozen", "redis-killed", "dir-unwritable"}

@@ -49,7 +49,10 @@ def test_selectors_match_their_pods_and_services_name_real_ports():
 def test_the_linserve_pods_probe_real_routes_with_real_settings(server_routes):
     pod = BY_KIND["Deployment"]["linserve"]["spec"]["template"]["spec"]
     linserve = container()
-    assert linserve["readinessProbe"]["httpGet"]["path"] == "/ready" and linserve["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert (
+        linserve["readinessProbe"]["httpGet"]["path"] == "/ready"
+        and linserve["livenessProbe"]["httpGet"]["path"] == "/health"
+    )
     assert {"/ready", "/health", "/metrics"} <= server_routes
     env = {e["name"]: e["value"] for e in linserve["env"]}
     assert set(env) <= settings_env_names()
@@ -83,7 +86,9 @@ def test_the_autoscaler_scales_the_deployment_on_requests_waiting_from_this_prom
     assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
     query = trigger["metadata"]["query"]
     assert metric_names_in(query) == {"linserve_requests_waiting"} <= set(exported_metrics)
-    host, namespace, port = re.fullmatch(r"http://([\w-]+)\.([\w-]+)\.svc:(\d+)", trigger["metadata"]["serverAddress"]).groups()
+    host, namespace, port = re.fullmatch(
+        r"http://([\w-]+)\.([\w-]+)\.svc:(\d+)", trigger["metadata"]["serverAddress"]
+    ).groups()
     assert namespace == KUSTOMIZATION["namespace"]
     assert int(port) in {p["port"] for p in BY_KIND["Service"][host]["spec"]["ports"]}
     # the query's label selector is a label this Prometheus puts on linserve's series

@@ -77,7 +77,10 @@ def test_grafana_is_provisioned_with_the_datasource_and_the_dashboard():
     (provider,) = yaml.safe_load((provisioning / "dashboards" / "linserve.yaml").read_text())["providers"]
     mounts = dict(v.split(":")[:2] for v in SERVICES["grafana"]["volumes"])
     assert mounts["./grafana/linserve.json"].rsplit("/", 1)[0] == provider["options"]["path"]
-    assert SERVICES["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == mounts["./grafana/linserve.json"]
+    assert (
+        SERVICES["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+        == mounts["./grafana/linserve.json"]
+    )
     uids = {t["datasource"]["uid"] for p in DASHBOARD["panels"] for t in p["targets"]}
     assert uids == {source["uid"]}
 
@@ -96,8 +99,18 @@ def test_every_dashboard_query_names_exported_metrics_and_labels(exported_metric
 
 def test_the_dashboard_has_the_panels_operators_look_for():
     titles = " | ".join(panel["title"].lower() for panel in DASHBOARD["panels"])
-    for words in ("inter-token latency by context", "time to first token", "end-to-end", "tokens/s", "running",
-                  "sessions by tier", "state pool bytes", "queue wait", "prefix-cache hit rate", "requests by"):
+    for words in (
+        "inter-token latency by context",
+        "time to first token",
+        "end-to-end",
+        "tokens/s",
+        "running",
+        "sessions by tier",
+        "state pool bytes",
+        "queue wait",
+        "prefix-cache hit rate",
+        "requests by",
+    ):
         assert words in titles, words
     itl = DASHBOARD["panels"][0]["targets"]
     assert [t["expr"].split(",")[0] for t in itl] == ["histogram_quantile(0.5", "histogram_quantile(0.99"]

@@ -15,7 +15,6 @@ import concurrent.futures
 import json
 import math
 import re
-import shutil
 import subprocess
 import time
 
@@ -23,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.server.conftest import ServerProcess, free_port, start_redis
+from tests.helpers import ServerProcess, free_port, require_program, start_redis
 
 from .test_compose import DOCKER, REPLICAS, dashboard_exprs
 
@@ -63,7 +62,7 @@ def prometheus_config(replica_ports: dict[str, int]) -> str:
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint, tmp_path_factory):
     for program in ("haproxy", "prometheus"):
-        assert shutil.which(program), f"{program} is required (Debian package; .ci/run installs it)"
+        require_program(program, program)
     directory = tmp_path_factory.mktemp("stack")
     redis_url, redis = start_redis(directory)
     replicas = {name: ServerProcess(tiny_checkpoint, directory / f"{name}.log", "--num-slots", "8",
@@ -103,7 +102,10 @@ def load(lb: str, seconds: float) -> int:
                 assert response.status_code == 200
                 response.read()
             session = httpx.post(f"{lb}/v1/sessions", json={"prompt": f"worker {worker}"}, timeout=60).json()["id"]
-            assert httpx.post(f"{lb}/v1/sessions/{session}/completions", json={"max_tokens": 8}, timeout=60).status_code == 200
+            assert (
+                httpx.post(f"{lb}/v1/sessions/{session}/completions", json={"max_tokens": 8}, timeout=60).status_code
+                == 200
+            )
             done += 1
         return done
 
@@ -123,8 +125,9 @@ def test_every_dashboard_query_returns_data_from_real_prometheus(stack):
         assert answer["status"] == "success", (query, answer)
         values = [float(series["value"][1]) for series in answer["data"]["result"]]
         assert values and any(math.isfinite(v) for v in values), f"no data for {query}"
-        shown[expr] = {json.dumps(series["metric"], sort_keys=True): series["value"][1]
-                       for series in answer["data"]["result"]}
+        shown[expr] = {
+            json.dumps(series["metric"], sort_keys=True): series["value"][1] for series in answer["data"]["result"]
+        }
     targets = httpx.get(f"{stack['prometheus']}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
     assert len(targets) == len(REPLICAS) and {t["health"] for t in targets} == {"up"}
     (stack["dir"] / "dashboard_values.json").write_text(json.dumps(shown, indent=1))  # for the record
@@ -136,17 +139,25 @@ def served_counts(replicas) -> dict[str, float]:
     counts = {}
     for name, replica in replicas.items():
         text = httpx.get(f"{replica.base}/metrics", timeout=5).text
-        counts[name] = sum(float(line.split()[-1]) for line in text.splitlines()
-                           if line.startswith("linserve_requests_total{") and "/completions" in line
-                           and "sessions" in line and 'status="200"' in line)
+        counts[name] = sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("linserve_requests_total{")
+            and "/completions" in line
+            and "sessions" in line
+            and 'status="200"' in line
+        )
     return counts
 
 
 def converse(base: str, session: str, turns: range) -> list[str]:
     texts = []
     for turn in turns:
-        response = httpx.post(f"{base}/v1/sessions/{session}/completions", timeout=60,
-                              json={"prompt": f" Turn {turn}:", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        response = httpx.post(
+            f"{base}/v1/sessions/{session}/completions",
+            timeout=60,
+            json={"prompt": f" Turn {turn}:", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+        )
         assert response.status_code == 200, response.text
         texts.append(response.json()["choices"][0]["text"])
     return texts

@@ -79,24 +79,29 @@ def test_session_lifecycle(client):
     assert snapshot.headers["content-type"] == "application/octet-stream"
     imported = client.post("/v1/sessions/import", content=snapshot.content,
                            headers={"content-type": "application/octet-stream"}).json()["id"]
-    texts = [client.post(f"/v1/sessions/{s}/completions", json={**greedy, "prompt": " and"}).json()["choices"][0]["text"]
-             for s in (sid, fork, imported)]
+    texts = [
+        client.post(f"/v1/sessions/{s}/completions", json={**greedy, "prompt": " and"}).json()["choices"][0]["text"]
+        for s in (sid, fork, imported)
+    ]
     assert texts[0] == texts[1] == texts[2]
     assert client.get(f"/v1/sessions/{sid}").json()["tokens"] > created["tokens"] + len(first) // 10
     assert client.delete(f"/v1/sessions/{sid}").status_code == 204
     assert client.get(f"/v1/sessions/{sid}").status_code == 404
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "x", "temperature": -0.5}, "temperature"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"prompt": "x", "n": 99}, "n"),
-    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ({"prompt": [1, 2, 10_000_000]}, "prompt"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "n": 99}, "n"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": [1, 2, 10_000_000]}, "prompt"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
 def test_bad_values_are_400_with_param(client, body, param):
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
@@ -132,7 +137,10 @@ def test_api_keys_and_session_ownership(make_client):
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
     assert client.get("/ready").status_code == 200
     assert client.get("/v1/models").status_code == 401
-    assert client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert (
+        client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}).status_code
+        == 401
+    )
     a = {"Authorization": "Bearer key-a"}
     b = {"Authorization": "Bearer key-b"}
     sid = client.post("/v1/sessions", json={}, headers=a).json()["id"]
@@ -144,12 +152,25 @@ def test_api_keys_and_session_ownership(make_client):
 def test_metrics_names_and_itl_by_context(client):
     client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "ignore_eos": True})
     text = client.get("/metrics").text
-    for name in ["linserve_time_to_first_token_seconds", "linserve_inter_token_latency_seconds",
-                 "linserve_e2e_request_latency_seconds", "linserve_queue_wait_seconds", "linserve_engine_step_seconds",
-                 "linserve_batch_size", "linserve_requests_total", "linserve_requests_finished_total",
-                 "linserve_prompt_tokens_total", "linserve_generation_tokens_total", "linserve_requests_running",
-                 "linserve_requests_waiting", "linserve_sessions", "linserve_state_bytes_per_session",
-                 "linserve_state_pool_bytes", "linserve_prefix_cache_queries_total", "linserve_prefix_cache_hits_total"]:
+    for name in [
+        "linserve_time_to_first_token_seconds",
+        "linserve_inter_token_latency_seconds",
+        "linserve_e2e_request_latency_seconds",
+        "linserve_queue_wait_seconds",
+        "linserve_engine_step_seconds",
+        "linserve_batch_size",
+        "linserve_requests_total",
+        "linserve_requests_finished_total",
+        "linserve_prompt_tokens_total",
+        "linserve_generation_tokens_total",
+        "linserve_requests_running",
+        "linserve_requests_waiting",
+        "linserve_sessions",
+        "linserve_state_bytes_per_session",
+        "linserve_state_pool_bytes",
+        "linserve_prefix_cache_queries_total",
+        "linserve_prefix_cache_hits_total",
+    ]:
         assert f"# TYPE {name}" in text, name
     assert 'linserve_inter_token_latency_seconds_count{context="0-1k"} 4.0' in text
     assert 'linserve_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
@@ -166,8 +187,9 @@ def test_softmax_checkpoint_is_served_with_a_kv_cache(small_tokenizer, tmp_path)
     from server.settings import Settings
 
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=small_tokenizer.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
-                         attention="softmax")
+    config = ModelConfig(
+        vocab_size=small_tokenizer.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, attention="softmax"
+    )
     save_checkpoint(LinearGPT(config), small_tokenizer, tmp_path, torch.float32)
     settings = Settings(model=str(tmp_path), device="cpu", num_slots=4, max_context=64)
     with TestClient(create_app(settings)) as client:

@@ -11,7 +11,16 @@ from server.chunks import ChatChunks, CompletionChunks
 from server.engine.types import FinishReason, RequestOutput
 from server.schemas import ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice, CompletionResponse
 
-TEXTS = ["", "a", ' "quoted" \\ back', "line\nbreak\ttab\r", "\x00\x1f control", "é ü 漢字 🎭", "\u2028\u2029", "</script>"]
+TEXTS = [
+    "",
+    "a",
+    ' "quoted" \\ back',
+    "line\nbreak\ttab\r",
+    "\x00\x1f control",
+    "é ü 漢字 🎭",
+    "\u2028\u2029",
+    "</script>",
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -19,8 +28,12 @@ TEXTS = ["", "a", ' "quoted" \\ back', "line\nbreak\ttab\r", "\x00\x1f control",
 def test_completion_chunk_equals_the_model(text, finish):
     output = RequestOutput(request_id="r", index=2, token_id=5, text=text, finish_reason=finish)
     got = json.loads(CompletionChunks('cmpl-"x"', 1700000000, "m/ü")(output, echo_text="E"))
-    model = CompletionResponse(id='cmpl-"x"', created=1700000000, model="m/ü", choices=[
-        CompletionChoice(index=2, text="E" + text, finish_reason=finish.value if finish else None)])
+    model = CompletionResponse(
+        id='cmpl-"x"',
+        created=1700000000,
+        model="m/ü",
+        choices=[CompletionChoice(index=2, text="E" + text, finish_reason=finish.value if finish else None)],
+    )
     expected = json.loads(model.model_dump_json(exclude_none=True))
     expected["choices"][0]["finish_reason"] = finish.value if finish else None
     assert got == expected
@@ -31,8 +44,16 @@ def test_completion_chunk_equals_the_model(text, finish):
 def test_chat_chunk_equals_the_model(text, finish):
     output = RequestOutput(request_id="r", index=0, token_id=5, text=text, finish_reason=finish)
     got = json.loads(ChatChunks("chatcmpl-1", 3, "m")(output))
-    model = ChatCompletionChunk(id="chatcmpl-1", created=3, model="m", choices=[
-        ChatChunkChoice(index=0, delta=ChatDelta(content=text or None), finish_reason=finish.value if finish else None)])
+    model = ChatCompletionChunk(
+        id="chatcmpl-1",
+        created=3,
+        model="m",
+        choices=[
+            ChatChunkChoice(
+                index=0, delta=ChatDelta(content=text or None), finish_reason=finish.value if finish else None
+            )
+        ],
+    )
     expected = json.loads(model.model_dump_json(exclude_none=True))
     expected["choices"][0]["finish_reason"] = finish.value if finish else None
     assert got == expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_cuda_without_a_gpu_is_one_line():
     import torch
 
     if torch.cuda.is_available():
-        return  # the message is for machines without one; with a GPU the flag is valid (served elsewhere)
+        pytest.skip("the message is for machines without a GPU; here --device cuda is valid")
     assert "no CUDA device is available" in one_line_error(run_cli("serve", "--device", "cuda", "--port", "0"))
 
 
@@ -80,10 +81,15 @@ def test_help_and_version_need_no_torch():
 
 
 def test_every_flag_has_help_and_no_flag_is_idle():
-    from server.cli import DEVICE_CHOICES, DTYPE_CHOICES, build_parser
-    from model.loading import DEVICE_CHOICES as MODEL_DEVICES, DTYPE_CHOICES as MODEL_DTYPES
+    import typing
 
-    assert (DEVICE_CHOICES, DTYPE_CHOICES) == (MODEL_DEVICES, MODEL_DTYPES)
+    from model.loading import DEVICE_CHOICES as MODEL_DEVICES
+    from model.loading import DTYPE_CHOICES as MODEL_DTYPES
+    from server.cli import build_parser
+    from server.settings import Settings
+
+    choices = tuple(typing.get_args(Settings.model_fields[name].annotation) for name in ("device", "dtype"))
+    assert choices == (MODEL_DEVICES, MODEL_DTYPES)
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
     for name, command in commands.items():
@@ -93,6 +99,30 @@ def test_every_flag_has_help_and_no_flag_is_idle():
         assert "default" in text, name
     assert "[default: 8000]" in commands["serve"].format_help()  # from Settings, the one place defaults live
     assert run_cli("info", "--seed", "1").returncode == 2  # removed: it did nothing
+
+
+def test_every_setting_is_a_serve_flag_and_the_example_config_agrees():
+    """Each default lives once, in Settings: serve has a flag per setting, showing that default, and
+    configs/server.example.yaml names only settings, each at its default."""
+    import yaml
+
+    from server.cli import build_parser
+    from server.settings import Settings
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    dests = {action.dest: action for action in serve._actions}
+    for name, field in Settings.model_fields.items():
+        assert name in dests, f"setting {name} has no serve flag"
+        default = field.get_default(call_default_factory=True)
+        assert f"[default: {'none' if default in (None, []) else default}]" in dests[name].help, name
+    parsed = build_parser().parse_args(["serve", "--num-slots", "3", "--session-store", "none", "--docs-public",
+                                        "--api-key", "a", "--api-key", "b", "--compile", "off"])
+    got = (parsed.num_slots, parsed.session_store, parsed.docs_public, parsed.api_keys)
+    assert got == (3, "none", True, ["a", "b"])
+    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "server.example.yaml").read_text())
+    for name, value in example.items():
+        assert name in Settings.model_fields, name
+        assert getattr(Settings(), name) == Settings(**{name: value}).__getattribute__(name), name
 
 
 def test_cuda_is_refused_before_torch_loads_where_no_gpu_driver_exists(monkeypatch, tmp_path):

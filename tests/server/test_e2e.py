@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +12,8 @@ import time
 
 import httpx
 import pytest
+
+from tests.helpers import require_program
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +100,12 @@ def test_session_create_continue_fork_export_import_delete(server):
         fork = http.post(f"/v1/sessions/{sid}/fork").json()["id"]
         snapshot = http.get(f"/v1/sessions/{sid}/state").content
         imported = http.post("/v1/sessions/import", content=snapshot).json()["id"]
-        texts = {s: http.post(f"/v1/sessions/{s}/completions", json={"prompt": " our", **greedy}).json()["choices"][0]["text"]
-                 for s in (sid, fork, imported)}
+        texts = {
+            s: http.post(f"/v1/sessions/{s}/completions", json={"prompt": " our", **greedy}).json()["choices"][0][
+                "text"
+            ]
+            for s in (sid, fork, imported)
+        }
         assert len(set(texts.values())) == 1
         for s in (sid, fork, imported):
             assert http.delete(f"/v1/sessions/{s}").status_code == 204
@@ -112,8 +117,9 @@ def test_client_disconnect_mid_stream_frees_the_slot(server, prompt):
     base = server["base"]
     requests = 1 if isinstance(prompt, str) else len(prompt)
     aborted_before = metric(base, 'linserve_requests_finished_total{reason="abort"}', default=0.0)
-    sock = raw_stream_request(server["port"], {"prompt": prompt, "max_tokens": 1_000_000, "stream": True,
-                                               "ignore_eos": True})
+    sock = raw_stream_request(
+        server["port"], {"prompt": prompt, "max_tokens": 1_000_000, "stream": True, "ignore_eos": True}
+    )
     read_events(sock, 3 * requests)
     assert metric(base, "linserve_requests_running") == requests
     sock.close()
@@ -137,8 +143,11 @@ def test_busy_session_is_409(server):
     sid = httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}).json()["id"]
     payload = json.dumps({"prompt": "y", "max_tokens": 1_000_000, "ignore_eos": True, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
-    sock.sendall(f"POST /v1/sessions/{sid}/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        f"POST /v1/sessions/{sid}/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     read_events(sock, 2)
     busy = httpx.post(f"{base}/v1/sessions/{sid}/completions", json={"prompt": "z"})
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "busy"
@@ -181,8 +190,7 @@ def test_full_queue_is_429_with_retry_after(start_server):
 
 
 def test_metrics_pass_promtool(server, tmp_path):
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is required (Debian package 'prometheus'; .ci/run installs it)"
+    promtool = require_program("promtool", "prometheus")
     httpx.post(f"{server['base']}/v1/completions", json={"prompt": "x", "max_tokens": 3}).raise_for_status()
     text = httpx.get(f"{server['base']}/metrics").text
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
@@ -190,7 +198,9 @@ def test_metrics_pass_promtool(server, tmp_path):
 
 
 def test_sigterm_ends_running_streams_with_abort(server):
-    sock = raw_stream_request(server["port"], {"prompt": "C", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True})
+    sock = raw_stream_request(
+        server["port"], {"prompt": "C", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True}
+    )
     data = b""
     while data.count(b"data: ") < 2:
         data += sock.recv(4096)
@@ -213,13 +223,16 @@ def test_a_compiled_server_reports_progress_and_streams_the_same_tokens(start_se
     body = {"prompt": "ROMEO.", "max_tokens": 40, "temperature": 0.8, "ignore_eos": True}
     eager = start_server("--num-slots", "2")
     assert httpx.get(f"{eager['base']}/ready").json()["decode_step"]["status"] == "eager"
-    want = [httpx.post(f"{eager['base']}/v1/completions", json={**body, "seed": s}, timeout=60)
-            .json()["choices"][0]["text"] for s in (0, 1)]
+    want = [
+        httpx.post(f"{eager['base']}/v1/completions", json={**body, "seed": s}, timeout=60).json()["choices"][0]["text"]
+        for s in (0, 1)
+    ]
     assert want[0] != want[1]  # seeded sampling: two different texts
     eager.stop()
     # one slot, one bucket: every bucket size and padding is tested in process (test_compiled_decode.py)
-    compiled = start_server("--num-slots", "1", "--compile", "on",
-                            env={"LINSERVE_COMPILE_CACHE_DIR": str(tmp_path / "cache")})
+    compiled = start_server(
+        "--num-slots", "1", "--compile", "on", env={"LINSERVE_COMPILE_CACHE_DIR": str(tmp_path / "cache")}
+    )
     step = httpx.get(f"{compiled['base']}/ready").json()["decode_step"]
     assert step["compile"] == "on" and step["buckets"] == [1] and step["status"] in ("pending", "compiling", "compiled")
     deadline = time.monotonic() + 400
@@ -228,12 +241,22 @@ def test_a_compiled_server_reports_progress_and_streams_the_same_tokens(start_se
         time.sleep(1)
         step = httpx.get(f"{compiled['base']}/ready").json()["decode_step"]
     assert step["ready"] == [1], step
-    assert httpx.post(f"{compiled['base']}/v1/completions", json={**body, "seed": 0},
-                      timeout=60).json()["choices"][0]["text"] == want[0]
+    assert (
+        httpx.post(f"{compiled['base']}/v1/completions", json={**body, "seed": 0}, timeout=60).json()["choices"][0][
+            "text"
+        ]
+        == want[0]
+    )
     with httpx.Client(timeout=60) as client:  # two at once: the second waits for the slot
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            texts = list(pool.map(lambda s: client.post(f"{compiled['base']}/v1/completions", json={**body, "seed": s})
-                                  .json()["choices"][0]["text"], (0, 1)))
+            texts = list(
+                pool.map(
+                    lambda s: client.post(f"{compiled['base']}/v1/completions", json={**body, "seed": s}).json()[
+                        "choices"
+                    ][0]["text"],
+                    (0, 1),
+                )
+            )
     assert texts == want
     assert any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
 
@@ -242,14 +265,18 @@ def test_logs_have_one_format_and_an_access_line_per_request(start_server):
     """uvicorn's lines and linserve's share one format; each request logs its id, never its key or prompt."""
     served = start_server("--num-slots", "2", "--log-level", "info", "--api-key", "sekrit-key")
     headers = {"Authorization": "Bearer sekrit-key", "X-Request-Id": "client-chosen-7"}
-    response = httpx.post(f"{served['base']}/v1/completions", headers=headers,
-                          json={"prompt": "PROMPT-SHOULD-NOT-BE-LOGGED", "max_tokens": 2}, timeout=60)
+    response = httpx.post(
+        f"{served['base']}/v1/completions",
+        headers=headers,
+        json={"prompt": "PROMPT-SHOULD-NOT-BE-LOGGED", "max_tokens": 2},
+        timeout=60,
+    )
     assert response.status_code == 200 and response.headers["x-request-id"] == "client-chosen-7"
     own = httpx.get(f"{served['base']}/health").headers["x-request-id"]
     served.stop()
     lines = [line for line in served.log.read_text().splitlines() if line.strip()]
     pattern = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
-    assert lines and all(pattern.match(line) for line in lines), [l for l in lines if not pattern.match(l)][:3]
+    assert lines and all(pattern.match(line) for line in lines), [bad for bad in lines if not pattern.match(bad)][:3]
     assert any(" uvicorn.error: " in line for line in lines)  # uvicorn's own lines, same format
     access = [line for line in lines if " linserve.access: " in line]
     assert any('"POST /v1/completions" 200' in line and line.endswith("client-chosen-7") for line in access)

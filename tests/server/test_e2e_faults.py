@@ -12,18 +12,18 @@ import time
 import httpx
 import pytest
 
-from .conftest import ServerProcess
+from tests.helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
 
 DYING_SERVER = """
 import sys
-from server.engine import steps
+from server.engine import step_runner
 
-def broken_step(self, plan):
+def broken(self, *args):
     raise RuntimeError("injected: the device is gone")
 
-steps.StepExecution._step = broken_step  # every step fails: the engine dies after a few
+step_runner.StepRunner.decode = step_runner.StepRunner.prefill = broken  # every step fails: the engine dies
 from server.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -128,7 +128,8 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(strict_server):
     done.wait(30)
     assert gaps and max(gaps) < 1.0, gaps
     deadline = time.monotonic() + 20
-    while metric(base, "linserve_requests_running") + metric(base, "linserve_requests_waiting") and time.monotonic() < deadline:
+    busy = ("linserve_requests_running", "linserve_requests_waiting")
+    while sum(metric(base, name) for name in busy) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
 
@@ -143,8 +144,14 @@ def test_sessions_survive_sigterm_and_sigkill(tiny_checkpoint, tmp_path):
     """dir store: SIGTERM flushes, SIGKILL loses at most the turn in flight; after each restart every
     session continues exactly as a never-restarted fork of it does."""
     env = {"LINSERVE_SESSION_STORE": f"dir:{tmp_path / 'store'}"}
-    ask = {"prompt": " and", "max_tokens": 6, "temperature": 0.8, "seed": 5, "ignore_eos": True,
-           "repetition_penalty": 1.3}
+    ask = {
+        "prompt": " and",
+        "max_tokens": 6,
+        "temperature": 0.8,
+        "seed": 5,
+        "ignore_eos": True,
+        "repetition_penalty": 1.3,
+    }
     first = ServerProcess(tiny_checkpoint, tmp_path / "a.log", env=env)
     try:
         sid = httpx.post(f"{first.base}/v1/sessions", json={"prompt": "HAMLET.\nTo be"}).json()["id"]
@@ -160,8 +167,10 @@ def test_sessions_survive_sigterm_and_sigkill(tiny_checkpoint, tmp_path):
         # a turn in flight when the process is killed: the session resumes from its last completed turn
         sock = socket.create_connection(("127.0.0.1", second.port))
         body = json.dumps({**ask, "max_tokens": 1_000_000, "stream": True}).encode()
-        sock.sendall(b"POST /v1/sessions/%s/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (sid.encode(), len(body), body))
+        sock.sendall(
+            b"POST /v1/sessions/%s/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (sid.encode(), len(body), body)
+        )
         received = b""
         while received.count(b"data: ") < 3:  # generating
             received += sock.recv(4096)
@@ -182,8 +191,9 @@ def test_sessions_survive_sigterm_and_sigkill(tiny_checkpoint, tmp_path):
 @pytest.fixture(scope="module")
 def guarded_server(tiny_checkpoint, tmp_path_factory):
     env = {"LINSERVE_HEADER_TIMEOUT_S": "1", "LINSERVE_MAX_CONNECTIONS": "40"}
-    process = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("guarded") / "serve.log", "--log-level", "info",
-                            env=env)
+    process = ServerProcess(
+        tiny_checkpoint, tmp_path_factory.mktemp("guarded") / "serve.log", "--log-level", "info", env=env
+    )
     yield process
     process.stop()
 
@@ -213,9 +223,11 @@ def test_slowloris_and_idle_connections_are_closed_and_open_connections_capped(g
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
     try:
         results = []
-        threads = [threading.Thread(target=lambda s=s, d=d: results.append(closed_within(s, 4.0, d)))
-                   for s, d in [(s, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200) for s in slow]
-                   + [(s, b"") for s in idle]]
+        threads = [
+            threading.Thread(target=lambda s=s, d=d: results.append(closed_within(s, 4.0, d)))
+            for s, d in [(s, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200) for s in slow]
+            + [(s, b"") for s in idle]
+        ]
         for thread in threads:
             thread.start()
         assert httpx.get(f"{guarded_server.base}/health", timeout=5).status_code == 200  # still served meanwhile
@@ -239,7 +251,9 @@ def test_slowloris_and_idle_connections_are_closed_and_open_connections_capped(g
 
 
 def test_a_request_can_never_forge_an_access_log_line(guarded_server):
-    forged = b'GET /x%0aFORGED-LINE%20%22GET%20/admin%22%20200%0d%1b[2J HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n'
+    forged = (
+        b"GET /x%0aFORGED-LINE%20%22GET%20/admin%22%20200%0d%1b[2J HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
     assert raw_exchange(guarded_server.port, forged).startswith(b"HTTP/1.1 404")
     time.sleep(0.3)
     lines = guarded_server.log.read_text().splitlines()

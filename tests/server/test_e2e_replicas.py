@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from .conftest import ServerProcess
+from tests.helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
 

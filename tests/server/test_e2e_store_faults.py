@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import threading
@@ -17,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import ServerProcess, start_redis
+from tests.helpers import ServerProcess, require_program, start_redis
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +29,7 @@ def as_unprivileged() -> tuple[str, ...]:
     unwritable directory is unwritable to it, as to any service user)."""
     if os.geteuid() != 0:
         return ()
-    setpriv = shutil.which("setpriv")
-    assert setpriv, "setpriv (util-linux) is needed to drop root's file-permission override"
+    setpriv = require_program("setpriv", "util-linux")
     caps = "-dac_override,-dac_read_search,-fowner"
     return (setpriv, f"--inh-caps={caps}", f"--bounding-set={caps}", "--")
 

@@ -9,9 +9,9 @@ import pytest
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from server.engine import steps
+from server.engine import step_runner as steps
+from tests.helpers import assert_slots_balance
 
-from .engine.conftest import assert_slots_balance
 from .test_app import sse_payloads
 
 
@@ -59,7 +59,7 @@ def test_extreme_but_valid_seeds_are_served(client):
 def test_lone_surrogates_are_400_not_500(client, path, raw):
     response = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
     assert error_of(response, 400)["param"]
-    assert client.app.state.engine.sessions.sessions == {}  # the session route created nothing
+    assert client.app.state.engine.registry.by_id == {}  # the session route created nothing
     still_serving(client)
 
 
@@ -178,12 +178,13 @@ def test_logprobs_are_always_json_numbers():
 
     logits = torch.tensor([[0.0, float("-inf"), 1.0]])
     out = token_logprobs(logits, torch.tensor([1]), [2])[0]
-    assert out.logprob == LOGPROB_FLOOR and json.dumps(out.logprob)
+    assert out.logprob == LOGPROB_FLOOR
+    assert json.loads(json.dumps(out.logprob, allow_nan=False)) == LOGPROB_FLOOR  # strict JSON: no -Infinity
 
 
 def test_invalid_session_prompt_creates_no_session(client):
     assert error_of(client.post("/v1/sessions", json={"prompt": [1, 10**9]}), 400)["param"] == "prompt"
-    assert client.app.state.engine.sessions.sessions == {}
+    assert client.app.state.engine.registry.by_id == {}
     assert assert_slots_balance(client.app.state.engine)["slots_in_use"] == 0
 
 

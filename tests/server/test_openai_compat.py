@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.server.engine.conftest import assert_slots_balance
+from tests.helpers import assert_slots_balance
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -121,7 +121,10 @@ def test_tokenize_detokenize_version(client):
     assert client.post("/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": "ROMEO. What light"}
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hail"}]}).json()
     assert chat["count"] > 1
-    assert client.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}).status_code == 400
+    assert (
+        client.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}).status_code
+        == 400
+    )
     bad = client.post("/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     from server.version import package_version
@@ -167,8 +170,14 @@ def sse(response) -> list[dict]:
 
 @pytest.mark.parametrize("logprobs", [None, 1])
 def test_a_streamed_batch_merges_every_prompts_rows(client, logprobs):
-    body = {"prompt": PROMPTS, **GREEDY, "n": 2, "stream": True, "stream_options": {"include_usage": True},
-            "logprobs": logprobs}
+    body = {
+        "prompt": PROMPTS,
+        **GREEDY,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": logprobs,
+    }
     chunks = sse(client.post("/v1/completions", json=body))
     whole = completion(client, PROMPTS, n=2)
     texts, finishes = ["" for _ in range(6)], [[] for _ in range(6)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ServerProcess
+from tests.helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).with_name("schemathesis.toml")

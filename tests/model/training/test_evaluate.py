@@ -8,7 +8,9 @@ from model.training.evaluate import bits_per_byte
 
 def test_bits_per_byte_independent_of_block_size(corpus, small_tokenizer):
     torch.manual_seed(0)
-    model = LinearGPT(ModelConfig(vocab_size=1024, d_model=32, n_layers=2, n_heads=4, decay=True, conv_kernel=3, chunk_size=16))
+    model = LinearGPT(
+        ModelConfig(vocab_size=1024, d_model=32, n_layers=2, n_heads=4, decay=True, conv_kernel=3, chunk_size=16)
+    )
     works = {"lucrece": corpus.train["rape_of_lucrece"][:20_000]}
     a = bits_per_byte(model, small_tokenizer, works, block=64)
     b = bits_per_byte(model, small_tokenizer, works, block=1000)
@@ -33,7 +35,9 @@ def test_batched_windows_equal_one_window_at_a_time(corpus, small_tokenizer):
     from model.training.evaluate import work_nll
 
     torch.manual_seed(0)
-    model = LinearGPT(ModelConfig(vocab_size=1024, d_model=32, n_layers=1, n_heads=4, chunk_size=16, attention="softmax"))
+    model = LinearGPT(
+        ModelConfig(vocab_size=1024, d_model=32, n_layers=1, n_heads=4, chunk_size=16, attention="softmax")
+    )
     ids = torch.tensor(small_tokenizer.encode(corpus.train["sonnets"][:3_000]).ids)
     batched = work_nll(model, ids, block=0, window=40, batch=7)
     single = work_nll(model, ids, block=0, window=40, batch=1)

@@ -31,3 +31,14 @@ def test_end_of_text_is_one_token(small_tokenizer):
     ids = small_tokenizer.encode(f"a{EOT_TOKEN}b").ids
     assert small_tokenizer.token_to_id(EOT_TOKEN) in ids
     assert small_tokenizer.get_vocab_size() == 1024
+
+
+def test_the_committed_tokenizer_fixture_is_what_train_bpe_makes(corpus, small_tokenizer):
+    """tests/fixtures/tokenizer-1k.json (what the engine and server tests use, so they need no corpus) is
+    exactly the 1k BPE trained on the two plays: regenerate it if training changes."""
+    from model.training.tokenizer import train_bpe
+
+    trained = train_bpe([corpus.train["romeo_and_juliet"], corpus.train["tempest"]], 1024)
+    assert trained.get_vocab() == small_tokenizer.get_vocab()
+    text = corpus.train["tempest"][:5_000]
+    assert trained.encode(text).ids == small_tokenizer.encode(text).ids

@@ -6,7 +6,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.training.trainer import OptimConfig, TrainConfig, Trainer, lr_at
-
 from tests.conftest import CORPUS_DIR
 
 

@@ -58,7 +58,7 @@ def test_without_matplotlib_it_writes_the_json_and_says_why_no_plot(server, tmp_
     """The server image leaves plotting out (it is the `bench` extra): the load test still runs and reports."""
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     code = ("import sys; sys.modules['matplotlib'] = None; from server.cli import main; "  # import fails as if absent
-            f"sys.exit(main(sys.argv[1:]))")
+            "sys.exit(main(sys.argv[1:]))")
     result = subprocess.run([sys.executable, "-c", code, "bench", "--url", server["base"], "--requests", "2",
                              "--max-tokens", "4", "--out", str(out), "--plot", str(png)],
                             capture_output=True, text=True, timeout=300)

@@ -10,8 +10,7 @@ from model import LinearGPT
 from model.loading import DEFAULT_CHECKPOINT, load_model
 from server.engine.compiled_decode import DecodeStep, bucket_sizes
 from server.engine.state_pool import StatePool
-
-from .conftest import TINY, Collector, EngineRequest, SamplingParams, assert_slots_balance, run, tokens_of
+from tests.helpers import TINY, Collector, EngineRequest, SamplingParams, assert_slots_balance, run, tokens_of
 
 pytestmark = pytest.mark.slow  # each test compiles (seconds to a minute on 2 cores)
 
@@ -29,7 +28,7 @@ def test_buckets_are_powers_of_two_up_to_the_largest_batch():
 
 def test_every_bucket_and_padded_batch_matches_eager(tiny_model, device, compile_cache):
     pool = StatePool(tiny_model, 8, device)
-    for name, buffer in pool.buffers.items():
+    for buffer in pool.buffers.values():
         buffer.normal_()  # every slot holds some history
     compiled = DecodeStep(tiny_model, pool, device, "on", max_rows=4, cache_dir=compile_cache)
     eager = DecodeStep(tiny_model, pool, device, "off", max_rows=4)
@@ -154,7 +153,8 @@ def test_auto_on_a_cpu_without_a_cpp_compiler_declines_at_once(tiny_model, monke
     """A slim container image has no g++: `compile=auto` serves eagerly instead of failing in Inductor."""
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
-    step = DecodeStep(tiny_model, StatePool(tiny_model, 2, torch.device("cpu")), torch.device("cpu"), "auto", max_rows=2)
+    cpu = torch.device("cpu")
+    step = DecodeStep(tiny_model, StatePool(tiny_model, 2, cpu), cpu, "auto", max_rows=2)
     step.start()
     assert step.wait_compiled(10) is False and step.status == "declined" and step.ready_sizes == []
 

@@ -8,9 +8,8 @@ import time
 import pytest
 import torch
 
-from server.engine import Engine, EngineConfig, EngineError, EngineRequest, FinishReason, SamplingParams
-
-from .conftest import Collector, run, tokens_of
+from server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
+from tests.helpers import Collector, assert_slots_balance, run, tokens_of
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -36,20 +35,20 @@ def test_greedy_matches_the_model_loop(make_engine, tiny_model):
 
 def test_session_continuation_equals_whole_transcript(make_engine):
     engine = make_engine()
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     first, second = prompt(21, 1), prompt(9, 2)
     run(engine, first, SamplingParams(max_tokens=0), "s0", session_id=session.id)
     generated = tokens_of(run(engine, [], GREEDY, "s1", session_id=session.id))
     continued = tokens_of(run(engine, second, GREEDY, "s2", session_id=session.id))
     whole = tokens_of(run(engine, first + generated + second, GREEDY, "w"))
     assert continued == whole
-    info = engine.session_info(session.id, None).result(10)
+    info = engine.sessions.info(session.id, None).result(10)
     assert info.tokens == len(first) + len(generated) + len(second) + len(continued)
 
 
 def test_seeded_sampling_continuation_equals_whole_transcript(make_engine):
     engine = make_engine()
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
     head = prompt(30, 3)
     generated = tokens_of(run(engine, head, params, "s1", session_id=session.id))
@@ -60,10 +59,10 @@ def test_seeded_sampling_continuation_equals_whole_transcript(make_engine):
 
 def test_fork_continues_exactly_like_its_parent(make_engine):
     engine = make_engine()
-    parent = engine.create_session(None).result(10)
+    parent = engine.sessions.create(None).result(10)
     run(engine, prompt(40, 4), GREEDY, "p0", session_id=parent.id)
-    child = engine.fork_session(parent.id, None).result(10)
-    assert child.tokens == engine.session_info(parent.id, None).result(10).tokens
+    child = engine.sessions.fork(parent.id, None).result(10)
+    assert child.tokens == engine.sessions.info(parent.id, None).result(10).tokens
     a = tokens_of(run(engine, [9, 8, 7], GREEDY, "p1", session_id=parent.id))
     b = tokens_of(run(engine, [9, 8, 7], GREEDY, "c1", session_id=child.id))
     assert a == b
@@ -71,11 +70,11 @@ def test_fork_continues_exactly_like_its_parent(make_engine):
 
 def test_snapshot_export_import_continues_identically(make_engine):
     engine = make_engine()
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     run(engine, prompt(33, 5), GREEDY, "e0", session_id=session.id)
-    data = engine.export_session(session.id, None).result(10)
-    restored = engine.import_session(data, None).result(10)
-    assert restored.tokens == engine.session_info(session.id, None).result(10).tokens
+    data = engine.sessions.export(session.id, None).result(10)
+    restored = engine.sessions.import_(data, None).result(10)
+    assert restored.tokens == engine.sessions.info(session.id, None).result(10).tokens
     a = tokens_of(run(engine, [3, 4], GREEDY, "e1", session_id=session.id))
     b = tokens_of(run(engine, [3, 4], GREEDY, "e2", session_id=restored.id))
     assert a == b
@@ -85,20 +84,17 @@ def test_corrupt_and_foreign_snapshots_are_rejected(make_engine, tiny_model, hf_
     from model import LinearGPT
 
     engine = make_engine()
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     run(engine, prompt(10, 6), SamplingParams(max_tokens=0), "x0", session_id=session.id)
-    data = engine.export_session(session.id, None).result(10)
+    data = engine.sessions.export(session.id, None).result(10)
     for bad, message in [(b"not safetensors", "not a safetensors"), (data[:-7], "not a safetensors"),
                          (data.replace(b'"version":"2"', b'"version":"9"'), "version")]:
         with pytest.raises(EngineError, match=message):
-            engine.import_session(bad, None).result(10)
+            engine.sessions.import_(bad, None).result(10)
     torch.manual_seed(1)
-    foreign = Engine(LinearGPT(tiny_model.config).to(device), hf_tokenizer, EngineConfig(num_slots=2), device).start()
-    try:
-        with pytest.raises(EngineError, match="different model"):
-            foreign.import_session(data, None).result(10)
-    finally:
-        foreign.stop()
+    foreign = make_engine(model=LinearGPT(tiny_model.config).to(device), num_slots=2)
+    with pytest.raises(EngineError, match="different model"):
+        foreign.sessions.import_(data, None).result(10)
 
 
 def test_batch_invariance_greedy_alone_and_among_sixteen(make_engine):
@@ -108,8 +104,12 @@ def test_batch_invariance_greedy_alone_and_among_sixteen(make_engine):
     alone = run(engine, target, params, "alone")
     sinks = [Collector() for _ in range(16)]
     for i, sink in enumerate(sinks):
-        engine.submit(EngineRequest(
-            f"other{i}", prompt(5 + 7 * i, 100 + i), SamplingParams(max_tokens=20, temperature=0.8, seed=i)), sink).result(10)
+        engine.submit(
+            EngineRequest(
+                f"other{i}", prompt(5 + 7 * i, 100 + i), SamplingParams(max_tokens=20, temperature=0.8, seed=i)
+            ),
+            sink,
+        ).result(10)
     crowd = run(engine, target, params, "crowd")
     for sink in sinks:
         sink.wait()
@@ -125,7 +125,9 @@ def test_seeded_sampling_reproducible_across_batch_compositions(make_engine):
     alone = tokens_of(run(engine, prompt(20, 8), params, "alone"))
     noise = [Collector() for _ in range(6)]
     for i, sink in enumerate(noise):
-        engine.submit(EngineRequest(f"n{i}", prompt(3 + i, 50 + i), SamplingParams(max_tokens=25, temperature=1.0)), sink)
+        engine.submit(
+            EngineRequest(f"n{i}", prompt(3 + i, 50 + i), SamplingParams(max_tokens=25, temperature=1.0)), sink
+        )
     crowd = tokens_of(run(engine, prompt(20, 8), params, "crowd"))
     for sink in noise:
         sink.wait()
@@ -138,7 +140,9 @@ def test_n_samples_fork_the_prefilled_state(make_engine):
     outputs = run(engine, prompt(40, 9), params, "fan")
     rows = [tokens_of(outputs, i) for i in range(3)]
     assert all(len(r) == 8 for r in rows) and len({tuple(r) for r in rows}) > 1
-    single = tokens_of(run(engine, prompt(40, 9), SamplingParams(max_tokens=8, temperature=1.0, seed=6, ignore_eos=True), "one"))
+    single = tokens_of(
+        run(engine, prompt(40, 9), SamplingParams(max_tokens=8, temperature=1.0, seed=6, ignore_eos=True), "one")
+    )
     assert single == rows[1]  # row i samples with seed + i: same as a single request with that seed
     prefill_tokens = sum(s.prefill_tokens for s in engine.test_stats if hasattr(s, "prefill_tokens"))
     assert prefill_tokens == 80  # the prompt was prefilled once per request, never per row
@@ -159,7 +163,9 @@ def test_stop_strings_end_generation_and_are_withheld(make_engine, hf_tokenizer)
 def test_cancellation_frees_the_slot(make_engine):
     engine = make_engine(num_slots=2)
     sink = Collector()
-    engine.submit(EngineRequest("long", prompt(10), SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)), sink).result(10)
+    engine.submit(
+        EngineRequest("long", prompt(10), SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)), sink
+    ).result(10)
     sink.queue.get(timeout=10)
     engine.abort("long")
     outputs = sink.wait()
@@ -174,7 +180,11 @@ def test_thousand_short_requests_leave_nothing_behind(make_engine):
     sinks, accepted = [], []
     for i in range(1000):
         sink = Collector()
-        accepted.append(engine.submit(EngineRequest(f"r{i}", prompt(3, i), SamplingParams(max_tokens=2, temperature=0.5, seed=i)), sink))
+        accepted.append(
+            engine.submit(
+                EngineRequest(f"r{i}", prompt(3, i), SamplingParams(max_tokens=2, temperature=0.5, seed=i)), sink
+            )
+        )
         sinks.append(sink)
         if i % 7 == 0:
             engine.abort(f"r{i}")
@@ -189,8 +199,13 @@ def test_thousand_short_requests_leave_nothing_behind(make_engine):
 
 def test_full_queue_rejects_with_capacity_error(make_engine):
     engine = make_engine(num_slots=1, max_waiting=2)
-    futures = [engine.submit(EngineRequest(f"q{i}", [1, 2], SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)), Collector())
-               for i in range(6)]
+    futures = [
+        engine.submit(
+            EngineRequest(f"q{i}", [1, 2], SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)),
+            Collector(),
+        )
+        for i in range(6)
+    ]
     kinds = []
     for future in futures:
         try:
@@ -205,14 +220,14 @@ def test_full_queue_rejects_with_capacity_error(make_engine):
 
 def test_sessions_offload_to_host_and_come_back(make_engine):
     engine = make_engine(num_slots=2)
-    sessions = [engine.create_session(None).result(10) for _ in range(4)]
+    sessions = [engine.sessions.create(None).result(10) for _ in range(4)]
     for i, s in enumerate(sessions):
         run(engine, prompt(8, i), SamplingParams(max_tokens=0), f"fill{i}", session_id=s.id)
-    tiers = [engine.session_info(s.id, None).result(10).tier for s in sessions]
+    tiers = [engine.sessions.info(s.id, None).result(10).tier for s in sessions]
     assert tiers.count("device") <= 2 and "host" in tiers
     # the first session was offloaded (least recently used); it comes back transparently and exactly
     before = tokens_of(run(engine, [1, 2], GREEDY, "back", session_id=sessions[0].id))
-    twin = engine.create_session(None).result(10)
+    twin = engine.sessions.create(None).result(10)
     run(engine, prompt(8, 0), SamplingParams(max_tokens=0), "twin0", session_id=twin.id)
     assert tokens_of(run(engine, [1, 2], GREEDY, "twin1", session_id=twin.id)) == before
 
@@ -220,22 +235,33 @@ def test_sessions_offload_to_host_and_come_back(make_engine):
 def test_session_errors(make_engine):
     engine = make_engine()
     with pytest.raises(EngineError) as error:
-        engine.session_info("sess-nope", None).result(10)
+        engine.sessions.info("sess-nope", None).result(10)
     assert error.value.kind == "not_found"
-    mine = engine.create_session("key-a").result(10)
+    mine = engine.sessions.create("key-a").result(10)
     with pytest.raises(EngineError) as error:
-        engine.session_info(mine.id, "key-b").result(10)
+        engine.sessions.info(mine.id, "key-b").result(10)
     assert error.value.kind == "not_found"
     sink = Collector()
-    engine.submit(EngineRequest("busy", prompt(5), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True), session_id=mine.id, owner="key-a"), sink).result(10)
+    engine.submit(
+        EngineRequest(
+            "busy",
+            prompt(5),
+            SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True),
+            session_id=mine.id,
+            owner="key-a",
+        ),
+        sink,
+    ).result(10)
     with pytest.raises(EngineError) as error:
-        engine.submit(EngineRequest("busy2", [1], SamplingParams(), session_id=mine.id, owner="key-a"), Collector()).result(10)
+        engine.submit(
+            EngineRequest("busy2", [1], SamplingParams(), session_id=mine.id, owner="key-a"), Collector()
+        ).result(10)
     assert error.value.kind == "busy"
     engine.abort("busy")
     sink.wait()
-    engine.delete_session(mine.id, "key-a").result(10)
+    engine.sessions.delete(mine.id, "key-a").result(10)
     with pytest.raises(EngineError):
-        engine.session_info(mine.id, "key-a").result(10)
+        engine.sessions.info(mine.id, "key-a").result(10)
 
 
 def test_prefix_cache_hit_gives_identical_output(make_engine):
@@ -251,8 +277,11 @@ def test_prefix_cache_hit_gives_identical_output(make_engine):
 
 def test_bad_requests_are_rejected_with_a_reason(make_engine):
     engine = make_engine()
-    for ids, params, param in [([], SamplingParams(), "prompt"), ([5000], SamplingParams(), "prompt"),
-                               ([1], SamplingParams(n=99), "n")]:
+    for ids, params, param in [
+        ([], SamplingParams(), "prompt"),
+        ([5000], SamplingParams(), "prompt"),
+        ([1], SamplingParams(n=99), "n"),
+    ]:
         with pytest.raises(EngineError) as error:
             engine.submit(EngineRequest(f"bad{param}{len(ids)}", ids, params), Collector()).result(10)
         assert error.value.param == param
@@ -261,11 +290,14 @@ def test_bad_requests_are_rejected_with_a_reason(make_engine):
     assert error.value.param == "top_p"
 
 
-def test_stop_aborts_running_streams(tiny_model, hf_tokenizer, device):
-    engine = Engine(tiny_model, hf_tokenizer, EngineConfig(num_slots=4), device).start()
+def test_stop_aborts_running_streams(make_engine):
+    engine = make_engine(num_slots=4)
     sink = Collector()
-    engine.submit(EngineRequest("forever", prompt(4), SamplingParams(max_tokens=1_000_000, temperature=0, ignore_eos=True)), sink).result(10)
+    engine.submit(
+        EngineRequest("forever", prompt(4), SamplingParams(max_tokens=1_000_000, temperature=0, ignore_eos=True)), sink
+    ).result(10)
     sink.queue.get(timeout=10)
+    assert assert_slots_balance(engine)["running_rows"] == 1  # (the teardown checks only live engines)
     started = time.monotonic()
     engine.stop()
     assert sink.wait()[-1].finish_reason is FinishReason.ABORT
@@ -274,26 +306,30 @@ def test_stop_aborts_running_streams(tiny_model, hf_tokenizer, device):
 
 def test_idle_sessions_expire_after_ttl(make_engine):
     engine = make_engine(session_ttl_s=0.2)
-    session = engine.create_session(None).result(10)
-    assert engine.session_info(session.id, None).result(10).id == session.id
+    session = engine.sessions.create(None).result(10)
+    assert engine.sessions.info(session.id, None).result(10).id == session.id
     time.sleep(1.3)  # TTL plus the once-a-second expiry sweep
     engine.counts().result(10)  # let the engine loop run a sweep
     with pytest.raises(EngineError):
-        engine.session_info(session.id, None).result(10)
+        engine.sessions.info(session.id, None).result(10)
     assert engine.pool.used_slots == 0
 
 
 @pytest.fixture
-def softmax_engine(hf_tokenizer, device):
+def softmax_engine(make_engine, device):
     from model import LinearGPT, ModelConfig
 
     torch.manual_seed(0)
-    model = LinearGPT(ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, attention="softmax",
-                                  decay=True, conv_kernel=3)).eval().to(device)
-    engine = Engine(model, hf_tokenizer, EngineConfig(num_slots=6, max_context=128, max_prefill_chunk=16),
-                    device).start()
-    yield engine, model
-    engine.stop()
+    model = (
+        LinearGPT(
+            ModelConfig(
+                vocab_size=1024, d_model=64, n_layers=2, n_heads=4, attention="softmax", decay=True, conv_kernel=3
+            )
+        )
+        .eval()
+        .to(device)
+    )
+    return make_engine(model=model, num_slots=6, max_context=128, max_prefill_chunk=16), model
 
 
 def test_softmax_model_served_from_kv_pool_matches_its_own_loop(softmax_engine):
@@ -323,4 +359,4 @@ def test_softmax_context_limit_and_no_sessions(softmax_engine):
         engine.submit(EngineRequest("big", prompt(100), SamplingParams(max_tokens=50)), Collector()).result(10)
     assert error.value.param == "max_tokens" and "max context" in error.value.message
     with pytest.raises(EngineError, match="linear-attention"):
-        engine.create_session(None).result(10)
+        engine.sessions.create(None).result(10)

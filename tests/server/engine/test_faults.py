@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
+from server.engine import step_runner as steps
 from server.engine.types import SEED_MAX, SEED_MIN
-from server.engine import steps
-
-from .conftest import Collector, assert_slots_balance, run, tokens_of
+from tests.helpers import Collector, assert_slots_balance, run, tokens_of
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 POISON_TEMPERATURE = 0.777  # the injected sampler fault fires for batches holding a row with this temperature
@@ -53,7 +52,7 @@ def test_a_failing_step_fails_its_request_and_the_engine_goes_on(make_engine, po
 def test_a_failed_session_turn_leaves_the_session_consistent(make_engine, poisoned_sampler):
     """The failing decode step commits nothing: continuing equals the transcript that was emitted."""
     engine = make_engine()
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     head = prompt(20, 1)
     run(engine, head, SamplingParams(max_tokens=0), "s0", session_id=session.id)
     sink = Collector()
@@ -65,7 +64,7 @@ def test_a_failed_session_turn_leaves_the_session_consistent(make_engine, poison
     assert outputs[-1].finish_reason is FinishReason.ERROR
     emitted = tokens_of(outputs)
     assert len(emitted) >= 4
-    assert engine.session_info(session.id, None).result(10).tokens == len(head) + 2 + len(emitted)
+    assert engine.sessions.info(session.id, None).result(10).tokens == len(head) + 2 + len(emitted)
     continued = tokens_of(run(engine, [5], GREEDY, "s2", session_id=session.id))
     assert continued == tokens_of(run(engine, head + [7, 8] + emitted + [5], GREEDY, "reference"))
 
@@ -91,7 +90,9 @@ def test_repeated_failures_kill_the_engine_and_it_says_so(make_engine, monkeypat
     died = threading.Event()
     engine.on_death.append(lambda error: died.set())
     sink = Collector()
-    engine.submit(EngineRequest("victim", prompt(6), SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)), sink).result(10)
+    engine.submit(
+        EngineRequest("victim", prompt(6), SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)), sink
+    ).result(10)
     sink.queue.get(timeout=10)
 
     def broken():
@@ -105,7 +106,7 @@ def test_repeated_failures_kill_the_engine_and_it_says_so(make_engine, monkeypat
         engine.submit(EngineRequest("late", [1, 2], GREEDY), Collector()).result(5)
     assert error.value.kind == "dead"
     with pytest.raises(EngineError):
-        engine.create_session(None).result(5)
+        engine.sessions.create(None).result(5)
 
 
 def test_consecutive_step_failures_end_in_death(make_engine, monkeypatch):
@@ -114,7 +115,7 @@ def test_consecutive_step_failures_end_in_death(make_engine, monkeypatch):
     def broken_model(*args, **kwargs):
         raise RuntimeError("injected: the device is gone")
 
-    monkeypatch.setattr(engine, "model", broken_model)
+    monkeypatch.setattr(engine.runner, "model", broken_model)
     results = [run(engine, prompt(4, i), GREEDY, f"r{i}")[-1].finish_reason for i in range(3)]
     assert results == [FinishReason.ERROR] * 3
     with pytest.raises(EngineError) as error:
@@ -146,17 +147,19 @@ def test_out_of_range_parameters_are_rejected_before_the_engine(make_engine):
 
 def test_non_finite_state_fails_its_own_request_only(make_engine):
     engine = make_engine()
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     run(engine, prompt(10, 2), SamplingParams(max_tokens=0), "p", session_id=session.id)
 
     def corrupt():
-        slot = engine.sessions.sessions[session.id].slot
+        slot = engine.registry.by_id[session.id].slot
         for buffer in engine.pool.buffers.values():
             buffer[slot].fill_(float("nan"))
 
-    engine._call(corrupt).result(10)
+    engine.commands.call(corrupt).result(10)
     bystander = Collector()
-    engine.submit(EngineRequest("by", prompt(5, 3), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)), bystander).result(10)
+    engine.submit(
+        EngineRequest("by", prompt(5, 3), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)), bystander
+    ).result(10)
     broken = run(engine, [1, 2], GREEDY, "nan", session_id=session.id)
     assert broken[-1].finish_reason is FinishReason.ERROR
     assert bystander.wait()[-1].finish_reason is FinishReason.LENGTH
@@ -165,11 +168,11 @@ def test_non_finite_state_fails_its_own_request_only(make_engine):
 
 def test_forking_the_lru_session_with_every_slot_full_leaks_nothing(make_engine):
     engine = make_engine(num_slots=2, max_n=1, reserved_slots=0, max_host_sessions=8)
-    a = engine.create_session(None).result(10)
-    b = engine.create_session(None).result(10)
+    a = engine.sessions.create(None).result(10)
+    b = engine.sessions.create(None).result(10)
     run(engine, prompt(8, 1), SamplingParams(max_tokens=0), "a0", session_id=a.id)
     run(engine, prompt(8, 2), SamplingParams(max_tokens=0), "b0", session_id=b.id)
-    forks = [engine.fork_session(a.id, None).result(10), engine.fork_session(a.id, None).result(10)]
+    forks = [engine.sessions.fork(a.id, None).result(10), engine.sessions.fork(a.id, None).result(10)]
     assert_slots_balance(engine)
     assert tokens_of(run(engine, [3], GREEDY, "stateless"))  # a slot can still be had
     expected = tokens_of(run(engine, [4, 5], GREEDY, "a1", session_id=a.id))
@@ -182,20 +185,20 @@ def test_full_session_tiers_never_starve_stateless_or_host_work(make_engine):
     engine = make_engine(num_slots=4, max_n=1, reserved_slots=1, max_host_sessions=2)
     created = []
     for i in range(5):  # 2 host + (4 - 1) device: the limit
-        created.append(engine.create_session(None).result(10))
+        created.append(engine.sessions.create(None).result(10))
         run(engine, prompt(6, i), SamplingParams(max_tokens=0), f"fill{i}", session_id=created[-1].id)
     with pytest.raises(EngineError) as error:
-        engine.create_session(None).result(10)
+        engine.sessions.create(None).result(10)
     assert error.value.kind == "capacity"
     assert len(tokens_of(run(engine, prompt(4), GREEDY, "stateless"))) == 12
-    tiers = [engine.session_info(s.id, None).result(10).tier for s in created]
+    tiers = [engine.sessions.info(s.id, None).result(10).tier for s in created]
     assert tiers.count("host") == 2  # host memory is full now: 3 sessions pin device slots, 1 stays free
     assert len(tokens_of(run(engine, prompt(4, 9), GREEDY, "stateless-again"))) == 12
     on_host = [s for s, tier in zip(created, tiers) if tier == "host"]
     for s in on_host:  # a host-tier session comes back by swapping with the least recently used one
         assert len(tokens_of(run(engine, [1], GREEDY, f"back-{s.id}", session_id=s.id))) == 12
     with pytest.raises(EngineError):
-        engine.fork_session(created[0].id, None).result(10)
+        engine.sessions.fork(created[0].id, None).result(10)
     assert_slots_balance(engine)
 
 
@@ -203,8 +206,14 @@ def test_a_request_keeps_nothing_that_grows_with_its_length(make_engine):
     """Invariant 4 for a stateless stream: the live request's containers are no bigger at token 1,500 than at 50."""
     engine = make_engine()
     sink = Collector()
-    engine.submit(EngineRequest("long", prompt(5), SamplingParams(max_tokens=2_000, temperature=0.8, seed=1,
-                                                                   repetition_penalty=1.1, ignore_eos=True)), sink).result(10)
+    engine.submit(
+        EngineRequest(
+            "long",
+            prompt(5),
+            SamplingParams(max_tokens=2_000, temperature=0.8, seed=1, repetition_penalty=1.1, ignore_eos=True),
+        ),
+        sink,
+    ).result(10)
 
     def footprint() -> int:
         live = engine.live["long"]
@@ -219,7 +228,7 @@ def test_a_request_keeps_nothing_that_grows_with_its_length(make_engine):
     for mark in (50, 1_500):
         while sink.queue.qsize() < mark:
             threading.Event().wait(0.01)
-        sizes.append(engine._call(footprint).result(10))
+        sizes.append(engine.commands.call(footprint).result(10))
     engine.abort("long")
     sink.wait()
     # windows (detokenizer ids, held stop text) wobble by a few items; a per-token list would add ~1,450

@@ -16,7 +16,9 @@ def bp(*params: SamplingParams) -> BatchParams:
 
 def test_greedy_rows_take_argmax_whatever_the_uniform():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
-    tokens = sample(logits, bp(SamplingParams(temperature=0), SamplingParams(temperature=0)), torch.tensor([0.99, 0.01]))
+    tokens = sample(
+        logits, bp(SamplingParams(temperature=0), SamplingParams(temperature=0)), torch.tensor([0.99, 0.01])
+    )
     assert tokens.tolist() == [1, 0]
 
 
@@ -64,15 +66,20 @@ def test_logprobs_are_of_the_model_distribution():
 
 def test_penalised_requests_through_the_engine_avoid_repeats(make_engine):
     from server.engine import EngineRequest
-
-    from .conftest import Collector, tokens_of
+    from tests.helpers import Collector, tokens_of
 
     engine = make_engine()
     prompt = [5, 6, 7, 8]
     plain = Collector()
     engine.submit(EngineRequest("plain", prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)), plain)
     penalised = Collector()
-    engine.submit(EngineRequest("pen", prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
-                                                              frequency_penalty=2.0, presence_penalty=2.0)), penalised)
+    engine.submit(
+        EngineRequest(
+            "pen",
+            prompt,
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
+        ),
+        penalised,
+    )
     plain_tokens, pen_tokens = tokens_of(plain.wait()), tokens_of(penalised.wait())
     assert len(set(pen_tokens)) > len(set(plain_tokens))  # a random tiny model loops greedily; penalties break it

@@ -82,21 +82,21 @@ def test_fifo_admission_when_slots_are_full():
     scheduler.add(SchedSeq("a", to_prefill=2))
     scheduler.add(SchedSeq("b", to_prefill=2, rows=2))  # needs two slots: blocks the queue head
     scheduler.add(SchedSeq("c", to_prefill=2))
-    plan = scheduler.schedule()
-    assert plan.admitted == ["a"]  # c would fit, but does not overtake b
+    scheduler.schedule()
+    assert list(scheduler.active) == ["a"]  # c would fit, but does not overtake b
     assert list(scheduler.waiting) == ["b", "c"]
     scheduler.prefilled("a", 2)
     assert scheduler.finish_row("a", scheduler.active["a"].slots[0])
-    plan = scheduler.schedule()
-    assert plan.admitted == ["b"] and list(scheduler.waiting) == ["c"]
+    scheduler.schedule()
+    assert list(scheduler.active) == ["b"] and list(scheduler.waiting) == ["c"]
 
 
 def test_offload_makes_room_and_release_returns_slots():
     allocator = FakeAllocator(2, idle_sessions=2)
     scheduler = Scheduler(allocator, max_batch_tokens=64, max_prefill_chunk=8)
     scheduler.add(SchedSeq("new", to_prefill=3))
-    plan = scheduler.schedule()
-    assert plan.admitted == ["new"] and allocator.offloaded == [1]
+    scheduler.schedule()
+    assert list(scheduler.active) == ["new"] and allocator.offloaded == [1]
     removed = scheduler.remove("new")
     assert removed.seq_id == "new" and allocator.released == [1]
     assert scheduler.num_waiting == 0 and scheduler.num_running == 0

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from server.engine import EngineError, SamplingParams
-
-from .conftest import run, tokens_of
+from tests.helpers import run, tokens_of
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PENALISED = SamplingParams(max_tokens=10, temperature=0.9, seed=4, repetition_penalty=1.8, ignore_eos=True)
@@ -20,21 +19,21 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def session_bytes(engine, session_id: str) -> int:
     """Host bytes of everything a session keeps besides its slot's state and its turn snapshots."""
     def measure() -> int:
-        session = engine.sessions.sessions[session_id]
+        session = engine.registry.by_id[session_id]
         tensors = [t for t in (session.logits, session.seen) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors) + 8 * (len(session.pending) + len(session.tail))
-    return engine._call(measure).result(10)
+    return engine.commands.call(measure).result(10)
 
 
 def test_penalties_see_the_whole_history_after_export_and_import(make_engine):
     """A greedy model loops over its favourite tokens; with a strong repetition penalty, a continuation
     must avoid every token of the history — including what came before an export/import."""
     engine = make_engine()
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     head = prompt(25, 1)
     loop = tokens_of(run(engine, head, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), "t1",
                          session_id=session.id))
-    restored = engine.import_session(engine.export_session(session.id, None).result(10), None).result(10)
+    restored = engine.sessions.import_(engine.sessions.export(session.id, None).result(10), None).result(10)
     strict = SamplingParams(max_tokens=6, temperature=0, repetition_penalty=10.0, ignore_eos=True)
     continued = tokens_of(run(engine, [], strict, "t2", session_id=restored.id))
     whole = tokens_of(run(engine, head + loop, strict, "whole"))
@@ -45,49 +44,49 @@ def test_penalties_see_the_whole_history_after_export_and_import(make_engine):
 
 def test_a_session_does_not_grow_with_its_history(make_engine):
     engine = make_engine(session_turns_kept=2)
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     run(engine, prompt(10, 2), SamplingParams(max_tokens=5, temperature=0), "short", session_id=session.id)
     small = session_bytes(engine, session.id)
     for i in range(4):
         run(engine, prompt(200, 3 + i), SamplingParams(max_tokens=100, temperature=0.8, seed=i, ignore_eos=True),
             f"long{i}", session_id=session.id)
-    assert engine.session_info(session.id, None).result(10).tokens > 1000
+    assert engine.sessions.info(session.id, None).result(10).tokens > 1000
     assert session_bytes(engine, session.id) == small
-    assert len(engine.session_turns(session.id, None).result(10)) == 2
+    assert len(engine.sessions.turns(session.id, None).result(10)) == 2
 
 
 def test_rewind_equals_never_having_had_the_dropped_turns(make_engine):
     engine = make_engine()
-    session = engine.create_session(None).result(10)
+    session = engine.sessions.create(None).result(10)
     head = prompt(20, 5)
     run(engine, head, SamplingParams(max_tokens=0), "t1", session_id=session.id)
     answer = tokens_of(run(engine, [7], PENALISED, "t2", session_id=session.id))
     run(engine, [8, 9], PENALISED, "t3", session_id=session.id)  # the turn to regenerate
-    turns = engine.session_turns(session.id, None).result(10)
+    turns = engine.sessions.turns(session.id, None).result(10)
     assert [t.index for t in turns] == [1, 2, 3]
     assert [t.tokens for t in turns][:2] == [20, 20 + 1 + len(answer)]
-    info = engine.rewind_session(session.id, None, 2).result(10)
+    info = engine.sessions.rewind(session.id, None, 2).result(10)
     assert info.tokens == 21 + len(answer)
     again = tokens_of(run(engine, [8, 9], PENALISED, "t3b", session_id=session.id))
-    reference = engine.create_session(None).result(10)
+    reference = engine.sessions.create(None).result(10)
     run(engine, head, SamplingParams(max_tokens=0), "r1", session_id=reference.id)
     run(engine, [7], PENALISED, "r2", session_id=reference.id)
     assert again == tokens_of(run(engine, [8, 9], PENALISED, "r3", session_id=reference.id))
-    assert [t.index for t in engine.session_turns(session.id, None).result(10)] == [1, 2, 3]
+    assert [t.index for t in engine.sessions.turns(session.id, None).result(10)] == [1, 2, 3]
     with pytest.raises(EngineError) as error:
-        engine.rewind_session(session.id, None, 9).result(10)
+        engine.sessions.rewind(session.id, None, 9).result(10)
     assert error.value.param == "turn"
 
 
 def test_rewind_works_from_the_host_tier(make_engine):
     engine = make_engine(num_slots=2, max_n=1, reserved_slots=1)
-    a = engine.create_session(None).result(10)
+    a = engine.sessions.create(None).result(10)
     run(engine, prompt(12, 6), SamplingParams(max_tokens=0), "a1", session_id=a.id)
     expected = tokens_of(run(engine, [1], GREEDY, "a2", session_id=a.id))
     run(engine, [2], GREEDY, "a3", session_id=a.id)
     for i in range(2):  # push `a` to host memory
-        other = engine.create_session(None).result(10)
+        other = engine.sessions.create(None).result(10)
         run(engine, prompt(5, 10 + i), SamplingParams(max_tokens=0), f"o{i}", session_id=other.id)
-    assert engine.session_info(a.id, None).result(10).tier == "host"
-    engine.rewind_session(a.id, None, 1).result(10)
+    assert engine.sessions.info(a.id, None).result(10).tier == "host"
+    engine.sessions.rewind(a.id, None, 1).result(10)
     assert tokens_of(run(engine, [1], GREEDY, "a2b", session_id=a.id)) == expected

@@ -16,9 +16,7 @@ import torch
 
 from server.engine import EngineError, EngineRequest, SamplingParams
 from server.engine.types import FinishReason
-
-from ..conftest import start_redis
-from .conftest import Collector, assert_slots_balance, run, tokens_of
+from tests.helpers import Collector, assert_slots_balance, run, start_redis, tokens_of
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 TIMEOUT_S = 0.5  # the store deadline in these tests
@@ -36,7 +34,7 @@ def store_error(future) -> EngineError:
 
 
 def memory_sessions(engine) -> int:
-    return engine._call(lambda: len(engine.sessions.sessions)).result(10)
+    return engine.commands.call(lambda: len(engine.registry.by_id)).result(10)
 
 
 def wait_up(engine, timeout: float = 15.0) -> None:
@@ -96,7 +94,7 @@ def assert_kept_pace(pace: dict[str, float]) -> None:
 def session_work(engine, session_id: str, owner: str | None, tag: str) -> list[bool]:
     """A mix of session commands (create, continue, fork, delete); whether each succeeded."""
     done = []
-    for future in [engine.create_session(owner) for _ in range(3)]:
+    for future in [engine.sessions.create(owner) for _ in range(3)]:
         try:
             done.append(bool(future.result(10 * TIMEOUT_S + 10)))
         except EngineError as error:
@@ -108,7 +106,7 @@ def session_work(engine, session_id: str, owner: str | None, tag: str) -> list[b
     except EngineError as error:
         assert error.kind == "store_unavailable", error.message
         done.append(False)
-    for command in (lambda: engine.fork_session(session_id, owner), lambda: engine.delete_session(session_id, owner)):
+    for command in (lambda: engine.sessions.fork(session_id, owner), lambda: engine.sessions.delete(session_id, owner)):
         try:
             command().result(10 * TIMEOUT_S + 10)
             done.append(True)
@@ -121,17 +119,17 @@ def session_work(engine, session_id: str, owner: str | None, tag: str) -> list[b
 def test_a_missing_store_directory_fails_session_work_and_keeps_every_acknowledged_turn(make_engine, tmp_path):
     directory = tmp_path / "sessions"
     engine = make_engine(num_slots=8, session_store=f"dir:{directory}", session_store_timeout_s=TIMEOUT_S)
-    kept = engine.create_session("k").result(10)
+    kept = engine.sessions.create("k").result(10)
     run(engine, prompt(12, 1), GREEDY, "t1", session_id=kept.id, owner="k")  # acknowledged: on disk
-    doomed = engine.create_session("k").result(10)
-    reference = engine.fork_session(kept.id, "k").result(10)  # what `kept` continues with after the outage
+    doomed = engine.sessions.create("k").result(10)
+    reference = engine.sessions.fork(kept.id, "k").result(10)  # what `kept` continues with after the outage
     expected = tokens_of(run(engine, [5, 6], GREEDY, "ref", session_id=reference.id, owner="k"))
     pace = Pace(engine)
-    scratch = engine.create_session("k").result(10)
+    scratch = engine.sessions.create("k").result(10)
     assert all(session_work(engine, scratch.id, "k", "up"))  # the same work with the store up: the baseline
-    for session in engine.list_sessions("k", None, 100, True).result(10)[0]:
+    for session in engine.sessions.list("k", None, 100, True).result(10)[0]:
         if session.id not in (kept.id, doomed.id, reference.id):
-            engine.delete_session(session.id, "k").result(10)
+            engine.sessions.delete(session.id, "k").result(10)
     before = memory_sessions(engine)
     pace.switch("outage")
     os.rename(directory, tmp_path / "elsewhere")  # the store's directory is gone (unmounted, removed)
@@ -140,7 +138,7 @@ def test_a_missing_store_directory_fails_session_work_and_keeps_every_acknowledg
     failed = run(engine, [7, 8], GREEDY, "t2", session_id=doomed.id, owner="k")
     assert failed[-1].finish_reason is FinishReason.ERROR and failed[-1].error_kind == "store_unavailable"
     assert not any(session_work(engine, kept.id, "k", "down"))  # now each change is refused at once
-    store_error(engine.delete_session(doomed.id, "k"))
+    store_error(engine.sessions.delete(doomed.id, "k"))
     assert memory_sessions(engine) == before - 1  # `doomed` rolled back to its record; nothing new is left
     assert not engine.store_worker.up
     assert_kept_pace(pace.stop())
@@ -148,32 +146,32 @@ def test_a_missing_store_directory_fails_session_work_and_keeps_every_acknowledg
 
     os.rename(tmp_path / "elsewhere", directory)
     wait_up(engine)
-    assert engine.session_info(kept.id, "k").result(10).tokens == 12 + 6  # the acknowledged turn only
+    assert engine.sessions.info(kept.id, "k").result(10).tokens == 12 + 6  # the acknowledged turn only
     assert tokens_of(run(engine, [5, 6], GREEDY, "t3", session_id=kept.id, owner="k")) == expected
-    assert engine.session_info(doomed.id, "k").result(10).tokens == 0  # its failed turn is not part of it
-    engine.delete_session(doomed.id, "k").result(10)
+    assert engine.sessions.info(doomed.id, "k").result(10).tokens == 0  # its failed turn is not part of it
+    engine.sessions.delete(doomed.id, "k").result(10)
     engine.stop()
     restarted = make_engine(num_slots=8, session_store=f"dir:{directory}")
     with pytest.raises(EngineError) as error:
-        restarted.session_info(doomed.id, "k").result(10)
+        restarted.sessions.info(doomed.id, "k").result(10)
     assert error.value.kind == "not_found"  # an acknowledged delete never comes back
-    assert restarted.session_info(kept.id, "k").result(10).tokens == 12 + 6 + 2 + 6
-    assert len(restarted.list_sessions("k", None, 100, True).result(10)[0]) == 2  # kept and reference
+    assert restarted.sessions.info(kept.id, "k").result(10).tokens == 12 + 6 + 2 + 6
+    assert len(restarted.sessions.list("k", None, 100, True).result(10)[0]) == 2  # kept and reference
     assert_slots_balance(restarted)
 
 
 def test_a_frozen_redis_fails_in_time_and_what_it_runs_on_waking_changes_nothing(make_engine, redis_url):
     url, server = redis_url
     engine = make_engine(num_slots=8, session_store=url, session_store_timeout_s=TIMEOUT_S)
-    kept = engine.create_session("k").result(10)
+    kept = engine.sessions.create("k").result(10)
     run(engine, prompt(10, 2), GREEDY, "t1", session_id=kept.id, owner="k")
     pace = Pace(engine)
-    scratch = engine.create_session("k").result(10)
+    scratch = engine.sessions.create("k").result(10)
     assert all(session_work(engine, scratch.id, "k", "up"))
-    for session in engine.list_sessions("k", None, 100, True).result(10)[0]:
+    for session in engine.sessions.list("k", None, 100, True).result(10)[0]:
         if session.id != kept.id:
-            engine.delete_session(session.id, "k").result(10)
-    store = engine.sessions.store
+            engine.sessions.delete(session.id, "k").result(10)
+    store = engine.registry.store
     records = store.count()
     pace.switch("outage")
     turn = Collector()  # a turn under way when Redis freezes: generated, then its write times out
@@ -195,7 +193,7 @@ def test_a_frozen_redis_fails_in_time_and_what_it_runs_on_waking_changes_nothing
     wait_up(engine)
     time.sleep(0.3)  # Redis has run every command that was waiting in its socket
     assert store.count() == records  # none of the late writes landed
-    info = engine.session_info(kept.id, "k").result(10)
+    info = engine.sessions.info(kept.id, "k").result(10)
     assert info.tokens == 10 + 6  # the acknowledged turn; the late turn and the late delete changed nothing
     assert_slots_balance(engine)
 
@@ -205,23 +203,23 @@ def test_a_dead_redis_leaves_nothing_behind_and_its_sessions_return_with_it(make
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     try:
         engine = make_engine(num_slots=8, session_store=url, session_store_timeout_s=TIMEOUT_S)
-        kept = engine.create_session(None).result(10)
+        kept = engine.sessions.create(None).result(10)
         run(engine, prompt(8, 3), GREEDY, "t1", session_id=kept.id)
-        twin = engine.fork_session(kept.id, None).result(10)
+        twin = engine.sessions.fork(kept.id, None).result(10)
         expected = tokens_of(run(engine, [3], GREEDY, "ref", session_id=twin.id))
         before = memory_sessions(engine)
         server.kill()  # SIGKILL: what it acknowledged is in its append-only file
         server.wait(10)
         for _ in range(10):
-            store_error(engine.create_session(None))
-        store_error(engine.rewind_session(kept.id, None, 1))
+            store_error(engine.sessions.create(None))
+        store_error(engine.sessions.rewind(kept.id, None, 1))
         assert memory_sessions(engine) == before  # nothing left behind (6 -> 21 sessions, before this fix)
         assert tokens_of(run(engine, prompt(4), GREEDY, "stateless"))  # stateless work goes on
         assert_slots_balance(engine)
         _, server = start_redis(tmp_path, port, durable=True)  # back, with its data
         wait_up(engine)
         assert tokens_of(run(engine, [3], GREEDY, "after", session_id=kept.id)) == expected
-        assert engine.session_info(twin.id, None).result(10).tokens == 8 + 6 + 1 + 6
+        assert engine.sessions.info(twin.id, None).result(10).tokens == 8 + 6 + 1 + 6
     finally:
         server.kill()
         server.wait(10)
@@ -245,18 +243,18 @@ def test_the_engine_thread_never_calls_the_store(make_engine, redis_url, tmp_pat
                     return _method(*args, **kwargs)
                 setattr(store, name, noted)
 
-    watch(engine.sessions.store)
-    session = engine.create_session("k").result(10)
+    watch(engine.registry.store)
+    session = engine.sessions.create("k").result(10)
     run(engine, prompt(9), GREEDY, "t1", session_id=session.id, owner="k")
     run(engine, [3], GREEDY, "t2", session_id=session.id, owner="k")
-    fork = engine.fork_session(session.id, "k").result(10)
-    imported = engine.import_session(engine.export_session(session.id, "k").result(10), "k").result(10)
-    engine.rewind_session(session.id, "k", 1).result(10)
-    assert len(engine.list_sessions("k", None, 10, True).result(10)[0]) == 3
-    engine.delete_session(fork.id, "k").result(10)
+    fork = engine.sessions.fork(session.id, "k").result(10)
+    imported = engine.sessions.import_(engine.sessions.export(session.id, "k").result(10), "k").result(10)
+    engine.sessions.rewind(session.id, "k", 1).result(10)
+    assert len(engine.sessions.list("k", None, 10, True).result(10)[0]) == 3
+    engine.sessions.delete(fork.id, "k").result(10)
     engine.stop()
     second = make_engine(num_slots=8, session_store=spec)
-    watch(second.sessions.store)
-    assert second.session_info(imported.id, "k").result(10).tokens == 9 + 6 + 1 + 6
-    second.delete_session(imported.id, "k").result(10)
+    watch(second.registry.store)
+    assert second.sessions.info(imported.id, "k").result(10).tokens == 9 + 6 + 1 + 6
+    second.sessions.delete(imported.id, "k").result(10)
     assert callers == {"linserve-session-store"}, callers

@@ -7,7 +7,7 @@ import concurrent.futures
 
 import pytest
 
-from tests.server.engine.conftest import assert_slots_balance
+from tests.helpers import assert_slots_balance
 
 
 def listing(client, headers=None, **params):

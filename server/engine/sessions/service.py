@@ -1,5 +1,6 @@
-"""The engine's session methods (any thread): each returns a future. Mixed into `Engine`, which provides
-`_call` / `_internal_call` (run on the engine thread), `sessions` (the SessionManager) and `store_worker`.
+"""The session commands (any thread): each returns a future. `Engine` builds one `SessionService` with what
+it needs — the registry, the store worker, and `call` / `internal_call`, which run a function on the
+engine thread — and exposes it as `engine.sessions`.
 
 A command that names a session runs in up to three hops, and the engine thread never waits for I/O:
 1. lookup (store thread): the record if this process holds no current copy, the revision and, for a
@@ -16,59 +17,66 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .session_leases import LEASE_GRACE_S, LeaseHeld, Lookup
-from .session_listing import list_sessions
-from .session_manager import SessionBusy, StaleLookup, store_failure
-from .sessions import Session
-from .store_worker import StoreStep
+from .leases import LEASE_GRACE_S, LeaseHeld, Lookup
+from .listing import list_sessions
+from .records import Session
+from .registry import SessionBusy, SessionRegistry, StaleLookup, store_failure
+from .worker import StoreStep, StoreWorker
 
 LOOKUP_ATTEMPTS = 3  # a session that changes under every lookup (it cannot, short of a bug) is a 503
 
 
-class SessionCommands:
-    def create_session(self, owner: str | None, first_prompt: bool = False) -> Future:
+class SessionService:
+    def __init__(self, registry: SessionRegistry, worker: StoreWorker | None, call: Callable[[Callable], Future],
+                 internal_call: Callable[[Callable], Future], state_bytes: int,
+                 on_skipped_record: Callable[[str, str], None] = lambda session_id, reason: None) -> None:
+        self.registry, self.worker = registry, worker
+        self._call, self._internal_call = call, internal_call
+        self.state_bytes = state_bytes
+        self.on_skipped_record = on_skipped_record
+
+    def create(self, owner: str | None, first_prompt: bool = False) -> Future:
         """`first_prompt`: the caller continues the session with a prompt at once; that turn writes the record
         (until then it exists in this process only, and a failure leaves nothing in the store)."""
-        return self._session_command(lambda _: self.sessions.create(owner, first_prompt))
+        return self.command(lambda _: self.registry.create(owner, first_prompt))
 
-    def session_info(self, session_id: str, owner: str | None) -> Future:
-        return self._session_command(self.sessions.info, session_id, owner)
+    def info(self, session_id: str, owner: str | None) -> Future:
+        return self.command(self.registry.info, session_id, owner)
 
-    def fork_session(self, session_id: str, owner: str | None) -> Future:
-        return self._session_command(lambda source: self.sessions.fork(source, owner), session_id, owner)
+    def fork(self, session_id: str, owner: str | None) -> Future:
+        return self.command(lambda source: self.registry.fork(source, owner), session_id, owner)
 
-    def export_session(self, session_id: str, owner: str | None) -> Future:
-        return self._session_command(self.sessions.export, session_id, owner)
+    def export(self, session_id: str, owner: str | None) -> Future:
+        return self.command(self.registry.export, session_id, owner)
 
-    def import_session(self, data: bytes, owner: str | None) -> Future:
-        return self._session_command(lambda _: self.sessions.import_(data, owner))
+    def import_(self, data: bytes, owner: str | None) -> Future:
+        return self.command(lambda _: self.registry.import_(data, owner))
 
-    def session_turns(self, session_id: str, owner: str | None) -> Future:
-        return self._session_command(lambda session: list(session.turns), session_id, owner)
+    def turns(self, session_id: str, owner: str | None) -> Future:
+        return self.command(lambda session: list(session.turns), session_id, owner)
 
-    def rewind_session(self, session_id: str, owner: str | None, turn: int) -> Future:
-        return self._session_command(lambda session: self.sessions.rewind(session, turn), session_id, owner,
-                                     claim=True)
+    def rewind(self, session_id: str, owner: str | None, turn: int) -> Future:
+        return self.command(lambda session: self.registry.rewind(session, turn), session_id, owner, claim=True)
 
-    def delete_session(self, session_id: str, owner: str | None, wait_s: float = LEASE_GRACE_S) -> Future:
+    def delete(self, session_id: str, owner: str | None, wait_s: float = LEASE_GRACE_S) -> Future:
         """`wait_s`: how long a session busy here or elsewhere is waited for before a 409."""
-        return self._session_command(self.sessions.delete, session_id, owner, claim=True, wait_s=wait_s)
+        return self.command(self.registry.delete, session_id, owner, claim=True, wait_s=wait_s)
 
-    def list_sessions(self, owner: str | None, after: str | None, limit: int, descending: bool) -> Future:
+    def list(self, owner: str | None, after: str | None, limit: int, descending: bool) -> Future:
         """(a page of the caller's sessions, whether more follow): the in-memory ones snapshotted on the engine
-        thread, the store's read on the store thread (see session_listing)."""
+        thread, the store's read on the store thread (see listing.py)."""
         def snapshot(_) -> object:
-            memory = self.sessions.owned_infos(owner)
-            if self.store_worker is None:
-                return list_sessions(memory, None, owner or "", after, limit, descending, self.pool.slot_bytes)
+            memory = self.registry.owned_infos(owner)
+            if self.worker is None:
+                return list_sessions(memory, None, owner or "", after, limit, descending, self.state_bytes)
             return StoreStep("list", lambda deadline: list_sessions(
-                memory, self.sessions.store, owner or "", after, limit, descending, self.pool.slot_bytes,
-                self._skipped_record))
+                memory, self.registry.store, owner or "", after, limit, descending, self.state_bytes,
+                self.on_skipped_record))
 
-        return self._session_command(snapshot)
+        return self.command(snapshot)
 
     # ------------------------------------------------------------------ the hops
-    def _session_command(self, act: Callable[[Session | None], object], session_id: str | None = None,
+    def command(self, act: Callable[[Session | None], object], session_id: str | None = None,
                          owner: str | None = None, claim: bool = False, wait_s: float = LEASE_GRACE_S) -> Future:
         """`act(session)` on the engine thread after the store lookup (see the module doc); a StoreStep it
         returns is run, then settled, before the future resolves. A session busy here or on another replica
@@ -78,14 +86,14 @@ class SessionCommands:
         attempts = [0]
 
         def look(refetch: bool = False) -> None:
-            if session_id is None or self.store_worker is None:
+            if session_id is None or self.worker is None:
                 act_on(None)
                 return
-            if not self.sessions.shared and not refetch and self.sessions.holds(session_id):
+            if not self.registry.shared and not refetch and self.registry.holds(session_id):
                 act_on(Lookup(session_id, None, None, None, fetched=False))  # nothing to read (re-checked there)
                 return
-            access = self.sessions.access
-            looked = self.store_worker.submit(
+            access = self.registry.access
+            looked = self.worker.submit(
                 "get", lambda deadline: access.lookup(session_id, claim, refetch, deadline))
             looked.add_done_callback(lambda f: after_lookup(f))
 
@@ -118,7 +126,7 @@ class SessionCommands:
             elif error is not None:
                 outer.set_exception(error)
             elif isinstance(acted.result(), StoreStep):
-                self._run_store_step(acted.result(), outer)
+                self.run_store_step(acted.result(), outer)
             else:
                 outer.set_result(acted.result())
 
@@ -130,19 +138,19 @@ class SessionCommands:
         try:
             session = None
             if session_id is not None:
-                session = self.sessions.resolve(session_id, owner, found)
+                session = self.registry.resolve(session_id, owner, found)
                 if claim:
-                    self.sessions.claim(session, found)
+                    self.registry.claim(session, found)
             return act(session)
         except BaseException:
             if found is not None and found.lease is not None and (session is None or session.lease == found.lease):
                 if session is not None:
                     session.lease = None
-                self.store_worker.submit("release", lambda deadline: self.sessions.access.release(
+                self.worker.submit("release", lambda deadline: self.registry.access.release(
                     found.session_id, found.lease), None)
             raise
 
-    def _run_store_step(self, step: StoreStep, outer: Future | None = None) -> None:
+    def run_store_step(self, step: StoreStep, outer: Future | None = None) -> None:
         """Run the step on the store thread, then settle it on the engine thread; the answer goes to `outer`."""
         def stored(done: Future) -> None:
             error = done.exception()
@@ -159,4 +167,4 @@ class SessionCommands:
                 settled.add_done_callback(lambda s: outer.set_exception(s.exception()) if s.exception() is not None
                                           else outer.set_result(s.result()))
 
-        self.store_worker.submit(step.op, step.run).add_done_callback(stored)
+        self.worker.submit(step.op, step.run).add_done_callback(stored)

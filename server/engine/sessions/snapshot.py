@@ -1,12 +1,6 @@
-"""Sessions: a named, persistent state that is exactly consistent with its history, and its snapshot.
-
-Invariant: the state has consumed every history token except `pending` (the last sampled token, not
-yet fed). When nothing is pending, `logits` holds the distribution for the next token, so a session can
-continue with or without a new prompt. Nothing in a session grows with its length: besides the state it
-keeps the token count, `seen` — a (vocab,) bool vector of every token in its history, which is all the
-repetition penalty reads — and the last few tokens (`tail`, context for detokenizing what comes next).
-A snapshot carries exactly that plus a format version and the model's fingerprint, as safetensors bytes;
-resuming from it is indistinguishable from never having left, penalties included.
+"""A session's snapshot: its state and history (and, in a store record, its kept turns and bookkeeping) as
+safetensors bytes with a format version and the model's fingerprint; resuming from one is
+indistinguishable from never having left, penalties included. Decoding validates everything.
 """
 
 from __future__ import annotations
@@ -14,8 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
-import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -24,84 +16,15 @@ from safetensors.torch import save as st_save
 
 from model import LinearGPT
 
-from .types import EngineError
+from ..types import EngineError
+from .records import MAX_SESSION_TOKENS, TAIL_TOKENS, Turn
 
 SNAPSHOT_FORMAT = "linserve-session"
 SNAPSHOT_VERSION = "2"  # 1 had no `seen`/`tail`: still imported, with an empty penalty history
-TAIL_TOKENS = 6  # history tokens kept as detokenizer context (as many as it re-decodes)
 # What a real state can hold. A trained model's S, z and convolution window stay many orders of magnitude
 # below this (the shipped model, 16,384 random tokens: max |S| 943, max z 817); a state above it cannot
 # have come from the model and overflows fp32 in φ(q)ᵀS. z = Σ φ(k) is never negative (φ is positive).
 MAX_STATE_MAGNITUDE = 1e12
-MAX_SESSION_TOKENS = 2**48  # ~2.8e14 tokens: more than any session can have consumed
-
-
-@dataclass
-class Session:
-    id: str
-    owner: str | None
-    tokens: int = 0  # history length: consumed tokens plus the pending one
-    pending: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # (V,) fp32, when nothing is pending
-    seen: torch.Tensor | None = None  # (V,) bool on the host: tokens in the history (None: empty history)
-    tail: list[int] = field(default_factory=list)  # the last TAIL_TOKENS history tokens
-    slot: int | None = None  # device tier
-    host: dict[str, torch.Tensor] | None = None  # host tier (offloaded)
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    busy: bool = False
-    turns: list[Turn] = field(default_factory=list)  # the last `session_turns_kept`, oldest first
-    turn_count: int = 0  # turns completed (the index of the newest)
-    revision: str | None = None  # the store record this copy matches (shared stores: freshness check)
-    stored: bool = True  # False: created with a first prompt, not yet written (its first turn writes it)
-    lease: str | None = None  # token of the shared store's per-session lease it holds (one writer across replicas)
-
-    @property
-    def tier(self) -> str:
-        return "device" if self.slot is not None else "host"
-
-    def nbytes(self) -> int:
-        """Host bytes of everything the session holds: state (when offloaded), history, turn snapshots."""
-        tensors = [*(self.host or {}).values(), self.logits, self.seen]
-        for turn in self.turns:
-            tensors += [*turn.state.values(), turn.history["logits"], turn.history["seen"]]
-        words = len(self.pending) + len(self.tail) + sum(len(t.history["pending"]) + len(t.history["tail"])
-                                                         for t in self.turns)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + 8 * words
-
-    def copy_history(self) -> dict:
-        """Everything but the state and the bookkeeping: what a fork or a turn snapshot copies."""
-        return {"tokens": self.tokens, "pending": list(self.pending), "tail": list(self.tail),
-                "logits": None if self.logits is None else self.logits.clone(),
-                "seen": None if self.seen is None else self.seen.clone()}
-
-
-@dataclass(frozen=True)
-class Turn:
-    """The session as it was after one turn: its state (host copy) and history — one state's bytes plus
-    the (vocab,) `seen` vector, whatever the history's length."""
-
-    index: int
-    tokens: int
-    created: float  # unix time
-    state: dict[str, torch.Tensor]
-    history: dict
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    id: str
-    tokens: int
-    state_bytes: int
-    tier: str
-    created: float
-    last_used: float  # unix time
-
-
-def new_session_id() -> str:
-    """`sess-` + 12 hex digits of the creation time in milliseconds + 20 random hex digits: ids sort in
-    creation order (a listing's order and cursor) and are still unguessable (80 random bits)."""
-    return f"sess-{time.time_ns() // 1_000_000:012x}{uuid.uuid4().hex[:20]}"
 
 
 def model_fingerprint(model: LinearGPT) -> str:

@@ -260,16 +260,3 @@ class DirStore:
             out.write(b"ok")
             os.fsync(out.fileno())
         probe.unlink()
-
-
-def open_store(spec: str, ttl_s: float = 3600.0, timeout_s: float = 2.0) -> SessionStore | None:
-    """`none`, `dir:PATH` or `redis://HOST:PORT/DB`."""
-    if spec == "none":
-        return None
-    if spec.startswith("dir:") and len(spec) > 4:
-        return DirStore(spec[4:])
-    if spec.startswith(("redis://", "rediss://", "unix://")):
-        from .redis_store import RedisStore  # only needed for this store
-
-        return RedisStore(spec, ttl_s, timeout_s)
-    raise ValueError(f"session_store must be 'none', 'dir:PATH' or 'redis://HOST:PORT/DB', got {spec!r}")

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
-from .session_store import SessionStore, StoreTimeout, StoreUnavailable
-from .types import EngineError
+from ..types import EngineError
+from .stores import SessionStore, StoreTimeout, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 

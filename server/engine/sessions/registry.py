@@ -20,22 +20,18 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 import torch
 
 from model import LinearGPT
 
-from .session_leases import LEASE_RENEW_S, Lookup, StoreAccess
-from .session_store import SessionStore
-from .sessions import (MAX_SESSION_TOKENS, TAIL_TOKENS, Session, SessionInfo, Turn, decode_snapshot, encode_snapshot,
-                       model_fingerprint, new_session_id, record_fields)
-from .state_pool import StatePool
-from .store_worker import StoreStep, StoreWorker, error_kind
-from .types import EngineError
-
-if TYPE_CHECKING:
-    from .live import LiveRequest
+from ..state_pool import StatePool
+from ..types import EngineError
+from .leases import LEASE_RENEW_S, Lookup, StoreAccess
+from .records import MAX_SESSION_TOKENS, TAIL_TOKENS, Session, SessionInfo, Turn, TurnResult, new_session_id
+from .snapshot import decode_snapshot, encode_snapshot, model_fingerprint, record_fields
+from .stores import SessionStore
+from .worker import StoreStep, StoreWorker, error_kind
 
 EXPIRY_CHECK_INTERVAL_S = 1.0
 STORE_SWEEP_INTERVAL_S = 10.0
@@ -62,7 +58,7 @@ def store_failure(error: BaseException, outcome: str) -> EngineError:
                        kind="store_unavailable")
 
 
-class SessionManager:
+class SessionRegistry:
     def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
                  reserved_slots: int = 0, turns_kept: int = 8, store: SessionStore | None = None,
                  worker: StoreWorker | None = None) -> None:
@@ -77,7 +73,7 @@ class SessionManager:
         self.max_host_sessions = max_host_sessions
         self.max_sessions = max_host_sessions + pool.num_slots - reserved_slots
         self.ttl_s = ttl_s
-        self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.by_id: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._fingerprint: str | None = None
         self._last_expiry = 0.0
         self._last_renew = 0.0
@@ -92,17 +88,17 @@ class SessionManager:
 
     def holds(self, session_id: str) -> bool:
         """Whether this process has the session in memory (any thread: a hint the engine thread re-checks)."""
-        return session_id in self.sessions
+        return session_id in self.by_id
 
     def _held(self, session_id: str) -> tuple[bool, str | None]:
         """(held in memory, its revision) — read by the store thread as a hint."""
-        session = self.sessions.get(session_id)
+        session = self.by_id.get(session_id)
         return (False, None) if session is None else (True, session.revision)
 
     # ---- lookup ----
     def resolve(self, session_id: str, owner: str | None, found: Lookup | None) -> Session:
         """The session, from memory or from the record the store lookup fetched."""
-        session = self.sessions.get(session_id)
+        session = self.by_id.get(session_id)
         if found is not None:
             if session is not None and self.shared and not session.busy and session.revision != found.revision:
                 self._drop(session)  # another replica advanced, rewound or deleted it since we held it
@@ -134,8 +130,8 @@ class SessionManager:
                               param="session_id") from None
         self._check_capacity()
         session = Session(id=session_id, host=snapshot.state, turns=list(snapshot.turns), **fields, **snapshot.history)
-        self.sessions[session_id] = session
-        self.sessions.move_to_end(session_id, last=False)  # coldest: first to leave memory again
+        self.by_id[session_id] = session
+        self.by_id.move_to_end(session_id, last=False)  # coldest: first to leave memory again
         return session
 
     def info(self, session: Session) -> SessionInfo:
@@ -145,23 +141,23 @@ class SessionManager:
 
     def owned_infos(self, owner: str | None) -> dict[str, SessionInfo]:
         """The caller's sessions in memory, described (a listing's snapshot; engine thread)."""
-        return {s.id: self.info(s) for s in self.sessions.values() if s.owner == owner}
+        return {s.id: self.info(s) for s in self.by_id.values() if s.owner == owner}
 
     def tier_counts(self) -> dict[str, int]:
         """Sessions per tier, in one pass (reported after every engine step)."""
         counts = {"device": 0, "host": 0}
-        for session in self.sessions.values():
+        for session in self.by_id.values():
             counts[session.tier] += 1
         return counts
 
     def _touch(self, session: Session) -> None:
         session.last_used = time.monotonic()
-        self.sessions.move_to_end(session.id)
+        self.by_id.move_to_end(session.id)
 
     def _check_capacity(self) -> None:
         if not self.pool.supports_sessions:
             raise EngineError("sessions need a linear-attention model (this one keeps a KV cache)", param="model")
-        if len(self.sessions) >= self.max_sessions:
+        if len(self.by_id) >= self.max_sessions:
             raise EngineError(f"session limit reached ({self.max_sessions}): delete sessions or retry later",
                               kind="capacity")
 
@@ -214,19 +210,19 @@ class SessionManager:
         return StoreStep("put", self._record_write(session), settle)
 
     def _add(self, session: Session) -> StoreStep | SessionInfo:
-        self.sessions[session.id] = session
+        self.by_id[session.id] = session
         return self._stored_change(session, "created", "the session was not created")
 
     def discard(self, session: Session) -> None:
         """Drop the in-memory copy (and its slot), if it is still the one held."""
-        if self.sessions.get(session.id) is session:
+        if self.by_id.get(session.id) is session:
             self._drop(session)
 
     def _drop(self, session: Session) -> None:
         if session.slot is not None:
             self.pool.free(session.slot)
             session.slot = None
-        del self.sessions[session.id]
+        del self.by_id[session.id]
 
     # ---- lifecycle ----
     def create(self, owner: str | None, first_prompt: bool = False) -> StoreStep | SessionInfo:
@@ -237,7 +233,7 @@ class SessionManager:
         session = Session(id=new_session_id(), owner=owner, slot=self.allocate_slot())
         if first_prompt and self.store is not None:
             session.stored = False
-            self.sessions[session.id] = session
+            self.by_id[session.id] = session
             return self.info(session)
         return self._add(session)
 
@@ -258,16 +254,15 @@ class SessionManager:
             self.worker.submit("release", lambda deadline: self.access.release(session.id, lease), None)
         self._touch(session)
 
-    def commit(self, session: Session, live: LiveRequest) -> StoreStep | None:
+    def commit(self, session: Session, turn: TurnResult) -> StoreStep | None:
         """After a request: the history grows by what the state consumed plus the sampled tokens; each
         change of the head is a turn. Returns the turn's store write (None: nothing to store; released)."""
         old_pending = len(session.pending)
         consumed_prompt: list[int] = []
-        if live.consumed >= old_pending and live.consumed > 0:
-            consumed_prompt = live.request.prompt_ids[: live.consumed - old_pending]
-            session.pending, session.logits = [], live.last_logits
-        row = live.rows[0] if live.rows else None
-        generated = row.num_generated if row is not None else 0
+        if turn.consumed >= old_pending and turn.consumed > 0:
+            consumed_prompt = turn.prompt_ids[: turn.consumed - old_pending]
+            session.pending, session.logits = [], turn.last_logits
+        generated = turn.generated
         if not (consumed_prompt or generated):
             self.release(session)
             return None
@@ -276,12 +271,11 @@ class SessionManager:
         if consumed_prompt:
             seen = seen.index_fill(0, torch.tensor(consumed_prompt), True)
         if generated:
-            seen = seen | (row.counts > 0).cpu()
-            session.pending, session.logits = [row.next_token], None
+            seen = seen | (turn.counts > 0).cpu()
+            session.pending, session.logits = [turn.next_token], None
         session.seen = seen
         session.tokens += len(consumed_prompt) + generated
-        recent = list(row.recent) if row is not None and row.recent is not None else []
-        session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + recent)[-TAIL_TOKENS:]
+        session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + list(turn.recent))[-TAIL_TOKENS:]
         self._record_turn(session)
         if self.store is None:
             self.release(session)
@@ -332,7 +326,8 @@ class SessionManager:
                 self.release(session)
             return None
         session.busy = True
-        store, access, session_id, owner, lease = self.store, self.access, session.id, session.owner or "", session.lease
+        store, access, lease = self.store, self.access, session.lease
+        session_id, owner = session.id, session.owner or ""
         session.lease = None
 
         def remove(deadline: float | None) -> None:
@@ -355,17 +350,17 @@ class SessionManager:
         now = time.monotonic()
         if self.shared and now - self._last_renew >= LEASE_RENEW_S:
             self._last_renew = now
-            leases = [(s.id, s.lease) for s in self.sessions.values() if s.lease is not None]
+            leases = [(s.id, s.lease) for s in self.by_id.values() if s.lease is not None]
             if leases:
                 self.worker.submit("renew", lambda deadline: self.access.renew(leases), None)
         if now - self._last_expiry < EXPIRY_CHECK_INTERVAL_S:
             return
         self._last_expiry = now
-        for session in [s for s in self.sessions.values() if not s.busy and now - s.last_used > self.ttl_s]:
+        for session in [s for s in self.by_id.values() if not s.busy and now - s.last_used > self.ttl_s]:
             self._drop(session)  # with a store, its record stays until the store's own expiry below
         if self.store is not None and not self._sweeping and now - self._last_sweep >= STORE_SWEEP_INTERVAL_S:
             self._last_sweep, self._sweeping = now, True
-            self.worker.submit("sweep", self._sweep_store(set(self.sessions)), None)
+            self.worker.submit("sweep", self._sweep_store(set(self.by_id)), None)
 
     def _sweep_store(self, in_memory: set[str]):
         store, ttl_s = self.store, self.ttl_s
@@ -396,7 +391,7 @@ class SessionManager:
         return slot
 
     def _offload_lru(self, keep: Session | None) -> bool:
-        for session in self.sessions.values():
+        for session in self.by_id.values():
             if session.slot is not None and not session.busy and session is not keep:
                 self.offload(session)
                 return True
@@ -454,6 +449,14 @@ class SessionManager:
         self._check_capacity()
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
         snapshot = decode_snapshot(data, template, self.fingerprint, self.model.config.vocab_size)
-        session = Session(id=new_session_id(), owner=owner, pending=snapshot.pending, logits=snapshot.logits,
-                          host=snapshot.state, tokens=snapshot.tokens, seen=snapshot.seen, tail=snapshot.tail)
+        session = Session(
+            id=new_session_id(),
+            owner=owner,
+            pending=snapshot.pending,
+            logits=snapshot.logits,
+            host=snapshot.state,
+            tokens=snapshot.tokens,
+            seen=snapshot.seen,
+            tail=snapshot.tail,
+        )
         return self._add(session)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import redis
 
-from .session_store import SESSION_ID, StoreTimeout, header_metadata, owner_key
+from .stores import SESSION_ID, StoreTimeout, header_metadata, owner_key
 
 # `late` is 1 when Redis' clock has passed ARGV[1] (the caller's deadline, unix ms)
 _LATE = ("if redis.replicate_commands then redis.replicate_commands() end "

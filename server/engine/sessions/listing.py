@@ -14,8 +14,8 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from .session_store import BrokenRecord, SessionStore, page_of
-from .sessions import SessionInfo
+from .records import SessionInfo
+from .stores import BrokenRecord, SessionStore, page_of
 
 
 def store_info(session_id: str, metadata: dict[str, str], state_bytes: int) -> SessionInfo:

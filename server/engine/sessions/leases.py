@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .session_store import SessionStore
-from .types import EngineError
+from ..types import EngineError
+from .stores import SessionStore
 
 logger = logging.getLogger(__name__)
 

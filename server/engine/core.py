@@ -1,0 +1,412 @@
+"""The engine core: one thread owns the model, the state pool and every live request.
+
+Callers (async handlers, tests, the CLI) talk to it only through `submit`, `abort` and `sessions` (the
+session commands, sessions/service.py), which queue commands and return futures; outputs go to a
+per-request sink callable, called on the engine thread. The loop, in `_run`:
+
+    drain commands → housekeeping → schedule → step: decode (one token per running row), deliver,
+                                                      prefill (a bounded token budget), deliver first tokens
+
+so a long prompt never stalls running streams. The model work is the step runner's (step_runner.py); the
+scheduler admits waiting requests into state slots (scheduler.py, calling `acquire`/`release` here); the
+session registry keeps the sessions' tiers (sessions/registry.py); the store is only ever touched by the
+store worker's thread (sessions/worker.py).
+
+Faults: a step that raises fails the requests it touched (their streams end with finish reason `error`)
+and the engine goes on; so does a request whose admission raises. Only repeated consecutive failures, or
+an error outside a step (a bug in the engine's own bookkeeping), end the thread — and a dead engine says
+so: `alive` turns False, every pending and later call fails with kind `dead`, every live request gets its
+error output, and `on_death` callbacks run (the server turns /health to 503 and exits for a restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
+
+import torch
+
+from model import LinearGPT
+
+from . import heap
+from .command_queue import ENGINE_DEAD, CommandQueue
+from .compiled_decode import TRACING, DecodeStep
+from .kv_pool import KVCachePool
+from .live import LiveRequest, Row
+from .prefix_cache import PrefixCache, scope_seed
+from .scheduler import SchedSeq, Scheduler, StepPlan
+from .sessions.backends import open_store
+from .sessions.records import Session
+from .sessions.registry import SessionRegistry
+from .sessions.service import SessionService
+from .sessions.worker import StoreStep, StoreWorker
+from .state_pool import StatePool
+from .step_runner import Delivery, StepRunner
+from .types import (
+    EngineConfig,
+    EngineError,
+    EngineRequest,
+    FinishReason,
+    PoolStats,
+    RecordSkipped,
+    RequestOutput,
+    StepStats,
+    StoreStats,
+)
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+StatsSink = Callable[[object], None]
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the device or model is taken to be broken: the engine dies
+STEP_FAILED = "the engine failed while serving this request (see the server log)"
+
+
+class Engine:
+    def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
+                 stats_sink: StatsSink | None = None) -> None:
+        self.model, self.config, self.device = model.eval(), config, device
+        # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
+        self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self.vocab_size, self.eos_id = model.config.vocab_size, tokenizer.eos_token_id
+        self.linear = model.config.attention == "linear"
+        self.stats_sink = stats_sink or (lambda stats: None)
+        self.pool = (StatePool(model, config.num_slots, device) if self.linear
+                     else KVCachePool(model, config.num_slots, config.max_context, device))
+        max_rows = min(config.num_slots, config.max_batch_tokens)
+        self.decode_step = DecodeStep(model, self.pool, device, config.compile, max_rows,
+                                      config.compile_cache_dir) if self.linear else None
+        self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
+                                        self.pool.slot_bytes)
+        self.runner = StepRunner(model, self.pool, self.decode_step, self.prefix_cache, device, self.vocab_size,
+                                 self.eos_id)
+        self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
+        store = (open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
+                 if self.linear else None)
+        self.store_worker = None if store is None else StoreWorker(store, config.session_store_timeout_s,
+                                                                   self._store_result)
+        self.registry = SessionRegistry(self.pool, model, config.max_host_sessions, config.session_ttl_s,
+                                        self.reserved_slots, config.session_turns_kept, store, self.store_worker)
+        self.commands = CommandQueue()
+        self.sessions = SessionService(self.registry, self.store_worker, self.commands.call, self.commands.internal,
+                                       self.pool.slot_bytes, self._skipped_record)
+        self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
+                                   config.max_prefill_while_decoding)
+        self.live: dict[str, LiveRequest] = {}
+        self.on_death: list[Callable[[BaseException], None]] = []
+        self._skipped_logged: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="linserve-engine", daemon=True)
+
+    # ---------------------------------------------------------------- public, any thread
+    def start(self) -> Engine:
+        self._thread.start()
+        if self.decode_step is not None:
+            self.decode_step.start()  # compiles in the background; eager serves meanwhile
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.commands.death is None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight (finish reason `abort`), end the thread, flush the session store."""
+        if self.decode_step is not None:
+            self.decode_step.close()
+        if self._thread.is_alive():
+            self.commands.stopping.set()  # from here on new requests are refused
+            self.commands.wake()
+            self._thread.join(timeout)
+        if self.store_worker is not None:
+            self.store_worker.close()  # every turn handed over is stored (or failed) before the process exits
+
+    def submit(self, request: EngineRequest, sink: Sink) -> Future:
+        """Future resolves once the request is accepted, or raises EngineError (bad input, busy, full)."""
+        if request.session_id is None:
+            return self.commands.call(lambda: self._accept(request, sink))
+        return self.sessions.command(lambda session: self._accept(request, sink, session), request.session_id,
+                                     request.owner, claim=True)
+
+    def abort(self, request_id: str) -> None:
+        self.commands.post(lambda: self._end(request_id, FinishReason.ABORT))
+
+    def counts(self) -> Future:
+        """(running, waiting, live) — for tests and health checks."""
+        return self.commands.call(lambda: (self.scheduler.num_running, self.scheduler.num_waiting, len(self.live)))
+
+    def slot_accounting(self) -> Future:
+        """Who holds which slot, taken on the engine thread (the balance every engine test asserts)."""
+        return self.commands.call(self._slot_accounting)
+
+    def store_status(self) -> dict | None:
+        """The session store's health (None: no store), for /ready."""
+        return None if self.store_worker is None else self.store_worker.status()
+
+    # ---------------------------------------------------------------- the loop (engine thread)
+    def _run(self) -> None:
+        try:
+            failures = 0
+            while not self.commands.stopping.is_set():
+                if self.commands.drain(block=not self.live):
+                    self._emit_pool_stats()
+                self.registry.expire()
+                plan = self.scheduler.schedule()
+                for seq_id, error in plan.failed:  # admission raised (e.g. a seed the generator rejects)
+                    logger.error("request %s could not be admitted", seq_id, exc_info=error)
+                    self._end(seq_id, FinishReason.ERROR, STEP_FAILED)
+                if plan.empty:
+                    continue
+                try:
+                    with torch.inference_mode(), TRACING:  # never inside a compile's trace window
+                        self._step(plan)
+                    failures = 0
+                except Exception as error:  # noqa: BLE001 - fail what the step touched, keep serving
+                    failures += 1
+                    touched = sorted({seq_id for seq_id, _ in plan.decode} | {seq_id for seq_id, _, _ in plan.prefill})
+                    logger.exception("engine step failed (%d in a row); failing requests %s", failures, touched)
+                    for seq_id in touched:
+                        self._end(seq_id, FinishReason.ERROR, STEP_FAILED)
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise RuntimeError(f"{failures} consecutive engine steps failed") from error
+            for request_id in list(self.live):
+                self._end(request_id, FinishReason.ABORT)
+            self.commands.mark_exited()
+            self.commands.drain(block=False)  # late commands still get an answer (new requests: unavailable)
+            self._emit_pool_stats()
+        except BaseException as error:  # noqa: BLE001 - the thread is ending: say so everywhere
+            self._die(error)
+
+    def _step(self, plan: StepPlan) -> None:
+        """decode → deliver, then prefill → deliver the first tokens of the prompts it completed."""
+        started, latencies = time.perf_counter(), []
+        if plan.decode:
+            rows = [self.live[seq_id].row_for_slot(slot) for seq_id, slot in plan.decode]
+            self._deliver(self.runner.decode(rows), latencies)
+        if plan.prefill:
+            self.runner.prefill([(self.live[seq_id], start, length) for seq_id, start, length in plan.prefill])
+            done = [self.live[seq_id] for seq_id, _, length in plan.prefill if self.scheduler.prefilled(seq_id, length)]
+            self._deliver(self.runner.first_tokens(done), latencies)
+        phase = "mixed" if plan.decode and plan.prefill else ("decode" if plan.decode else "prefill")
+        self.stats_sink(StepStats(duration_s=time.perf_counter() - started, phase=phase,
+                                  batch_size=len(plan.decode), decode_tokens=len(plan.decode),
+                                  prefill_tokens=plan.prefill_tokens, token_latencies=tuple(latencies)))
+        self._emit_pool_stats()
+
+    def _deliver(self, delivery: Delivery, latencies: list) -> None:
+        """Hand out a phase's outputs in order (stats first: a finished row retires before its last output
+        goes out, so whoever sees it also sees its metrics), then fail the requests it could not serve."""
+        latencies += delivery.latencies
+        for row, output in delivery.outputs:
+            if output.finished:
+                self._retire_row(row, output.finish_reason)
+            self._emit(row.live, output)
+        for request_id, why in delivery.failed:
+            self._end(request_id, FinishReason.ERROR, why)
+
+    # ---------------------------------------------------------------- admission
+    def _accept(self, request: EngineRequest, sink: Sink, session: Session | None = None) -> None:
+        if self.commands.stopping.is_set():
+            raise EngineError("the engine is shutting down", kind="unavailable")
+        if request.request_id in self.live:
+            raise EngineError(f"duplicate request id {request.request_id}")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineError("the request queue is full", kind="capacity")
+        params = request.params
+        if params.n > self.config.max_n:
+            raise EngineError(f"n must be <= {self.config.max_n}", param="n")
+        if params.n > self.reserved_slots:
+            raise EngineError(f"n must be <= {self.reserved_slots} on this server (state slots)", param="n")
+        if params.top_k > self.vocab_size:
+            raise EngineError(f"top_k must be <= the vocabulary size {self.vocab_size} (0 disables it)", param="top_k")
+        if any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
+            raise EngineError("prompt holds token ids outside the vocabulary", param="prompt")
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
+            raise EngineError(f"logit_bias names token ids outside the vocabulary (0..{self.vocab_size - 1})",
+                              param="logit_bias")
+        feed = list(request.prompt_ids)
+        if session is not None:  # found (404) and claimed (409) before anything about the body
+            if params.n != 1:
+                raise EngineError("n must be 1 when continuing a session", param="n")
+            self.registry.acquire_for_request(session, len(feed) + params.max_tokens + 1)
+            feed = session.pending + feed
+            if not feed and session.logits is None:  # a new, empty session: start from end-of-text, as
+                if self.eos_id is None:              # a stateless request with an empty prompt does
+                    self.registry.release(session)
+                    raise EngineError("the session is empty: send a prompt", param="prompt")
+                request = replace(request, prompt_ids=[self.eos_id])
+                feed = [self.eos_id]
+        elif not feed:
+            raise EngineError("the prompt is empty", param="prompt")
+        if not self.linear and len(feed) + params.max_tokens > self.config.max_context:
+            raise EngineError(f"prompt ({len(feed)} tokens) + max_tokens ({params.max_tokens}) exceeds this softmax "
+                              f"model's max context of {self.config.max_context} tokens", param="max_tokens")
+        live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.decoder,
+                           eos_id=self.eos_id, arrival=time.monotonic())
+        self.live[request.request_id] = live
+        self.scheduler.add(SchedSeq(request.request_id, to_prefill=len(feed), rows=params.n))
+
+    # ---------------------------------------------------------------- slots (the scheduler's allocator)
+    def acquire(self, seq: SchedSeq) -> list[int] | None:
+        """Slots for seq, or None to wait; if this raises, nothing it took stays taken."""
+        live = self.live[seq.seq_id]
+        now = time.monotonic()
+        if live.session is not None:
+            slot = self.registry.bring_to_device(live.session)
+            if slot is not None:
+                live.assign_slots([slot], now, self.vocab_size, self.device)
+            return None if slot is None else [slot]
+        slots: list[int] = []
+        try:
+            for _ in range(seq.rows):
+                slot = self.registry.allocate_slot()
+                if slot is None:
+                    for taken in slots:
+                        self.pool.free(taken)
+                    return None
+                slots.append(slot)
+            live.prefix_digest = scope_seed(live.request.owner)
+            hit_len, live.prefix_digest, entry = self.prefix_cache.lookup(live.feed, live.prefix_digest)
+            live.prefix_hit = entry is not None
+            if entry is not None:
+                self.pool.load(slots[0], entry)
+                seq.prefilled = live.consumed = hit_len
+            live.assign_slots(slots, now, self.vocab_size, self.device)
+        except BaseException:
+            for taken in slots:
+                self.pool.free(taken)
+            live.rows.clear()
+            raise
+        return slots
+
+    def release(self, seq: SchedSeq, slots: list[int]) -> None:
+        live = self.live.get(seq.seq_id)
+        for slot in slots:
+            if live is None or live.session is None or slot != live.session.slot:
+                self.pool.free(slot)
+
+    # ---------------------------------------------------------------- ends of a request
+    def _retire_row(self, row: Row, reason: FinishReason) -> None:
+        if self.scheduler.finish_row(row.live.request.request_id, row.slot):
+            self._finish_live(row.live, reason)
+
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+        """End a request early (abort, failure): every sequence gets its last output."""
+        live = self.live.get(request_id)
+        if live is None:
+            return
+        self.scheduler.remove(request_id)
+        outputs = live.final_outputs(reason, error)
+        self._finish_live(live, reason)
+        for output in outputs:
+            self._emit(live, output)
+
+    def _finish_live(self, live: LiveRequest, reason: FinishReason) -> None:
+        del self.live[live.request.request_id]
+        if live.session is not None:
+            step = self.registry.commit(live.session, live.turn_result())
+            if step is not None:  # its final outputs are held until the turn is stored
+                live.held = []
+                settle = lambda error, _: self._settle_turn(live, step, error)  # noqa: E731
+                self.sessions.run_store_step(replace(step, settle=settle))
+        self.stats_sink(live.request_stats(reason, time.monotonic()))
+        if len(live.feed) >= heap.LARGE_TOKENS:
+            live.feed = []
+            heap.trim()  # the prompt's token lists are garbage now: return their heap to the OS
+
+    def _settle_turn(self, live: LiveRequest, step: StoreStep, error: BaseException | None) -> None:
+        """The turn's record is written (its held outputs go out) or not (the session rolls back to its last
+        stored turn and the request fails with the store's 503)."""
+        held, live.held = live.held, None
+        try:
+            step.settle(error, None)
+        except EngineError as failure:
+            held = [
+                replace(
+                    output,
+                    token_id=None,
+                    text="",
+                    logprob=None,
+                    finish_reason=FinishReason.ERROR,
+                    error=failure.message,
+                    error_kind=failure.kind,
+                )
+                for output in held
+            ]
+        for output in held:
+            self._emit(live, output)
+
+    def _emit(self, live: LiveRequest, output: RequestOutput) -> None:
+        if output.finished and live.held is not None:  # a session turn's end waits for its store write
+            live.held.append(output)
+            return
+        try:
+            live.sink(output)
+        except Exception:  # noqa: BLE001 - a broken sink must not take the engine down
+            logger.exception("output sink of %s failed; aborting it", live.request.request_id)
+            self.abort(live.request.request_id)
+
+    def _die(self, error: BaseException) -> None:
+        logger.critical("the engine thread died: %r", error, exc_info=error)
+        self.commands.die(error)
+        for live in list(self.live.values()):
+            for output in live.final_outputs(FinishReason.ERROR, ENGINE_DEAD):
+                try:
+                    live.sink(output)
+                except Exception:  # noqa: BLE001 - best effort: the engine is gone
+                    logger.exception("output sink failed while the engine was dying")
+        self.live.clear()
+        for callback in self.on_death:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_death callback failed")
+
+    # ---------------------------------------------------------------- observations
+    def _emit_pool_stats(self) -> None:
+        tiers = self.registry.tier_counts()
+        self.stats_sink(
+            PoolStats(
+                running=self.scheduler.num_running,
+                waiting=self.scheduler.num_waiting,
+                slots_in_use=self.pool.used_slots,
+                slots_total=self.pool.num_slots,
+                state_bytes_in_use=self.pool.bytes_in_use,
+                sessions_device=tiers["device"],
+                sessions_host=tiers["host"],
+                sessions_store=self.registry.stored,
+            )
+        )
+
+    def _slot_accounting(self) -> dict[str, int]:
+        session_slots = [s.slot for s in self.registry.by_id.values() if s.slot is not None]
+        seq_slots = [slot for seq in self.scheduler.active.values() for slot in seq.slots]
+        row_only = set(seq_slots) - set(session_slots)
+        return {
+            "slots_in_use": self.pool.used_slots,
+            "running_rows": len(row_only),
+            "device_sessions": len(session_slots),
+            "distinct_session_slots": len(set(session_slots)),
+            "distinct_row_slots": len(set(seq_slots)),
+            "row_slots": len(seq_slots),
+            "free_list": self.pool.free_slots,
+            "distinct_free": self.pool.distinct_free_slots,
+            "num_slots": self.pool.num_slots,
+            "bytes_in_use": self.pool.bytes_in_use,
+            "slot_bytes": self.pool.slot_bytes,
+            "live": len(self.live),
+        }
+
+    def _store_result(self, op: str, result: str, seconds: float) -> None:
+        worker = getattr(self, "store_worker", None)  # (a probe may report before the constructor has finished)
+        self.stats_sink(StoreStats(op, result, seconds, worker.up if worker is not None else result == "ok"))
+
+    def _skipped_record(self, session_id: str, reason: str) -> None:
+        """A broken record met by a listing (store thread): counted every time, logged once per record."""
+        self.stats_sink(RecordSkipped())
+        if session_id not in self._skipped_logged and len(self._skipped_logged) < 10_000:
+            self._skipped_logged.add(session_id)
+            logger.warning("session store record %s is unreadable (%s): skipped", session_id, reason)

@@ -1,0 +1,159 @@
+"""The model-facing half of an engine step: decode a token for every running row, prefill prompt chunks,
+sample — and hand back what to deliver. It holds the model, the state pool, the decode step, the sampler's
+inputs and the prefix cache; it never ends a request or talks to a client (the engine core does, with what
+each phase returns).
+
+A phase commits nothing until its model work and sampling have succeeded: the decode state is scattered
+back only after the next tokens are chosen, so a step that raises leaves every slot as consistent with its
+request (and its session) as before the step; the core fails the step's requests and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .live import LiveRequest, Row
+from .prefix_cache import PrefixCache, boundary_hashes
+from .sampling import BatchParams, apply_penalties, sample, token_logprobs
+from .types import FinishReason, RequestOutput, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+NON_FINITE = "the model produced non-finite logits for this sequence"
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """Sampled tokens for a batch of rows, not yet delivered."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    broken: list[bool]  # rows whose logits were not finite: their requests fail
+
+
+@dataclass
+class Delivery:
+    """What a phase produced, for the core to hand out in this order: each row's output (a finished one
+    retires its row first), then the requests that failed."""
+
+    outputs: list[tuple[Row, RequestOutput]] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
+    latencies: list[tuple[int, float]] = field(default_factory=list)  # (position, seconds since the row's last)
+
+
+def logit_bias_rows(params: list, like: torch.Tensor) -> torch.Tensor:
+    """Each row's `logit_bias` as a dense (B, V) tensor of additions (zeros where a row has none)."""
+    rows = [b for b, p in enumerate(params) for _ in p.logit_bias]
+    ids = [token for p in params for token, _ in p.logit_bias]
+    values = torch.tensor([bias for p in params for _, bias in p.logit_bias], dtype=like.dtype)
+    bias = torch.zeros_like(like)  # (B, V)
+    bias[torch.tensor(rows), torch.tensor(ids)] = values.to(like.device)
+    return bias
+
+
+class StepRunner:
+    def __init__(self, model, pool, decode_step, prefix_cache: PrefixCache, device: torch.device,
+                 vocab_size: int, eos_id: int | None) -> None:
+        self.model, self.pool, self.decode_step, self.prefix_cache = model, pool, decode_step, prefix_cache
+        self.device, self.vocab_size, self.eos_id = device, vocab_size, eos_id
+
+    # ------------------------------------------------------------------ phases
+    def decode(self, rows: list[Row]) -> Delivery:
+        """One token for every running row."""
+        slots = [row.slot for row in rows]
+        tokens = [row.next_token for row in rows]
+        if self.decode_step is not None:  # linear: eager or a compiled bucket / CUDA graph
+            logits, state = self.decode_step(tokens, slots)  # (B, V) fp32
+        else:
+            ids = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1)
+            logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
+            logits = logits[:, 0].float()  # (B, V)
+        sampled = self.choose(rows, logits)  # may raise: nothing is committed yet
+        self.pool.scatter(slots, state)
+        return self.deliver(rows, sampled)
+
+    def prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:
+        """This step's prefill chunks (request, start, length) — those of equal length as one batch (exact:
+        no padding). The state moves on; the first tokens come from `first_tokens` once a prompt is whole."""
+        by_length: dict[int, list[tuple[LiveRequest, int]]] = {}
+        for live, start, length in work:
+            by_length.setdefault(length, []).append((live, start))
+        for length, members in by_length.items():
+            if length == 0:  # a session continuing without a prompt: its stored logits
+                for live, _ in members:
+                    live.last_logits = live.session.logits.to(self.device)  # (V,)
+                continue
+            slots = [live.rows[0].slot for live, _ in members]
+            ids = torch.tensor([live.feed[start : start + length] for live, start in members], device=self.device)
+            logits, state = self.model(ids, self.pool.gather(slots))  # (B, t, V)
+            self.pool.scatter(slots, state)
+            last = logits[:, -1].float()  # (B, V)
+            for b, (live, start) in enumerate(members):
+                live.consumed_chunk(length, last[b])
+                if live.session is None:
+                    self._remember_prefix(live, start + length, live.rows[0].slot)
+
+    def first_tokens(self, done: list[LiveRequest]) -> Delivery:
+        """The first token of every request whose prompt is now whole, sampled in one batch (a prompt-only
+        request — max_tokens 0 — ends here without one)."""
+        delivery, rows, row_logits = Delivery(), [], []
+        for live in done:
+            live.prompt_done(self.pool)
+            if live.request.params.max_tokens == 0:  # prompt only (e.g. a session's first message)
+                delivery.outputs += [(row, row.finish_without_token(FinishReason.LENGTH)) for row in live.rows]
+                continue
+            rows.extend(live.rows)
+            row_logits.extend([live.last_logits] * len(live.rows))
+        if rows:
+            sampled = self.deliver(rows, self.choose(rows, torch.stack(row_logits)))  # (R, V)
+            delivery.outputs += sampled.outputs
+            delivery.failed += sampled.failed
+            delivery.latencies += sampled.latencies
+        return delivery
+
+    # ------------------------------------------------------------------ sampling and delivery
+    def choose(self, rows: list[Row], logits: torch.Tensor) -> Sampled:
+        """logits (B, V) → one token per row (penalties, filters, seeded draws), without side effects on
+        slots or outputs."""
+        params = [row.live.request.params for row in rows]
+        bp = BatchParams.from_params(params, self.device)
+        finite = torch.isfinite(logits).all(dim=-1)  # (B,) checked with the tokens: no extra device sync
+        logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # (B, V) broken rows: anything
+        processed = logits
+        if any(p.logit_bias for p in params):
+            processed = processed + logit_bias_rows(params, logits)  # (B, V)
+        if bp.any_penalty:
+            counts = torch.stack([row.counts if row.counts is not None else logits.new_zeros(self.vocab_size)
+                                  for row in rows])  # (B, V)
+            seen = torch.stack([row.seen if row.seen is not None else torch.zeros_like(counts[0], dtype=torch.bool)
+                                for row in rows])  # (B, V)
+            processed = apply_penalties(logits, counts, seen, bp)  # (B, V)
+        uniforms = torch.tensor([row.uniform() for row in rows], device=self.device)  # (B,)
+        tokens = sample(processed, bp, uniforms)  # (B,)
+        logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
+        chosen, ok = torch.stack([tokens, finite.long()]).tolist()  # (2, B): one transfer
+        return Sampled(chosen, logprobs, [not flag for flag in ok])
+
+    def deliver(self, rows: list[Row], sampled: Sampled) -> Delivery:
+        """Record each row's token and make its output; requests with a broken row fail instead."""
+        delivery = Delivery()
+        failed = {row.live.request.request_id for row, bad in zip(rows, sampled.broken) if bad}
+        now = time.monotonic()
+        for row, token, logprob in zip(rows, sampled.tokens, sampled.logprobs):
+            if row.live.request.request_id not in failed:
+                delivery.outputs.append((row, row.accept(token, logprob, now, self.eos_id, delivery.latencies)))
+        for request_id in failed:
+            logger.error("request %s: %s", request_id, NON_FINITE)
+            delivery.failed.append((request_id, NON_FINITE))
+        return delivery
+
+    def _remember_prefix(self, live: LiveRequest, end: int, slot: int) -> None:
+        block = self.prefix_cache.block
+        if self.prefix_cache.capacity and end % block == 0 and end < len(live.feed):
+            key = boundary_hashes(live.feed[end - block : end], block, live.prefix_digest)[0][1]
+            live.prefix_digest = key  # the chain so far: the next boundary hashes one block, not the prefix
+            self.prefix_cache.insert(key, self.pool.export(slot, self.device))

@@ -1,0 +1,155 @@
+"""What tests share, imported by name (`from tests.helpers import run, Collector`): the tiny model config,
+engine helpers (a sink that collects outputs, a blocking `run`, the slot-balance check, an EngineConfig
+from the settings' defaults), real server processes and real programs (redis-server, promtool, …)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from model import ModelConfig
+from server.engine import Engine, EngineConfig, EngineRequest, RequestOutput, SamplingParams
+from server.settings import Settings
+from tests.devices import device_name_under_test
+
+TINY = ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, conv_kernel=3, decay=True, chunk_size=16)
+
+
+def require_program(name: str, package: str) -> str:
+    """The path of an external program the test runs. Missing: a skip saying what to install on a
+    developer's machine; a failure in CI (`CI` set), where `.ci/run` installs every one of them."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is required (Debian package '{package}'; .ci/run installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def prompt(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
+    """n reproducible random token ids (never 0)."""
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_config(**overrides) -> EngineConfig:
+    """The engine's config as `linserve serve` builds it from the settings' defaults — eager, no store, a
+    small pool and prefill chunk for the tiny model — with `overrides` (any EngineConfig field)."""
+    base = {"compile": "off", "session_store": "none", "num_slots": 24, "max_prefill_chunk": 16,
+            "max_batch_tokens": 64}
+    return EngineConfig.from_settings(Settings(**{**base, **overrides}))
+
+
+class Collector:
+    """A thread-safe sink that gathers one request's outputs."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[RequestOutput] = queue.Queue()
+
+    def __call__(self, output: RequestOutput) -> None:
+        self.queue.put(output)
+
+    def wait(self, rows: int = 1, timeout: float = 60.0) -> list[RequestOutput]:
+        outputs, finished = [], 0
+        while finished < rows:
+            output = self.queue.get(timeout=timeout)
+            outputs.append(output)
+            finished += output.finished
+        return outputs
+
+
+def tokens_of(outputs: list[RequestOutput], index: int = 0) -> list[int]:
+    return [o.token_id for o in outputs if o.index == index and o.token_id is not None]
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams, request_id: str, session_id=None, owner=None):
+    sink = Collector()
+    engine.submit(EngineRequest(request_id, prompt, params, session_id=session_id, owner=owner), sink).result(10)
+    return sink.wait(params.n)
+
+
+def assert_slots_balance(engine: Engine) -> dict:
+    """Design invariant 5, taken on the engine thread: slots in use == running rows + device-tier sessions,
+    no slot held twice or free twice, pool bytes == slots × state bytes."""
+    a = engine.slot_accounting().result(10)
+    assert a["slots_in_use"] == a["running_rows"] + a["device_sessions"], a
+    assert a["distinct_session_slots"] == a["device_sessions"] and a["distinct_row_slots"] == a["row_slots"], a
+    assert a["distinct_free"] == a["free_list"] == a["num_slots"] - a["slots_in_use"], a
+    assert a["bytes_in_use"] == a["slots_in_use"] * a["slot_bytes"], a
+    return a
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A real `linserve serve` on a free 127.0.0.1 port; stopped with SIGTERM."""
+
+    def __init__(self, checkpoint, log_path, *extra: str, env: dict | None = None,
+                 entry: tuple[str, ...] = ("-m", "server.cli"), prefix: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log_path
+        # eager unless a test asks: compiling takes minutes of CPU (the compiled server has its own test)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16", "LINSERVE_COMPILE": "off",
+               "LINSERVE_SESSION_STORE": f"dir:{log_path.parent / 'sessions'}", **(env or {})}
+        command = [*prefix, sys.executable, *entry, "serve", "--model", str(checkpoint), "--port", str(self.port),
+                   "--device", device_name_under_test(), "--log-level", "warning", *extra]
+        with open(log_path, "w") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.process.poll() is not None:
+                raise RuntimeError(f"linserve serve exited: {log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+        self.process.kill()
+        raise RuntimeError(f"linserve serve did not become ready: {log_path.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+
+def start_redis(directory, port: int | None = None, durable: bool = False) -> tuple[str, subprocess.Popen]:
+    """A real redis-server (Debian's package; `.ci/run` installs it) on 127.0.0.1 (a free port unless given):
+    (url, process). `durable`: every write appended to its file and fsync'd, so it survives a SIGKILL."""
+    binary = require_program("redis-server", "redis-server")
+    port = port or free_port()
+    persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence,
+                                "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return f"redis://127.0.0.1:{port}/0", process
+
+
