@@ -55,7 +55,7 @@ def put_in_tier(engine: Engine, session_id: str, tier: str) -> None:
     def move() -> None:
         session = registry.by_id[session_id]
         if tier in ("host", *STORE_TIERS) and session.slot is not None:
-            registry.offload(session)
+            registry.tiers.offload(session)
         if tier in STORE_TIERS:
             registry.discard(session)  # from memory only: its record stays, as after a restart
 

@@ -37,6 +37,9 @@ def require_program(name: str, package: str) -> str:
     return path
 
 
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # the engine tests' usual request
+
+
 def prompt(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
     """n reproducible random token ids (never 0)."""
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -255,14 +255,14 @@ class Engine:
         live = self.live[seq.seq_id]
         now = time.monotonic()
         if live.session is not None:
-            slot = self.registry.bring_to_device(live.session)
+            slot = self.registry.tiers.bring_to_device(live.session)
             if slot is not None:
                 live.assign_slots([slot], now, self.vocab_size, self.device)
             return None if slot is None else [slot]
         slots: list[int] = []
         try:
             for _ in range(seq.rows):
-                slot = self.registry.allocate_slot()
+                slot = self.registry.tiers.allocate_slot()
                 if slot is None:
                     for taken in slots:
                         self.pool.free(taken)
@@ -367,7 +367,7 @@ class Engine:
 
     # ---------------------------------------------------------------- observations
     def _emit_pool_stats(self) -> None:
-        tiers = self.registry.tier_counts()
+        tiers = self.registry.tiers.counts()
         self.stats_sink(
             PoolStats(
                 running=self.scheduler.num_running,

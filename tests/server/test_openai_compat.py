@@ -8,11 +8,11 @@ import pytest
 
 from tests.helpers import assert_slots_balance
 
-GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+GREEDY_BODY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 def chat(client, content, **extra):
-    return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], **GREEDY,
+    return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], **GREEDY_BODY,
                                                      **extra})
 
 
@@ -30,7 +30,7 @@ def test_non_text_content_parts_are_a_clear_400(client):
 
 def test_model_omitted_or_served_is_fine_and_another_is_404(client):
     served = client.get("/v1/models").json()["data"][0]["id"]
-    body = {"prompt": "ROMEO.", **GREEDY}
+    body = {"prompt": "ROMEO.", **GREEDY_BODY}
     assert client.post("/v1/completions", json=body).status_code == 200
     assert client.post("/v1/completions", json={**body, "model": served}).status_code == 200
     for response in (client.post("/v1/completions", json={**body, "model": "gpt-4o"}),
@@ -48,19 +48,19 @@ def test_model_omitted_or_served_is_fine_and_another_is_404(client):
     ({"functions": [], "echo_everything": True}, "echo_everything, functions"),
 ])
 def test_unimplemented_parameters_are_refused_by_name(client, extra, named):
-    response = client.post("/v1/completions", json={"prompt": "ROMEO.", **GREEDY, **extra})
+    response = client.post("/v1/completions", json={"prompt": "ROMEO.", **GREEDY_BODY, **extra})
     assert response.status_code == 400
     assert f"unsupported parameter{'s' if ',' in named else ''}: {named}" in response.json()["error"]["message"]
 
 
 def test_harmless_and_neutral_parameters_are_accepted(client):
-    body = {"prompt": "ROMEO.", **GREEDY, "user": "u-1", "metadata": {"k": "v"}, "best_of": 1, "suffix": "",
+    body = {"prompt": "ROMEO.", **GREEDY_BODY, "user": "u-1", "metadata": {"k": "v"}, "best_of": 1, "suffix": "",
             "response_format": {"type": "text"}}
     assert client.post("/v1/completions", json=body).status_code == 200
 
 
 def test_logit_bias_steers_sampling(client):
-    body = {"prompt": "ROMEO.", **GREEDY, "logprobs": 0}
+    body = {"prompt": "ROMEO.", **GREEDY_BODY, "logprobs": 0}
     base = client.post("/v1/completions", json=body).json()["choices"][0]
     forced = client.post("/v1/completions", json={**body, "logit_bias": {"42": 100}}).json()["choices"][0]
     tokens = forced["logprobs"]["tokens"]
@@ -71,7 +71,7 @@ def test_logit_bias_steers_sampling(client):
 def test_logit_bias_is_validated(client):
     cases = [({"abc": 1}, "token ids"), ({"1": 101}, "[-100, 100]"), ({"999999": 1}, "outside the vocabulary")]
     for bias, message in cases:
-        response = client.post("/v1/completions", json={"prompt": "ROMEO.", **GREEDY, "logit_bias": bias})
+        response = client.post("/v1/completions", json={"prompt": "ROMEO.", **GREEDY_BODY, "logit_bias": bias})
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.json()
         assert response.json()["error"]["param"] == "logit_bias"
 
@@ -137,7 +137,7 @@ PROMPTS = ["ROMEO.", "JULIET. O Romeo", "Enter"]
 
 
 def completion(client, prompt, **extra):
-    response = client.post("/v1/completions", json={"prompt": prompt, **GREEDY, **extra})
+    response = client.post("/v1/completions", json={"prompt": prompt, **GREEDY_BODY, **extra})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -172,7 +172,7 @@ def sse(response) -> list[dict]:
 def test_a_streamed_batch_merges_every_prompts_rows(client, logprobs):
     body = {
         "prompt": PROMPTS,
-        **GREEDY,
+        **GREEDY_BODY,
         "n": 2,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -192,7 +192,7 @@ def test_a_streamed_batch_merges_every_prompts_rows(client, logprobs):
 
 def test_chat_stream_chunks_carry_a_null_finish_reason_until_the_last(client):
     for extra in ({}, {"logprobs": True, "top_logprobs": 1}):
-        body = {"messages": [{"role": "user", "content": "Hail"}], **GREEDY, "stream": True, **extra}
+        body = {"messages": [{"role": "user", "content": "Hail"}], **GREEDY_BODY, "stream": True, **extra}
         choices = [c["choices"][0] for c in sse(client.post("/v1/chat/completions", json=body))]
         assert choices[0]["delta"]["role"] == "assistant"
         assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
@@ -200,13 +200,13 @@ def test_chat_stream_chunks_carry_a_null_finish_reason_until_the_last(client):
 
 def test_batch_limits_are_clear_400s(make_client):
     client = make_client(max_prompts_per_request=2)
-    too_many = client.post("/v1/completions", json={"prompt": PROMPTS, **GREEDY})
+    too_many = client.post("/v1/completions", json={"prompt": PROMPTS, **GREEDY_BODY})
     assert too_many.status_code == 400 and "at most 2 prompts" in too_many.json()["error"]["message"]
     session = client.post("/v1/sessions", json={}).json()["id"]
-    batch = client.post(f"/v1/sessions/{session}/completions", json={"prompt": ["a", "b"], **GREEDY})
+    batch = client.post(f"/v1/sessions/{session}/completions", json={"prompt": ["a", "b"], **GREEDY_BODY})
     assert batch.status_code == 400 and "one prompt" in batch.json()["error"]["message"]
-    mixed = client.post("/v1/completions", json={"prompt": ["a", [1, 2]], **GREEDY})
+    mixed = client.post("/v1/completions", json={"prompt": ["a", [1, 2]], **GREEDY_BODY})
     assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
-    long = client.post("/v1/completions", json={"prompt": ["a", "b " * 200_000], **GREEDY})
+    long = client.post("/v1/completions", json={"prompt": ["a", "b " * 200_000], **GREEDY_BODY})
     assert long.status_code == 400 and long.json()["error"]["code"] == "prompt_too_long"
     assert_slots_balance(client.app.state.engine)

@@ -31,6 +31,7 @@ from .leases import LEASE_RENEW_S, Lookup, StoreAccess
 from .records import MAX_SESSION_TOKENS, TAIL_TOKENS, Session, SessionInfo, Turn, TurnResult, new_session_id
 from .snapshot import decode_snapshot, encode_snapshot, model_fingerprint, record_fields
 from .stores import SessionStore
+from .tiers import Tiers
 from .worker import StoreStep, StoreWorker, error_kind
 
 EXPIRY_CHECK_INTERVAL_S = 1.0
@@ -74,6 +75,7 @@ class SessionRegistry:
         self.max_sessions = max_host_sessions + pool.num_slots - reserved_slots
         self.ttl_s = ttl_s
         self.by_id: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.tiers = Tiers(pool, self.by_id, max_host_sessions)
         self._fingerprint: str | None = None
         self._last_expiry = 0.0
         self._last_renew = 0.0
@@ -143,13 +145,6 @@ class SessionRegistry:
         """The caller's sessions in memory, described (a listing's snapshot; engine thread)."""
         return {s.id: self.info(s) for s in self.by_id.values() if s.owner == owner}
 
-    def tier_counts(self) -> dict[str, int]:
-        """Sessions per tier, in one pass (reported after every engine step)."""
-        counts = {"device": 0, "host": 0}
-        for session in self.by_id.values():
-            counts[session.tier] += 1
-        return counts
-
     def _touch(self, session: Session) -> None:
         session.last_used = time.monotonic()
         self.by_id.move_to_end(session.id)
@@ -173,7 +168,7 @@ class SessionRegistry:
         encodes and writes them (and then releases the lease this change held)."""
         latest = session.turns[-1] if session.turns and session.turns[-1].index == session.turn_count else None
         # the newest turn's snapshot is the head's state (immutable): the store thread copies it, not this one
-        state = latest.state if latest is not None else {n: t.clone() for n, t in self._state_of(session).items()}
+        state = latest.state if latest is not None else {n: t.clone() for n, t in self.tiers.state_of(session).items()}
         history, turns = session.copy_history(), tuple(session.turns)
         session.revision = uuid.uuid4().hex
         extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count),
@@ -193,7 +188,7 @@ class SessionRegistry:
 
         return write
 
-    def _stored_change(self, session: Session, done: str, failed: str, new: bool = False) -> StoreStep | SessionInfo:
+    def _stored_change(self, session: Session, failed: str) -> StoreStep | SessionInfo:
         """Answer once the session's record is written; if it is not, roll back (see the module doc)."""
         if self.store is None:
             return self.info(session)
@@ -211,7 +206,7 @@ class SessionRegistry:
 
     def _add(self, session: Session) -> StoreStep | SessionInfo:
         self.by_id[session.id] = session
-        return self._stored_change(session, "created", "the session was not created")
+        return self._stored_change(session, "the session was not created")
 
     def discard(self, session: Session) -> None:
         """Drop the in-memory copy (and its slot), if it is still the one held."""
@@ -230,7 +225,7 @@ class SessionRegistry:
         not now — one write, so a create that fails half-way leaves no record behind."""
         self._check_store()
         self._check_capacity()
-        session = Session(id=new_session_id(), owner=owner, slot=self.allocate_slot())
+        session = Session(id=new_session_id(), owner=owner, slot=self.tiers.allocate_slot())
         if first_prompt and self.store is not None:
             session.stored = False
             self.by_id[session.id] = session
@@ -295,7 +290,7 @@ class SessionRegistry:
         session.turn_count += 1
         if self.turns_kept == 0:
             return
-        state = {name: t.clone() for name, t in self._state_of(session).items()}
+        state = {name: t.clone() for name, t in self.tiers.state_of(session).items()}
         session.turns.append(Turn(index=session.turn_count, tokens=session.tokens, created=time.time(), state=state,
                                   history=session.copy_history()))
         del session.turns[: -self.turns_kept]
@@ -317,7 +312,7 @@ class SessionRegistry:
         session.turns = [t for t in session.turns if t.index <= index]
         session.turn_count = index
         self._touch(session)
-        return self._stored_change(session, "rewound", "the session was not rewound")
+        return self._stored_change(session, "the session was not rewound")
 
     def delete(self, session: Session) -> StoreStep | None:
         if self.store is None or not session.stored:  # (a session whose first turn never got stored)
@@ -376,65 +371,19 @@ class SessionRegistry:
 
         return sweep
 
-    # ---- tiers ----
-    def count(self, tier: str) -> int:
-        return self.tier_counts()[tier]
-
-    def allocate_slot(self, keep: Session | None = None) -> int | None:
-        """A free slot, offloading the least recently used idle session (never `keep`) to host memory if
-        needed. `keep` on the host tier is about to leave it: its place there counts as free."""
-        slot = self.pool.allocate()
-        if slot is None:
-            host_room = self.max_host_sessions - self.count("host") + (keep is not None and keep.slot is None)
-            if host_room > 0 and self._offload_lru(keep):
-                slot = self.pool.allocate()
-        return slot
-
-    def _offload_lru(self, keep: Session | None) -> bool:
-        for session in self.by_id.values():
-            if session.slot is not None and not session.busy and session is not keep:
-                self.offload(session)
-                return True
-        return False
-
-    def offload(self, session: Session) -> None:
-        """Device → host memory (its slot freed)."""
-        session.host = self.pool.export(session.slot, "cpu")
-        self.pool.free(session.slot)
-        session.slot = None
-
-    def bring_to_device(self, session: Session) -> int | None:
-        if session.slot is not None:
-            return session.slot
-        slot = self.allocate_slot(keep=session)
-        if slot is None:
-            return None
-        if session.host is not None:
-            self.pool.load(slot, session.host)
-            session.host = None
-        session.slot = slot
-        return slot
-
     # ---- fork / export / import ----
-    def _state_of(self, session: Session) -> dict:
-        if session.slot is not None:
-            return self.pool.export(session.slot, "cpu")
-        if session.host is not None:
-            return session.host
-        return {name: buffer[0].new_zeros(buffer.shape[1:]).cpu() for name, buffer in self.pool.buffers.items()}
-
     def fork(self, source: Session, owner: str | None) -> StoreStep | SessionInfo:
         if source.busy:  # mid-turn its state and history disagree
             raise SessionBusy(source.id)
         self._check_store()
         self._check_capacity()
         child = Session(id=new_session_id(), owner=owner, **source.copy_history())
-        slot = self.allocate_slot(keep=source) if source.slot is not None else None  # never offload the source
+        slot = self.tiers.allocate_slot(keep=source) if source.slot is not None else None  # never offload the source
         if slot is not None:
             self.pool.copy(source.slot, slot)  # a device copy of one fixed-size state
             child.slot = slot
         else:
-            child.host = {name: t.clone() for name, t in self._state_of(source).items()}
+            child.host = {name: t.clone() for name, t in self.tiers.state_of(source).items()}
         self._touch(source)
         return self._add(child)
 
@@ -442,7 +391,7 @@ class SessionRegistry:
         if session.busy:
             raise SessionBusy(session.id)
         self._touch(session)
-        return encode_snapshot(self._state_of(session), session.copy_history(), self.fingerprint)
+        return encode_snapshot(self.tiers.state_of(session), session.copy_history(), self.fingerprint)
 
     def import_(self, data: bytes, owner: str | None) -> StoreStep | SessionInfo:
         self._check_store()

@@ -9,13 +9,7 @@ import pytest
 import torch
 
 from server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
-from tests.helpers import Collector, assert_slots_balance, run, tokens_of
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(1, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from tests.helpers import GREEDY, Collector, assert_slots_balance, prompt, run, tokens_of
 
 
 def test_greedy_matches_the_model_loop(make_engine, tiny_model):

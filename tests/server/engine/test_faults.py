@@ -6,19 +6,14 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
 from server.engine import step_runner as steps
 from server.engine.types import SEED_MAX, SEED_MIN
-from tests.helpers import Collector, assert_slots_balance, run, tokens_of
+from tests.helpers import GREEDY, Collector, assert_slots_balance, prompt, run, tokens_of
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 POISON_TEMPERATURE = 0.777  # the injected sampler fault fires for batches holding a row with this temperature
 
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(1, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from server.engine import EngineError, SamplingParams
-from tests.helpers import run, tokens_of
+from tests.helpers import prompt, run, tokens_of
 
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+GREEDY_10 = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PENALISED = SamplingParams(max_tokens=10, temperature=0.9, seed=4, repetition_penalty=1.8, ignore_eos=True)
 
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(1, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def session_bytes(engine, session_id: str) -> int:
@@ -82,11 +78,11 @@ def test_rewind_works_from_the_host_tier(make_engine):
     engine = make_engine(num_slots=2, max_n=1, reserved_slots=1)
     a = engine.sessions.create(None).result(10)
     run(engine, prompt(12, 6), SamplingParams(max_tokens=0), "a1", session_id=a.id)
-    expected = tokens_of(run(engine, [1], GREEDY, "a2", session_id=a.id))
-    run(engine, [2], GREEDY, "a3", session_id=a.id)
+    expected = tokens_of(run(engine, [1], GREEDY_10, "a2", session_id=a.id))
+    run(engine, [2], GREEDY_10, "a3", session_id=a.id)
     for i in range(2):  # push `a` to host memory
         other = engine.sessions.create(None).result(10)
         run(engine, prompt(5, 10 + i), SamplingParams(max_tokens=0), f"o{i}", session_id=other.id)
     assert engine.sessions.info(a.id, None).result(10).tier == "host"
     engine.sessions.rewind(a.id, None, 1).result(10)
-    assert tokens_of(run(engine, [1], GREEDY, "a2b", session_id=a.id)) == expected
+    assert tokens_of(run(engine, [1], GREEDY_10, "a2b", session_id=a.id)) == expected

@@ -7,20 +7,16 @@ import os
 import time
 
 import pytest
-import torch
 
 from server.engine import EngineError, EngineRequest, SamplingParams
 from server.engine.sessions.stores import DirStore
 from server.engine.types import RecordSkipped, StoreStats
-from tests.helpers import Collector, run, tokens_of
+from tests.helpers import Collector, prompt, run, tokens_of
 
-GREEDY = SamplingParams(max_tokens=4, temperature=0)
+GREEDY_4 = SamplingParams(max_tokens=4, temperature=0)
 
 PENALISED = SamplingParams(max_tokens=8, temperature=0.9, seed=2, repetition_penalty=1.5, ignore_eos=True)
 
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(1, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture
@@ -164,20 +160,20 @@ def test_replicas_on_one_redis_serve_the_same_sessions(make_engine, redis_url):
                            owner="k"), sink).result(10)
     sink.queue.get(timeout=10)  # A is generating
     with pytest.raises(EngineError) as error:
-        b.submit(EngineRequest("second", [3], GREEDY, session_id=shared.id, owner="k"), Collector()).result(10)
+        b.submit(EngineRequest("second", [3], GREEDY_4, session_id=shared.id, owner="k"), Collector()).result(10)
     assert error.value.kind == "busy" and "another replica" in error.value.message
     a.abort("long")
     sink.wait()
-    assert tokens_of(run(b, [3], GREEDY, "after", session_id=shared.id, owner="k"))  # released after its write
+    assert tokens_of(run(b, [3], GREEDY_4, "after", session_id=shared.id, owner="k"))  # released after its write
     # a replica that died mid-turn leaves a lease that expires
     a.store_worker.flush()
     b.store_worker.flush()
     assert a.registry.store.acquire(shared.id, "a-dead-replica", 1500)  # outlasts the 0.5 s grace
     with pytest.raises(EngineError) as error:
-        run(a, [3], GREEDY, "blocked", session_id=shared.id, owner="k")
+        run(a, [3], GREEDY_4, "blocked", session_id=shared.id, owner="k")
     assert error.value.kind == "busy"
     time.sleep(1.0)
-    assert tokens_of(run(a, [3], GREEDY, "expired", session_id=shared.id, owner="k"))
+    assert tokens_of(run(a, [3], GREEDY_4, "expired", session_id=shared.id, owner="k"))
     # fork on A continued on B == export from A imported on B continued on A
     fork = a.sessions.fork(shared.id, "k").result(10)
     imported = b.sessions.import_(a.sessions.export(shared.id, "k").result(10), "k").result(10)
@@ -206,12 +202,12 @@ def rewrite_metadata(record, **changes) -> None:
 def test_a_record_with_malformed_metadata_is_a_400_naming_the_session(store_engine, tmp_path, field, value):
     first = store_engine()
     broken = first.sessions.create(None).result(10)
-    run(first, prompt(5), GREEDY, "b", session_id=broken.id)
+    run(first, prompt(5), GREEDY_4, "b", session_id=broken.id)
     first.stop()
     rewrite_metadata(tmp_path / "sessions" / f"{broken.id}.lsess", **{field: value})
     second = store_engine()
     for command in (lambda: second.sessions.info(broken.id, None),
-                    lambda: second.submit(EngineRequest("c", [1], GREEDY, session_id=broken.id), Collector())):
+                    lambda: second.submit(EngineRequest("c", [1], GREEDY_4, session_id=broken.id), Collector())):
         with pytest.raises(EngineError) as error:
             command().result(10)
         assert error.value.kind == "invalid" and broken.id in error.value.message
@@ -244,7 +240,7 @@ def test_whatever_the_server_exports_it_imports_back(make_engine):
     is ever out of range."""
     engine = make_engine(num_slots=8)
     session = engine.sessions.create(None).result(10)
-    run(engine, prompt(3), GREEDY, "p", session_id=session.id)
+    run(engine, prompt(3), GREEDY_4, "p", session_id=session.id)
     snapshot = engine.sessions.export(session.id, None).result(10)
     from safetensors.torch import load, save
 

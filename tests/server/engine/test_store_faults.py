@@ -12,18 +12,14 @@ import threading
 import time
 
 import pytest
-import torch
 
 from server.engine import EngineError, EngineRequest, SamplingParams
 from server.engine.types import FinishReason
-from tests.helpers import Collector, assert_slots_balance, run, start_redis, tokens_of
+from tests.helpers import Collector, assert_slots_balance, prompt, run, start_redis, tokens_of
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0)
+GREEDY_6 = SamplingParams(max_tokens=6, temperature=0)
 TIMEOUT_S = 0.5  # the store deadline in these tests
 
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(1, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def store_error(future) -> EngineError:
@@ -101,7 +97,7 @@ def session_work(engine, session_id: str, owner: str | None, tag: str) -> list[b
             assert error.kind == "store_unavailable", error.message
             done.append(False)
     try:
-        outputs = run(engine, [7, 8], GREEDY, f"work-{tag}", session_id=session_id, owner=owner)
+        outputs = run(engine, [7, 8], GREEDY_6, f"work-{tag}", session_id=session_id, owner=owner)
         done.append(outputs[-1].finish_reason is not FinishReason.ERROR)
     except EngineError as error:
         assert error.kind == "store_unavailable", error.message
@@ -120,10 +116,10 @@ def test_a_missing_store_directory_fails_session_work_and_keeps_every_acknowledg
     directory = tmp_path / "sessions"
     engine = make_engine(num_slots=8, session_store=f"dir:{directory}", session_store_timeout_s=TIMEOUT_S)
     kept = engine.sessions.create("k").result(10)
-    run(engine, prompt(12, 1), GREEDY, "t1", session_id=kept.id, owner="k")  # acknowledged: on disk
+    run(engine, prompt(12, 1), GREEDY_6, "t1", session_id=kept.id, owner="k")  # acknowledged: on disk
     doomed = engine.sessions.create("k").result(10)
     reference = engine.sessions.fork(kept.id, "k").result(10)  # what `kept` continues with after the outage
-    expected = tokens_of(run(engine, [5, 6], GREEDY, "ref", session_id=reference.id, owner="k"))
+    expected = tokens_of(run(engine, [5, 6], GREEDY_6, "ref", session_id=reference.id, owner="k"))
     pace = Pace(engine)
     scratch = engine.sessions.create("k").result(10)
     assert all(session_work(engine, scratch.id, "k", "up"))  # the same work with the store up: the baseline
@@ -135,7 +131,7 @@ def test_a_missing_store_directory_fails_session_work_and_keeps_every_acknowledg
     os.rename(directory, tmp_path / "elsewhere")  # the store's directory is gone (unmounted, removed)
 
     # the store is not known to be down yet: this turn is generated, then its write fails
-    failed = run(engine, [7, 8], GREEDY, "t2", session_id=doomed.id, owner="k")
+    failed = run(engine, [7, 8], GREEDY_6, "t2", session_id=doomed.id, owner="k")
     assert failed[-1].finish_reason is FinishReason.ERROR and failed[-1].error_kind == "store_unavailable"
     assert not any(session_work(engine, kept.id, "k", "down"))  # now each change is refused at once
     store_error(engine.sessions.delete(doomed.id, "k"))
@@ -147,7 +143,7 @@ def test_a_missing_store_directory_fails_session_work_and_keeps_every_acknowledg
     os.rename(tmp_path / "elsewhere", directory)
     wait_up(engine)
     assert engine.sessions.info(kept.id, "k").result(10).tokens == 12 + 6  # the acknowledged turn only
-    assert tokens_of(run(engine, [5, 6], GREEDY, "t3", session_id=kept.id, owner="k")) == expected
+    assert tokens_of(run(engine, [5, 6], GREEDY_6, "t3", session_id=kept.id, owner="k")) == expected
     assert engine.sessions.info(doomed.id, "k").result(10).tokens == 0  # its failed turn is not part of it
     engine.sessions.delete(doomed.id, "k").result(10)
     engine.stop()
@@ -164,7 +160,7 @@ def test_a_frozen_redis_fails_in_time_and_what_it_runs_on_waking_changes_nothing
     url, server = redis_url
     engine = make_engine(num_slots=8, session_store=url, session_store_timeout_s=TIMEOUT_S)
     kept = engine.sessions.create("k").result(10)
-    run(engine, prompt(10, 2), GREEDY, "t1", session_id=kept.id, owner="k")
+    run(engine, prompt(10, 2), GREEDY_6, "t1", session_id=kept.id, owner="k")
     pace = Pace(engine)
     scratch = engine.sessions.create("k").result(10)
     assert all(session_work(engine, scratch.id, "k", "up"))
@@ -204,9 +200,9 @@ def test_a_dead_redis_leaves_nothing_behind_and_its_sessions_return_with_it(make
     try:
         engine = make_engine(num_slots=8, session_store=url, session_store_timeout_s=TIMEOUT_S)
         kept = engine.sessions.create(None).result(10)
-        run(engine, prompt(8, 3), GREEDY, "t1", session_id=kept.id)
+        run(engine, prompt(8, 3), GREEDY_6, "t1", session_id=kept.id)
         twin = engine.sessions.fork(kept.id, None).result(10)
-        expected = tokens_of(run(engine, [3], GREEDY, "ref", session_id=twin.id))
+        expected = tokens_of(run(engine, [3], GREEDY_6, "ref", session_id=twin.id))
         before = memory_sessions(engine)
         server.kill()  # SIGKILL: what it acknowledged is in its append-only file
         server.wait(10)
@@ -214,11 +210,11 @@ def test_a_dead_redis_leaves_nothing_behind_and_its_sessions_return_with_it(make
             store_error(engine.sessions.create(None))
         store_error(engine.sessions.rewind(kept.id, None, 1))
         assert memory_sessions(engine) == before  # nothing left behind (6 -> 21 sessions, before this fix)
-        assert tokens_of(run(engine, prompt(4), GREEDY, "stateless"))  # stateless work goes on
+        assert tokens_of(run(engine, prompt(4), GREEDY_6, "stateless"))  # stateless work goes on
         assert_slots_balance(engine)
         _, server = start_redis(tmp_path, port, durable=True)  # back, with its data
         wait_up(engine)
-        assert tokens_of(run(engine, [3], GREEDY, "after", session_id=kept.id)) == expected
+        assert tokens_of(run(engine, [3], GREEDY_6, "after", session_id=kept.id)) == expected
         assert engine.sessions.info(twin.id, None).result(10).tokens == 8 + 6 + 1 + 6
     finally:
         server.kill()
@@ -245,8 +241,8 @@ def test_the_engine_thread_never_calls_the_store(make_engine, redis_url, tmp_pat
 
     watch(engine.registry.store)
     session = engine.sessions.create("k").result(10)
-    run(engine, prompt(9), GREEDY, "t1", session_id=session.id, owner="k")
-    run(engine, [3], GREEDY, "t2", session_id=session.id, owner="k")
+    run(engine, prompt(9), GREEDY_6, "t1", session_id=session.id, owner="k")
+    run(engine, [3], GREEDY_6, "t2", session_id=session.id, owner="k")
     fork = engine.sessions.fork(session.id, "k").result(10)
     imported = engine.sessions.import_(engine.sessions.export(session.id, "k").result(10), "k").result(10)
     engine.sessions.rewind(session.id, "k", 1).result(10)
