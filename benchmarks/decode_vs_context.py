@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small contexts and few repetitions (tests)")
     parser.add_argument("--out")
     parser.add_argument("--plot", help="PNG of step time vs context")
-    parser.add_argument("--compile-cache", default="data/compile_cache", help="Inductor's on-disk caches")
+    parser.add_argument("--compile-cache", default=None, help="Inductor's on-disk caches (default: the server's)")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)

@@ -36,7 +36,6 @@ from server.engine import Engine, EngineConfig  # noqa: E402
 from server.settings import Settings  # noqa: E402
 
 COMPILE_TIMEOUT_S = 900.0  # a cold compile of every bucket takes minutes on 2 cores
-COMPILE_CACHE = "data/compile_cache"  # the server's default compile_cache_dir
 
 
 def start_server(model: str, port: int, slots: int, extra: list[str] | None = None,
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = (1, 32)
     model = load_model(args.model, device).model
     config = EngineConfig.from_settings(
-        Settings(session_store="none", num_slots=64, compile=args.compile, compile_cache_dir=COMPILE_CACHE)
+        Settings(session_store="none", num_slots=64, compile=args.compile)  # the server's cache too
     )
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device).start()
     engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm

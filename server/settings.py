@@ -72,7 +72,9 @@ class Settings(BaseSettings):
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="compile the decode step per batch bucket (CUDA graphs on CUDA); auto: where it pays"
     )
-    compile_cache_dir: str = Field("./data/compile_cache", description="Inductor's caches: a restart recompiles fast")
+    compile_cache_dir: str | None = Field(
+        None, description="Inductor's caches, one subdirectory per model, dtype, torch version and device; unset: "
+        "$XDG_CACHE_HOME/linserve/compile (else ~/.cache/linserve/compile), shared by every working directory")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights' dtype; the (S, z) state stays fp32")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

@@ -86,6 +86,28 @@ def guard_tracing() -> None:
     _symbolic_trace.Tracer.trace = trace
 
 
+def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device) -> str:
+    """Where Inductor keeps this model's compiled buckets: under `base` (unset: the user's cache directory,
+    `$XDG_CACHE_HOME/linserve/compile`, else `~/.cache/linserve/compile`), one subdirectory per model
+    (config and weights: frozen weights are compiled in), dtype, torch version and device kind — so every
+    working directory shares one cache, and nothing compiled for another model or machine is ever reused."""
+    import hashlib
+    import json
+    import platform
+
+    if base is None:
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(root, "linserve", "compile")
+    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    key = f"{digest.hexdigest()[:16]}-{dtype}-torch{torch.__version__}-{where}".replace(" ", "_").replace("/", "_")
+    return os.path.join(base, key)
+
+
 def cpp_compiler_available() -> bool:
     """Inductor builds its CPU kernels with a C++ compiler ($CXX, else g++): a slim image may have none."""
     return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
@@ -106,7 +128,7 @@ class DecodeStep:
         self.buffers = [pool.buffers[name] for name in self.names]  # (num_slots, …) each
         self.eager_step = flat_decode_step(model)  # ids (B, 1), the rows' state → logits, new state
         self.sizes = bucket_sizes(max_rows)
-        self.cache_dir = cache_dir
+        self.cache_dir = compile_cache_dir(cache_dir, model, device) if mode != "off" else None
         self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
         self.compile_seconds: dict[int, float] = {}
         self._ready: dict[int, Bucket] = {}
@@ -205,9 +227,13 @@ class DecodeStep:
         self.status = "compiling"
         try:
             step = self._compiler()
-            for size in self.sizes:
+            for number, size in enumerate(self.sizes, 1):
                 if self._closed.is_set():
                     return
+                done = list(self.compile_seconds.values())
+                left = f", ~{sum(done) / len(done) * (len(self.sizes) - len(done)):.0f} s left" if done else ""
+                logger.info("decode step: compiling bucket %d of %d (batch %d)%s; serving eagerly meanwhile",
+                            number, len(self.sizes), size, left)
                 started = time.perf_counter()
                 try:
                     self._warm(step, size)

@@ -194,3 +194,21 @@ def test_compile_time_tracing_never_reaches_the_engines_eager_calls(make_engine)
         stop.set()
         tracer.join(10)
     assert engine.alive
+
+
+def test_the_compile_cache_is_per_user_and_keyed_by_model_dtype_torch_and_device(tiny_model, monkeypatch, tmp_path):
+    import copy
+
+    from server.engine.compiled_decode import compile_cache_dir
+
+    cpu = torch.device("cpu")
+    model = copy.deepcopy(tiny_model).cpu()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    default = compile_cache_dir(None, model, cpu)
+    assert default.startswith(str(tmp_path / "xdg" / "linserve" / "compile"))  # not the working directory
+    assert compile_cache_dir(None, model, cpu) == default  # stable: a restart finds it
+    assert torch.__version__.replace("/", "_") in default and "float32" in default
+    assert compile_cache_dir(None, LinearGPT(model.config), cpu) != default  # other weights (they are compiled in)
+    assert compile_cache_dir(None, copy.deepcopy(model).to(torch.bfloat16), cpu) != default
+    assert compile_cache_dir(str(tmp_path / "mine"), model, cpu).startswith(str(tmp_path / "mine"))
+    assert DecodeStep(model, StatePool(model, 1, cpu), cpu, "off").cache_dir is None
