@@ -136,6 +136,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Build the decode step's compile cache ahead of `serve` (images, init containers): every batch bucket
+    `serve` would compile with the same settings, into the same cache directory, in the foreground."""
+    import logging
+
+    import torch
+
+    from model.loading import load_model, resolve_device
+    from server.engine.compiled_decode import DecodeStep
+    from server.engine.state_pool import StatePool
+    from server.settings import Settings
+
+    settings = Settings.load(args.config, **{name: getattr(args, name) for name in Settings.model_fields})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = resolve_device(settings.device)
+    model = load_model(checkpoint_dir(settings.model), device, getattr(torch, settings.dtype)).model
+    if model.config.attention != "linear":
+        print("error: only linear-attention models have a compiled decode step", file=sys.stderr)
+        return 2
+    step = DecodeStep(model, StatePool(model, 1, device), device, "on",
+                      min(settings.num_slots, settings.max_batch_tokens), settings.compile_cache_dir)
+    step.start()
+    step.wait_compiled()
+    seconds = ", ".join(f"{size}: {s:.1f} s" for size, s in step.compile_seconds.items())
+    print(f"decode step {step.status}: buckets {step.ready_sizes} of {step.sizes} ({seconds}) in {step.cache_dir}")
+    return 0 if step.status == "compiled" else 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from server.settings import Settings
 
@@ -239,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    comp = command("compile", "compile the decode step's batch buckets into the compile cache ahead of serve")
+    comp.add_argument("--config", help="YAML settings file [default: configs/server.yaml if present]")
+    add_setting_flags(comp)
+    comp.set_defaults(func=cmd_compile)
 
     info = command("info", "print the model's config, parameter count and state bytes per session")
     model_args(info)

@@ -136,3 +136,20 @@ def test_cuda_is_refused_before_torch_loads_where_no_gpu_driver_exists(monkeypat
     (tmp_path / "version").write_text("NVRM version: 580")
     monkeypatch.setattr(preflight, "GPU_DRIVER_SIGNS", (str(tmp_path / "version"),))
     preflight.check_gpu_driver("cuda")  # a driver is there: torch decides next
+
+
+@pytest.mark.slow
+def test_compile_builds_the_cache_that_serve_uses(tiny_checkpoint, tmp_path):
+    """`linserve compile` compiles every bucket `serve` would (here one: --num-slots 1) into the directory
+    `serve` reads, keyed the same way, and says where; it logs each bucket as it goes."""
+    from tests.devices import device_name_under_test
+
+    cache = tmp_path / "cache"
+    command = [sys.executable, "-m", "server.cli", "compile", "--model", str(tiny_checkpoint), "--num-slots", "1",
+               "--compile-cache-dir", str(cache), "--device", device_name_under_test()]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "decode step compiled: buckets [1] of [1]" in result.stdout
+    assert "compiling bucket 1 of 1 (batch 1)" in result.stderr
+    (keyed,) = cache.iterdir()  # one subdirectory: this model, dtype, torch version and device
+    assert str(keyed) in result.stdout and any(keyed.rglob("*"))
