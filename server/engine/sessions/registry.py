@@ -244,10 +244,14 @@ class SessionRegistry:
     def release(self, session: Session) -> None:
         """The end of a command that stored nothing (its lease, if any, is given back after queued writes)."""
         session.busy = False
-        if session.lease is not None:
-            lease, session.lease = session.lease, None
-            self.worker.submit("release", lambda deadline: self.access.release(session.id, lease), None)
+        self.give_back_lease(session.id, session.lease)
+        session.lease = None
         self._touch(session)
+
+    def give_back_lease(self, session_id: str, lease: str | None) -> None:
+        """Release a shared store's lease on the store thread, after every write queued before it."""
+        if lease is not None:
+            self.worker.submit("release", lambda deadline: self.access.release(session_id, lease), None)
 
     def commit(self, session: Session, turn: TurnResult) -> StoreStep | None:
         """After a request: the history grows by what the state consumed plus the sampled tokens; each
@@ -317,8 +321,8 @@ class SessionRegistry:
     def delete(self, session: Session) -> StoreStep | None:
         if self.store is None or not session.stored:  # (a session whose first turn never got stored)
             self._drop(session)
-            if session.lease is not None:
-                self.release(session)
+            self.give_back_lease(session.id, session.lease)
+            session.lease = None
             return None
         session.busy = True
         store, access, lease = self.store, self.access, session.lease

@@ -146,8 +146,7 @@ class SessionService:
             if found is not None and found.lease is not None and (session is None or session.lease == found.lease):
                 if session is not None:
                     session.lease = None
-                self.worker.submit("release", lambda deadline: self.registry.access.release(
-                    found.session_id, found.lease), None)
+                self.registry.give_back_lease(found.session_id, found.lease)
             raise
 
     def run_store_step(self, step: StoreStep, outer: Future | None = None) -> None:

@@ -254,3 +254,16 @@ def test_the_engine_thread_never_calls_the_store(make_engine, redis_url, tmp_pat
     assert second.sessions.info(imported.id, "k").result(10).tokens == 9 + 6 + 1 + 6
     second.sessions.delete(imported.id, "k").result(10)
     assert callers == {"linserve-session-store"}, callers
+
+
+def test_a_session_whose_first_turn_never_got_stored_deletes_cleanly_and_frees_its_lease(make_engine, redis_url):
+    """What a failed create-with-prompt cleans up on a shared store: a session only in memory, claimed with a
+    lease; deleting it drops it without touching the store and gives the lease back."""
+    engine = make_engine(num_slots=8, session_store=redis_url[0])
+    info = engine.sessions.create("k", first_prompt=True).result(10)
+    assert engine.sessions.delete(info.id, "k").result(10) is None
+    engine.store_worker.flush()
+    assert engine.registry.store.acquire(info.id, "another-replica", 1000)  # no lease left behind
+    with pytest.raises(EngineError) as error:
+        engine.sessions.info(info.id, "k").result(10)
+    assert error.value.kind == "not_found"
