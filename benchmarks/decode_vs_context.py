@@ -135,9 +135,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: float) -> dict:
-    """The engine's batch-1 decode step (DecodeStep + scatter into the pool) per weights dtype, eager and
-    compiled, each against the time to read that dtype's weights once. --quick measures eager only."""
+    """The engine's batch-1 decode step (the whole program — gather, model, sampling — and the scatter into the
+    pool) per weights dtype, eager and compiled, each against the time to read that dtype's weights once.
+    --quick measures eager only."""
     from server.engine.compiled_decode import DecodeStep
+    from server.engine.sampling import SlotSampling
     from server.engine.state_pool import StatePool
 
     modes = ("off",) if args.quick else ("off", "on")
@@ -146,7 +148,8 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: f
         typed = copy.deepcopy(model).to(dtype)
         pool = StatePool(typed, 2, device)
         for mode in modes:
-            step = DecodeStep(typed, pool, device, mode, max_rows=1, cache_dir=args.compile_cache)
+            sampling = SlotSampling(pool.num_slots, typed.config.vocab_size, device)
+            step = DecodeStep(typed, pool, sampling, device, mode, max_rows=1, cache_dir=args.compile_cache)
             step.start()
             step.wait_compiled()
             setting = f"{str(dtype).removeprefix('torch.')} {'compiled' if mode == 'on' else 'eager'}"
@@ -154,7 +157,8 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: f
             rows[setting] = []
     for _ in range(args.reps):  # interleaved repetitions, as above
         for setting, (step, pool, _) in steps.items():
-            rows[setting].append(median_step(lambda p=pool, s=step: p.scatter([0], s([1], [0])[1]), args.steps, device))
+            rows[setting].append(
+                median_step(lambda p=pool, s=step: p.scatter_tensors([0], s([1], [0], [0]).state), args.steps, device))
     table = {}
     for setting, values in rows.items():
         weight_bytes = steps[setting][2]

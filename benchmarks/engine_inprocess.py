@@ -87,16 +87,43 @@ def run_streams(engine: Engine, n_streams: int, max_tokens: int, tag: str, promp
     return time.perf_counter() - started, generated[0]
 
 
-def p4_batching(engine: Engine, max_tokens: int, reps: int, sizes=(1, 32)) -> dict:
+class DecodeTotals:
+    """An engine stats sink: decode-only steps' wall time, time inside the decode program, rows."""
+
+    def __init__(self) -> None:
+        self.step_s = self.program_s = 0.0
+        self.rows = 0
+
+    def __call__(self, stats) -> None:
+        if getattr(stats, "phase", None) == "decode":
+            self.step_s += stats.duration_s
+            self.program_s += stats.program_s
+            self.rows += stats.decode_tokens
+
+    def mark(self) -> tuple[float, float, int]:
+        return self.step_s, self.program_s, self.rows
+
+    def python_us_per_row(self, since: tuple[float, float, int] = (0.0, 0.0, 0)) -> float:
+        """Microseconds of engine-thread Python per decoded row (step time outside the program) since a mark."""
+        step_s, program_s, rows = (now - then for now, then in zip(self.mark(), since))
+        return (step_s - program_s) / max(rows, 1) * 1e6
+
+
+def p4_batching(engine: Engine, max_tokens: int, reps: int, sizes=(1, 32), totals: DecodeTotals | None = None) -> dict:
     rates = {n: [] for n in sizes}
+    python_us: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(reps):
         for n in sizes:
+            mark = totals.mark() if totals is not None else None
             seconds, tokens = run_streams(engine, n, max_tokens, f"p4-{rep}-{n}")
             rates[n].append(tokens / seconds)
+            if totals is not None:
+                python_us[n].append(totals.python_us_per_row(mark))
     medians = {n: statistics.median(v) for n, v in rates.items()}
     ratio = medians[sizes[-1]] / medians[sizes[0]]
     return {
         "tokens_per_s": medians,
+        "python_us_per_row": {n: statistics.median(v) for n, v in python_us.items() if v},
         "spread": {n: [min(v), max(v)] for n, v in rates.items()},
         "ratio": ratio,
         "target": ">= 8x",
@@ -199,10 +226,11 @@ def main(argv: list[str] | None = None) -> None:
     config = EngineConfig.from_settings(
         Settings(compile="off", session_store="none", num_slots=64, max_prefill_chunk=args.max_prefill_chunk)
     )
-    engine = Engine(model, tokenizer, config, device).start()
+    totals = DecodeTotals()
+    engine = Engine(model, tokenizer, config, device, totals).start()
     try:
         if "P4" in args.targets:
-            results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3)
+            results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3, totals=totals)
         if "P7" in args.targets:
             results["P7"] = p7_mixed(engine, 512 if quick else 8192, 8, 40 if quick else 400, 1 if quick else 3)
     finally:

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         start_server(
             str(DEFAULT_CHECKPOINT),
             servers["linserve"],
-            8,
+            64,  # the default slot count: the compiled programs `linserve compile` built for `serve` are reused
             extra=["--log-level", "warning"],
             env={"LINSERVE_SESSION_STORE": "none"},
             compile=args.compile,

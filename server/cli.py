@@ -144,7 +144,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     import torch
 
     from model.loading import load_model, resolve_device
+    from server.app import engine_config
     from server.engine.compiled_decode import DecodeStep
+    from server.engine.sampling import SlotSampling
     from server.engine.state_pool import StatePool
     from server.settings import Settings
 
@@ -155,8 +157,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if model.config.attention != "linear":
         print("error: only linear-attention models have a compiled decode step", file=sys.stderr)
         return 2
-    step = DecodeStep(model, StatePool(model, 1, device), device, "on",
-                      min(settings.num_slots, settings.max_batch_tokens), settings.compile_cache_dir)
+    # the programs read the pool's and the samplers' buffers: compiled for the slot count `serve` would have
+    slots = engine_config(settings, model).num_slots
+    sampling = SlotSampling(slots, model.config.vocab_size, device)
+    step = DecodeStep(model, StatePool(model, slots, device), sampling, device, "on",
+                      min(slots, settings.max_batch_tokens), settings.compile_cache_dir)
     step.start()
     step.wait_compiled()
     seconds = ", ".join(f"{size}: {s:.1f} s" for size, s in step.compile_seconds.items())

@@ -70,10 +70,12 @@ class Settings(BaseSettings):
     max_chat_messages: int = Field(2048, ge=1, description="messages in one chat request (400 beyond)")
     retry_after_s: int = Field(1, ge=0)
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="compile the decode step per batch bucket (CUDA graphs on CUDA); auto: where it pays"
+        "auto", description="compile the decode program per batch bucket (CPU: AOTInductor artifacts built by a "
+        "child process; CUDA: graphs); auto: where it pays"
     )
     compile_cache_dir: str | None = Field(
-        None, description="Inductor's caches, one subdirectory per model, dtype, torch version and device; unset: "
+        None, description="the compiled programs, one subdirectory per model, program source, dtype, torch version "
+        "and device; unset: "
         "$XDG_CACHE_HOME/linserve/compile (else ~/.cache/linserve/compile), shared by every working directory")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights' dtype; the (S, z) state stays fp32")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

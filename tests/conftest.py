@@ -68,6 +68,13 @@ def hf_tokenizer(small_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """One compile cache for the whole run: every test that compiles the same model with the same slot count
+    loads what an earlier one built (an AOTInductor build takes up to a few minutes on 2 cores)."""
+    return str(tmp_path_factory.mktemp("compile_cache"))
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, small_tokenizer):
     """A tiny random-weight LinearGPT saved in the HF layout with the small tokenizer."""
     import torch

@@ -156,3 +156,22 @@ def start_redis(directory, port: int | None = None, durable: bool = False) -> tu
     return f"redis://127.0.0.1:{port}/0", process
 
 
+
+
+def poison_sampling(monkeypatch, temperature: float, times: int | None = None) -> dict:
+    """Make the engine's step fail for batches holding a row with this temperature — after the model and the
+    decode program ran, before anything is committed — `times` times (None: always; `armed["n"]` re-arms)."""
+    from server.engine.step_runner import StepRunner
+
+    real = StepRunner._sampled
+    armed = {"n": times}
+
+    def sampled(self, rows, out, index):
+        if armed["n"] != 0 and any(row.live.request.params.temperature == temperature for row in rows):
+            if armed["n"] is not None:
+                armed["n"] -= 1
+            raise RuntimeError("injected sampler fault")
+        return real(self, rows, out, index)
+
+    monkeypatch.setattr(StepRunner, "_sampled", sampled)
+    return armed

@@ -1,21 +1,20 @@
-"""The engine's decode step: eager, or compiled once per batch-size bucket (CUDA graphs on CUDA).
+"""The engine's decode step (decode_program.py): eager, or compiled once per batch-size bucket.
 
 Buckets are powers of two up to the largest decode batch (1, 2, 4, …, 64 for 64 slots); a batch runs in
 the smallest ready bucket that holds it, padded with copies of its first row (rows are independent, the
-padding's outputs are dropped). A background thread compiles the buckets smallest first while the
-engine serves eagerly, so start-up and `/ready` do not wait for the compiler; a batch with no ready
-bucket runs eagerly. Inductor's caches live under `compile_cache_dir`, so a restart recompiles quickly.
+padding's outputs are dropped), or eagerly while none is ready. A background thread gets the buckets
+ready in the order traffic needs them, while the engine serves, so start-up and `/ready` never wait.
 
-- CPU: `torch.compile` with frozen weights and max-autotune (Inductor's C++ GEMM template), which
-  brings a small-batch step near the time to read the weights once; plain Inductor is barely faster
-  than eager here (measured: benchmarks/p6_weight_read.py).
-- CUDA: each bucket is a CUDA graph, captured on the engine thread at the bucket's first use, that
-  gathers the rows' (S, z) from the state pool's buffers through a static slot index and runs the
-  compiled step (the eager one if Inductor cannot compile here). Its outputs are static buffers, read
-  (sampled, scattered back) before the next replay.
+- CPU: each bucket is an AOTInductor artifact (frozen weights, max-autotune's C++ GEMM templates) in the
+  compile cache, built by a child process (program_compiler.py) and loaded here: the serving process
+  never runs the compiler and a call evaluates no Dynamo guards.
+- CUDA: each bucket is a CUDA graph of the `torch.compile`d program, captured on the engine thread at the
+  bucket's first use; it reads its rows through a static (3, P) io tensor, and its outputs are static
+  buffers, read (tokens) and scattered back (state) before the next replay.
 
 `compile`: `off` (eager only), `on`, or `auto` — on CUDA the same as `on`; on CPU the first bucket is
-timed against eager at start-up and compiling goes on only if it is at least AUTO_MIN_GAIN× faster.
+timed against eager and the rest are compiled only if it is at least AUTO_MIN_GAIN× faster (and not at
+all without a C++ compiler, unless the artifacts are already in the cache).
 """
 
 from __future__ import annotations
@@ -31,9 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from model import LinearGPT, ModelState
-from model.decode_step import flat_decode_step, state_names
+from model import LinearGPT
+from model.decode_step import state_names
 
+from .decode_program import DecodeOutputs, decode_program
+from .program_compiler import ARTIFACT_FORMAT, CompilerProcess, load_artifact, write_model
+from .sampling import SlotSampling
 from .state_pool import StatePool
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class Bucket:
     size: int
     step: object  # the (compiled) flat step for this batch size
     graph: torch.cuda.CUDAGraph | None = None
-    io: torch.Tensor | None = None  # (2, size) int64 on the device: tokens, slot index (CUDA graphs read it)
+    io: torch.Tensor | None = None  # (3, size) int64 on the device: tokens, slots, positions (CUDA graphs read it)
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
 
 
@@ -87,10 +89,11 @@ def guard_tracing() -> None:
 
 
 def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device) -> str:
-    """Where Inductor keeps this model's compiled buckets: under `base` (unset: the user's cache directory,
+    """Where this model's compiled buckets live: under `base` (unset: the user's cache directory,
     `$XDG_CACHE_HOME/linserve/compile`, else `~/.cache/linserve/compile`), one subdirectory per model
-    (config and weights: frozen weights are compiled in), dtype, torch version and device kind — so every
-    working directory shares one cache, and nothing compiled for another model or machine is ever reused."""
+    (config and weights: frozen weights are compiled in), the program's source code, dtype, torch version
+    and device (GPU name; CPU architecture and vector instruction set) — so every working directory shares
+    one cache, and nothing compiled for another model, program version or machine is ever reused."""
     import hashlib
     import json
     import platform
@@ -102,10 +105,31 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device) 
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+    digest.update(f"artifact format {ARTIFACT_FORMAT}".encode())
+    for path in program_sources():
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:  # the vector instructions Inductor compiles for: an AVX-512 build must never load on an AVX2 host
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        where = f"cpu-{platform.machine()}-{pick_vec_isa() or 'scalar'}"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key = f"{digest.hexdigest()[:16]}-{dtype}-torch{torch.__version__}-{where}".replace(" ", "_").replace("/", "_")
     return os.path.join(base, key)
+
+
+def program_sources() -> list[str]:
+    """The files whose code a compiled program contains: the model package and the program's own modules
+    (how it is built is program_compiler.ARTIFACT_FORMAT's business)."""
+    import model as model_package
+
+    model_dir = os.path.dirname(os.path.abspath(model_package.__file__))
+    here = os.path.dirname(os.path.abspath(__file__))
+    own = ["decode_program.py", "sampling.py"]
+    return sorted(os.path.join(model_dir, name) for name in os.listdir(model_dir) if name.endswith(".py")) + [
+        os.path.join(here, name) for name in own]
 
 
 def cpp_compiler_available() -> bool:
@@ -113,38 +137,72 @@ def cpp_compiler_available() -> bool:
     return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
 
 
+class ChildBuilder:
+    """CPU: each bucket's program is an AOTInductor artifact in the cache directory — loaded if there,
+    else built by a compiler child process (started on the first miss; see program_compiler)."""
+
+    def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool = True) -> None:
+        self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
+        write_model(directory, model)
+
+    def __call__(self, size: int):
+        """The bucket's program; None when it is not in the cache and this builder may not compile."""
+        program = load_artifact(self.directory, self.num_slots, size)
+        if program is None and self.can_compile:
+            if self.child is None:
+                self.child = CompilerProcess(self.directory, self.num_slots)
+            self.child.compile(size)
+            program = load_artifact(self.directory, self.num_slots, size)
+        return program
+
+    def close(self) -> None:
+        if self.child is not None:
+            self.child.close()
+
+
 class DecodeStep:
-    """`step(tokens, slots) -> (logits (B, V) fp32, ModelState of B rows)`, from the pool's slots.
+    """`step(tokens, slots, positions) -> DecodeOutputs`: a decode program over the pool's slots — eager, or
+    a compiled bucket (a CUDA graph on CUDA).
 
     Called on the engine thread only; the compile thread hands over buckets through `_ready`.
     """
 
-    def __init__(self, model: LinearGPT, pool: StatePool, device: torch.device, mode: str = "off",
-                 max_rows: int = 64, cache_dir: str | None = None) -> None:
+    def __init__(self, model: LinearGPT, pool: StatePool, sampling: SlotSampling, device: torch.device,
+                 mode: str = "off", max_rows: int = 64, cache_dir: str | None = None) -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-        self.model, self.pool, self.device, self.mode = model, pool, device, mode
+        self.model, self.pool, self.sampling, self.device, self.mode = model, pool, sampling, device, mode
         self.names = state_names(model)
         self.buffers = [pool.buffers[name] for name in self.names]  # (num_slots, …) each
-        self.eager_step = flat_decode_step(model)  # ids (B, 1), the rows' state → logits, new state
+        self.eager_program = decode_program(model)
         self.sizes = bucket_sizes(max_rows)
         self.cache_dir = compile_cache_dir(cache_dir, model, device) if mode != "off" else None
         self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
         self.compile_seconds: dict[int, float] = {}
         self._ready: dict[int, Bucket] = {}
+        self._unavailable: set[int] = set()  # not in the cache, and no compiler here
+        self.demand: dict[int, int] = {}  # bucket → decode steps run eagerly for want of it (compile order)
+        self.compiling: int | None = None  # the bucket being compiled now
+        self.eta_s: float | None = None  # estimated seconds until every bucket is ready
         self._closed = threading.Event()
+        self._builder = None  # the compile thread's, while it runs (close() ends its child)
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.mode == "off" or self._thread is not None:
             return
-        guard_tracing()  # before the first trace: the engine's steps and the compiler's traces never overlap
+        if self.device.type != "cpu":
+            guard_tracing()  # in-process compiling: the engine's steps and the compiler's traces never overlap
         self._thread = threading.Thread(target=self._compile_all, name="linserve-compile", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
+        """Stop compiling (a compiler child is killed at once); eager and ready buckets keep working."""
         self._closed.set()
+        builder = self._builder
+        if getattr(builder, "close", None) is not None:
+            builder.close()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the compile thread has finished (tests, benchmarks). True if every bucket is ready."""
@@ -157,55 +215,64 @@ class DecodeStep:
         return sorted(self._ready)
 
     def describe(self) -> dict:
-        """For /ready: {"compile", "status", "buckets", "ready"}."""
-        return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes}
+        """For /ready: {"compile", "status", "buckets", "ready", "compiling", "eta_s"}."""
+        eta = None if self.eta_s is None else round(self.eta_s, 1)
+        return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes,
+                "compiling": self.compiling, "eta_s": eta}
 
     # ------------------------------------------------------------------ engine thread
-    def __call__(self, tokens: list[int], slots: list[int]) -> tuple[torch.Tensor, ModelState]:
+    def __call__(self, tokens: list[int], slots: list[int], positions: list[int]) -> DecodeOutputs:
+        """One decode program over the rows (tokens consumed, their slots, the positions of the tokens to
+        choose); the state outputs are not yet scattered back (the caller commits them)."""
         rows = len(slots)
         bucket = self._bucket_for(rows)
         if bucket is None:
-            outputs = self._run(self.eager_step, rows, tokens, slots)
+            outputs = self._run(self.eager_program, rows, tokens, slots, positions)
         elif self.device.type == "cuda":
-            outputs = self._replay(bucket, tokens, slots)
+            outputs = self._replay(bucket, tokens, slots, positions)
         else:
-            outputs = self._run(bucket.step, bucket.size, tokens, slots)
-        state = {name: tensor[:rows] for name, tensor in zip(self.names, outputs[1:])}  # (B, …) each
-        return outputs[0][:rows], ModelState.from_tensors(state, self.model.config.n_layers, "linear")
-
-    def _gather(self, index: torch.Tensor) -> list[torch.Tensor]:
-        return [buffer.index_select(0, index) for buffer in self.buffers]  # (B, …) each
+            outputs = self._run(bucket.step, bucket.size, tokens, slots, positions)
+        return DecodeOutputs(*(tensor[:rows] for tensor in outputs[:6]), state=[t[:rows] for t in outputs[6:]])
 
     def _bucket_for(self, rows: int) -> Bucket | None:
         for size in self.sizes:
             if size >= rows:
-                return self._ready.get(size)
+                bucket = self._ready.get(size)
+                if bucket is None:
+                    self.demand[size] = self.demand.get(size, 0) + 1
+                return bucket
         return None  # more rows than the largest bucket
 
-    def _run(self, step, size: int, tokens: list[int], slots: list[int]) -> tuple[torch.Tensor, ...]:
-        """`step` over the rows padded to `size` (eager: size = rows, no padding)."""
-        pad = size - len(slots)
-        index = torch.tensor(slots + slots[:1] * pad, dtype=torch.long, device=self.device)  # (P,)
-        ids = torch.tensor(tokens + tokens[:1] * pad, dtype=torch.long, device=self.device)[:, None]  # (P, 1)
-        return step(ids, *self._gather(index))
+    def _inputs(self, io: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The program's arguments from an io tensor (3, P): tokens, slots, positions."""
+        return (io[0], io[1], io[2], *self.buffers, *self.sampling.tensors())
 
-    def _replay(self, bucket: Bucket, tokens: list[int], slots: list[int]) -> tuple[torch.Tensor, ...]:
+    def _run(self, program, size: int, tokens: list[int], slots: list[int],
+             positions: list[int]) -> tuple[torch.Tensor, ...]:
+        """`program` over the rows padded to `size` with copies of the first (eager: size = rows)."""
+        pad = size - len(slots)
+        io = torch.tensor([tokens + tokens[:1] * pad, slots + slots[:1] * pad, positions + positions[:1] * pad],
+                          dtype=torch.long, device=self.device)  # (3, P)
+        return program(*self._inputs(io))
+
+    def _replay(self, bucket: Bucket, tokens: list[int], slots: list[int],
+                positions: list[int]) -> tuple[torch.Tensor, ...]:
         if bucket.graph is None:
             self._capture(bucket)
         rows = len(slots)
-        # rows beyond the batch keep earlier (valid) tokens and slots: their outputs are dropped
-        bucket.io[:, :rows].copy_(torch.tensor([tokens, slots], dtype=torch.long))  # (2, B) one transfer
+        # rows beyond the batch keep earlier (valid) tokens, slots and positions: their outputs are dropped
+        bucket.io[:, :rows].copy_(torch.tensor([tokens, slots, positions], dtype=torch.long))  # (3, B) one transfer
         bucket.graph.replay()
-        # the state outputs are read (scattered) within this engine step; the logits may outlive it (a
-        # prompt-only turn keeps them), so they get their own memory
-        return (bucket.outputs[0].clone(), *bucket.outputs[1:])
+        # the outputs are read (sampled tokens, scattered state) within this engine step; the logits may outlive
+        # it (a prompt-only turn keeps them), so they get their own memory
+        return (*bucket.outputs[:5], bucket.outputs[5].clone(), *bucket.outputs[6:])
 
     def _capture(self, bucket: Bucket) -> None:
-        """Record the bucket's CUDA graph: gather through the static index, then the step."""
-        bucket.io = torch.zeros(2, bucket.size, dtype=torch.long, device=self.device)  # (2, P)
+        """Record the bucket's CUDA graph: the whole program, reading its rows through the static io tensor."""
+        bucket.io = torch.zeros(3, bucket.size, dtype=torch.long, device=self.device)  # (3, P)
 
         def run() -> tuple[torch.Tensor, ...]:
-            return bucket.step(bucket.io[0][:, None], *self._gather(bucket.io[1]))
+            return bucket.step(*self._inputs(bucket.io))
 
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -219,83 +286,99 @@ class DecodeStep:
         bucket.graph = graph
 
     # ------------------------------------------------------------------ compile thread
+    def _next_size(self) -> int | None:
+        """The bucket traffic needs most (decode steps that ran eagerly for want of it), else the smallest."""
+        waiting = [size for size in self.sizes if size not in self._ready and size not in self._unavailable]
+        return max(waiting, key=lambda size: (self.demand.get(size, 0), -size)) if waiting else None
+
     def _compile_all(self) -> None:
-        if self.device.type == "cpu" and self.mode == "auto" and not cpp_compiler_available():
-            logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU); serving eagerly")
-            self.status = "declined"
-            return
         self.status = "compiling"
+        build = None
         try:
-            step = self._compiler()
-            for number, size in enumerate(self.sizes, 1):
+            build = self._builder = self._compiler()
+            while (size := self._next_size()) is not None:
                 if self._closed.is_set():
                     return
                 done = list(self.compile_seconds.values())
-                left = f", ~{sum(done) / len(done) * (len(self.sizes) - len(done)):.0f} s left" if done else ""
-                logger.info("decode step: compiling bucket %d of %d (batch %d)%s; serving eagerly meanwhile",
-                            number, len(self.sizes), size, left)
+                left = len(self.sizes) - len(self._ready) - len(self._unavailable)
+                self.eta_s = sum(done) / len(done) * left if done else None
+                self.compiling = size
+                logger.info("decode step: compiling bucket %d of %d (batch %d)%s", len(self._ready) + 1,
+                            len(self.sizes), size, f", ~{self.eta_s:.0f} s left" if self.eta_s is not None else "")
                 started = time.perf_counter()
-                try:
-                    self._warm(step, size)
-                except Exception:  # noqa: BLE001 - a step Inductor cannot build here
-                    if self.device.type != "cuda":
-                        raise
-                    logger.warning("Inductor could not compile the decode step; CUDA graphs of the eager step",
-                                   exc_info=True)
-                    step = self.eager_step
+                program = build(size)
+                if self._closed.is_set():
+                    return
+                if program is None:  # not in the cache, and nothing here can compile it
+                    self._unavailable.add(size)
+                    continue
                 self.compile_seconds[size] = time.perf_counter() - started
-                if self.mode == "auto" and self.device.type == "cpu" and size == self.sizes[0]:
-                    gain = self._measured_gain(step, size)
+                if self.mode == "auto" and self.device.type == "cpu" and not self._ready:
+                    gain = self._measured_gain(program, size)
                     if gain < AUTO_MIN_GAIN:
                         logger.info("compile=auto: the compiled step is %.2fx eager here; serving eagerly", gain)
                         self.status = "declined"
                         return
-                self._ready[size] = Bucket(size, step)
-                logger.info("decode bucket %d compiled in %.1f s", size, self.compile_seconds[size])
-            self.status = "compiled"
+                self._ready[size] = Bucket(size, program)
+                logger.info("decode bucket %d ready in %.1f s", size, self.compile_seconds[size])
+            if self._unavailable:
+                logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
+                            "bucket for batch %s in the cache; those batches run eagerly", sorted(self._unavailable))
+            self.status = "compiled" if self._ready else "declined"
         except Exception:  # noqa: BLE001 - eager keeps serving; the operator learns why from the log
+            if self._closed.is_set():
+                return  # closed mid-build: the child was ended on purpose
             logger.exception("compiling the decode step failed; serving eagerly")
             self.status = "failed"
+        finally:
+            self.compiling, self.eta_s = None, None
+            if getattr(build, "close", None) is not None:
+                build.close()
 
     def _compiler(self):
-        if self.cache_dir:
-            os.makedirs(self.cache_dir, exist_ok=True)
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.cache_dir)  # read at each use
+        """`build(size) -> program` for this device (with `close()` when it holds a process)."""
+        if self.device.type == "cpu":
+            can_compile = self.mode == "on" or cpp_compiler_available()
+            return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile)
+        os.makedirs(self.cache_dir, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.cache_dir)  # read at each use
         import torch._dynamo
 
         # every bucket (of every model compiled in this process) is one more entry in the step's code cache:
         # past the limit (8 by default) Dynamo would quietly run that code eagerly
         torch._dynamo.config.recompile_limit += len(self.sizes)
-        if self.device.type != "cpu":
-            return torch.compile(self.eager_step, dynamic=False, fullgraph=True)
-        import torch._inductor.config
+        compiled = torch.compile(self.eager_program, dynamic=False, fullgraph=True)
 
-        # freezing is read from the global config (passed in `options` it has no effect): weights become
-        # constants, which the C++ GEMM template of max-autotune needs to pack them
-        torch._inductor.config.freezing = True
-        torch._inductor.config.autotune_num_choices_displayed = 0  # no autotuning tables on stderr
-        torch._inductor.config.max_autotune_report_choices_stats = False
-        return torch.compile(self.eager_step, dynamic=False, fullgraph=True, mode="max-autotune-no-cudagraphs")
+        def build(size: int):
+            try:
+                self._warm(compiled, size)
+                return compiled
+            except Exception:  # noqa: BLE001 - a program Inductor cannot build here: graphs of the eager one
+                logger.warning("Inductor could not compile the decode program; CUDA graphs of the eager one",
+                               exc_info=True)
+                return self.eager_program
 
-    def _dummy(self, size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Inputs shaped like a bucket's: tokens (P, 1) and a zero state (P, …) per tensor."""
-        ids = torch.zeros(size, 1, dtype=torch.long, device=self.device)  # (P, 1)
-        return ids, [torch.zeros((size, *b.shape[1:]), dtype=b.dtype, device=self.device) for b in self.buffers]
+        return build
+
+    def _dummy(self, size: int) -> tuple[torch.Tensor, ...]:
+        """A bucket's arguments: rows 0 of the pool (zeroed copies: nothing real is read or written)."""
+        io = torch.zeros(3, size, dtype=torch.long, device=self.device)  # (3, P)
+        buffers = [torch.zeros_like(t) for t in (*self.buffers, *self.sampling.tensors())]
+        return (io[0], io[1], io[2], *buffers)
 
     @torch.inference_mode()
     def _warm(self, step, size: int) -> None:
-        ids, state = self._dummy(size)
-        step(ids, *state)
+        step(*self._dummy(size))
 
     @torch.inference_mode()
     def _measured_gain(self, step, size: int, rounds: int = 5, calls: int = 10) -> float:
         """eager time / compiled time for one bucket, interleaved rounds, medians."""
-        ids, state = self._dummy(size)
+        args = self._dummy(size)
         times: dict[str, list[float]] = {"eager": [], "compiled": []}
         for _ in range(rounds):
-            for name, fn in (("eager", self.eager_step), ("compiled", step)):
+            for name, fn in (("eager", self.eager_program), ("compiled", step)):
                 started = time.perf_counter()
                 for _ in range(calls):
-                    fn(ids, *state)
+                    fn(*args)
                 times[name].append(time.perf_counter() - started)
         return statistics.median(times["eager"]) / statistics.median(times["compiled"])

@@ -38,6 +38,7 @@ from .compiled_decode import TRACING, DecodeStep
 from .kv_pool import KVCachePool
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache, scope_seed
+from .sampling import SlotSampling
 from .scheduler import SchedSeq, Scheduler, StepPlan
 from .sessions.backends import open_store
 from .sessions.records import Session
@@ -78,12 +79,13 @@ class Engine:
         self.stats_sink = stats_sink or (lambda stats: None)
         self.pool = (StatePool(model, config.num_slots, device) if self.linear
                      else KVCachePool(model, config.num_slots, config.max_context, device))
+        self.sampling = SlotSampling(config.num_slots, self.vocab_size, device)
         max_rows = min(config.num_slots, config.max_batch_tokens)
-        self.decode_step = DecodeStep(model, self.pool, device, config.compile, max_rows,
+        self.decode_step = DecodeStep(model, self.pool, self.sampling, device, config.compile, max_rows,
                                       config.compile_cache_dir) if self.linear else None
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
                                         self.pool.slot_bytes)
-        self.runner = StepRunner(model, self.pool, self.decode_step, self.prefix_cache, device, self.vocab_size,
+        self.runner = StepRunner(model, self.pool, self.sampling, self.decode_step, self.prefix_cache, device,
                                  self.eos_id)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         store = (open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
@@ -182,10 +184,12 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> None:
         """decode → deliver, then prefill → deliver the first tokens of the prompts it completed."""
-        started, latencies = time.perf_counter(), []
+        started, latencies, program_s = time.perf_counter(), [], 0.0
         if plan.decode:
             rows = [self.live[seq_id].row_for_slot(slot) for seq_id, slot in plan.decode]
-            self._deliver(self.runner.decode(rows), latencies)
+            delivery = self.runner.decode(rows)
+            program_s = delivery.program_s
+            self._deliver(delivery, latencies)
         if plan.prefill:
             self.runner.prefill([(self.live[seq_id], start, length) for seq_id, start, length in plan.prefill])
             done = [self.live[seq_id] for seq_id, _, length in plan.prefill if self.scheduler.prefilled(seq_id, length)]
@@ -193,7 +197,8 @@ class Engine:
         phase = "mixed" if plan.decode and plan.prefill else ("decode" if plan.decode else "prefill")
         self.stats_sink(StepStats(duration_s=time.perf_counter() - started, phase=phase,
                                   batch_size=len(plan.decode), decode_tokens=len(plan.decode),
-                                  prefill_tokens=plan.prefill_tokens, token_latencies=tuple(latencies)))
+                                  prefill_tokens=plan.prefill_tokens, token_latencies=tuple(latencies),
+                                  program_s=program_s))
         self._emit_pool_stats()
 
     def _deliver(self, delivery: Delivery, latencies: list) -> None:
@@ -257,7 +262,7 @@ class Engine:
         if live.session is not None:
             slot = self.registry.tiers.bring_to_device(live.session)
             if slot is not None:
-                live.assign_slots([slot], now, self.vocab_size, self.device)
+                live.assign_slots([slot], now, self.sampling)
             return None if slot is None else [slot]
         slots: list[int] = []
         try:
@@ -274,7 +279,7 @@ class Engine:
             if entry is not None:
                 self.pool.load(slots[0], entry)
                 seq.prefilled = live.consumed = hit_len
-            live.assign_slots(slots, now, self.vocab_size, self.device)
+            live.assign_slots(slots, now, self.sampling)
         except BaseException:
             for taken in slots:
                 self.pool.free(taken)
@@ -307,7 +312,7 @@ class Engine:
     def _finish_live(self, live: LiveRequest, reason: FinishReason) -> None:
         del self.live[live.request.request_id]
         if live.session is not None:
-            step = self.registry.commit(live.session, live.turn_result())
+            step = self.registry.commit(live.session, live.turn_result(self.sampling))
             if step is not None:  # its final outputs are held until the turn is stored
                 live.held = []
                 settle = lambda error, _: self._settle_turn(live, step, error)  # noqa: E731

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
+from .sampling import SlotSampling
 from .sessions.records import TAIL_TOKENS, Session, TurnResult
 from .state_pool import StatePool
 from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, TokenLogprob
@@ -17,45 +18,32 @@ from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, Tok
 
 @dataclass
 class Row:
-    """One sampled sequence. Constant size whatever its length: a token count, the last token, and for
-    penalties two (V,) vectors; per-token latencies go out with each step's stats, never into a list."""
+    """One sampled sequence. Constant size whatever its length: a token count and the last token; its
+    sampling parameters and penalty statistics live in its slot's row of SlotSampling; per-token latencies
+    go out with each step's stats, never into a list."""
 
     live: LiveRequest
     index: int
     slot: int
-    generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     stop: StopMatcher
+    filtered: bool  # top-k, top-p or min-p: redrawn from the sorted distribution after the program
     next_token: int | None = None  # sampled, not yet consumed by the state
     num_generated: int = 0
     recent: collections.deque | None = None  # a session row's last tokens (its next tail); None otherwise
     finished: bool = False
     last_time: float | None = None
-    counts: torch.Tensor | None = None  # (V,) generated-token counts (penalties only)
-    seen: torch.Tensor | None = None  # (V,) bool, prompt or generated (penalties only)
 
-    def uniform(self) -> float:
-        return 0.0 if self.generator is None else float(torch.rand(1, generator=self.generator))
-
-    def start_penalties(self, vocab: int, device: torch.device) -> None:
-        """counts: this request's generated tokens; seen: those, the prompt and a session's history."""
-        self.counts = torch.zeros(vocab, device=device)  # (V,)
-        session = self.live.session
-        if session is not None and session.seen is not None:
-            self.seen = session.seen.to(device, copy=True)  # (V,)
-        else:
-            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # (V,)
-        if self.live.request.prompt_ids:
-            self.seen[torch.tensor(self.live.request.prompt_ids, device=device)] = True
+    @property
+    def position(self) -> int:
+        """The position of the token this row chooses next (its counter for the random draw)."""
+        return self.live.base_position + self.num_generated
 
     def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_id: int | None,
                latencies: list[tuple[int, float]]) -> RequestOutput:
         """Record a sampled token (its latency into `latencies`); decide whether the row ends; build the output."""
         params = self.live.request.params
         self.num_generated += 1
-        if self.counts is not None:
-            self.counts[token] += 1
-            self.seen[token] = True
         if self.recent is not None:
             self.recent.append(token)
         position = self.live.base_position + self.num_generated - 1
@@ -114,20 +102,18 @@ class LiveRequest:
         history = self.session.tail if self.session else []
         return (history + self.request.prompt_ids[-TAIL_TOKENS:])[-TAIL_TOKENS:]
 
-    def assign_slots(self, slots: list[int], now: float, vocab: int, device: torch.device) -> None:
+    def assign_slots(self, slots: list[int], now: float, sampling: SlotSampling) -> None:
         params = self.request.params
         skip = frozenset() if self.eos_id is None else frozenset({self.eos_id})
         self.admitted_time = now
+        filtered = not params.greedy and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)
+        history = self.session.seen if self.session is not None else None
         for index, slot in enumerate(slots):
-            generator = None
-            if not params.greedy:
-                # row i samples with seed + i; mod 2**64 keeps every seed the API accepts in the generator's range
-                seed = (params.seed + index) % 2**64 if params.seed is not None else random.getrandbits(63)
-                generator = torch.Generator().manual_seed(seed)
+            # row i samples with seed + i (as a signed 64-bit value); unseeded rows get a random seed
+            seed = (params.seed + index) % 2**64 if params.seed is not None else random.getrandbits(63)
+            sampling.assign(slot, params, seed - 2**64 if seed >= 2**63 else seed, history, self.request.prompt_ids)
             detokenizer = IncrementalDetokenizer(self.decoder, skip, self.detokenizer_context())
-            row = Row(self, index, slot, generator, detokenizer, StopMatcher(params.stop))
-            if params.uses_penalties or self.session is not None:  # a session's history records what it saw
-                row.start_penalties(vocab, device)
+            row = Row(self, index, slot, detokenizer, StopMatcher(params.stop), filtered)
             if self.session is not None:
                 row.recent = collections.deque(maxlen=TAIL_TOKENS)
             self.rows.append(row)
@@ -158,13 +144,13 @@ class LiveRequest:
         # still waiting: every one of its n sequences ends
         return [self.output(index, None, "", None, reason, 0, 0, error) for index in range(self.request.params.n)]
 
-    def turn_result(self) -> TurnResult:
+    def turn_result(self, sampling: SlotSampling) -> TurnResult:
         """What this request did to its session, as plain values for the registry."""
         row = self.rows[0] if self.rows else None
         if row is None or not row.num_generated:
             return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits)
-        return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, row.num_generated, row.counts,
-                          row.next_token, tuple(row.recent or ()))
+        return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, row.num_generated,
+                          sampling.counts[row.slot].clone(), row.next_token, tuple(row.recent or ()))
 
     def request_stats(self, reason: FinishReason, now: float) -> RequestStats:
         admitted = self.admitted_time if self.admitted_time is not None else now

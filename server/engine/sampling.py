@@ -1,87 +1,167 @@
-"""Batched sampling as a pure function of logits and per-row parameters.
+"""Batched sampling on the device, as pure functions of logits and per-row parameter tensors.
 
-Randomness comes in as one uniform number per row, drawn by the caller from that row's own seeded
-generator, so a seeded request samples the same tokens whatever else shares its batch: the choice is
-inverse-CDF over the filtered distribution, with no batch-wide random draw.
+Every row's parameters live in per-slot tensors (`SlotSampling`, written once when a row is admitted), so a
+step gathers them with the row's slot index — inside the compiled decode program or eagerly — instead of
+building them from Python objects each step.
+
+Randomness is counter-based: a row's uniform number for the token at absolute position p is a hash of
+(its seed, p) (`counter_uniforms`), so a seeded request samples the same tokens whatever else shares its
+batch, whichever step runs it, and a session continued with the same seed draws what one long request
+would have drawn. The choice is inverse-CDF over the (filtered) distribution: no batch-wide random draw.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from .types import SamplingParams, TokenLogprob
 
-
-@dataclass(frozen=True)
-class BatchParams:
-    """Per-row sampling parameters as tensors (B,) on the logits' device."""
-
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    repetition_penalty: torch.Tensor
-    presence_penalty: torch.Tensor
-    frequency_penalty: torch.Tensor
-    any_random: bool
-    any_filter: bool
-    any_penalty: bool
-
-    @classmethod
-    def from_params(cls, params: list[SamplingParams], device: torch.device) -> BatchParams:
-        def col(name: str, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
-
-        return cls(
-            temperature=col("temperature"),
-            top_k=col("top_k", torch.long),
-            top_p=col("top_p"),
-            min_p=col("min_p"),
-            repetition_penalty=col("repetition_penalty"),
-            presence_penalty=col("presence_penalty"),
-            frequency_penalty=col("frequency_penalty"),
-            any_random=any(not p.greedy for p in params),
-            any_filter=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params if not p.greedy),
-            any_penalty=any(p.uses_penalties for p in params),
-        )
+MASK32 = 0xFFFFFFFF
+# odd multipliers below 2**31: a 32-bit value times one stays inside int64, so the hash is exact in any
+# backend (no overflow), and the low 32 bits mix as in the usual multiply-xorshift finalizers
+MIX = (0x7FEB352D, 0x2C1B3C6D)
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, bp: BatchParams) -> torch.Tensor:
-    """logits (B, V); counts (B, V) of generated tokens; seen (B, V) bool over prompt + generated."""
-    rep = bp.repetition_penalty[:, None]  # (B, 1)
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A bijective avalanche of 32-bit values held in int64 (B,)."""
+    for multiplier in MIX:
+        h = h ^ (h >> 16)
+        h = (h * multiplier) & MASK32
+    return h ^ (h >> 15)
+
+
+def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """seeds (B,) int64 (any value), positions (B,) int64 in [0, 2**32) → uniforms (B,) fp32 in [0, 1),
+    24 bits each. A pure function of (seed, position): no generator state, no dependence on the batch."""
+    h = _mix32((seeds & MASK32) ^ 0x1B873593)  # (B,) the seed's low half
+    h = _mix32(h ^ ((seeds >> 32) & MASK32))  # its high half
+    h = _mix32(h ^ (positions & MASK32))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # (B,)
+
+
+class SlotSampling:
+    """Per-slot sampling parameters and penalty statistics on the device, one row per state slot."""
+
+    FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+    def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.floats = torch.zeros(len(self.FLOATS), num_slots, device=device)  # (6, N) in FLOATS order
+        self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)  # (N,)
+        self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)  # (N,)
+        self.bias = torch.zeros(num_slots, vocab, device=device)  # (N, V) logit_bias, dense
+        self.counts = torch.zeros(num_slots, vocab, device=device)  # (N, V) generated-token counts
+        self.seen = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)  # (N, V) prompt or generated
+
+    def assign(self, slot: int, params: SamplingParams, seed: int, seen: torch.Tensor | None,
+               prompt_ids: list[int]) -> None:
+        """Set a slot's row for a new request: its parameters, seed, bias, and fresh penalty statistics
+        (`seen`: a session's history (V,) bool, then the prompt's tokens)."""
+        values = [float(getattr(params, name)) for name in self.FLOATS]
+        self.floats[:, slot] = torch.tensor(values, device=self.device)
+        self.top_k[slot] = params.top_k
+        self.seed[slot] = seed
+        self.bias[slot].zero_()
+        if params.logit_bias:
+            ids = torch.tensor([token for token, _ in params.logit_bias], device=self.device)
+            self.bias[slot, ids] = torch.tensor([bias for _, bias in params.logit_bias], device=self.device)
+        self.counts[slot].zero_()
+        if seen is not None:
+            self.seen[slot].copy_(seen)
+        else:
+            self.seen[slot].zero_()
+        if prompt_ids:
+            self.seen[slot, torch.tensor(prompt_ids, device=self.device)] = True
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count the tokens just chosen for `slots` (B,) (penalties and a session's history)."""
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True)
+        self.seen.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the decode program reads, in `choose_tokens`' order after its first three arguments."""
+        return self.floats, self.seed, self.bias, self.counts, self.seen
+
+
+def process_logits(logits: torch.Tensor, floats: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,
+                   seen: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) + logit_bias, then repetition (over seen), frequency and presence (over generated)
+    penalties; floats (6, B) in SlotSampling.FLOATS order. Neutral parameters leave a logit exactly as it was."""
+    rep, presence, frequency = floats[3][:, None], floats[4][:, None], floats[5][:, None]  # (B, 1) each
+    logits = logits + bias  # (B, V)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)  # (B, V)
     logits = torch.where(seen, penalised, logits)  # (B, V)
-    logits = logits - bp.frequency_penalty[:, None] * counts  # (B, V)
-    return logits - bp.presence_penalty[:, None] * (counts > 0).float()  # (B, V)
+    logits = logits - frequency * counts  # (B, V)
+    return logits - presence * (counts > 0).to(logits.dtype)  # (B, V)
 
 
-def sample(logits: torch.Tensor, bp: BatchParams, uniforms: torch.Tensor) -> torch.Tensor:
-    """logits (B, V) fp32 → token ids (B,). Rows with temperature 0 take the argmax."""
-    greedy = logits.argmax(dim=-1)  # (B,)
-    if not bp.any_random:
-        return greedy
-    temperature = torch.where(bp.temperature > 0, bp.temperature, torch.ones_like(bp.temperature))  # (B,)
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)  # (B, V)
-    if bp.any_filter:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V)
-        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, V)
-        k = torch.where(bp.top_k > 0, bp.top_k, torch.full_like(bp.top_k, probs.shape[-1]))  # (B,)
-        drop = ranks >= k[:, None]  # (B, V)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V) mass strictly before each rank
-        drop |= before >= bp.top_p[:, None]
-        drop |= sorted_probs < bp.min_p[:, None] * sorted_probs[:, :1]
-        drop[:, 0] = False  # the most likely token always survives
-        kept = sorted_probs.masked_fill(drop, 0.0)  # (B, V)
-    else:
-        kept, order = probs, None
-    cdf = kept.cumsum(dim=-1)  # (B, V)
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+                    params: list[SamplingParams]) -> torch.Tensor:
+    """`process_logits` for rows described by SamplingParams (tests, tools), without logit_bias."""
+    return process_logits(logits, param_floats(params, logits.device), torch.zeros_like(logits), counts, seen)
+
+
+def param_floats(params: list[SamplingParams], device: torch.device | str = "cpu") -> torch.Tensor:
+    """(6, B) in SlotSampling.FLOATS order."""
+    return torch.tensor([[float(getattr(p, name)) for p in params] for name in SlotSampling.FLOATS], device=device)
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """weights (B, V) ≥ 0 → the index where each row's cumulative weight first exceeds u × total (B,)."""
+    cdf = weights.cumsum(dim=-1)  # (B, V)
     target = uniforms[:, None] * cdf[:, -1:]  # (B, 1)
-    index = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)  # (B, 1)
-    chosen = index[:, 0] if order is None else order.gather(1, index)[:, 0]  # (B,)
-    return torch.where(bp.temperature > 0, chosen, greedy)  # (B,)
+    return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[-1] - 1)[:, 0]  # (B,)
+
+
+def sample_plain(processed: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """processed (B, V) → tokens (B,): argmax where temperature is 0, else a draw from softmax(logits / T)
+    — no top-k/top-p/min-p filter (no sort): the decode program's path."""
+    greedy = processed.argmax(dim=-1)  # (B,)
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # (B,)
+    probs = torch.softmax(processed / scale[:, None], dim=-1)  # (B, V)
+    return torch.where(temperature > 0, _inverse_cdf(probs, uniforms), greedy)  # (B,)
+
+
+def sample_filtered(processed: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`sample_plain` with each row's top-k (0: off), top-p and min-p filters (B,), decided over the sorted
+    distribution (the most likely token always survives); the draw itself is inverse-CDF in vocabulary
+    order over the survivors, so a row whose filters drop nothing gets exactly `sample_plain`'s token."""
+    greedy = processed.argmax(dim=-1)  # (B,)
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # (B,)
+    probs = torch.softmax(processed / scale[:, None], dim=-1)  # (B, V)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B, V)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, V)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1]))  # (B,)
+    drop = ranks >= k[:, None]  # (B, V) in sorted order
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V) mass strictly before each rank
+    drop |= before >= top_p[:, None]
+    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    drop[:, 0] = False
+    dropped = torch.zeros_like(drop).scatter(1, order, drop)  # (B, V) back in vocabulary order
+    chosen = _inverse_cdf(probs.masked_fill(dropped, 0.0), uniforms)  # (B,)
+    return torch.where(temperature > 0, chosen, greedy)  # (B,)
+
+
+def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, floats: torch.Tensor,
+                  seed: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,
+                  seen: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The sampling half of a decode program: logits (B, V) of the rows in `slots` (B,), their token
+    positions (B,), and the SlotSampling tensors →
+    (tokens (B,) unfiltered draw, chosen-token logprob (B,), finite (B,) bool, uniforms (B,), processed (B, V)).
+    Rows with non-finite logits sample from zeros (their requests fail); rows with filters are redrawn
+    from `processed` with the same uniforms by the caller."""
+    finite = torch.isfinite(logits).all(dim=-1)  # (B,)
+    logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # (B, V)
+    row_floats = floats.index_select(1, slots)  # (6, B)
+    processed = process_logits(logits, row_floats, bias.index_select(0, slots), counts.index_select(0, slots),
+                               seen.index_select(0, slots))  # (B, V)
+    uniforms = counter_uniforms(seed.index_select(0, slots), positions)  # (B,)
+    tokens = sample_plain(processed, row_floats[0], uniforms)  # (B,)
+    logprob = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]  # (B,)
+    return tokens, logprob, finite, uniforms, processed
 
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (almost) no mass

@@ -99,6 +99,12 @@ class StatePool(SlotPool):
         for name, tensor in state.tensors().items():
             self.buffers[name].index_copy_(0, index, tensor.to(self.buffers[name].dtype))
 
+    def scatter_tensors(self, slots: list[int], tensors: list[torch.Tensor]) -> None:
+        """Write rows back: `tensors` in the buffers' order (the decode program's state outputs)."""
+        index = self._index(slots)
+        for buffer, tensor in zip(self.buffers.values(), tensors):
+            buffer.index_copy_(0, index, tensor)
+
     def copy(self, src: int, dst: int) -> None:
         for buffer in self.buffers.values():
             buffer[dst].copy_(buffer[src])

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .decode_program import DecodeOutputs
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache, boundary_hashes
-from .sampling import BatchParams, apply_penalties, sample, token_logprobs
+from .sampling import SlotSampling, choose_tokens, sample_filtered, token_logprobs
 from .types import FinishReason, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -43,36 +44,33 @@ class Delivery:
     outputs: list[tuple[Row, RequestOutput]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
     latencies: list[tuple[int, float]] = field(default_factory=list)  # (position, seconds since the row's last)
-
-
-def logit_bias_rows(params: list, like: torch.Tensor) -> torch.Tensor:
-    """Each row's `logit_bias` as a dense (B, V) tensor of additions (zeros where a row has none)."""
-    rows = [b for b, p in enumerate(params) for _ in p.logit_bias]
-    ids = [token for p in params for token, _ in p.logit_bias]
-    values = torch.tensor([bias for p in params for _, bias in p.logit_bias], dtype=like.dtype)
-    bias = torch.zeros_like(like)  # (B, V)
-    bias[torch.tensor(rows), torch.tensor(ids)] = values.to(like.device)
-    return bias
+    program_s: float = 0.0  # time inside the decode program (the rest of a step is Python around it)
 
 
 class StepRunner:
-    def __init__(self, model, pool, decode_step, prefix_cache: PrefixCache, device: torch.device,
-                 vocab_size: int, eos_id: int | None) -> None:
-        self.model, self.pool, self.decode_step, self.prefix_cache = model, pool, decode_step, prefix_cache
-        self.device, self.vocab_size, self.eos_id = device, vocab_size, eos_id
+    def __init__(self, model, pool, sampling: SlotSampling, decode_step, prefix_cache: PrefixCache,
+                 device: torch.device, eos_id: int | None) -> None:
+        self.model, self.pool, self.sampling, self.decode_step = model, pool, sampling, decode_step
+        self.prefix_cache, self.device, self.eos_id = prefix_cache, device, eos_id
 
     # ------------------------------------------------------------------ phases
     def decode(self, rows: list[Row]) -> Delivery:
         """One token for every running row."""
         slots = [row.slot for row in rows]
         tokens = [row.next_token for row in rows]
-        if self.decode_step is not None:  # linear: eager or a compiled bucket / CUDA graph
-            logits, state = self.decode_step(tokens, slots)  # (B, V) fp32
-        else:
-            ids = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1)
-            logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
-            logits = logits[:, 0].float()  # (B, V)
-        sampled = self.choose(rows, logits)  # may raise: nothing is committed yet
+        positions = [row.position for row in rows]
+        if self.decode_step is not None:  # linear: one program (eager, a compiled bucket or a CUDA graph)
+            started = time.perf_counter()
+            out = self.decode_step(tokens, slots, positions)
+            program_s = time.perf_counter() - started
+            sampled = self._sampled(rows, out, torch.tensor(slots, device=self.device))
+            self.pool.scatter_tensors(slots, out.state)  # the step succeeded: commit the rows' state
+            delivery = self.deliver(rows, sampled)
+            delivery.program_s = program_s
+            return delivery
+        ids = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1) softmax baseline: a KV cache
+        logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
+        sampled = self.choose(rows, logits[:, 0].float())  # may raise: nothing is committed yet
         self.pool.scatter(slots, state)
         return self.deliver(rows, sampled)
 
@@ -117,25 +115,32 @@ class StepRunner:
 
     # ------------------------------------------------------------------ sampling and delivery
     def choose(self, rows: list[Row], logits: torch.Tensor) -> Sampled:
-        """logits (B, V) → one token per row (penalties, filters, seeded draws), without side effects on
-        slots or outputs."""
-        params = [row.live.request.params for row in rows]
-        bp = BatchParams.from_params(params, self.device)
-        finite = torch.isfinite(logits).all(dim=-1)  # (B,) checked with the tokens: no extra device sync
-        logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # (B, V) broken rows: anything
-        processed = logits
-        if any(p.logit_bias for p in params):
-            processed = processed + logit_bias_rows(params, logits)  # (B, V)
-        if bp.any_penalty:
-            counts = torch.stack([row.counts if row.counts is not None else logits.new_zeros(self.vocab_size)
-                                  for row in rows])  # (B, V)
-            seen = torch.stack([row.seen if row.seen is not None else torch.zeros_like(counts[0], dtype=torch.bool)
-                                for row in rows])  # (B, V)
-            processed = apply_penalties(logits, counts, seen, bp)  # (B, V)
-        uniforms = torch.tensor([row.uniform() for row in rows], device=self.device)  # (B,)
-        tokens = sample(processed, bp, uniforms)  # (B,)
-        logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        chosen, ok = torch.stack([tokens, finite.long()]).tolist()  # (2, B): one transfer
+        """logits (B, V) → one token per row (eagerly, with the decode program's sampling), without side
+        effects on slots or outputs other than the rows' penalty counts."""
+        index = torch.tensor([row.slot for row in rows], device=self.device)  # (B,)
+        positions = torch.tensor([row.position for row in rows], device=self.device)  # (B,)
+        tokens, logprob, finite, uniforms, processed = choose_tokens(logits, index, positions,
+                                                                     *self.sampling.tensors())
+        outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, [])
+        return self._sampled(rows, outputs, index)
+
+    def _sampled(self, rows: list[Row], out: DecodeOutputs, index: torch.Tensor) -> Sampled:
+        """A program's draw → the rows' tokens: rows with top-k/top-p/min-p redrawn from the processed logits
+        with their own uniforms, counts recorded, then one transfer to Python."""
+        tokens = out.tokens
+        filtered = [b for b, row in enumerate(rows) if row.filtered]
+        if filtered:
+            pick = torch.tensor(filtered, device=self.device)  # (b,)
+            where = index.index_select(0, pick)  # (b,) slots
+            redrawn = sample_filtered(out.processed.index_select(0, pick), self.sampling.floats[0, where],
+                                      self.sampling.top_k[where], self.sampling.floats[1, where],
+                                      self.sampling.floats[2, where], out.uniforms.index_select(0, pick))  # (b,)
+            tokens = tokens.index_copy(0, pick, redrawn)  # (B,)
+        self.sampling.record(index, tokens)
+        top_n = [row.live.request.params.logprobs for row in rows]
+        wanted = any(n is not None for n in top_n)
+        logprobs = token_logprobs(out.logits, tokens, top_n) if wanted else [None] * len(rows)
+        chosen, ok = torch.stack([tokens, out.finite.long()]).tolist()  # (2, B): one transfer
         return Sampled(chosen, logprobs, [not flag for flag in ok])
 
     def deliver(self, rows: list[Row], sampled: Sampled) -> Delivery:

@@ -154,6 +154,7 @@ class StepStats:
     # (position, seconds since the row's previous token) for every token this step: observed as it
     # happens, so no request keeps a list that grows with its length
     token_latencies: tuple[tuple[int, float], ...] = ()
+    program_s: float = 0.0  # of duration_s, inside the decode program call (on CUDA only its launch: asynchronous)
 
 
 @dataclass(frozen=True)

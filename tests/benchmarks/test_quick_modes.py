@@ -56,6 +56,22 @@ def test_served_flatness(tmp_path):
     assert (tmp_path / "p2_served_flatness.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_first_start(tmp_path):
+    """A cold cache: the server streams at once while the compiler child starts (and dies with the server)."""
+    run("p12_first_start.py", "--out", str(tmp_path / "p12.json"))
+    data = json.loads((tmp_path / "p12.json").read_text())
+    assert data["cold"]["first_token_s"] > 0 and data["cold"]["while_compiling"]["tokens"] > 1
+    left = []  # no compiler child outlives its server
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"program_compiler" in command and b"linserve-cold-cache-" in command:
+            left.append(command)
+    assert not left
+
+
 def test_memory(tmp_path):
     run("memory.py", "--out", str(tmp_path / "p8.json"))
     data = json.loads((tmp_path / "p8.json").read_text())

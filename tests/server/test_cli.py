@@ -139,17 +139,24 @@ def test_cuda_is_refused_before_torch_loads_where_no_gpu_driver_exists(monkeypat
 
 
 @pytest.mark.slow
-def test_compile_builds_the_cache_that_serve_uses(tiny_checkpoint, tmp_path):
-    """`linserve compile` compiles every bucket `serve` would (here one: --num-slots 1) into the directory
-    `serve` reads, keyed the same way, and says where; it logs each bucket as it goes."""
+def test_compile_builds_the_cache_that_serve_uses(tiny_checkpoint, compile_cache):
+    """`linserve compile` builds every bucket `serve` would (here one: --num-slots 1) into the directory
+    `serve` reads, keyed the same way, and says where; it logs each bucket as it goes. Run again, it loads
+    the artifact and compiles nothing. (The compiled server in test_e2e uses the same cache.)"""
+    from pathlib import Path
+
     from tests.devices import device_name_under_test
 
-    cache = tmp_path / "cache"
     command = [sys.executable, "-m", "server.cli", "compile", "--model", str(tiny_checkpoint), "--num-slots", "1",
-               "--compile-cache-dir", str(cache), "--device", device_name_under_test()]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "decode step compiled: buckets [1] of [1]" in result.stdout
-    assert "compiling bucket 1 of 1 (batch 1)" in result.stderr
-    (keyed,) = cache.iterdir()  # one subdirectory: this model, dtype, torch version and device
-    assert str(keyed) in result.stdout and any(keyed.rglob("*"))
+               "--compile-cache-dir", compile_cache, "--device", device_name_under_test()]
+    for _ in range(2):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "decode step compiled: buckets [1] of [1]" in result.stdout
+        assert "compiling bucket 1 of 1 (batch 1)" in result.stderr
+    keyed = next(Path(compile_cache).glob(f"*{Path(result.stdout.split()[-1]).name}"))
+    assert str(keyed) in result.stdout
+    if device_name_under_test() == "cpu":  # the artifact, and the compiler child's log of its one build
+        assert (keyed / "decode-s1-b1.pt2").is_file()
+        assert (keyed / "compile.log").is_file()
+    assert float(result.stdout.split("(1: ")[1].split(" s)")[0]) < 10  # the second run only loaded it

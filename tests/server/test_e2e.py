@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -218,7 +219,7 @@ def test_sigterm_ends_running_streams_with_abort(server):
     assert "Traceback" not in server["log"].read_text()
 
 
-def test_a_compiled_server_reports_progress_and_streams_the_same_tokens(start_server, tmp_path):
+def test_a_compiled_server_reports_progress_and_streams_the_same_tokens(start_server, compile_cache):
     """`--compile on`: ready at once (eager), /ready shows the buckets compiling, then the same text as eager."""
     body = {"prompt": "ROMEO.", "max_tokens": 40, "temperature": 0.8, "ignore_eos": True}
     eager = start_server("--num-slots", "2")
@@ -231,7 +232,7 @@ def test_a_compiled_server_reports_progress_and_streams_the_same_tokens(start_se
     eager.stop()
     # one slot, one bucket: every bucket size and padding is tested in process (test_compiled_decode.py)
     compiled = start_server(
-        "--num-slots", "1", "--compile", "on", env={"LINSERVE_COMPILE_CACHE_DIR": str(tmp_path / "cache")}
+        "--num-slots", "1", "--compile", "on", env={"LINSERVE_COMPILE_CACHE_DIR": compile_cache}
     )
     step = httpx.get(f"{compiled['base']}/ready").json()["decode_step"]
     assert step["compile"] == "on" and step["buckets"] == [1] and step["status"] in ("pending", "compiling", "compiled")
@@ -258,7 +259,7 @@ def test_a_compiled_server_reports_progress_and_streams_the_same_tokens(start_se
                 )
             )
     assert texts == want
-    assert any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
+    assert any(path.is_file() for path in Path(compile_cache).rglob("*"))
 
 
 def test_logs_have_one_format_and_an_access_line_per_request(start_server):

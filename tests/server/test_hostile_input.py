@@ -9,8 +9,7 @@ import pytest
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from server.engine import step_runner as steps
-from tests.helpers import assert_slots_balance
+from tests.helpers import assert_slots_balance, poison_sampling
 
 from .test_app import sse_payloads
 
@@ -109,19 +108,8 @@ def test_an_unhandled_exception_is_a_json_500_with_a_request_id(client, monkeypa
     still_serving(client)
 
 
-def _poison(monkeypatch) -> None:
-    real = steps.sample
-
-    def sample(logits, bp, uniforms):
-        if bool((bp.temperature - 0.777).abs().lt(1e-6).any()):
-            raise RuntimeError("injected sampler fault")
-        return real(logits, bp, uniforms)
-
-    monkeypatch.setattr(steps, "sample", sample)
-
-
 def test_a_failing_step_is_a_500_or_an_error_event_and_the_server_goes_on(client, monkeypatch):
-    _poison(monkeypatch)
+    poison_sampling(monkeypatch, 0.777)
     body = {"prompt": "ROMEO.", "max_tokens": 5, "temperature": 0.777}
     response = client.post("/v1/completions", json=body)
     error = error_of(response, 500)

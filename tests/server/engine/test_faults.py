@@ -8,9 +8,8 @@ import threading
 import pytest
 
 from server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
-from server.engine import step_runner as steps
 from server.engine.types import SEED_MAX, SEED_MIN
-from tests.helpers import GREEDY, Collector, assert_slots_balance, prompt, run, tokens_of
+from tests.helpers import GREEDY, Collector, assert_slots_balance, poison_sampling, prompt, run, tokens_of
 
 POISON_TEMPERATURE = 0.777  # the injected sampler fault fires for batches holding a row with this temperature
 
@@ -18,18 +17,8 @@ POISON_TEMPERATURE = 0.777  # the injected sampler fault fires for batches holdi
 
 @pytest.fixture
 def poisoned_sampler(monkeypatch):
-    """The real sampler, except that it raises for batches with a poisoned row (once per `arm()`)."""
-    real = steps.sample
-    armed = {"n": 0}
-
-    def sample(logits, bp, uniforms):
-        if armed["n"] and bool((bp.temperature - POISON_TEMPERATURE).abs().lt(1e-6).any()):
-            armed["n"] -= 1
-            raise RuntimeError("injected sampler fault")
-        return real(logits, bp, uniforms)
-
-    monkeypatch.setattr(steps, "sample", sample)
-    return armed
+    """The real step, except that it fails for batches with a poisoned row as many times as armed."""
+    return poison_sampling(monkeypatch, POISON_TEMPERATURE, times=0)
 
 
 def test_a_failing_step_fails_its_request_and_the_engine_goes_on(make_engine, poisoned_sampler):

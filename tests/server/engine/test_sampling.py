@@ -1,58 +1,150 @@
-"""Batched sampling as a pure function: filters, penalties, per-row randomness."""
+"""Batched sampling on the device: counter-based uniforms, filters, penalties, logit_bias, per-row parameters."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from server.engine.sampling import BatchParams, apply_penalties, sample, token_logprobs
+from server.engine.sampling import (
+    SlotSampling,
+    apply_penalties,
+    choose_tokens,
+    counter_uniforms,
+    param_floats,
+    sample_filtered,
+    sample_plain,
+    token_logprobs,
+)
 from server.engine.types import SamplingParams
 
 CPU = torch.device("cpu")
 
 
-def bp(*params: SamplingParams) -> BatchParams:
-    return BatchParams.from_params(list(params), CPU)
+def temperatures(*values: float) -> torch.Tensor:
+    return torch.tensor(values)
 
 
 def test_greedy_rows_take_argmax_whatever_the_uniform():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
-    tokens = sample(
-        logits, bp(SamplingParams(temperature=0), SamplingParams(temperature=0)), torch.tensor([0.99, 0.01])
-    )
+    tokens = sample_plain(logits, temperatures(0, 0), torch.tensor([0.99, 0.01]))
     assert tokens.tolist() == [1, 0]
 
 
 def test_inverse_cdf_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.7]]))
-    params = bp(SamplingParams(temperature=1.0))
-    picks = [int(sample(logits, params, torch.tensor([u]))) for u in (0.05, 0.15, 0.29, 0.31, 0.99)]
+    picks = [int(sample_plain(logits, temperatures(1.0), torch.tensor([u]))) for u in (0.05, 0.15, 0.29, 0.31, 0.99)]
     assert picks == [0, 1, 1, 2, 2]
 
 
 def test_top_k_top_p_min_p_filter_per_row():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = torch.log(probs).repeat(3, 1)
-    params = bp(SamplingParams(top_k=1), SamplingParams(top_p=0.7), SamplingParams(min_p=0.25))
-    # u near 1 picks the least likely token that survives each row's filter
-    assert sample(logits, params, torch.full((3,), 0.999)).tolist() == [0, 1, 2]
+    logits = torch.log(probs).repeat(4, 1)
+    top_k, top_p, min_p = torch.tensor([1, 0, 0, 0]), torch.tensor([1.0, 0.7, 1.0, 1.0]), torch.tensor([0, 0, 0.25, 0])
+    # u near 1 picks the least likely token that survives each row's filter (the last row has none)
+    tokens = sample_filtered(logits, temperatures(1, 1, 1, 1), top_k, top_p, min_p, torch.full((4,), 0.999))
+    assert tokens.tolist() == [0, 1, 2, 3]
+
+
+def test_filtered_sampling_without_filters_is_plain_sampling():
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    uniforms = torch.rand(16, generator=torch.Generator().manual_seed(1))
+    temperature = torch.linspace(0, 2, 16)
+    off = torch.zeros(16, dtype=torch.long)
+    plain = sample_plain(logits, temperature, uniforms)
+    assert sample_filtered(logits, temperature, off, torch.ones(16), torch.zeros(16), uniforms).equal(plain)
 
 
 def test_each_row_uses_only_its_own_uniform():
     logits = torch.log(torch.tensor([[0.25, 0.25, 0.25, 0.25]])).repeat(2, 1)
-    params = bp(SamplingParams(), SamplingParams())
-    alone = sample(logits[:1], bp(SamplingParams()), torch.tensor([0.6]))
-    together = sample(logits, params, torch.tensor([0.6, 0.1]))
+    alone = sample_plain(logits[:1], temperatures(1), torch.tensor([0.6]))
+    together = sample_plain(logits, temperatures(1, 1), torch.tensor([0.6, 0.1]))
     assert int(alone) == int(together[0]) == 2 and int(together[1]) == 0
+
+
+def test_counter_uniforms_are_a_pure_function_of_seed_and_position():
+    seeds = torch.tensor([0, 1, -1, 2**62, -(2**63), 12345])
+    positions = torch.tensor([0, 0, 7, 7, 2**32 - 1, 3])
+    once = counter_uniforms(seeds, positions)
+    assert once.equal(counter_uniforms(seeds, positions))
+    # each row alone, and the rows in another order, give the same numbers
+    for i in range(len(seeds)):
+        assert counter_uniforms(seeds[i : i + 1], positions[i : i + 1]).item() == once[i].item()
+    order = torch.randperm(len(seeds))
+    assert counter_uniforms(seeds[order], positions[order]).equal(once[order])
+    assert len(set(once.tolist())) == len(seeds)  # neighbouring seeds and positions differ
+
+
+def test_counter_uniforms_are_uniform_and_uncorrelated():
+    """200,000 draws over consecutive seeds and positions: each of 64 bins within 5 sigma of its share, and
+    the draws of neighbouring positions uncorrelated."""
+    seeds = torch.arange(400).repeat_interleave(500)  # (N,)
+    positions = torch.arange(500).repeat(400)  # (N,)
+    u = counter_uniforms(seeds, positions)
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    counts = torch.bincount((u * 64).long(), minlength=64).float()
+    expected = len(u) / 64
+    assert float((counts - expected).abs().max()) < 5 * math.sqrt(expected)
+    grid = u.view(400, 500)
+    lag1 = torch.corrcoef(torch.stack([grid[:, :-1].flatten(), grid[:, 1:].flatten()]))[0, 1]
+    seeds_lag = torch.corrcoef(torch.stack([grid[:-1].flatten(), grid[1:].flatten()]))[0, 1]
+    assert abs(float(lag1)) < 0.01 and abs(float(seeds_lag)) < 0.01
+
+
+def test_sampled_tokens_follow_softmax_over_temperature():
+    """choose_tokens over many positions draws each token as often as softmax(logits / T) says (chi-square)."""
+    vocab, draws, temperature = 8, 40_000, 0.7
+    logits = torch.linspace(-2, 2, vocab)
+    sampling = SlotSampling(1, vocab, CPU)
+    sampling.assign(0, SamplingParams(temperature=temperature), 99, None, [])
+    slots = torch.zeros(draws, dtype=torch.long)
+    tokens = choose_tokens(logits.repeat(draws, 1), slots, torch.arange(draws), *sampling.tensors())[0]
+    observed = torch.bincount(tokens, minlength=vocab).double()
+    expected = torch.softmax(logits / temperature, -1).double() * draws
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 30  # 7 degrees of freedom: p ≈ 1e-4
+
+
+def test_choose_tokens_reads_each_rows_parameters_from_its_slot():
+    vocab = 6
+    sampling = SlotSampling(4, vocab, CPU)
+    sampling.assign(1, SamplingParams(temperature=0), 0, None, [])
+    sampling.assign(3, SamplingParams(temperature=0, logit_bias=((5, 100.0),)), 0, None, [])
+    sampling.assign(2, SamplingParams(temperature=0, repetition_penalty=1e6), 0, None, [2])  # prompt token 2
+    logits = torch.tensor([0.0, 0.0, 5.0, 4.0, 0.0, 0.0]).repeat(3, 1)
+    slots, positions = torch.tensor([1, 3, 2]), torch.zeros(3, dtype=torch.long)
+    tokens, logprob, finite, _, processed = choose_tokens(logits, slots, positions, *sampling.tensors())
+    assert tokens.tolist() == [2, 5, 3] and finite.all()
+    assert torch.allclose(logprob, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])  # the model's
+    assert float(processed[1, 5]) == 100.0
+
+
+def test_counts_recorded_by_slot_feed_the_penalties():
+    sampling = SlotSampling(2, 4, CPU)
+    sampling.assign(0, SamplingParams(frequency_penalty=1.0), 0, None, [])
+    sampling.record(torch.tensor([0, 0, 1]), torch.tensor([3, 3, 1]))
+    assert sampling.counts[0].tolist() == [0, 0, 0, 2] and sampling.counts[1].tolist() == [0, 1, 0, 0]
+    sampling.assign(0, SamplingParams(), 0, None, [])  # a new request in the slot starts from nothing
+    assert sampling.counts[0].sum() == 0 and not sampling.seen[0].any()
+
+
+def test_non_finite_rows_are_flagged_and_sample_anyway():
+    sampling = SlotSampling(2, 3, CPU)
+    logits = torch.tensor([[0.0, float("nan"), 1.0], [0.0, 1.0, 0.0]])
+    _, _, finite, _, _ = choose_tokens(logits, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long),
+                                       *sampling.tensors())
+    assert finite.tolist() == [False, True]
 
 
 def test_penalties():
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
     counts = torch.tensor([[0.0, 0.0, 3.0, 0.0]])
     seen = torch.tensor([[True, True, True, False]])
-    out = apply_penalties(logits, counts, seen, bp(SamplingParams(repetition_penalty=2.0)))
+    out = apply_penalties(logits, counts, seen, [SamplingParams(repetition_penalty=2.0)])
     assert out.tolist() == [[1.0, -4.0, 0.5, 1.0]]
-    out = apply_penalties(logits, counts, seen, bp(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)))
+    out = apply_penalties(logits, counts, seen, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)])
     assert out.tolist() == [[2.0, -2.0, 1.0 - 0.75 - 0.5, 1.0]]
+    assert param_floats([SamplingParams()]).shape == (6, 1)
 
 
 def test_logprobs_are_of_the_model_distribution():

@@ -1,0 +1,52 @@
+"""The decode step as one program: gather the rows' state by slot → the model's recurrent step → sampling.
+
+This is what gets compiled per batch bucket (compiled_decode.py: an AOTInductor artifact on CPU, built by
+program_compiler.py in a child process; a CUDA graph of the compiled program on CUDA) and what runs
+eagerly while no bucket is ready. Only tensors go in and out, so the same function can be exported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model import LinearGPT
+from model.decode_step import flat_decode_step, state_names
+
+from .sampling import choose_tokens
+
+
+@dataclass
+class DecodeOutputs:
+    """What one decode program returns for B rows (see `decode_program`)."""
+
+    tokens: torch.Tensor  # (B,) int64 drawn without top-k/top-p/min-p filters (argmax for greedy rows)
+    logprob: torch.Tensor  # (B,) the drawn token's log-probability under the model
+    finite: torch.Tensor  # (B,) bool: the row's logits were finite
+    uniforms: torch.Tensor  # (B,) the rows' counter-based uniforms (a filtered redraw reuses them)
+    processed: torch.Tensor  # (B, V) logits after logit_bias and penalties
+    logits: torch.Tensor  # (B, V) the model's logits, fp32
+    state: list[torch.Tensor]  # the rows' new state tensors, in `state_names` order
+
+
+def decode_program(model: LinearGPT):
+    """The whole decode step as one function of tensors — what gets compiled per bucket:
+
+        program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)
+            -> (tokens, logprob, finite, uniforms, processed, logits, *new state)
+
+    gather the rows' state from the pool by slot → the model's recurrent step → the rows' sampling
+    parameters gathered by slot → penalties, logit_bias, counter-based draw. Nothing is written: the
+    caller scatters the state back once the step has succeeded."""
+    step = flat_decode_step(model)
+    n_state = len(state_names(model))
+
+    def program(tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        pool, sampling = buffers[:n_state], buffers[n_state:]
+        state = [buffer.index_select(0, slots) for buffer in pool]  # (P, …) each
+        logits, *new_state = step(tokens[:, None], *state)  # (P, V) fp32
+        return (*choose_tokens(logits, slots, positions, *sampling), logits, *new_state)
+
+    return program

@@ -1,0 +1,179 @@
+"""Compiling decode programs in a separate process, into artifacts the engine loads (CPU).
+
+The engine never runs the compiler: a child process (`python -m server.engine.program_compiler DIR`)
+exports the decode program (compiled_decode.decode_program) for one batch bucket at a time with
+torch.export and builds it with AOTInductor (frozen weights, max-autotune: Inductor's C++ GEMM
+templates) into `DIR/decode-b{size}.pt2`. The engine loads a finished artifact in milliseconds and calls
+it with no Dynamo guard evaluation; a restart, `linserve compile` or another server on the same cache
+loads the artifacts without compiling anything.
+
+So compiling holds none of the engine's GIL, never traces inside the engine's process (no torch.fx
+patching while steps run), and runs at a lower CPU priority than serving.
+
+Protocol (one line each, text): the parent writes a bucket size; the child answers
+`ready SIZE SECONDS` or `failed SIZE MESSAGE`; an empty line or EOF ends the child. `DIR/model.pt`
+(config, dtype, weights, slot count) is written by the parent before the child starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from model import LinearGPT, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "model.pt"
+ARTIFACT_FORMAT = 1  # part of the cache key: raise it whenever `build` makes different artifacts
+
+
+def artifact_path(directory: str, num_slots: int, size: int) -> str:
+    """A bucket's program; it reads the whole pool, so the slot count is compiled in (and named)."""
+    return os.path.join(directory, f"decode-s{num_slots}-b{size}.pt2")
+
+
+def write_model(directory: str, model: LinearGPT) -> None:
+    """What the child needs to rebuild the program (config, dtype, weights), once per cache directory
+    (which is keyed by exactly these), atomically."""
+    path = os.path.join(directory, MODEL_FILE)
+    if os.path.exists(path):
+        return
+    os.makedirs(directory, exist_ok=True)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    payload = {"config": model.config.to_dict(), "dtype": dtype,
+               "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    temp = f"{path}.{os.getpid()}.tmp"
+    torch.save(payload, temp)
+    os.replace(temp, path)
+
+
+def load_artifact(directory: str, num_slots: int, size: int):
+    """A finished bucket's program (callable with the program's arguments), or None if there is none."""
+    path = artifact_path(directory, num_slots, size)
+    if not os.path.exists(path):
+        return None
+    return torch._inductor.aoti_load_package(path)
+
+
+class CompilerProcess:
+    """The parent's handle on the child: `compile(size)` blocks (on a pipe, GIL released) until the child
+    answers. The child lowers its own priority (nice +10) and logs to DIR/compile.log."""
+
+    def __init__(self, directory: str, num_slots: int) -> None:
+        directory = os.path.abspath(directory)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor")}
+        with open(os.path.join(directory, "compile.log"), "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "server.engine.program_compiler", directory, str(num_slots)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            )
+
+    def compile(self, size: int) -> float:
+        """Seconds the child took; raises RuntimeError with the child's message when it could not."""
+        self.process.stdin.write(f"{size}\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline().strip()
+        if not line:
+            raise RuntimeError(f"the compiler process ended (exit status {self.process.poll()})")
+        word, _, rest = line.partition(" ")
+        number, _, detail = rest.partition(" ")
+        if word != "ready" or int(number) != size:
+            raise RuntimeError(f"compiling bucket {size} failed: {detail or line}")
+        return float(detail)
+
+    def close(self) -> None:
+        """End the child now, even mid-build (artifacts appear by rename: a killed build leaves none)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+# ---------------------------------------------------------------------------------------------- the child
+def _load(directory: str) -> LinearGPT:
+    payload = torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
+    model = LinearGPT(ModelConfig.from_dict(payload["config"])).to(getattr(torch, payload["dtype"]))
+    model.load_state_dict(payload["state_dict"])
+    return model.eval()
+
+
+def build(directory: str, model: LinearGPT, num_slots: int, size: int) -> None:
+    """Export and AOT-compile the decode program for `size` rows into its artifact (atomically)."""
+    import torch._inductor.config as inductor_config
+
+    from .decode_program import decode_program
+    from .sampling import SlotSampling
+    from .state_pool import StatePool
+
+    cpu = torch.device("cpu")
+    program = decode_program(model)
+
+    class Program(torch.nn.Module):  # export wants a module; the weights are its (frozen) parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return program(*args)
+
+    pool = StatePool(model, num_slots, cpu)
+    sampling = SlotSampling(num_slots, model.config.vocab_size, cpu)
+    io = torch.zeros(3, size, dtype=torch.long)  # (3, P) tokens, slots, positions
+    args = (io[0], io[1], io[2], *pool.buffers.values(), *sampling.tensors())
+    inductor_config.freezing = True  # weights become constants: the C++ GEMM template packs them
+    inductor_config.autotune_num_choices_displayed = 0
+    inductor_config.max_autotune_report_choices_stats = False
+    with torch.no_grad():
+        exported = torch.export.export(Program(), args, strict=False)
+    temp = os.path.join(directory, f".decode-s{num_slots}-b{size}.{os.getpid()}.pt2")
+    torch._inductor.aoti_compile_and_package(exported, package_path=temp,
+                                             inductor_configs={"max_autotune": True, "freezing": True})
+    os.replace(temp, artifact_path(directory, num_slots, size))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this child when the server that started it dies, however it dies."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent was already gone before the call
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass  # not Linux: the server's close() still ends it
+
+
+def main(argv: list[str] | None = None) -> int:
+    directory, num_slots = (argv if argv is not None else sys.argv[1:])[:2]
+    num_slots = int(num_slots)
+    answers = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever the compiler prints
+    os.dup2(2, 1)  # (autotuning tables, warnings) goes to the log instead
+    os.nice(10)  # serving comes first
+    _die_with_parent()
+    model = _load(directory)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        size = int(line)
+        started = time.perf_counter()
+        try:
+            if not os.path.exists(artifact_path(directory, num_slots, size)):
+                build(directory, model, num_slots, size)
+            answers.write(f"ready {size} {time.perf_counter() - started:.3f}\n")
+        except Exception as error:  # noqa: BLE001 - reported to the parent, which serves eagerly
+            logger.exception("compiling bucket %d failed", size)
+            answers.write(f"failed {size} {json.dumps(f'{type(error).__name__}: {error}')[:2000]}\n")
+        answers.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
