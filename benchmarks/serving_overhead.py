@@ -28,7 +28,7 @@ from common import (  # noqa: E402
     resolve_device,
     wait_until_up,
 )
-from engine_inprocess import run_streams  # noqa: E402
+from engine_inprocess import DecodeTotals, run_streams  # noqa: E402
 
 from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
 from server.bench.client import LoadSpec, run_load  # noqa: E402
@@ -88,16 +88,20 @@ def main(argv: list[str] | None = None) -> None:
     config = EngineConfig.from_settings(
         Settings(session_store="none", num_slots=64, compile=args.compile)  # the server's cache too
     )
-    engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device).start()
+    totals = DecodeTotals()  # the engine thread's Python around the decode program, per row
+    engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device, totals).start()
     engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm
     server = start_server(args.model, args.port, 64, device=device.type, compile=args.compile)
     rates = {(where, n): [] for where in ("engine", "http") for n in sizes}
+    python_us = {n: [] for n in sizes}
     try:
         http_rate(args.port, 1, 4)  # warm-up
         for rep in range(args.reps):
             for n in sizes:
+                mark = totals.mark()
                 seconds, generated = run_streams(engine, n, args.tokens, f"p5-{rep}-{n}")
                 rates[("engine", n)].append(generated / seconds)
+                python_us[n].append(totals.python_us_per_row(mark))
                 rates[("http", n)].append(http_rate(args.port, n, args.tokens))
     finally:
         engine.stop()
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             "ratio": http / engine_rate,
             "target": f">= {targets[n]}",
             "pass": http / engine_rate >= targets[n],
+            "engine_python_us_per_row": statistics.median(python_us[n]),
             "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
             "http_spread": [min(rates[("http", n)]), max(rates[("http", n)])],
         }

@@ -57,10 +57,12 @@ class Row:
         reason, text, hit = None, "", False
         if token == eos_id and not params.ignore_eos:
             reason = FinishReason.STOP
-        else:
+        elif self.stop.stops:  # stop strings are matched only for rows that have them
             text, hit = self.stop.push(self.detokenizer.add(token))
             if hit:
                 reason = FinishReason.STOP
+        else:
+            text = self.detokenizer.add(token)
         if reason is None and self.num_generated >= params.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None and not hit:

@@ -41,12 +41,14 @@ def test_engine_inprocess(tmp_path):
     data = json.loads((tmp_path / "e.json").read_text())
     assert data["P3"]["final_state_max_rel_diff"] < 1e-4  # same final state either way
     assert data["P4"]["tokens_per_s"] and data["P7"]["samples_with"] > 0
+    assert all(us > 0 for us in data["P4"]["python_us_per_row"].values())
 
 
 def test_serving_overhead(tmp_path):
     run("serving_overhead.py", "--out", str(tmp_path / "p5.json"), "--port", "8791")
     data = json.loads((tmp_path / "p5.json").read_text())
     assert data["P5"]["streams_1"]["http_tokens_per_s"] > 0 and data["P5"]["streams_32"]["engine_tokens_per_s"] > 0
+    assert data["P5"]["streams_1"]["engine_python_us_per_row"] > 0  # the Python around the decode program
 
 
 def test_served_flatness(tmp_path):
