@@ -158,7 +158,8 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: f
     for _ in range(args.reps):  # interleaved repetitions, as above
         for setting, (step, pool, _) in steps.items():
             rows[setting].append(
-                median_step(lambda p=pool, s=step: p.scatter_tensors([0], s([1], [0], [0]).state), args.steps, device))
+                median_step(lambda p=pool, s=step: p.scatter_tensors(torch.tensor([0], device=device),
+                                                                     s([1], [0], [0]).state), args.steps, device))
     table = {}
     for setting, values in rows.items():
         weight_bytes = steps[setting][2]

@@ -27,7 +27,6 @@ class Row:
     slot: int
     detokenizer: IncrementalDetokenizer
     stop: StopMatcher
-    filtered: bool  # top-k, top-p or min-p: redrawn from the sorted distribution after the program
     next_token: int | None = None  # sampled, not yet consumed by the state
     num_generated: int = 0
     recent: collections.deque | None = None  # a session row's last tokens (its next tail); None otherwise
@@ -43,10 +42,10 @@ class Row:
                latencies: list[tuple[int, float]]) -> RequestOutput:
         """Record a sampled token (its latency into `latencies`); decide whether the row ends; build the output."""
         params = self.live.request.params
+        position = self.position
         self.num_generated += 1
         if self.recent is not None:
             self.recent.append(token)
-        position = self.live.base_position + self.num_generated - 1
         if self.last_time is not None:
             latencies.append((position, now - self.last_time))
         elif self.live.first_token_time is None:
@@ -108,14 +107,13 @@ class LiveRequest:
         params = self.request.params
         skip = frozenset() if self.eos_id is None else frozenset({self.eos_id})
         self.admitted_time = now
-        filtered = not params.greedy and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)
         history = self.session.seen if self.session is not None else None
         for index, slot in enumerate(slots):
             # row i samples with seed + i (as a signed 64-bit value); unseeded rows get a random seed
             seed = (params.seed + index) % 2**64 if params.seed is not None else random.getrandbits(63)
             sampling.assign(slot, params, seed - 2**64 if seed >= 2**63 else seed, history, self.request.prompt_ids)
             detokenizer = IncrementalDetokenizer(self.decoder, skip, self.detokenizer_context())
-            row = Row(self, index, slot, detokenizer, StopMatcher(params.stop), filtered)
+            row = Row(self, index, slot, detokenizer, StopMatcher(params.stop))
             if self.session is not None:
                 row.recent = collections.deque(maxlen=TAIL_TOKENS)
             self.rows.append(row)

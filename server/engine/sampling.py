@@ -59,8 +59,7 @@ class SlotSampling:
                prompt_ids: list[int]) -> None:
         """Set a slot's row for a new request: its parameters, seed, bias, and fresh penalty statistics
         (`seen`: a session's history (V,) bool, then the prompt's tokens)."""
-        values = [float(getattr(params, name)) for name in self.FLOATS]
-        self.floats[:, slot] = torch.tensor(values, device=self.device)
+        self.floats[:, slot] = param_floats([params], self.device)[:, 0]
         self.top_k[slot] = params.top_k
         self.seed[slot] = seed
         self.bias[slot].zero_()
@@ -115,12 +114,16 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[-1] - 1)[:, 0]  # (B,)
 
 
+def _tempered(processed: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax (B,), softmax(logits / T) (B, V)); rows with temperature 0 get T = 1 (their argmax is used)."""
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # (B,)
+    return processed.argmax(dim=-1), torch.softmax(processed / scale[:, None], dim=-1)
+
+
 def sample_plain(processed: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """processed (B, V) → tokens (B,): argmax where temperature is 0, else a draw from softmax(logits / T)
     — no top-k/top-p/min-p filter (no sort): the decode program's path."""
-    greedy = processed.argmax(dim=-1)  # (B,)
-    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # (B,)
-    probs = torch.softmax(processed / scale[:, None], dim=-1)  # (B, V)
+    greedy, probs = _tempered(processed, temperature)  # (B,), (B, V)
     return torch.where(temperature > 0, _inverse_cdf(probs, uniforms), greedy)  # (B,)
 
 
@@ -129,9 +132,7 @@ def sample_filtered(processed: torch.Tensor, temperature: torch.Tensor, top_k: t
     """`sample_plain` with each row's top-k (0: off), top-p and min-p filters (B,), decided over the sorted
     distribution (the most likely token always survives); the draw itself is inverse-CDF in vocabulary
     order over the survivors, so a row whose filters drop nothing gets exactly `sample_plain`'s token."""
-    greedy = processed.argmax(dim=-1)  # (B,)
-    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # (B,)
-    probs = torch.softmax(processed / scale[:, None], dim=-1)  # (B, V)
+    greedy, probs = _tempered(processed, temperature)  # (B,), (B, V)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B, V)
     ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, V)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1]))  # (B,)

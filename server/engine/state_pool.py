@@ -95,15 +95,13 @@ class StatePool(SlotPool):
         return ModelState.from_tensors(tensors, self.n_layers, "linear")
 
     def scatter(self, slots: list[int], state: ModelState) -> None:
-        index = self._index(slots)
-        for name, tensor in state.tensors().items():
-            self.buffers[name].index_copy_(0, index, tensor.to(self.buffers[name].dtype))
+        self.scatter_tensors(self._index(slots), list(state.tensors().values()))
 
-    def scatter_tensors(self, slots: list[int], tensors: list[torch.Tensor]) -> None:
-        """Write rows back: `tensors` in the buffers' order (the decode program's state outputs)."""
-        index = self._index(slots)
+    def scatter_tensors(self, index: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Write rows back to the slots in `index` (B,): `tensors` in the buffers' order (ModelState.tensors(),
+        the decode program's state outputs)."""
         for buffer, tensor in zip(self.buffers.values(), tensors):
-            buffer.index_copy_(0, index, tensor)
+            buffer.index_copy_(0, index, tensor.to(buffer.dtype))
 
     def copy(self, src: int, dst: int) -> None:
         for buffer in self.buffers.values():

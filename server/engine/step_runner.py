@@ -63,8 +63,9 @@ class StepRunner:
             started = time.perf_counter()
             out = self.decode_step(tokens, slots, positions)
             program_s = time.perf_counter() - started
-            sampled = self._sampled(rows, out, torch.tensor(slots, device=self.device))
-            self.pool.scatter_tensors(slots, out.state)  # the step succeeded: commit the rows' state
+            index = torch.tensor(slots, device=self.device)  # (B,)
+            sampled = self._sampled(rows, out, index)
+            self.pool.scatter_tensors(index, out.state)  # the step succeeded: commit the rows' state
             delivery = self.deliver(rows, sampled)
             delivery.program_s = program_s
             return delivery
@@ -128,7 +129,7 @@ class StepRunner:
         """A program's draw → the rows' tokens: rows with top-k/top-p/min-p redrawn from the processed logits
         with their own uniforms, counts recorded, then one transfer to Python."""
         tokens = out.tokens
-        filtered = [b for b, row in enumerate(rows) if row.filtered]
+        filtered = [b for b, row in enumerate(rows) if row.live.request.params.uses_filters]
         if filtered:
             pick = torch.tensor(filtered, device=self.device)  # (b,)
             where = index.index_select(0, pick)  # (b,) slots

@@ -102,6 +102,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def uses_filters(self) -> bool:
+        """top-k, top-p or min-p on a sampled row: drawn from the sorted distribution."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

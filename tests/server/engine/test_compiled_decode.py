@@ -154,7 +154,7 @@ def decode_through(step: DecodeStep, model, prompt: list[int], count: int, force
             token = forced[i] if forced is not None else token
             chosen.append(token)
             out = step([token], [0], [len(prompt) + i])
-            step.pool.scatter_tensors([0], out.state)
+            step.pool.scatter_tensors(torch.tensor([0], device=device), out.state)
             all_logits.append(out.logits[0].clone())
             token = int(out.tokens[0])  # greedy: the program's argmax
             assert token == int(out.logits[0].argmax())
