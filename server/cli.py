@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,21 +31,33 @@ def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",))
     return Path(model)
 
 
-def _load_for_generation(args: argparse.Namespace, device):
+def _load_for_generation(path: Path, device):
     from transformers import AutoTokenizer
 
     from model.loading import load_model
 
-    path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
     return load_model(path, device).model, AutoTokenizer.from_pretrained(path)
 
 
+def check_sampling(**values) -> None:
+    """The server's bounds for these sampling parameters (SamplingParams is where they live), as flags."""
+    from server.engine.types import EngineError, SamplingParams
+
+    try:
+        SamplingParams(**values)
+    except EngineError as error:
+        raise ValueError(f"--{(error.param or '').replace('_', '-')}: {error.message}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    # the arguments are checked before torch loads (seconds): a typo is reported at once
+    check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
     from model.generate import generate_tokens
     from model.loading import resolve_device
 
     device = resolve_device(args.device)
-    model, tokenizer = _load_for_generation(args, device)
+    model, tokenizer = _load_for_generation(path, device)
     prompt_ids = tokenizer.encode(args.prompt)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
@@ -69,10 +83,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
     from model.loading import resolve_device
 
     device = resolve_device(args.device)
-    model, _ = _load_for_generation(args, device)
+    model, _ = _load_for_generation(path, device)
     config = model.config
     print(
         f"attention={config.attention} feature_map={config.feature_map} decay={config.decay} "
@@ -119,8 +134,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if window is None and lm.model.config.attention == "softmax":
         window = SOFTMAX_EVAL_WINDOW
         print(f"note: softmax model: scoring independent windows of {window} tokens", file=sys.stderr)
-    works = load_corpus(args.corpus_dir).validation
-    result = bits_per_byte(lm.model, tokenizer, works, window=window)
+    works = dict(list(load_corpus(args.corpus_dir).validation.items())[: args.max_works])
+    result = bits_per_byte(lm.model, tokenizer, works, window=window, progress=ProgressLine("eval", "tokens"))
     report = {
         "model": str(path),
         "dtype": args.dtype,
@@ -136,10 +151,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+class ProgressLine:
+    """`(done, total, seconds)` → progress on stderr — rewritten in place on a terminal (at most 4 times a
+    second), a plain line every 10% otherwise (logs) — so stdout stays machine-readable."""
+
+    def __init__(self, label: str, unit: str, stream=None) -> None:
+        self.label, self.unit, self.stream = label, unit, stream or sys.stderr
+        self.terminal = self.stream.isatty()
+        self.shown_at, self.shown_tenth = -1.0, -1
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        finished = done >= total
+        tenth = 10 * done // max(total, 1)
+        if self.terminal and not finished and seconds - self.shown_at < 0.25:
+            return
+        if not self.terminal and tenth == self.shown_tenth:
+            return
+        self.shown_at, self.shown_tenth = seconds, tenth
+        rate = done / max(seconds, 1e-9)
+        left = (total - done) / rate if rate > 0 else float("inf")
+        line = (f"{self.label}: {done:,} / {total:,} {self.unit} ({100 * done / max(total, 1):.0f}%), "
+                f"{rate:,.0f} {self.unit}/s, " + ("done" if finished else f"~{left:.0f} s left"))
+        if self.terminal:
+            self.stream.write("\r" + line.ljust(79) + ("\n" if finished else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     """Build the decode step's compile cache ahead of `serve` (images, init containers): every batch bucket
     `serve` would compile with the same settings, into the same cache directory, in the foreground."""
-    import logging
 
     import torch
 
@@ -161,7 +203,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     slots = engine_config(settings, model).num_slots
     sampling = SlotSampling(slots, model.config.vocab_size, device)
     step = DecodeStep(model, StatePool(model, slots, device), sampling, device, "on",
-                      min(slots, settings.max_batch_tokens), settings.compile_cache_dir)
+                      min(slots, settings.max_batch_tokens), settings.compile_cache_dir, settings.compile_autotune)
     step.start()
     step.wait_compiled()
     seconds = ", ".join(f"{size}: {s:.1f} s" for size, s in step.compile_seconds.items())
@@ -178,7 +220,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     preflight(settings)  # port, model directory, device: one-line errors before anything heavy loads
     from server.serve import serve
 
-    return serve(settings)
+    status = serve(settings)  # the lifespan has stopped the engine and flushed every session by now
+    # skip tearing down the interpreter's heap (torch, transformers: 2-3 s of garbage collection at exit)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -195,23 +242,29 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         text = f"{field.description or name.replace('_', ' ')} [default: {shown}]"
         kinds = [t for t in typing.get_args(field.annotation) or (field.annotation,) if t is not type(None)]
         kind = kinds[0] if kinds else str
+        # values stay strings here: Settings parses and checks them, so a bad one gets the same one-line
+        # message from a flag as from LINSERVE_* or the YAML file
+        flag = f"--{name.replace('_', '-')}"
         if name == "api_keys":  # a list: one flag per key
-            parser.add_argument("--api-key", dest="api_keys", action="append", help=text + "; repeatable")
+            parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                                help=text + "; repeatable")
         elif typing.get_origin(field.annotation) is typing.Literal:
-            parser.add_argument(f"--{name.replace('_', '-')}", choices=typing.get_args(field.annotation), help=text)
+            parser.add_argument(flag, metavar="{" + ",".join(typing.get_args(field.annotation)) + "}", help=text)
         elif kind is bool:
-            parser.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, help=text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
         else:
-            parser.add_argument(f"--{name.replace('_', '-')}", type=kind if kind in (int, float) else str, help=text)
+            parser.add_argument(flag, metavar=getattr(kind, "__name__", "str").upper(), help=text)
 
 
-class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless it has none (None: 'not given', resolved later) or says it already."""
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Shows a flag's default as `[default: X]` (one style everywhere) unless it has none (None: 'not given',
+    resolved later) or its help says it already."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or "[default:" in (action.help or "") or "(default" in (action.help or ""):
-            return action.help or ""
-        return super()._get_help_string(action)
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or "[default:" in text or not action.option_strings:
+            return text
+        return f"{text} [default: {action.default}]"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,17 +307,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="configs/train/NAME.yaml")
     train.add_argument("--out-dir", help="override the config's out_dir")
     train.add_argument("--max-steps", type=int, help="override optim.max_steps")
-    train.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    train.add_argument("--threads", type=int, help="torch CPU threads [default: torch's choice]")
     train.add_argument("--device", choices=devices, default="auto", help="auto: cuda when available")
     train.set_defaults(func=cmd_train)
 
     evaluate = command("eval", "held-out bits per byte of a checkpoint")
     model_args(evaluate)
     evaluate.add_argument(
-        "--window", type=int, help="score independent windows of N tokens (default: carry the state through each work)"
+        "--window", type=int, help="score independent windows of N tokens [default: carry the state through each work]"
     )
     evaluate.add_argument("--corpus-dir", default="data/corpus", help="where the corpus is (downloaded if absent)")
     evaluate.add_argument("--dtype", choices=dtypes, default="float32", help="weights' dtype")
+    evaluate.add_argument("--max-works", type=int, help="score only the first N held-out works [default: all]")
     evaluate.set_defaults(func=cmd_eval)
 
     bench = command("bench", "load-test a running server over HTTP/SSE")

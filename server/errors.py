@@ -79,6 +79,9 @@ def install_handlers(app: FastAPI) -> None:
         first = error.errors()[0] if error.errors() else {}
         if first.get("type") == "json_invalid":
             return error_response(400, "request body is not valid JSON", None, "invalid_json")
+        named = (first.get("ctx") or {}).get("param")  # a request-wide check that names its field itself
+        if named:
+            return error_response(400, first.get("msg", "invalid request"), named, first.get("type"))
         param = _validation_param(first)
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
         return error_response(400, message, param, "invalid_value")

@@ -230,8 +230,20 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0,
+                        prompt_ids: list[int] | None = None) -> CompletionLogprobs:
+    """Generated tokens' logprobs (text offsets from `offset`); with `prompt_ids` and scored prompt tokens on
+    the first output (echo), the prompt's tokens first, offsets from 0."""
     result = CompletionLogprobs()
+    scored = outputs[0].prompt_logprobs if outputs and prompt_ids is not None else None
+    at = 0
+    for token_id, lp in zip(prompt_ids or (), scored or ()):
+        text = token_text(tokenizer, token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(None if lp is None else lp.logprob)
+        result.top_logprobs.append(None if lp is None else {token_text(tokenizer, t): v for t, v in lp.top})
+        result.text_offset.append(at)
+        at += len(text)
     for output in outputs:
         lp: TokenLogprob | None = output.logprob
         if lp is None:

@@ -15,6 +15,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
 
@@ -87,9 +88,11 @@ class _Sampling(BaseModel):
                    "parallel_tool_calls": lambda v: True, "tool_choice": lambda v: v in (None, "none")}
         refused = sorted(name for name, value in extras.items()
                          if name not in HARMLESS_EXTRAS and not (name in neutral and neutral[name](value)))
-        if refused:
-            raise ValueError(f"unsupported parameter{'s' if len(refused) > 1 else ''}: {', '.join(refused)} "
-                             "(linserve does not implement them)")
+        if refused:  # the error names the (first) field: `param` in the 400
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                f"unsupported parameter{'s' if len(refused) > 1 else ''}: {', '.join(refused)} "
+                "(linserve does not implement them)", {"param": refused[0]})
         return self
 
     @field_validator("logit_bias")
@@ -123,12 +126,14 @@ class _Sampling(BaseModel):
             raise ValueError("stop takes at most 4 non-empty strings")
         return stops
 
-    def _params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                ) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, logprobs=logprobs, n=self.n,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, n=self.n,
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
             logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
         )
@@ -145,7 +150,9 @@ class CompletionRequest(_Sampling):
     echo: StrictBool = False
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return self._params(default_max_tokens, self.logprobs)
+        """With echo, logprobs covers the echoed prompt too (its tokens scored, as OpenAI's legacy API and
+        lm-evaluation-harness expect)."""
+        return self._params(default_max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -205,6 +212,7 @@ class TokenizeRequest(BaseModel):
     prompt: Text = ""
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     model: Text | None = None
+    add_special_tokens: StrictBool = Field(True, description="vLLM's field: this tokenizer adds none either way")
 
     @model_validator(mode="after")
     def _one_of(self):
@@ -230,6 +238,18 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    """The tokenizer as vLLM's `/tokenizer_info` describes it (lm-evaluation-harness's remote tokenizer)."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    vocab_size: int
+    model_max_length: int  # max_prompt_tokens: the model itself has no context limit
+    chat_template: str | None
+
+
 class VersionInfo(BaseModel):
     version: str
 
@@ -241,9 +261,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape; with echo the prompt's tokens come first, the very first with null logprobs
+    (nothing predicts it) unless a session's history does."""
+
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 

@@ -134,9 +134,20 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+class UvicornLoggerName(logging.Filter):
+    """uvicorn logs its start, stop and errors alike as `uvicorn.error`: those lines read `uvicorn`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error":
+            record.name = "uvicorn"
+        return True
+
+
 def serve(settings: Settings) -> int:
     """Runs until SIGTERM/SIGINT (status 0) or until the engine dies (status 3)."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(UvicornLoggerName())
     app = create_app(settings)
     # log_config=None: uvicorn's loggers propagate to the root handler above, so every line has one format;
     # its access log is off — the app writes its own (linserve.access), with the request id
@@ -152,5 +163,8 @@ def serve(settings: Settings) -> int:
         server.should_exit = True
 
     app.state.request_exit = request_exit
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: asyncio re-raises the SIGINT once uvicorn has shut down cleanly
+        pass
     return ENGINE_DEAD_EXIT_STATUS if engine_dead else 0

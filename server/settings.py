@@ -73,6 +73,9 @@ class Settings(BaseSettings):
         "auto", description="compile the decode program per batch bucket (CPU: AOTInductor artifacts built by a "
         "child process; CUDA: graphs); auto: where it pays"
     )
+    compile_autotune: bool = Field(
+        True, description="CPU: Inductor times its GEMM choices while building each bucket (max-autotune): "
+        "faster programs, builds about twice as long; part of the cache key")
     compile_cache_dir: str | None = Field(
         None, description="the compiled programs, one subdirectory per model, program source, dtype, torch version "
         "and device; unset: "

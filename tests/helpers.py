@@ -46,10 +46,11 @@ def prompt(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
 
 
 def engine_config(**overrides) -> EngineConfig:
-    """The engine's config as `linserve serve` builds it from the settings' defaults — eager, no store, a
-    small pool and prefill chunk for the tiny model — with `overrides` (any EngineConfig field)."""
-    base = {"compile": "off", "session_store": "none", "num_slots": 24, "max_prefill_chunk": 16,
-            "max_batch_tokens": 64}
+    """The engine's config as `linserve serve` builds it from the settings' defaults — eager (compiled builds,
+    when asked for, without max-autotune), no store, a small pool and prefill chunk for the tiny model — with
+    `overrides` (any EngineConfig field)."""
+    base = {"compile": "off", "compile_autotune": False, "session_store": "none", "num_slots": 24,
+            "max_prefill_chunk": 16, "max_batch_tokens": 64}
     return EngineConfig.from_settings(Settings(**{**base, **overrides}))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +29,14 @@ class EvalResult:
 
 
 @torch.no_grad()
-def work_nll(model: LinearGPT, ids: torch.Tensor, block: int, window: int | None, batch: int = 32) -> float:
+def work_nll(model: LinearGPT, ids: torch.Tensor, block: int, window: int | None, batch: int = 32,
+             scored: Callable[[int], None] = lambda n: None) -> float:
     """Summed NLL (nats) of ids[1:] given their prefixes.
 
     window=None carries the state through the whole work in blocks of `block` tokens (any length fits).
     window=N scores the work in independent windows of N tokens, each from the empty state (for models
     whose state grows, like the softmax baseline, and for like-for-like comparisons), `batch` at a time.
+    `scored(n)` is told each time n more tokens are scored.
     """
     device = model.wte.weight.device
     inputs, targets = ids[:-1].to(device), ids[1:].to(device)
@@ -42,6 +45,7 @@ def work_nll(model: LinearGPT, ids: torch.Tensor, block: int, window: int | None
         for start in range(0, len(inputs), block):
             logits, state = model(inputs[None, start : start + block], state)  # (1, t, V)
             total += F.cross_entropy(logits[0].float(), targets[start : start + block], reduction="sum").item()
+            scored(logits.shape[1])
         return total
     full = len(inputs) // window * window
     windows_in = inputs[:full].view(-1, window)  # (n, N)
@@ -52,9 +56,11 @@ def work_nll(model: LinearGPT, ids: torch.Tensor, block: int, window: int | None
         total += F.cross_entropy(
             logits.flatten(0, 1).float(), windows_out[start : start + batch].flatten(), reduction="sum"
         ).item()
+        scored(logits.shape[0] * logits.shape[1])
     if full < len(inputs):
         logits, _ = model(inputs[None, full:])  # (1, r, V)
         total += F.cross_entropy(logits[0].float(), targets[full:], reduction="sum").item()
+        scored(logits.shape[1])
     return total
 
 
@@ -65,16 +71,28 @@ def bits_per_byte(
     block: int = 2048,
     window: int | None = None,
     max_works: int | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
 ) -> EvalResult:
-    """Σ NLL / ln 2 / Σ UTF-8 bytes over the works; each work is opened by EOT, as in training."""
+    """Σ NLL / ln 2 / Σ UTF-8 bytes over the works; each work is opened by EOT, as in training.
+    `progress(tokens scored, tokens in all, seconds)` is called as scoring goes."""
     was_training = model.training
     model.eval()
     eot = tokenizer.token_to_id(EOT_TOKEN)
+    texts = list(works.values())[:max_works]
+    encoded = [torch.tensor([eot, *tokenizer.encode(text).ids]) for text in texts]
+    total_tokens = sum(len(ids) - 1 for ids in encoded)
     nll, n_tokens, n_bytes = 0.0, 0, 0
     started = time.perf_counter()
-    for text in list(works.values())[:max_works]:
-        ids = torch.tensor([eot, *tokenizer.encode(text).ids])
-        nll += work_nll(model, ids, block, window)
+    done = 0
+
+    def scored(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total_tokens, time.perf_counter() - started)
+
+    for text, ids in zip(texts, encoded):
+        nll += work_nll(model, ids, block, window, scored=scored)
         n_tokens += len(ids) - 1
         n_bytes += len(text.encode("utf-8"))
     seconds = time.perf_counter() - started

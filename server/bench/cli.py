@@ -12,7 +12,7 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--compare", metavar="URL", help="run the identical load against this server too")
-    parser.add_argument("--model", help="model id (default: the first of /v1/models)")
+    parser.add_argument("--model", help="model id [default: the first of /v1/models]")
     parser.add_argument("--api-key", help="Bearer key, if the server requires one")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, default=1, help="closed loop: requests in flight")

@@ -34,7 +34,13 @@ from model import LinearGPT
 from model.decode_step import state_names
 
 from .decode_program import DecodeOutputs, decode_program
-from .program_compiler import ARTIFACT_FORMAT, CompilerProcess, load_artifact, write_model
+from .program_compiler import (
+    ARTIFACT_FORMAT,
+    CompilerProcess,
+    load_artifact,
+    quiet_compiler_warnings,
+    write_model,
+)
 from .sampling import SlotSampling
 from .state_pool import StatePool
 
@@ -88,12 +94,13 @@ def guard_tracing() -> None:
     _symbolic_trace.Tracer.trace = trace
 
 
-def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device) -> str:
+def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, autotune: bool = True) -> str:
     """Where this model's compiled buckets live: under `base` (unset: the user's cache directory,
     `$XDG_CACHE_HOME/linserve/compile`, else `~/.cache/linserve/compile`), one subdirectory per model
-    (config and weights: frozen weights are compiled in), the program's source code, dtype, torch version
-    and device (GPU name; CPU architecture and vector instruction set) — so every working directory shares
-    one cache, and nothing compiled for another model, program version or machine is ever reused."""
+    (config and weights: frozen weights are compiled in), the program's source code, how it is built
+    (autotuned or not), dtype, torch version and device (GPU name; CPU architecture and vector instruction
+    set) — so every working directory shares one cache, and nothing compiled for another model, program
+    version or machine is ever reused."""
     import hashlib
     import json
     import platform
@@ -105,7 +112,7 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device) 
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    digest.update(f"artifact format {ARTIFACT_FORMAT}".encode())
+    digest.update(f"artifact format {ARTIFACT_FORMAT}, autotune {autotune}".encode())
     for path in program_sources():
         with open(path, "rb") as source:
             digest.update(source.read())
@@ -141,8 +148,9 @@ class ChildBuilder:
     """CPU: each bucket's program is an AOTInductor artifact in the cache directory — loaded if there,
     else built by a compiler child process (started on the first miss; see program_compiler)."""
 
-    def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool = True) -> None:
+    def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool, autotune: bool) -> None:
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
+        self.autotune = autotune
         write_model(directory, model)
 
     def __call__(self, size: int):
@@ -150,7 +158,7 @@ class ChildBuilder:
         program = load_artifact(self.directory, self.num_slots, size)
         if program is None and self.can_compile:
             if self.child is None:
-                self.child = CompilerProcess(self.directory, self.num_slots)
+                self.child = CompilerProcess(self.directory, self.num_slots, self.autotune)
             self.child.compile(size)
             program = load_artifact(self.directory, self.num_slots, size)
         return program
@@ -168,7 +176,7 @@ class DecodeStep:
     """
 
     def __init__(self, model: LinearGPT, pool: StatePool, sampling: SlotSampling, device: torch.device,
-                 mode: str = "off", max_rows: int = 64, cache_dir: str | None = None) -> None:
+                 mode: str = "off", max_rows: int = 64, cache_dir: str | None = None, autotune: bool = True) -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
         self.model, self.pool, self.sampling, self.device, self.mode = model, pool, sampling, device, mode
@@ -176,7 +184,8 @@ class DecodeStep:
         self.buffers = [pool.buffers[name] for name in self.names]  # (num_slots, …) each
         self.eager_program = decode_program(model)
         self.sizes = bucket_sizes(max_rows)
-        self.cache_dir = compile_cache_dir(cache_dir, model, device) if mode != "off" else None
+        self.autotune = autotune
+        self.cache_dir = compile_cache_dir(cache_dir, model, device, autotune) if mode != "off" else None
         self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
         self.compile_seconds: dict[int, float] = {}
         self._ready: dict[int, Bucket] = {}
@@ -339,9 +348,10 @@ class DecodeStep:
         """`build(size) -> program` for this device (with `close()` when it holds a process)."""
         if self.device.type == "cpu":
             can_compile = self.mode == "on" or cpp_compiler_available()
-            return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile)
+            return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile, self.autotune)
         os.makedirs(self.cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.cache_dir)  # read at each use
+        quiet_compiler_warnings()  # in this process on CUDA: they would reach the server's log
         import torch._dynamo
 
         # every bucket (of every model compiled in this process) is one more entry in the step's code cache:

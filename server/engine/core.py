@@ -82,7 +82,7 @@ class Engine:
         self.sampling = SlotSampling(config.num_slots, self.vocab_size, device)
         max_rows = min(config.num_slots, config.max_batch_tokens)
         self.decode_step = DecodeStep(model, self.pool, self.sampling, device, config.compile, max_rows,
-                                      config.compile_cache_dir) if self.linear else None
+                                      config.compile_cache_dir, config.compile_autotune) if self.linear else None
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
                                         self.pool.slot_bytes)
         self.runner = StepRunner(model, self.pool, self.sampling, self.decode_step, self.prefix_cache, device,
@@ -274,11 +274,12 @@ class Engine:
                     return None
                 slots.append(slot)
             live.prefix_digest = scope_seed(live.request.owner)
-            hit_len, live.prefix_digest, entry = self.prefix_cache.lookup(live.feed, live.prefix_digest)
-            live.prefix_hit = entry is not None
-            if entry is not None:
-                self.pool.load(slots[0], entry)
-                seq.prefilled = live.consumed = hit_len
+            if live.request.params.prompt_logprobs is None:  # scoring needs the logits of every prompt token
+                hit_len, live.prefix_digest, entry = self.prefix_cache.lookup(live.feed, live.prefix_digest)
+                live.prefix_hit = entry is not None
+                if entry is not None:
+                    self.pool.load(slots[0], entry)
+                    seq.prefilled = live.consumed = hit_len
             live.assign_slots(slots, now, self.sampling)
         except BaseException:
             for taken in slots:

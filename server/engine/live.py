@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
-from .sampling import SlotSampling
+from .sampling import SlotSampling, token_logprobs
 from .sessions.records import TAIL_TOKENS, Session, TurnResult
 from .state_pool import StatePool
 from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, TokenLogprob
@@ -92,6 +92,7 @@ class LiveRequest:
     last_logits: torch.Tensor | None = None  # (V,) after the last consumed feed token
     prefix_digest: bytes = b""  # prefix-cache key chain at the last block boundary consumed
     held: list[RequestOutput] | None = None  # final outputs waiting for the session turn's store write
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's tokens scored so far (when asked)
 
     @property
     def base_position(self) -> int:
@@ -124,6 +125,26 @@ class LiveRequest:
     def consumed_chunk(self, n_tokens: int, logits: torch.Tensor) -> None:
         self.consumed += n_tokens
         self.last_logits = logits
+
+    def score_chunk(self, start: int, logits: torch.Tensor) -> None:
+        """With prompt_logprobs: the log-probabilities of the prompt tokens that the chunk of the feed from
+        `start` predicts (logits (t, V): position j predicts feed[start + j + 1]). The feed may begin with a
+        session's pending token, which is not part of the prompt; the prompt's first token is predicted by the
+        session's stored logits when it has them, else it has no logprob (None, as OpenAI's first token)."""
+        top_n = self.request.params.prompt_logprobs
+        offset = len(self.feed) - len(self.request.prompt_ids)  # feed index of the prompt's first token
+        if start == 0:
+            self.prompt_logprobs = []
+            if offset == 0 and self.feed:
+                history = self.session.logits if self.session is not None else None
+                self.prompt_logprobs += [None] if history is None else token_logprobs(
+                    history.to(logits.device)[None], torch.tensor(self.feed[:1], device=logits.device), [top_n])
+        first = max(start + 1, offset)  # feed index of the first prompt token this chunk predicts
+        end = min(start + logits.shape[0] + 1, len(self.feed))
+        if end > first:
+            targets = torch.tensor(self.feed[first:end], device=logits.device)  # (n,)
+            self.prompt_logprobs += token_logprobs(logits[first - 1 - start : end - 1 - start], targets,
+                                                   [top_n] * (end - first))  # (n, V) rows
 
     def prompt_done(self, pool: StatePool) -> None:
         """The prompt is in row 0's slot: fork it into the other rows (n > 1), no re-prefill."""

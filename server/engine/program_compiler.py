@@ -66,12 +66,13 @@ class CompilerProcess:
     """The parent's handle on the child: `compile(size)` blocks (on a pipe, GIL released) until the child
     answers. The child lowers its own priority (nice +10) and logs to DIR/compile.log."""
 
-    def __init__(self, directory: str, num_slots: int) -> None:
+    def __init__(self, directory: str, num_slots: int, autotune: bool) -> None:
         directory = os.path.abspath(directory)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor")}
         with open(os.path.join(directory, "compile.log"), "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "server.engine.program_compiler", directory, str(num_slots)],
+                [sys.executable, "-m", "server.engine.program_compiler", directory, str(num_slots),
+                 "autotune" if autotune else "plain"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                 cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
             )
@@ -104,8 +105,9 @@ def _load(directory: str) -> LinearGPT:
     return model.eval()
 
 
-def build(directory: str, model: LinearGPT, num_slots: int, size: int) -> None:
-    """Export and AOT-compile the decode program for `size` rows into its artifact (atomically)."""
+def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune: bool) -> None:
+    """Export and AOT-compile the decode program for `size` rows into its artifact (atomically); with
+    `autotune`, Inductor times its GEMM choices (max-autotune: C++ GEMM templates over packed weights)."""
     import torch._inductor.config as inductor_config
 
     from .decode_program import decode_program
@@ -134,8 +136,18 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int) -> None:
         exported = torch.export.export(Program(), args, strict=False)
     temp = os.path.join(directory, f".decode-s{num_slots}-b{size}.{os.getpid()}.pt2")
     torch._inductor.aoti_compile_and_package(exported, package_path=temp,
-                                             inductor_configs={"max_autotune": True, "freezing": True})
+                                             inductor_configs={"max_autotune": autotune, "freezing": True})
     os.replace(temp, artifact_path(directory, num_slots, size))
+
+
+def quiet_compiler_warnings() -> None:
+    """Warnings torch's own compiler code raises about itself (its use of deprecated storages and pytree
+    classes): nothing a user can act on, so they stay out of the logs."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
 
 
 def _die_with_parent() -> None:
@@ -152,12 +164,13 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    directory, num_slots = (argv if argv is not None else sys.argv[1:])[:2]
-    num_slots = int(num_slots)
+    directory, num_slots, how = (argv if argv is not None else sys.argv[1:])[:3]
+    num_slots, autotune = int(num_slots), how == "autotune"
     answers = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever the compiler prints
     os.dup2(2, 1)  # (autotuning tables, warnings) goes to the log instead
     os.nice(10)  # serving comes first
     _die_with_parent()
+    quiet_compiler_warnings()
     model = _load(directory)
     for line in sys.stdin:
         if not line.strip():
@@ -166,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         try:
             if not os.path.exists(artifact_path(directory, num_slots, size)):
-                build(directory, model, num_slots, size)
+                build(directory, model, num_slots, size, autotune)
             answers.write(f"ready {size} {time.perf_counter() - started:.3f}\n")
         except Exception as error:  # noqa: BLE001 - reported to the parent, which serves eagerly
             logger.exception("compiling bucket %d failed", size)

@@ -10,6 +10,7 @@ request (and its session) as before the step; the core fails the step's requests
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ class Delivery:
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
     latencies: list[tuple[int, float]] = field(default_factory=list)  # (position, seconds since the row's last)
     program_s: float = 0.0  # time inside the decode program (the rest of a step is Python around it)
+
+
+def with_prompt_logprobs(output: RequestOutput, scored: list[TokenLogprob | None] | None) -> RequestOutput:
+    return output if scored is None else dataclasses.replace(output, prompt_logprobs=tuple(scored))
 
 
 class StepRunner:
@@ -92,6 +97,8 @@ class StepRunner:
             self.pool.scatter(slots, state)
             last = logits[:, -1].float()  # (B, V)
             for b, (live, start) in enumerate(members):
+                if live.request.params.prompt_logprobs is not None:
+                    live.score_chunk(start, logits[b])
                 live.consumed_chunk(length, last[b])
                 if live.session is None:
                     self._remember_prefix(live, start + length, live.rows[0].slot)
@@ -112,6 +119,11 @@ class StepRunner:
             delivery.outputs += sampled.outputs
             delivery.failed += sampled.failed
             delivery.latencies += sampled.latencies
+        if any(live.prompt_logprobs is not None for live in done):  # each row's first output carries them
+            delivery.outputs = [(row, with_prompt_logprobs(output, row.live.prompt_logprobs))
+                                for row, output in delivery.outputs]
+            for live in done:
+                live.prompt_logprobs = None
         return delivery
 
     # ------------------------------------------------------------------ sampling and delivery

@@ -42,6 +42,7 @@ class EngineConfig:
     session_store: str  # "none", "dir:PATH" or "redis://HOST:PORT/DB": the tier below host memory
     session_store_timeout_s: float
     compile: str  # the decode step: "off" (eager), "on" or "auto" (see compiled_decode)
+    compile_autotune: bool  # CPU builds: max-autotune GEMM choices (slower builds, faster programs)
     compile_cache_dir: str | None
 
     @classmethod
@@ -72,6 +73,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # top-N alternatives per token (0 = only the chosen token's)
+    prompt_logprobs: int | None = None  # the prompt's own tokens scored, with top-N alternatives (None: not)
     n: int = 1
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -88,6 +90,7 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("n", self.n >= 1, "must be >= 1"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
@@ -143,6 +146,9 @@ class RequestOutput:
     session_id: str | None = None
     error: str | None = None  # with finish_reason ERROR: what went wrong (no internals)
     error_kind: str | None = None  # with an error: its EngineError kind (e.g. "store_unavailable": a 503)
+    # on each row's first output when the request asked for prompt_logprobs: one entry per prompt token, the
+    # first None unless a session's history predicts it
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -43,8 +43,11 @@ async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> 
     return ModelList(data=[ModelCard(id=settings.served_model_name, created=request.app.state.started)])
 
 
-def completion_chunk(generation: Generation, model: str, tokenizer, output, echo_text: str = "") -> str:
-    logprobs = completion_logprobs(tokenizer, [output]) if generation.params.logprobs is not None else None
+def completion_chunk(generation: Generation, model: str, tokenizer, output, echo_text: str = "",
+                     prompt_ids: list[int] | None = None) -> str:
+    """One streamed event; with echo and scoring, a row's first one carries its prompt and the prompt's logprobs."""
+    logprobs = (completion_logprobs(tokenizer, [output], len(echo_text), prompt_ids)
+                if generation.params.logprobs is not None else None)
     choice = CompletionChoice(index=output.index, text=echo_text + output.text, logprobs=logprobs,
                               finish_reason=output.finish_reason.value if output.finished else None)
     return chunk_json(CompletionResponse(id=generation.request_id, created=generation.created, model=model,
@@ -101,16 +104,20 @@ async def run_completion(
                 "usage": generation.usage,
             }
 
+        scoring = params.prompt_logprobs is not None  # the echo goes out with its logprobs, after the prefill
         first = [
             completion_chunk(generation, model, tokenizer, _empty(i), echo(i))
             for i in range(generation.rows)
-            if echo(i)
+            if echo(i) and not scoring
         ]
         if params.logprobs is None:  # the hot path: a prepared template, no model per token
             chunk = CompletionChunks(generation.request_id, generation.created, model)
         else:
 
             def chunk(output) -> str:
+                if output.prompt_logprobs is not None:
+                    return completion_chunk(generation, model, tokenizer, output, echo(output.index),
+                                            prompts[output.index // params.n])
                 return completion_chunk(generation, model, tokenizer, output)
 
         return stream_events(generation, chunk, body.include_usage, usage_chunk, first)
@@ -119,7 +126,8 @@ async def run_completion(
         return None
     choices = []
     for index, outputs in enumerate(rows):
-        logprobs = completion_logprobs(tokenizer, outputs, len(echo(index))) if params.logprobs is not None else None
+        logprobs = (completion_logprobs(tokenizer, outputs, len(echo(index)), prompts[index // params.n])
+                    if params.logprobs is not None else None)
         choices.append(
             CompletionChoice(
                 index=index,

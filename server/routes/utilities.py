@@ -1,4 +1,4 @@
-"""Utility routes as vLLM and llama.cpp's server offer them: /tokenize, /detokenize, /version."""
+"""Utility routes as vLLM and llama.cpp's server offer them: /tokenize, /detokenize, /tokenizer_info, /version."""
 
 from __future__ import annotations
 
@@ -9,8 +9,15 @@ from fastapi import APIRouter, Request
 from ..dependencies import Owner, TokenizerDep, encode_prompt
 from ..errors import APIError
 from ..generation import chat_prompt
-from ..openapi import BODY, errors
-from ..schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, VersionInfo
+from ..openapi import AUTH, BODY, errors
+from ..schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+    VersionInfo,
+)
 
 router = APIRouter()
 INLINE_DETOKENIZE = 4096  # ids decoded on the event loop; more go to a worker thread
@@ -36,6 +43,18 @@ async def detokenize(body: DetokenizeRequest, tokenizer: TokenizerDep, owner: Ow
 
     text = decode() if len(body.tokens) <= INLINE_DETOKENIZE else await asyncio.to_thread(decode)
     return DetokenizeResponse(prompt=text)
+
+
+@router.get("/tokenizer_info", response_model=TokenizerInfo, responses=errors(*AUTH))
+async def tokenizer_info(request: Request, tokenizer: TokenizerDep, owner: Owner) -> TokenizerInfo:
+    """Special tokens and the chat template: with /tokenize and /detokenize, what a client needs to tokenize
+    as the server does without a copy of the checkpoint."""
+    return TokenizerInfo(
+        tokenizer_class=type(tokenizer).__name__, eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token,
+        pad_token=tokenizer.pad_token, vocab_size=len(tokenizer),
+        model_max_length=request.app.state.settings.max_prompt_tokens,
+        chat_template=getattr(tokenizer, "chat_template", None) or None,
+    )
 
 
 @router.get("/version", response_model=VersionInfo)

@@ -71,6 +71,70 @@ def test_a_bad_environment_value_names_the_variable():
     assert "LINSERVE_NUM_SLOTS" in message and "integer" in message and "'many'" in message
 
 
+@pytest.mark.parametrize("flag, value, variable", [("--num-slots", "many", "LINSERVE_NUM_SLOTS"),
+                                                   ("--device", "gpu", "LINSERVE_DEVICE")])
+def test_a_bad_flag_value_is_the_same_one_line_as_a_bad_environment_value(flag, value, variable):
+    import os
+
+    by_flag = one_line_error(run_cli("serve", "--port", "0", flag, value))
+    env = {**os.environ, variable: value}
+    by_env = one_line_error(subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0"],
+                                           capture_output=True, text=True, timeout=60, env=env))
+    assert by_flag == by_env and f"'{value}'" in by_flag and flag in by_flag
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "-1"], "--max-tokens: max_tokens must be >= 0, got -1"),
+    (["--temperature", "-1"], "--temperature: temperature must be >= 0"),
+    (["--top-k", "-2"], "--top-k: top_k must be >= 0"),
+    (["--model", "/nonexistent/dir"], "--model /nonexistent/dir: no such directory"),
+])
+def test_generate_checks_its_arguments_as_the_server_does_before_torch_loads(flags, message):
+    probe = ("import sys; from server.cli import main; code = main(['generate', 'x', *sys.argv[1:]]); "
+             "print(code, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe, *flags], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
+    assert result.stderr.strip() == f"error: {message}" or result.stderr.strip().startswith(f"error: {message}")
+
+
+def test_help_has_one_default_style():
+    from server.cli import build_parser
+
+    for name, command in build_parser()._subparsers._group_actions[0].choices.items():
+        assert "(default" not in command.format_help(), name
+
+
+def test_eval_prints_json_on_stdout_and_progress_on_stderr(tiny_checkpoint):
+    import json
+
+    result = run_cli("eval", "--model", str(tiny_checkpoint), "--max-works", "1", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # stdout is the report alone
+    assert len(report["works"]) == 1 and report["bits_per_byte"] > 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("eval: ")]
+    assert lines and lines[-1].startswith(f"eval: {report['tokens']:,} / {report['tokens']:,} tokens (100%)")
+    assert len(lines) <= 12  # not a terminal: a line per tenth, no carriage returns
+    assert "\r" not in result.stderr
+
+
+def test_progress_rewrites_one_line_on_a_terminal():
+    import io
+
+    from server.cli import ProgressLine
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = ProgressLine("eval", "tokens", stream)
+    for done, seconds in ((100, 0.1), (200, 0.2), (300, 0.5), (1000, 0.6)):
+        progress(done, 1000, seconds)
+    shown = stream.getvalue()
+    assert shown.count("\r") == 3 and shown.endswith("\n") and shown.rstrip().endswith("done")  # 200: too soon
+    assert "eval: 300 / 1,000 tokens (30%), 600 tokens/s, ~1 s left" in shown
+
+
 def test_help_and_version_need_no_torch():
     probe = ("import sys; from server.cli import build_parser; build_parser(); "
              "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules))")
@@ -118,7 +182,8 @@ def test_every_setting_is_a_serve_flag_and_the_example_config_agrees():
     parsed = build_parser().parse_args(["serve", "--num-slots", "3", "--session-store", "none", "--docs-public",
                                         "--api-key", "a", "--api-key", "b", "--compile", "off"])
     got = (parsed.num_slots, parsed.session_store, parsed.docs_public, parsed.api_keys)
-    assert got == (3, "none", True, ["a", "b"])
+    assert got == ("3", "none", True, ["a", "b"])  # as given: Settings parses and checks every source alike
+    assert Settings.load(None, num_slots=parsed.num_slots).num_slots == 3
     example = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "server.example.yaml").read_text())
     for name, value in example.items():
         assert name in Settings.model_fields, name
@@ -148,7 +213,7 @@ def test_compile_builds_the_cache_that_serve_uses(tiny_checkpoint, compile_cache
     from tests.devices import device_name_under_test
 
     command = [sys.executable, "-m", "server.cli", "compile", "--model", str(tiny_checkpoint), "--num-slots", "1",
-               "--compile-cache-dir", compile_cache, "--device", device_name_under_test()]
+               "--compile-cache-dir", compile_cache, "--no-compile-autotune", "--device", device_name_under_test()]
     for _ in range(2):
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]

@@ -50,7 +50,9 @@ def test_model_omitted_or_served_is_fine_and_another_is_404(client):
 def test_unimplemented_parameters_are_refused_by_name(client, extra, named):
     response = client.post("/v1/completions", json={"prompt": "ROMEO.", **GREEDY_BODY, **extra})
     assert response.status_code == 400
-    assert f"unsupported parameter{'s' if ',' in named else ''}: {named}" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert f"unsupported parameter{'s' if ',' in named else ''}: {named}" in error["message"]
+    assert error["param"] == named.split(",")[0]  # the field, as README says
 
 
 def test_harmless_and_neutral_parameters_are_accepted(client):

@@ -16,9 +16,11 @@ from tests.helpers import Collector, EngineRequest, SamplingParams, assert_slots
 pytestmark = pytest.mark.slow  # each test compiles (seconds to a minute on 2 cores)
 
 
-def make_step(model, pool: StatePool, device, mode: str, max_rows: int = 1, cache_dir=None) -> DecodeStep:
+def make_step(model, pool: StatePool, device, mode: str, max_rows: int = 1, cache_dir=None,
+              autotune: bool = False) -> DecodeStep:
+    """Builds skip max-autotune (half the build time) unless a test asks for it."""
     return DecodeStep(model, pool, SlotSampling(pool.num_slots, model.config.vocab_size, device), device, mode,
-                      max_rows=max_rows, cache_dir=cache_dir)
+                      max_rows=max_rows, cache_dir=cache_dir, autotune=autotune)
 
 
 def test_buckets_are_powers_of_two_up_to_the_largest_batch():
@@ -252,5 +254,19 @@ def test_the_compile_cache_is_per_user_and_keyed_by_model_dtype_torch_and_device
     assert torch.__version__.replace("/", "_") in default and "float32" in default
     assert compile_cache_dir(None, LinearGPT(model.config), cpu) != default  # other weights (they are compiled in)
     assert compile_cache_dir(None, copy.deepcopy(model).to(torch.bfloat16), cpu) != default
+    assert compile_cache_dir(None, model, cpu, autotune=False) != default  # built another way
     assert compile_cache_dir(str(tmp_path / "mine"), model, cpu).startswith(str(tmp_path / "mine"))
     assert make_step(model, StatePool(model, 1, cpu), cpu, "off").cache_dir is None
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_torchs_own_compiler_warnings_stay_out_of_the_logs(quiet):
+    """max-autotune makes torch warn about its own deprecated storage use: not the user's business."""
+    import subprocess
+    import sys
+
+    probe = ("import torch; from server.engine.program_compiler import quiet_compiler_warnings; "
+             f"{'quiet_compiler_warnings(); ' if quiet else ''}torch.empty(2).storage().size()")
+    result = subprocess.run([sys.executable, "-W", "default", "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert ("TypedStorage is deprecated" in result.stderr) != quiet
