@@ -21,9 +21,10 @@ COMMANDS = [["--version"], ["--help"], *[[name, "--help"] for name in ("serve", 
 
 
 def entry_point() -> list[str]:
-    """The installed `linserve` console script beside this Python (what users type), else `python -m server.cli`."""
+    """The installed `linserve` console script beside this Python (what users type), else
+    `python -m linserve.server.cli`."""
     script = Path(sys.executable).parent / "linserve"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "server.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "linserve.server.cli"]
 
 
 def wall_time(arguments: list[str]) -> float:

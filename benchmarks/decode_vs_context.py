@@ -19,8 +19,8 @@ import time
 import torch
 from common import add_device_argument, describe, emit, resolve_device, synchronize
 
-from model import LinearGPT, ModelConfig
-from model.generate import decode_one_token, prefill
+from linserve.model import LinearGPT, ModelConfig
+from linserve.model.generate import decode_one_token, prefill
 
 SOFTMAX_MAX_CONTEXT = 8192  # beyond this the naive baseline's prefill alone takes minutes on CPU
 
@@ -138,9 +138,9 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: f
     """The engine's batch-1 decode step (the whole program — gather, model, sampling — and the scatter into the
     pool) per weights dtype, eager and compiled, each against the time to read that dtype's weights once.
     --quick measures eager only."""
-    from server.engine.compiled_decode import DecodeStep
-    from server.engine.sampling import SlotSampling
-    from server.engine.state_pool import StatePool
+    from linserve.server.engine.compiled_decode import DecodeStep
+    from linserve.server.engine.sampling import SlotSampling
+    from linserve.server.engine.state_pool import StatePool
 
     modes = ("off",) if args.quick else ("off", "on")
     steps, rows = {}, {}

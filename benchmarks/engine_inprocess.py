@@ -19,9 +19,9 @@ import time
 import torch
 from common import add_device_argument, describe, emit, percentile, resolve_device, synchronize
 
-from model.loading import DEFAULT_CHECKPOINT, load_model
-from server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-from server.settings import Settings  # noqa: E402
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
+from linserve.server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+from linserve.server.settings import Settings  # noqa: E402
 
 
 def p3_prefill(model, n_tokens: int, reps: int) -> dict:

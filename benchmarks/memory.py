@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
-from model.generate import decode_one_token, prefill
-from model.loading import DEFAULT_CHECKPOINT, load_model
-from server.engine import SamplingParams  # noqa: E402
-from server.engine.state_pool import StatePool  # noqa: E402
-from server.settings import Settings  # noqa: E402
+from linserve.model.generate import decode_one_token, prefill
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
+from linserve.server.engine import SamplingParams  # noqa: E402
+from linserve.server.engine.state_pool import StatePool  # noqa: E402
+from linserve.server.settings import Settings  # noqa: E402
 
 WARMUP_TOKENS = 1024
 RSS_TARGET = 0.005
@@ -83,7 +83,7 @@ def session_bytes(model, long_tokens: int) -> dict:
     is shorter, so it is a few bytes smaller: 10 is past that.)"""
     from transformers import AutoTokenizer
 
-    from server.engine import Engine, EngineConfig, EngineRequest
+    from linserve.server.engine import Engine, EngineConfig, EngineRequest
 
     with torch.inference_mode(False):  # the pool's buffers are written outside inference mode too
         engine = Engine(

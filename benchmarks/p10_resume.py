@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit  # noqa: E402
 
-from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
-from server.engine import Engine, EngineConfig, EngineRequest, SamplingParams  # noqa: E402
-from server.settings import Settings  # noqa: E402
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
+from linserve.server.engine import Engine, EngineConfig, EngineRequest, SamplingParams  # noqa: E402
+from linserve.server.settings import Settings  # noqa: E402
 
 TIERS = ("device", "host", "dir")
 STORE_TIERS = ("dir", "redis")  # continued from the store: the session is in no slot and not in host memory

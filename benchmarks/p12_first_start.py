@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 def spawn(port: int, cache: str | None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--compile", "auto",
+    command = [sys.executable, "-m", "linserve.server.cli", "serve", "--port", str(port), "--compile", "auto",
                "--session-store", "none", "--log-level", "warning"]
     if cache:
         command += ["--compile-cache-dir", cache]

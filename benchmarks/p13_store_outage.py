@@ -155,7 +155,8 @@ def scenario(name: str, seconds: float, checkpoint: str | None, work: Path) -> d
         env["LINSERVE_SESSION_STORE"] = f"dir:{store_dir}"
         prefix = unprivileged()
     http_port = free_port()
-    command = [*prefix, sys.executable, "-m", "server.cli", "serve", "--port", str(http_port), "--log-level", "error"]
+    command = [*prefix, sys.executable, "-m", "linserve.server.cli", "serve", "--port", str(http_port),
+               "--log-level", "error"]
     if checkpoint:
         command += ["--model", checkpoint]
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_compile_argument, emit, wait_until_up  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
-from model.loading import DEFAULT_CHECKPOINT  # noqa: E402
-from server.bench.client import LoadSpec, run_load  # noqa: E402
-from server.bench.report import plot, summarize  # noqa: E402
+from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
+from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
+from linserve.server.bench.report import plot, summarize  # noqa: E402
 
 PEERS = Path(__file__).resolve().parents[1] / "data" / "peers"
 LLAMA_SERVER = PEERS / "llama.cpp" / "bin" / "llama-server"

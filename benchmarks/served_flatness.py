@@ -24,17 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_compile_argument, add_device_argument, describe, emit, resolve_device  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
-from model import LinearGPT  # noqa: E402
-from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
-from server.bench.client import LoadSpec, run_load  # noqa: E402
-from server.bench.report import plot, summarize  # noqa: E402
+from linserve.model import LinearGPT  # noqa: E402
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
+from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
+from linserve.server.bench.report import plot, summarize  # noqa: E402
 
 
 def softmax_twin(directory: Path) -> None:
     """A random-weight softmax model with the shipped model's dims and tokenizer, saved as a checkpoint."""
     from tokenizers import Tokenizer
 
-    from model.training.trainer import save_checkpoint
+    from linserve.model.training.trainer import save_checkpoint
 
     config = load_model(DEFAULT_CHECKPOINT, torch.device("cpu")).model.config
     twin = LinearGPT(type(config)(**{**config.to_dict(), "attention": "softmax", "decay": False, "conv_kernel": 0}))

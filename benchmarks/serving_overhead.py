@@ -30,10 +30,10 @@ from common import (  # noqa: E402
 )
 from engine_inprocess import DecodeTotals, run_streams  # noqa: E402
 
-from model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
-from server.bench.client import LoadSpec, run_load  # noqa: E402
-from server.engine import Engine, EngineConfig  # noqa: E402
-from server.settings import Settings  # noqa: E402
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
+from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
+from linserve.server.engine import Engine, EngineConfig  # noqa: E402
+from linserve.server.settings import Settings  # noqa: E402
 
 COMPILE_TIMEOUT_S = 900.0  # a cold compile of every bucket takes minutes on 2 cores
 
@@ -42,8 +42,9 @@ def start_server(model: str, port: int, slots: int, extra: list[str] | None = No
                  env: dict[str, str] | None = None, device: str = "cpu", compile: str = "auto") -> subprocess.Popen:
     """`linserve serve` on 127.0.0.1:port, returned once /ready answers 200 and the decode step is compiled
     (or settled on eager)."""
-    command = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--device", device,
-               "--num-slots", str(slots), "--compile", compile, *(extra or ["--log-level", "warning"])]
+    command = [sys.executable, "-m", "linserve.server.cli", "serve", "--model", model, "--port", str(port),
+               "--device", device, "--num-slots", str(slots), "--compile", compile,
+               *(extra or ["--log-level", "warning"])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, **(env or {})})
     return wait_until_up(

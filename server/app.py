@@ -15,7 +15,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from model.loading import DEFAULT_CHECKPOINT, load_model, resolve_device
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_device
 
 from .dependencies import max_token_bytes, require_key
 from .engine import Engine, EngineConfig
@@ -23,7 +23,7 @@ from .engine.state_pool import slots_for_budget
 from .errors import RequestBody, ServerErrors, error_response, install_handlers
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openapi import OPERATIONAL_RESPONSES, document_errors
-from .routes import openai, sessions, utilities
+from .routes import openai, sessions, utilities, web
 from .settings import Settings
 from .version import package_version
 
@@ -185,6 +185,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(sessions.router)
     app.include_router(utilities.router)
+    if settings.web_ui:
+        app.include_router(web.router)
 
     @app.get("/health", responses=OPERATIONAL_RESPONSES)
     async def health(request: Request) -> Response:
@@ -202,8 +204,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                   headers={"Retry-After": str(settings.retry_after_s)})
         step = getattr(request.app.state.engine, "decode_step", None)
         # stateless work needs no store: ready stays 200 while it is down, and says so
-        return JSONResponse({"status": "ready", "decode_step": step.describe() if step is not None else None,
-                             "session_store": request.app.state.engine.store_status()})
+        engine = request.app.state.engine
+        return JSONResponse({"status": "ready", "model": settings.served_model_name, "device": str(engine.device),
+                             "decode_step": step.describe() if step is not None else None,
+                             "session_store": engine.store_status()})
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},

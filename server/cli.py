@@ -14,18 +14,18 @@ import sys
 import time
 from pathlib import Path
 
-from server.version import package_version
+from linserve.server.version import package_version
 
 SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; softmax is scored in windows
 
 
 def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",)) -> Path:
     """The checkpoint directory to use (the shipped one by default); a clear error if it is not one."""
-    from server.preflight import check_checkpoint
+    from linserve.server.preflight import check_checkpoint
 
     check_checkpoint(model, files)
     if model is None:
-        from model.loading import DEFAULT_CHECKPOINT
+        from linserve.model.loading import DEFAULT_CHECKPOINT
 
         return DEFAULT_CHECKPOINT
     return Path(model)
@@ -34,14 +34,14 @@ def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",))
 def _load_for_generation(path: Path, device):
     from transformers import AutoTokenizer
 
-    from model.loading import load_model
+    from linserve.model.loading import load_model
 
     return load_model(path, device).model, AutoTokenizer.from_pretrained(path)
 
 
 def check_sampling(**values) -> None:
     """The server's bounds for these sampling parameters (SamplingParams is where they live), as flags."""
-    from server.engine.types import EngineError, SamplingParams
+    from linserve.server.engine.types import EngineError, SamplingParams
 
     try:
         SamplingParams(**values)
@@ -53,8 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # the arguments are checked before torch loads (seconds): a typo is reported at once
     check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
-    from model.generate import generate_tokens
-    from model.loading import resolve_device
+    from linserve.model.generate import generate_tokens
+    from linserve.model.loading import resolve_device
 
     device = resolve_device(args.device)
     model, tokenizer = _load_for_generation(path, device)
@@ -84,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
-    from model.loading import resolve_device
+    from linserve.model.loading import resolve_device
 
     device = resolve_device(args.device)
     model, _ = _load_for_generation(path, device)
@@ -102,8 +102,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from model.loading import resolve_device
-    from model.training.trainer import TrainConfig, Trainer
+    from linserve.model.loading import resolve_device
+    from linserve.model.training.trainer import TrainConfig, Trainer
 
     cfg = TrainConfig.from_yaml(args.config)
     if args.out_dir:
@@ -122,9 +122,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
     from tokenizers import Tokenizer
 
-    from model.loading import load_model, resolve_device
-    from model.training.corpus import load_corpus
-    from model.training.evaluate import bits_per_byte
+    from linserve.model.loading import load_model, resolve_device
+    from linserve.model.training.corpus import load_corpus
+    from linserve.model.training.evaluate import bits_per_byte
 
     device = resolve_device(args.device)
     path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
@@ -185,12 +185,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     import torch
 
-    from model.loading import load_model, resolve_device
-    from server.app import engine_config
-    from server.engine.compiled_decode import DecodeStep
-    from server.engine.sampling import SlotSampling
-    from server.engine.state_pool import StatePool
-    from server.settings import Settings
+    from linserve.model.loading import load_model, resolve_device
+    from linserve.server.app import engine_config
+    from linserve.server.engine.compiled_decode import DecodeStep
+    from linserve.server.engine.sampling import SlotSampling
+    from linserve.server.engine.state_pool import StatePool
+    from linserve.server.settings import Settings
 
     settings = Settings.load(args.config, **{name: getattr(args, name) for name in Settings.model_fields})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -212,13 +212,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from server.settings import Settings
+    from linserve.server.settings import Settings
 
     settings = Settings.load(args.config, **{name: getattr(args, name) for name in Settings.model_fields})
-    from server.preflight import preflight
+    from linserve.server.preflight import preflight
 
     preflight(settings)  # port, model directory, device: one-line errors before anything heavy loads
-    from server.serve import serve
+    from linserve.server.serve import serve
 
     status = serve(settings)  # the lifespan has stopped the engine and flushed every session by now
     # skip tearing down the interpreter's heap (torch, transformers: 2-3 s of garbage collection at exit)
@@ -234,7 +234,7 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     the config file still apply; the help shows the effective default."""
     import typing
 
-    from server.settings import Settings
+    from linserve.server.settings import Settings
 
     for name, field in Settings.model_fields.items():
         default = field.get_default(call_default_factory=True)
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     import typing
 
-    from server.settings import Settings
+    from linserve.server.settings import Settings
 
     # the choices the settings allow (a test keeps them equal to model.loading's); read here, not repeated
     devices, dtypes = (typing.get_args(Settings.model_fields[name].annotation) for name in ("device", "dtype"))
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=cmd_eval)
 
     bench = command("bench", "load-test a running server over HTTP/SSE")
-    from server.bench.cli import add_arguments
+    from linserve.server.bench.cli import add_arguments
 
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from server.bench.cli import run
+    from linserve.server.bench.cli import run
 
     return run(args)
 

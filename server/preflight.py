@@ -62,6 +62,6 @@ def preflight(settings: Settings) -> None:
     check_port(settings.host, settings.port)
     check_checkpoint(settings.model)
     check_gpu_driver(settings.device)
-    from model.loading import resolve_device  # imports torch
+    from linserve.model.loading import resolve_device  # imports torch
 
     resolve_device(settings.device)  # --device cuda without a GPU: a ValueError saying so

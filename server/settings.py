@@ -25,6 +25,8 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
     docs_public: bool = Field(False, description="serve /docs, /redoc, /openapi.json without a key when keys are set")
+    web_ui: bool = Field(True, description="serve the web page at / (playground, sessions, per-token latency); "
+                         "its API calls need the key like any client's")
 
     num_slots: int = Field(64, ge=1, description="state pool slots (device-resident sessions + running rows)")
     state_memory_mb: float | None = Field(None, gt=0, description="if set, slots = this budget / state bytes")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from model.training.corpus import Corpus, load_corpus
+from linserve.model.training.corpus import Corpus, load_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_DIR = REPO / "data" / "corpus"  # cached between runs; downloaded on first use (training tests only)
@@ -62,7 +62,7 @@ def small_tokenizer():
 @pytest.fixture(scope="session")
 def hf_tokenizer(small_tokenizer):
     """The transformers view of the small tokenizer (what the engine and server use)."""
-    from model.training.tokenizer import wrap
+    from linserve.model.training.tokenizer import wrap
 
     return wrap(small_tokenizer)
 
@@ -79,8 +79,8 @@ def tiny_checkpoint(tmp_path_factory, small_tokenizer):
     """A tiny random-weight LinearGPT saved in the HF layout with the small tokenizer."""
     import torch
 
-    from model import LinearGPT, ModelConfig
-    from model.training.trainer import save_checkpoint
+    from linserve.model import LinearGPT, ModelConfig
+    from linserve.model.training.trainer import save_checkpoint
 
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=small_tokenizer.get_vocab_size(), d_model=64, n_layers=2, n_heads=4,

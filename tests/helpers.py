@@ -17,9 +17,9 @@ import httpx
 import pytest
 import torch
 
-from model import ModelConfig
-from server.engine import Engine, EngineConfig, EngineRequest, RequestOutput, SamplingParams
-from server.settings import Settings
+from linserve.model import ModelConfig
+from linserve.server.engine import Engine, EngineConfig, EngineRequest, RequestOutput, SamplingParams
+from linserve.server.settings import Settings
 from tests.devices import device_name_under_test
 
 TINY = ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, conv_kernel=3, decay=True, chunk_size=16)
@@ -103,7 +103,7 @@ class ServerProcess:
     """A real `linserve serve` on a free 127.0.0.1 port; stopped with SIGTERM."""
 
     def __init__(self, checkpoint, log_path, *extra: str, env: dict | None = None,
-                 entry: tuple[str, ...] = ("-m", "server.cli"), prefix: tuple[str, ...] = ()) -> None:
+                 entry: tuple[str, ...] = ("-m", "linserve.server.cli"), prefix: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log_path
@@ -162,7 +162,7 @@ def start_redis(directory, port: int | None = None, durable: bool = False) -> tu
 def poison_sampling(monkeypatch, temperature: float, times: int | None = None) -> dict:
     """Make the engine's step fail for batches holding a row with this temperature — after the model and the
     decode program ran, before anything is committed — `times` times (None: always; `armed["n"]` re-arms)."""
-    from server.engine.step_runner import StepRunner
+    from linserve.server.engine.step_runner import StepRunner
 
     real = StepRunner._sampled
     armed = {"n": times}

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model import LinearGPT
-from model.decode_step import state_names
+from linserve.model import LinearGPT
+from linserve.model.decode_step import state_names
 
 from .decode_program import DecodeOutputs, decode_program
 from .program_compiler import (
@@ -118,10 +118,9 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
             digest.update(source.read())
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
-    else:  # the vector instructions Inductor compiles for: an AVX-512 build must never load on an AVX2 host
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        where = f"cpu-{platform.machine()}-{pick_vec_isa() or 'scalar'}"
+    else:  # the CPU's vector instructions (an AVX-512 build must never load on an AVX2 host), as ATen detects
+        # them at run time — not Inductor's pick_vec_isa, which test-compiles with g++: a slim image has none
+        where = f"cpu-{platform.machine()}-{torch.backends.cpu.get_cpu_capability().lower()}"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key = f"{digest.hexdigest()[:16]}-{dtype}-torch{torch.__version__}-{where}".replace(" ", "_").replace("/", "_")
     return os.path.join(base, key)
@@ -130,7 +129,7 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
 def program_sources() -> list[str]:
     """The files whose code a compiled program contains: the model package and the program's own modules
     (how it is built is program_compiler.ARTIFACT_FORMAT's business)."""
-    import model as model_package
+    import linserve.model as model_package
 
     model_dir = os.path.dirname(os.path.abspath(model_package.__file__))
     here = os.path.dirname(os.path.abspath(__file__))

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from model import LinearGPT
+from linserve.model import LinearGPT
 
 from . import heap
 from .command_queue import ENGINE_DEAD, CommandQueue

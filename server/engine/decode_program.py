@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model import LinearGPT
-from model.decode_step import flat_decode_step, state_names
+from linserve.model import LinearGPT
+from linserve.model.decode_step import flat_decode_step, state_names
 
 from .sampling import choose_tokens
 

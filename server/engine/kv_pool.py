@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from model import LinearGPT, ModelState
+from linserve.model import LinearGPT, ModelState
 
 from .state_pool import SlotPool
 from .types import EngineError

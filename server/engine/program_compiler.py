@@ -1,6 +1,6 @@
 """Compiling decode programs in a separate process, into artifacts the engine loads (CPU).
 
-The engine never runs the compiler: a child process (`python -m server.engine.program_compiler DIR`)
+The engine never runs the compiler: a child process (`python -m linserve.server.engine.program_compiler DIR`)
 exports the decode program (compiled_decode.decode_program) for one batch bucket at a time with
 torch.export and builds it with AOTInductor (frozen weights, max-autotune: Inductor's C++ GEMM
 templates) into `DIR/decode-b{size}.pt2`. The engine loads a finished artifact in milliseconds and calls
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from model import LinearGPT, ModelConfig
+from linserve.model import LinearGPT, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,9 @@ class CompilerProcess:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor")}
         with open(os.path.join(directory, "compile.log"), "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "server.engine.program_compiler", directory, str(num_slots),
+                [sys.executable, "-m", "linserve.server.engine.program_compiler", directory, str(num_slots),
                  "autotune" if autotune else "plain"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
             )
 
     def compile(self, size: int) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from model import LinearGPT, ModelState
+from linserve.model import LinearGPT, ModelState
 
 
 def slots_for_budget(memory_bytes: int, state_bytes: int) -> int:

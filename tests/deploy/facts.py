@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from server.app import create_app
-from server.metrics import Metrics
-from server.settings import Settings
+from linserve.server.app import create_app
+from linserve.server.metrics import Metrics
+from linserve.server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -63,7 +63,7 @@ def test_the_linserve_pods_probe_real_routes_with_real_settings(server_routes):
     assert pod["terminationGracePeriodSeconds"] >= 30  # long enough to drain streams and flush session writes
     assert linserve["resources"]["requests"] and linserve["resources"]["limits"]["memory"]
     # flags passed to `linserve serve` are real ones
-    from server.cli import build_parser
+    from linserve.server.cli import build_parser
 
     build_parser().parse_args(["serve", *linserve["args"]])
     assert KUSTOMIZATION["images"][0]["name"] == linserve["image"]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from model import LinearGPT, ModelConfig, ModelState
-from model.decode_step import flat_decode_step, state_names
+from linserve.model import LinearGPT, ModelConfig, ModelState
+from linserve.model.decode_step import flat_decode_step, state_names
 
 
 @pytest.mark.parametrize("conv_kernel", [0, 3])

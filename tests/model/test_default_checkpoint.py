@@ -8,9 +8,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import model  # noqa: F401  (registers linear_gpt)
-from model.loading import DEFAULT_CHECKPOINT
-from model.training.evaluate import bits_per_byte
+import linserve.model  # noqa: F401  (registers linear_gpt)
+from linserve.model.loading import DEFAULT_CHECKPOINT
+from linserve.model.training.evaluate import bits_per_byte
 
 
 def test_files_and_size():
@@ -46,8 +46,20 @@ def test_held_out_bits_per_byte_is_far_below_chance(corpus):
 
 
 def test_cli_generate_streams_from_the_default_checkpoint():
-    result = subprocess.run([sys.executable, "-m", "server.cli", "generate", "ROMEO:", "--max-tokens", "30",
+    result = subprocess.run([sys.executable, "-m", "linserve.server.cli", "generate", "ROMEO:", "--max-tokens", "30",
                              "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) > 40
     assert "random-weight" not in result.stderr
+
+
+def test_the_docs_state_size_is_what_linserve_info_prints():
+    """docs/model-and-training.md names the shipped model's state bytes: the number `linserve info` prints."""
+    from pathlib import Path
+
+    from linserve.model.loading import load_model
+
+    state_bytes = load_model(DEFAULT_CHECKPOINT, torch.device("cpu")).model.state_bytes()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "model-and-training.md").read_text()
+    shipped = docs.split("The shipped model (", 1)[1].split("linserve info", 1)[0]
+    assert f"holds {state_bytes:,} bytes per session" in shipped

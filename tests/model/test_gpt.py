@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from model import LinearGPT, ModelConfig, ModelState
+from linserve.model import LinearGPT, ModelConfig, ModelState
 from tests.devices import device_under_test
 
 DEVICE = device_under_test()  # `pytest --device cuda` runs these on the GPU
@@ -188,7 +188,7 @@ def test_softmax_left_padded_batch_equals_rows_alone(decay):
 def test_short_conv_is_a_causal_depthwise_convolution():
     import torch.nn.functional as F
 
-    from model.gpt import ShortConv
+    from linserve.model.gpt import ShortConv
 
     conv = ShortConv(tiny(conv_kernel=4))
     torch.nn.init.normal_(conv.weight)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import model  # noqa: F401  (registers linear_gpt)
-from model import LinearGPTConfig, LinearGPTForCausalLM, ModelConfig
+import linserve.model  # noqa: F401  (registers linear_gpt)
+from linserve.model import LinearGPTConfig, LinearGPTForCausalLM, ModelConfig
 
 CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=2, n_heads=4, chunk_size=4,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention import head_log_decays
-from model.config import ModelConfig
-from model.feature_maps import FeatureMap
-from model.linear_attention import chunked_forward, recurrent_step
+from linserve.model.attention import head_log_decays
+from linserve.model.config import ModelConfig
+from linserve.model.feature_maps import FeatureMap
+from linserve.model.linear_attention import chunked_forward, recurrent_step
 from tests.devices import device_under_test
 
 DEVICE = device_under_test()  # `pytest --device cuda` runs these on the GPU

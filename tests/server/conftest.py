@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.settings import Settings
+from linserve.server.app import create_app
+from linserve.server.settings import Settings
 from tests.devices import device_name_under_test
 from tests.helpers import ServerProcess, start_redis
 

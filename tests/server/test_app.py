@@ -181,10 +181,10 @@ def test_softmax_checkpoint_is_served_with_a_kv_cache(small_tokenizer, tmp_path)
     import torch
     from fastapi.testclient import TestClient
 
-    from model import LinearGPT, ModelConfig
-    from model.training.trainer import save_checkpoint
-    from server.app import create_app
-    from server.settings import Settings
+    from linserve.model import LinearGPT, ModelConfig
+    from linserve.model.training.trainer import save_checkpoint
+    from linserve.server.app import create_app
+    from linserve.server.settings import Settings
 
     torch.manual_seed(0)
     config = ModelConfig(

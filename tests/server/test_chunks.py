@@ -7,9 +7,15 @@ import json
 
 import pytest
 
-from server.chunks import ChatChunks, CompletionChunks
-from server.engine.types import FinishReason, RequestOutput
-from server.schemas import ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice, CompletionResponse
+from linserve.server.chunks import ChatChunks, CompletionChunks
+from linserve.server.engine.types import FinishReason, RequestOutput
+from linserve.server.schemas import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+)
 
 TEXTS = [
     "",

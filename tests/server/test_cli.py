@@ -10,7 +10,8 @@ import pytest
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "linserve.server.cli", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_info_reports_state_bytes_from_config():
@@ -65,7 +66,7 @@ def test_a_bad_environment_value_names_the_variable():
     import os
 
     env = {**os.environ, "LINSERVE_NUM_SLOTS": "many"}
-    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "linserve.server.cli", "serve", "--port", "0"], capture_output=True,
                             text=True, timeout=60, env=env)
     message = one_line_error(result)
     assert "LINSERVE_NUM_SLOTS" in message and "integer" in message and "'many'" in message
@@ -78,7 +79,7 @@ def test_a_bad_flag_value_is_the_same_one_line_as_a_bad_environment_value(flag, 
 
     by_flag = one_line_error(run_cli("serve", "--port", "0", flag, value))
     env = {**os.environ, variable: value}
-    by_env = one_line_error(subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0"],
+    by_env = one_line_error(subprocess.run([sys.executable, "-m", "linserve.server.cli", "serve", "--port", "0"],
                                            capture_output=True, text=True, timeout=60, env=env))
     assert by_flag == by_env and f"'{value}'" in by_flag and flag in by_flag
 
@@ -90,7 +91,7 @@ def test_a_bad_flag_value_is_the_same_one_line_as_a_bad_environment_value(flag, 
     (["--model", "/nonexistent/dir"], "--model /nonexistent/dir: no such directory"),
 ])
 def test_generate_checks_its_arguments_as_the_server_does_before_torch_loads(flags, message):
-    probe = ("import sys; from server.cli import main; code = main(['generate', 'x', *sys.argv[1:]]); "
+    probe = ("import sys; from linserve.server.cli import main; code = main(['generate', 'x', *sys.argv[1:]]); "
              "print(code, 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", probe, *flags], capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
@@ -98,7 +99,7 @@ def test_generate_checks_its_arguments_as_the_server_does_before_torch_loads(fla
 
 
 def test_help_has_one_default_style():
-    from server.cli import build_parser
+    from linserve.server.cli import build_parser
 
     for name, command in build_parser()._subparsers._group_actions[0].choices.items():
         assert "(default" not in command.format_help(), name
@@ -120,7 +121,7 @@ def test_eval_prints_json_on_stdout_and_progress_on_stderr(tiny_checkpoint):
 def test_progress_rewrites_one_line_on_a_terminal():
     import io
 
-    from server.cli import ProgressLine
+    from linserve.server.cli import ProgressLine
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -136,7 +137,7 @@ def test_progress_rewrites_one_line_on_a_terminal():
 
 
 def test_help_and_version_need_no_torch():
-    probe = ("import sys; from server.cli import build_parser; build_parser(); "
+    probe = ("import sys; from linserve.server.cli import build_parser; build_parser(); "
              "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
@@ -147,10 +148,10 @@ def test_help_and_version_need_no_torch():
 def test_every_flag_has_help_and_no_flag_is_idle():
     import typing
 
-    from model.loading import DEVICE_CHOICES as MODEL_DEVICES
-    from model.loading import DTYPE_CHOICES as MODEL_DTYPES
-    from server.cli import build_parser
-    from server.settings import Settings
+    from linserve.model.loading import DEVICE_CHOICES as MODEL_DEVICES
+    from linserve.model.loading import DTYPE_CHOICES as MODEL_DTYPES
+    from linserve.server.cli import build_parser
+    from linserve.server.settings import Settings
 
     choices = tuple(typing.get_args(Settings.model_fields[name].annotation) for name in ("device", "dtype"))
     assert choices == (MODEL_DEVICES, MODEL_DTYPES)
@@ -170,8 +171,8 @@ def test_every_setting_is_a_serve_flag_and_the_example_config_agrees():
     configs/server.example.yaml names only settings, each at its default."""
     import yaml
 
-    from server.cli import build_parser
-    from server.settings import Settings
+    from linserve.server.cli import build_parser
+    from linserve.server.settings import Settings
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     dests = {action.dest: action for action in serve._actions}
@@ -191,7 +192,7 @@ def test_every_setting_is_a_serve_flag_and_the_example_config_agrees():
 
 
 def test_cuda_is_refused_before_torch_loads_where_no_gpu_driver_exists(monkeypatch, tmp_path):
-    from server import preflight
+    from linserve.server import preflight
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
     monkeypatch.setattr(preflight, "GPU_DRIVER_SIGNS", (str(tmp_path / "absent"),))
@@ -212,8 +213,9 @@ def test_compile_builds_the_cache_that_serve_uses(tiny_checkpoint, compile_cache
 
     from tests.devices import device_name_under_test
 
-    command = [sys.executable, "-m", "server.cli", "compile", "--model", str(tiny_checkpoint), "--num-slots", "1",
-               "--compile-cache-dir", compile_cache, "--no-compile-autotune", "--device", device_name_under_test()]
+    command = [sys.executable, "-m", "linserve.server.cli", "compile", "--model", str(tiny_checkpoint),
+               "--num-slots", "1", "--compile-cache-dir", compile_cache, "--no-compile-autotune",
+               "--device", device_name_under_test()]
     for _ in range(2):
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]

@@ -18,13 +18,13 @@ pytestmark = pytest.mark.slow
 
 DYING_SERVER = """
 import sys
-from server.engine import step_runner
+from linserve.server.engine import step_runner
 
 def broken(self, *args):
     raise RuntimeError("injected: the device is gone")
 
 step_runner.StepRunner.decode = step_runner.StepRunner.prefill = broken  # every step fails: the engine dies
-from server.cli import main
+from linserve.server.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -96,7 +96,7 @@ def test_stack_errors_are_json_with_the_right_allow(client):
 
 
 def test_an_unhandled_exception_is_a_json_500_with_a_request_id(client, monkeypatch):
-    import server.generation as generation
+    import linserve.server.generation as generation
 
     def broken(messages, tokenizer):
         raise RuntimeError("injected bug")
@@ -162,7 +162,7 @@ def test_snapshots_beyond_what_a_model_can_produce_are_400(client):
 def test_logprobs_are_always_json_numbers():
     import torch
 
-    from server.engine.sampling import LOGPROB_FLOOR, token_logprobs
+    from linserve.server.engine.sampling import LOGPROB_FLOOR, token_logprobs
 
     logits = torch.tensor([[0.0, float("-inf"), 1.0]])
     out = token_logprobs(logits, torch.tensor([1]), [2])[0]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from model.loading import DEFAULT_CHECKPOINT, load_model
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
 from tests.helpers import ServerProcess
 
 pytestmark = pytest.mark.slow

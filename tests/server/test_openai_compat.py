@@ -129,7 +129,7 @@ def test_tokenize_detokenize_version(client):
     )
     bad = client.post("/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-    from server.version import package_version
+    from linserve.server.version import package_version
 
     assert client.get("/version").json() == {"version": package_version()}
 

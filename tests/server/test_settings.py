@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.settings import Settings
+from linserve.server.settings import Settings
 
 
 def test_precedence(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-from model import LinearGPT
+from linserve.model import LinearGPT
 
 from ..state_pool import StatePool
 from ..types import EngineError

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from model import LinearGPT
+from linserve.model import LinearGPT
 
 from ..types import EngineError
 from .records import MAX_SESSION_TOKENS, TAIL_TOKENS, Turn

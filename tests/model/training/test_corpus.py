@@ -1,4 +1,4 @@
-from model.training.corpus import VALIDATION_WORKS
+from linserve.model.training.corpus import VALIDATION_WORKS
 
 
 def test_all_modern_spelling_works_split_by_whole_work(corpus):

@@ -2,8 +2,8 @@ import math
 
 import torch
 
-from model import LinearGPT, ModelConfig
-from model.training.evaluate import bits_per_byte
+from linserve.model import LinearGPT, ModelConfig
+from linserve.model.training.evaluate import bits_per_byte
 
 
 def test_bits_per_byte_independent_of_block_size(corpus, small_tokenizer):
@@ -32,7 +32,7 @@ def test_windowed_scoring_forgets_between_windows(corpus, small_tokenizer):
 
 
 def test_batched_windows_equal_one_window_at_a_time(corpus, small_tokenizer):
-    from model.training.evaluate import work_nll
+    from linserve.model.training.evaluate import work_nll
 
     torch.manual_seed(0)
     model = LinearGPT(

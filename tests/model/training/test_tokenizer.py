@@ -1,6 +1,6 @@
 import pytest
 
-from model.training.tokenizer import EOT_TOKEN, load_tokenizer, save_tokenizer
+from linserve.model.training.tokenizer import EOT_TOKEN, load_tokenizer, save_tokenizer
 
 SAMPLES = [
     "ROMEO.\nBut soft, what light through yonder window breaks?",
@@ -36,7 +36,7 @@ def test_end_of_text_is_one_token(small_tokenizer):
 def test_the_committed_tokenizer_fixture_is_what_train_bpe_makes(corpus, small_tokenizer):
     """tests/fixtures/tokenizer-1k.json (what the engine and server tests use, so they need no corpus) is
     exactly the 1k BPE trained on the two plays: regenerate it if training changes."""
-    from model.training.tokenizer import train_bpe
+    from linserve.model.training.tokenizer import train_bpe
 
     trained = train_bpe([corpus.train["romeo_and_juliet"], corpus.train["tempest"]], 1024)
     assert trained.get_vocab() == small_tokenizer.get_vocab()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from model.training.trainer import OptimConfig, TrainConfig, Trainer, lr_at
+from linserve.model.training.trainer import OptimConfig, TrainConfig, Trainer, lr_at
 from tests.conftest import CORPUS_DIR
 
 

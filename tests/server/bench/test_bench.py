@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from server.bench.client import RequestRecord
-from server.bench.report import describe, itl_by_position
+from linserve.server.bench.client import RequestRecord
+from linserve.server.bench.report import describe, itl_by_position
 
 pytestmark = pytest.mark.slow
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", "bench", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "linserve.server.cli", "bench", *args], capture_output=True, text=True,
                           timeout=300)
 
 
@@ -57,7 +57,8 @@ def test_statistics():
 def test_without_matplotlib_it_writes_the_json_and_says_why_no_plot(server, tmp_path):
     """The server image leaves plotting out (it is the `bench` extra): the load test still runs and reports."""
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    code = ("import sys; sys.modules['matplotlib'] = None; from server.cli import main; "  # import fails as if absent
+    code = ("import sys; sys.modules['matplotlib'] = None; "  # its import fails as if it were absent
+            "from linserve.server.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     result = subprocess.run([sys.executable, "-c", code, "bench", "--url", server["base"], "--requests", "2",
                              "--max-tokens", "4", "--out", str(out), "--plot", str(png)],

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import LinearGPT
-from server.engine import Engine
+from linserve.model import LinearGPT
+from linserve.server.engine import Engine
 from tests.helpers import TINY, assert_slots_balance, engine_config
 
 

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import LinearGPT
-from model.loading import DEFAULT_CHECKPOINT, load_model
-from server.engine.compiled_decode import DecodeStep, bucket_sizes
-from server.engine.sampling import SlotSampling
-from server.engine.state_pool import StatePool
+from linserve.model import LinearGPT
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
+from linserve.server.engine.compiled_decode import DecodeStep, bucket_sizes
+from linserve.server.engine.sampling import SlotSampling
+from linserve.server.engine.state_pool import StatePool
 from tests.helpers import Collector, EngineRequest, SamplingParams, assert_slots_balance, run, tokens_of
 
 pytestmark = pytest.mark.slow  # each test compiles (seconds to a minute on 2 cores)
@@ -80,7 +80,7 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
     `compile=auto` and none on PATH, the artifacts are loaded and no compiler process starts."""
     import copy
 
-    from server.engine import compiled_decode
+    from linserve.server.engine import compiled_decode
 
     cpu = torch.device("cpu")
     tiny_model = copy.deepcopy(tiny_model).cpu()  # artifacts are the CPU path, whatever --device the suite runs on
@@ -217,8 +217,8 @@ def test_compile_time_tracing_never_reaches_the_engines_eager_calls(make_engine)
     background compile traces through make_fx): without the guard, the engine's eager model calls meanwhile
     go through the tracer and fail ('module is not installed as a submodule'), three in a row kill the
     engine. With it (installed by DecodeStep.start), traces and engine steps never overlap."""
-    from server.engine.compiled_decode import guard_tracing
-    from server.engine.types import FinishReason
+    from linserve.server.engine.compiled_decode import guard_tracing
+    from linserve.server.engine.types import FinishReason
 
     guard_tracing()
     engine = make_engine(num_slots=8)
@@ -243,7 +243,7 @@ def test_compile_time_tracing_never_reaches_the_engines_eager_calls(make_engine)
 def test_the_compile_cache_is_per_user_and_keyed_by_model_dtype_torch_and_device(tiny_model, monkeypatch, tmp_path):
     import copy
 
-    from server.engine.compiled_decode import compile_cache_dir
+    from linserve.server.engine.compiled_decode import compile_cache_dir
 
     cpu = torch.device("cpu")
     model = copy.deepcopy(tiny_model).cpu()
@@ -265,8 +265,27 @@ def test_torchs_own_compiler_warnings_stay_out_of_the_logs(quiet):
     import subprocess
     import sys
 
-    probe = ("import torch; from server.engine.program_compiler import quiet_compiler_warnings; "
+    probe = ("import torch; from linserve.server.engine.program_compiler import quiet_compiler_warnings; "
              f"{'quiet_compiler_warnings(); ' if quiet else ''}torch.empty(2).storage().size()")
     result = subprocess.run([sys.executable, "-W", "default", "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert ("TypedStorage is deprecated" in result.stderr) != quiet
+
+
+def test_a_process_without_a_cpp_compiler_keys_its_cache_and_serves(tiny_checkpoint, tmp_path):
+    """A slim image has no g++: keying the compile cache (the CPU's vector ISA) must not need one. In a fresh
+    process — a test process has long since cached whatever torch probed with a compiler."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import torch; from linserve.model.loading import load_model; "
+             "from linserve.server.engine.compiled_decode import compile_cache_dir, cpp_compiler_available; "
+             f"model = load_model({str(tiny_checkpoint)!r}, torch.device('cpu')).model; "
+             "print(cpp_compiler_available(), compile_cache_dir(None, model, torch.device('cpu')).split('-cpu-')[1])")
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env.update(PATH=str(tmp_path), XDG_CACHE_HOME=str(tmp_path))  # nothing to run on PATH: no g++, no c++
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    available, where = result.stdout.split()
+    assert available == "False" and where.startswith(("x86_64-", "aarch64-")), where

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.engine.detokenize import IncrementalDetokenizer, StopMatcher
+from linserve.server.engine.detokenize import IncrementalDetokenizer, StopMatcher
 
 SAMPLES = ["ROMEO. But soft, what light", "emoji 😀👩‍👩‍👧 and 日本語", "tabs\tand\nnewlines  "]
 
@@ -57,7 +57,7 @@ def test_earliest_of_several_stops_wins():
 
 
 def test_the_window_stays_bounded_even_for_bytes_that_never_form_text(hf_tokenizer):
-    from server.engine.detokenize import CONTEXT_TOKENS, MAX_HELD_TOKENS, IncrementalDetokenizer
+    from linserve.server.engine.detokenize import CONTEXT_TOKENS, MAX_HELD_TOKENS, IncrementalDetokenizer
 
     decoder = hf_tokenizer.backend_tokenizer
     lone_byte = next(i for i in range(len(hf_tokenizer)) if decoder.decode([i]) == "\ufffd")

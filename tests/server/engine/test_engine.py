@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
+from linserve.server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
 from tests.helpers import GREEDY, Collector, assert_slots_balance, prompt, run, tokens_of
 
 
@@ -75,7 +75,7 @@ def test_snapshot_export_import_continues_identically(make_engine):
 
 
 def test_corrupt_and_foreign_snapshots_are_rejected(make_engine, tiny_model, hf_tokenizer, device):
-    from model import LinearGPT
+    from linserve.model import LinearGPT
 
     engine = make_engine()
     session = engine.sessions.create(None).result(10)
@@ -311,7 +311,7 @@ def test_idle_sessions_expire_after_ttl(make_engine):
 
 @pytest.fixture
 def softmax_engine(make_engine, device):
-    from model import LinearGPT, ModelConfig
+    from linserve.model import LinearGPT, ModelConfig
 
     torch.manual_seed(0)
     model = (

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
-from server.engine.types import SEED_MAX, SEED_MIN
+from linserve.server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
+from linserve.server.engine.types import SEED_MAX, SEED_MIN
 from tests.helpers import GREEDY, Collector, assert_slots_balance, poison_sampling, prompt, run, tokens_of
 
 POISON_TEMPERATURE = 0.777  # the injected sampler fault fires for batches holding a row with this temperature

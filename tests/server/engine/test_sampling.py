@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from server.engine.sampling import (
+from linserve.server.engine.sampling import (
     SlotSampling,
     apply_penalties,
     choose_tokens,
@@ -16,7 +16,7 @@ from server.engine.sampling import (
     sample_plain,
     token_logprobs,
 )
-from server.engine.types import SamplingParams
+from linserve.server.engine.types import SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -157,7 +157,7 @@ def test_logprobs_are_of_the_model_distribution():
 
 
 def test_penalised_requests_through_the_engine_avoid_repeats(make_engine):
-    from server.engine import EngineRequest
+    from linserve.server.engine import EngineRequest
     from tests.helpers import Collector, tokens_of
 
     engine = make_engine()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from server.engine.scheduler import SchedSeq, Scheduler, Status
+from linserve.server.engine.scheduler import SchedSeq, Scheduler, Status
 
 
 class FakeAllocator:
@@ -40,7 +40,7 @@ def run_to_running(scheduler: Scheduler) -> None:
 
 
 def test_engine_package_scheduler_is_torch_free():
-    code = "import sys; import server.engine.scheduler; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys; import linserve.server.engine.scheduler; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine import EngineError, SamplingParams
+from linserve.server.engine import EngineError, SamplingParams
 from tests.helpers import prompt, run, tokens_of
 
 GREEDY_10 = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

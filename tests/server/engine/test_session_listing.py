@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 import time
 
-from server.engine import SamplingParams
-from server.engine.sessions.stores import DirStore
+from linserve.server.engine import SamplingParams
+from linserve.server.engine.sessions.stores import DirStore
 from tests.helpers import assert_slots_balance, run
 
 

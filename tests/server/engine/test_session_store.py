@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from server.engine import EngineError, EngineRequest, SamplingParams
-from server.engine.sessions.stores import DirStore
-from server.engine.types import RecordSkipped, StoreStats
+from linserve.server.engine import EngineError, EngineRequest, SamplingParams
+from linserve.server.engine.sessions.stores import DirStore
+from linserve.server.engine.types import RecordSkipped, StoreStats
 from tests.helpers import Collector, prompt, run, tokens_of
 
 GREEDY_4 = SamplingParams(max_tokens=4, temperature=0)
@@ -244,8 +244,8 @@ def test_whatever_the_server_exports_it_imports_back(make_engine):
     snapshot = engine.sessions.export(session.id, None).result(10)
     from safetensors.torch import load, save
 
-    from server.engine.sessions.records import MAX_SESSION_TOKENS
-    from server.engine.sessions.snapshot import _read_metadata
+    from linserve.server.engine.sessions.records import MAX_SESSION_TOKENS
+    from linserve.server.engine.sessions.snapshot import _read_metadata
 
     metadata = {**_read_metadata(snapshot), "tokens": str(MAX_SESSION_TOKENS - 8)}
     near_limit = engine.sessions.import_(save(load(snapshot), metadata=metadata), None).result(10)

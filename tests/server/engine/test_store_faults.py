@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from server.engine import EngineError, EngineRequest, SamplingParams
-from server.engine.types import FinishReason
+from linserve.server.engine import EngineError, EngineRequest, SamplingParams
+from linserve.server.engine.types import FinishReason
 from tests.helpers import Collector, assert_slots_balance, prompt, run, start_redis, tokens_of
 
 GREEDY_6 = SamplingParams(max_tokens=6, temperature=0)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from model.loading import load_model
+from linserve.model.loading import load_model
 from tests.helpers import assert_slots_balance
 
 PASSAGE = ("ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "

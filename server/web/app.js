@@ -1,0 +1,352 @@
+// linserve's page: playground, sessions, server view. Plain JavaScript, no build step, nothing fetched from
+// anywhere but this server. Everything the server or the user wrote is put into the page as text
+// (textContent), never as HTML.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEY_STORE = "linserve-api-key"; // this tab only (sessionStorage), sent only to this server
+
+// ------------------------------------------------------------------ talking to the server
+function headers(json = true) {
+  const h = json ? { "Content-Type": "application/json" } : {};
+  const key = $("api-key").value.trim();
+  if (key) h.Authorization = "Bearer " + key;
+  return h;
+}
+
+async function failure(response) {
+  try {
+    const body = await response.json();
+    return new Error(`${response.status}: ${body.error ? body.error.message : JSON.stringify(body)}`);
+  } catch (_) {
+    return new Error(`${response.status} ${response.statusText}`);
+  }
+}
+
+async function api(path, options = {}) {
+  const response = await fetch(path, { ...options, headers: headers(options.body !== undefined) });
+  if (!response.ok) throw await failure(response);
+  return response.status === 204 ? null : response.json();
+}
+
+// POST `body` with stream: true; `onEvent(json)` for every SSE data event until [DONE].
+async function stream(path, body, onEvent, signal) {
+  const response = await fetch(path, {
+    method: "POST", headers: headers(), body: JSON.stringify({ ...body, stream: true }), signal,
+  });
+  if (!response.ok) throw await failure(response);
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") return;
+        const json = JSON.parse(data);
+        if (json.error) throw new Error(json.error.message);
+        onEvent(json);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ the latency chart
+const chart = { times: [], drawn: 0, pending: false };
+
+function quantile(sorted, q) {
+  return sorted.length ? sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))] : NaN;
+}
+
+function svg(name, attributes, parent) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", name);
+  for (const [k, v] of Object.entries(attributes)) node.setAttribute(k, v);
+  if (parent) parent.appendChild(node);
+  return node;
+}
+
+function drawChart() {
+  chart.pending = false;
+  const box = $("itl-chart");
+  const gaps = [];
+  for (let i = 1; i < chart.times.length; i++) gaps.push(chart.times[i] - chart.times[i - 1]);
+  box.replaceChildren();
+  box.dataset.points = String(gaps.length);
+  if (!gaps.length) return;
+  const sorted = [...gaps].sort((a, b) => a - b);
+  const p50 = quantile(sorted, 0.5), p99 = quantile(sorted, 0.99);
+  const top = Math.max(p99 * 1.5, 1e-3); // outliers above 1.5 × the p99 are drawn at the top edge
+  const [left, right, upper, lower] = [44, 632, 10, 196];
+  const x = (i) => left + (right - left) * (gaps.length > 1 ? i / (gaps.length - 1) : 0);
+  const y = (ms) => lower - (lower - upper) * Math.min(ms / top, 1);
+  svg("line", { x1: left, y1: lower, x2: right, y2: lower, class: "axis" }, box);
+  svg("line", { x1: left, y1: upper, x2: left, y2: lower, class: "axis" }, box);
+  for (const [value, name] of [[p50, "p50"], [p99, "p99"]]) {
+    svg("line", { x1: left, y1: y(value), x2: right, y2: y(value), class: "guide " + name }, box);
+    svg("text", { x: 2, y: y(value) + 4, class: "label" }, box).textContent = `${name} ${value.toFixed(1)}`;
+  }
+  svg("text", { x: left, y: 214, class: "label" }, box).textContent = "token 1";
+  svg("text", { x: right - 80, y: 214, class: "label" }, box).textContent = `token ${gaps.length}`;
+  const points = gaps.map((g, i) => `${x(i).toFixed(1)},${y(g).toFixed(1)}`).join(" ");
+  svg("polyline", { points, class: "itl" }, box);
+  // the trend: the median of each of ~100 consecutive windows — flat when latency does not grow
+  const width = Math.max(1, Math.floor(gaps.length / 100)), trend = [];
+  for (let start = 0; start + width <= gaps.length; start += width) {
+    const window = gaps.slice(start, start + width).sort((a, b) => a - b);
+    trend.push(`${x(start + (width - 1) / 2).toFixed(1)},${y(quantile(window, 0.5)).toFixed(1)}`);
+  }
+  if (trend.length > 1) svg("polyline", { points: trend.join(" "), class: "trend" }, box);
+  const seconds = (chart.times[chart.times.length - 1] - chart.times[0]) / 1000;
+  $("itl-stats").textContent = `${chart.times.length} tokens · ${(gaps.length / Math.max(seconds, 1e-9)).toFixed(1)} `
+    + `tokens/s · inter-token latency p50 ${p50.toFixed(2)} ms, p99 ${p99.toFixed(2)} ms (this browser's clock)`;
+}
+
+function tokenArrived() {
+  chart.times.push(performance.now());
+  if (!chart.pending) { chart.pending = true; requestAnimationFrame(drawChart); }
+}
+
+// ------------------------------------------------------------------ playground
+let running = null; // the AbortController of the stream in flight
+
+function number(id) {
+  const text = $(id).value.trim();
+  return text === "" ? undefined : Number(text);
+}
+
+function requestBody(maxTokens, ignoreEos) {
+  const body = { max_tokens: maxTokens, temperature: number("temperature"), top_p: number("top-p"),
+                 top_k: number("top-k"), seed: number("seed"), ignore_eos: ignoreEos };
+  const stop = $("stop-text").value;
+  if (stop) body.stop = [stop];
+  for (const k of Object.keys(body)) if (body[k] === undefined) delete body[k];
+  return body;
+}
+
+async function generate(maxTokens, ignoreEos) {
+  const chat = $("mode").value === "chat";
+  const body = requestBody(maxTokens, ignoreEos);
+  if (chat) body.messages = [{ role: "user", content: $("prompt").value }];
+  else body.prompt = $("prompt").value;
+  const output = $("output");
+  output.textContent = chat ? "" : $("prompt").value;
+  chart.times = [];
+  drawChart();
+  running = new AbortController();
+  setRunning(true, "streaming…");
+  try {
+    await stream(chat ? "/v1/chat/completions" : "/v1/completions", body, (event) => {
+      const choice = event.choices && event.choices[0];
+      if (!choice) return;
+      const text = chat ? (choice.delta && choice.delta.content) || "" : choice.text || "";
+      if (text) output.append(text); // a text node: whatever the model writes stays text
+      // one event per token; not a token: chat's opening role event, a finish event that carries nothing
+      const opening = chat && choice.delta && choice.delta.role;
+      const bareFinish = choice.finish_reason && choice.finish_reason !== "length" && !text;
+      if (!opening && !bareFinish) tokenArrived();
+    }, running.signal);
+    setRunning(false, "done");
+  } catch (error) {
+    setRunning(false, error.name === "AbortError" ? "stopped" : "error: " + error.message);
+  }
+  drawChart();
+}
+
+function setRunning(on, message) {
+  $("generate").disabled = $("long-run").disabled = on;
+  $("stop").disabled = !on;
+  $("status").textContent = message;
+  if (!on) running = null;
+}
+
+// ------------------------------------------------------------------ sessions
+let sessionsAfter = null, openSession = null;
+
+async function listSessions(more = false) {
+  const query = new URLSearchParams({ limit: "20" });
+  if (more && sessionsAfter) query.set("after", sessionsAfter);
+  const page = await api("/v1/sessions?" + query);
+  const body = $("session-list").tBodies[0];
+  if (!more) body.replaceChildren();
+  for (const s of page.data) {
+    const row = body.insertRow();
+    row.dataset.id = s.id;
+    const link = document.createElement("button");
+    link.type = "button";
+    link.className = "link";
+    link.textContent = s.id;
+    link.addEventListener("click", () => showSession(s.id).catch(report));
+    row.insertCell().append(link);
+    for (const value of [s.tokens, s.state_bytes.toLocaleString("en"), s.tier, ago(s.last_used)]) {
+      row.insertCell().textContent = String(value);
+    }
+  }
+  sessionsAfter = page.last_id;
+  $("more-sessions").hidden = !page.has_more;
+}
+
+function ago(monotonicOrUnix) {
+  return typeof monotonicOrUnix === "number" ? new Date(monotonicOrUnix * 1000).toLocaleTimeString() : "";
+}
+
+async function showSession(id) {
+  const [info, turns] = await Promise.all([api(`/v1/sessions/${id}`), api(`/v1/sessions/${id}/turns`)]);
+  openSession = id;
+  $("session-detail").hidden = false;
+  $("session-title").textContent = id;
+  $("session-info").textContent = `${info.tokens} tokens · state ${info.state_bytes.toLocaleString("en")} bytes `
+    + `(the same at any length) · tier ${info.tier}`;
+  const list = $("turns");
+  list.replaceChildren();
+  for (const t of turns) {
+    const item = document.createElement("li");
+    item.append(`turn ${t.turn}: ${t.tokens} tokens `);
+    const rewind = document.createElement("button");
+    rewind.type = "button";
+    rewind.textContent = "rewind here";
+    rewind.addEventListener("click", () => rewindTo(id, t.turn).catch(report));
+    item.append(rewind);
+    list.append(item);
+  }
+}
+
+async function continueSession() {
+  const id = openSession, output = $("session-output");
+  const body = { prompt: $("session-input").value, max_tokens: number("session-max-tokens") };
+  output.append($("session-input").value);
+  $("session-input").value = "";
+  await stream(`/v1/sessions/${id}/completions`, body, (event) => {
+    const choice = event.choices && event.choices[0];
+    if (choice && choice.text) output.append(choice.text);
+  });
+  await showSession(id);
+  await listSessions();
+}
+
+async function rewindTo(id, turn) {
+  await api(`/v1/sessions/${id}/rewind`, { method: "POST", body: JSON.stringify({ turn }) });
+  $("session-output").textContent = `(rewound to turn ${turn})\n`;
+  await showSession(id);
+  await listSessions();
+}
+
+function report(error) {
+  $("session-info").textContent = "error: " + error.message;
+}
+
+// ------------------------------------------------------------------ server view
+function parseMetrics(text) {
+  const samples = [];
+  for (const line of text.split("\n")) {
+    const match = /^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$/.exec(line);
+    if (!match) continue;
+    const labels = {};
+    for (const pair of (match[2] || "").matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)) labels[pair[1]] = pair[2];
+    samples.push({ name: match[1], labels, value: Number(match[3]) });
+  }
+  return samples;
+}
+
+function bucketQuantile(buckets, q) { // upper bound of the bucket holding quantile q
+  const total = buckets.length ? buckets[buckets.length - 1].count : 0;
+  const hit = buckets.find((b) => b.count >= q * total);
+  return total && hit ? hit.le : NaN;
+}
+
+async function refreshServer() {
+  const [models, ready, metricsText] = await Promise.all([
+    api("/v1/models"), fetch("/ready").then((r) => r.json()),
+    fetch("/metrics", { headers: headers(false) }).then((r) => r.text()),
+  ]);
+  const samples = parseMetrics(metricsText);
+  const one = (name, label) => samples.find((s) => s.name === name && (!label || s.labels[label[0]] === label[1]));
+  const perSession = one("linserve_state_bytes_per_session").value;
+  const facts = {
+    model: models.data.map((m) => m.id).join(", "),
+    device: ready.device || "?",
+    "decode step": ready.decode_step ? `${ready.decode_step.status} (compile ${ready.decode_step.compile})` : "-",
+    "slots in use": `${one("linserve_state_pool_bytes", ["kind", "in_use"]).value / perSession} of `
+      + `${one("linserve_state_pool_bytes", ["kind", "total"]).value / perSession}`,
+    "state bytes per session": perSession.toLocaleString("en"),
+    running: one("linserve_requests_running").value,
+    waiting: one("linserve_requests_waiting").value,
+    sessions: ["device", "host", "store"].map((t) => `${t} ${one("linserve_sessions", ["tier", t]).value}`).join(", "),
+  };
+  const list = $("server-facts");
+  list.replaceChildren();
+  for (const [k, v] of Object.entries(facts)) {
+    const term = document.createElement("dt"), detail = document.createElement("dd");
+    term.textContent = k;
+    detail.textContent = String(v);
+    detail.dataset.fact = k;
+    list.append(term, detail);
+  }
+  const body = $("itl-buckets").tBodies[0];
+  body.replaceChildren();
+  for (const context of ["0-1k", "1k-4k", "4k-16k", "16k-64k", "64k+"]) {
+    const mine = samples.filter((s) => s.labels.context === context);
+    const count = mine.find((s) => s.name.endsWith("_count")).value;
+    const sum = mine.find((s) => s.name.endsWith("_sum")).value;
+    const buckets = mine.filter((s) => s.name.endsWith("_bucket"))
+      .map((s) => ({ le: Number(s.labels.le), count: s.value })).sort((a, b) => a.le - b.le);
+    const ms = (v) => (Number.isFinite(v) ? (v * 1000).toFixed(2) : "-");
+    const row = body.insertRow();
+    row.dataset.context = context;
+    for (const v of [context, count, count ? ms(sum / count) : "-", ms(bucketQuantile(buckets, 0.5)),
+                     ms(bucketQuantile(buckets, 0.99))]) row.insertCell().textContent = String(v);
+  }
+}
+
+// ------------------------------------------------------------------ wiring
+function showTab(name) {
+  for (const button of document.querySelectorAll("nav button")) button.classList.toggle("active", button.dataset.tab === name);
+  for (const tab of document.querySelectorAll(".tab")) tab.hidden = tab.id !== "tab-" + name;
+  if (name === "sessions") listSessions().catch(report);
+  if (name === "server") refreshServer().catch((e) => { $("server-facts").textContent = "error: " + e.message; });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("api-key").value = sessionStorage.getItem(KEY_STORE) || "";
+  $("api-key").addEventListener("input", () => sessionStorage.setItem(KEY_STORE, $("api-key").value));
+  for (const button of document.querySelectorAll("nav button")) {
+    button.addEventListener("click", () => showTab(button.dataset.tab));
+  }
+  $("generate").addEventListener("click", () => generate(number("max-tokens"), false));
+  $("long-run").addEventListener("click", () => generate(8192, true));
+  $("stop").addEventListener("click", () => running && running.abort());
+  $("new-session").addEventListener("click", async () => {
+    try {
+      const made = await api("/v1/sessions", { method: "POST", body: JSON.stringify({ prompt: $("new-session-prompt").value }) });
+      $("session-output").textContent = $("new-session-prompt").value;
+      await listSessions();
+      await showSession(made.id);
+    } catch (error) { report(error); }
+  });
+  $("refresh-sessions").addEventListener("click", () => listSessions().catch(report));
+  $("more-sessions").addEventListener("click", () => listSessions(true).catch(report));
+  $("session-continue").addEventListener("click", () => continueSession().catch(report));
+  $("session-fork").addEventListener("click", async () => {
+    try {
+      const fork = await api(`/v1/sessions/${openSession}/fork`, { method: "POST" });
+      await listSessions();
+      await showSession(fork.id);
+    } catch (error) { report(error); }
+  });
+  $("session-delete").addEventListener("click", async () => {
+    try {
+      await api(`/v1/sessions/${openSession}`, { method: "DELETE" });
+      $("session-detail").hidden = true;
+      openSession = null;
+      await listSessions();
+    } catch (error) { report(error); }
+  });
+  $("refresh-server").addEventListener("click", () => showTab("server"));
+  drawChart();
+});
