@@ -45,5 +45,6 @@ def test_the_wheel_holds_linserve_only(tmp_path):
     assert {name.split("/")[0] for name in names} == {"linserve", wheel.name.split("-py3")[0] + ".dist-info"}
     assert "linserve/model/checkpoints/default/model.safetensors" in names
     assert "linserve/server/engine/program_compiler.py" in names
+    assert {f"linserve/server/web/{name}" for name in ("index.html", "chart.js", "app.js", "style.css")} <= set(names)
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "linserve = linserve.server.cli:main" in entry

@@ -1,5 +1,5 @@
-"""The built-in page at `/` (setting `web_ui`): playground, sessions and live per-token latency, as three
-plain files shipped in the package (server/web/) — no build step, nothing fetched from anywhere else.
+"""The built-in page at `/` (setting `web_ui`): playground, sessions and live per-token latency, as plain
+files shipped in the package (server/web/) — no build step, nothing fetched from anywhere else.
 
 The page adds no way in: it is public (it holds no data), and every API call it makes carries the key the
 user typed, as any client's would. Its Content-Security-Policy allows only this server's own script,
