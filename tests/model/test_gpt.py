@@ -152,10 +152,12 @@ def test_config_rejects_unknown_kinds():
 
 
 def test_model_package_does_not_import_serving_code():
+    """Invariant 7: every module of linserve.model imports, and none brings in the server or its libraries."""
     code = (
-        "import sys, model; "
-        "bad = [m for m in ('server', 'fastapi', 'pydantic', 'prometheus_client', 'uvicorn') if m in sys.modules]; "
-        "print(bad); sys.exit(1 if bad else 0)"
+        "import sys, importlib, pkgutil, linserve.model as m; "
+        "[importlib.import_module(p.name) for p in pkgutil.walk_packages(m.__path__, 'linserve.model.')]; "
+        "bad = [n for n in ('linserve.server', 'fastapi', 'pydantic', 'prometheus_client', 'uvicorn') "
+        "if n in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
