@@ -129,7 +129,7 @@ async function listSessions(more = false) {
     link.textContent = s.id;
     link.addEventListener("click", () => showSession(s.id).catch(report));
     row.insertCell().append(link);
-    for (const value of [s.tokens, s.state_bytes.toLocaleString("en"), s.tier, ago(s.last_used)]) {
+    for (const value of [s.tokens, s.state_bytes.toLocaleString("en"), s.tier, clockTime(s.last_used)]) {
       row.insertCell().textContent = String(value);
     }
   }
@@ -137,8 +137,8 @@ async function listSessions(more = false) {
   $("more-sessions").hidden = !page.has_more;
 }
 
-function ago(monotonicOrUnix) {
-  return typeof monotonicOrUnix === "number" ? new Date(monotonicOrUnix * 1000).toLocaleTimeString() : "";
+function clockTime(unixSeconds) {
+  return new Date(unixSeconds * 1000).toLocaleTimeString();
 }
 
 async function showSession(id) {
