@@ -235,25 +235,23 @@ def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0
     """Generated tokens' logprobs (text offsets from `offset`); with `prompt_ids` and scored prompt tokens on
     the first output (echo), the prompt's tokens first, offsets from 0."""
     result = CompletionLogprobs()
-    scored = outputs[0].prompt_logprobs if outputs and prompt_ids is not None else None
-    at = 0
-    for token_id, lp in zip(prompt_ids or (), scored or ()):
+
+    def add(token_id: int, lp: TokenLogprob | None, at: int) -> int:
+        """One token's entry (lp None: a token nothing predicts); the offset of the next."""
         text = token_text(tokenizer, token_id)
         result.tokens.append(text)
         result.token_logprobs.append(None if lp is None else lp.logprob)
         result.top_logprobs.append(None if lp is None else {token_text(tokenizer, t): v for t, v in lp.top})
         result.text_offset.append(at)
-        at += len(text)
+        return at + len(text)
+
+    scored = outputs[0].prompt_logprobs if outputs and prompt_ids is not None else None
+    at = 0
+    for token_id, lp in zip(prompt_ids or (), scored or ()):
+        at = add(token_id, lp, at)
     for output in outputs:
-        lp: TokenLogprob | None = output.logprob
-        if lp is None:
-            continue
-        text = token_text(tokenizer, lp.token_id)
-        result.tokens.append(text)
-        result.token_logprobs.append(lp.logprob)
-        result.top_logprobs.append({token_text(tokenizer, t): v for t, v in lp.top})
-        result.text_offset.append(offset)
-        offset += len(text)
+        if output.logprob is not None:
+            offset = add(output.logprob.token_id, output.logprob, offset)
     return result
 
 
