@@ -1,7 +1,12 @@
 """Hugging Face integration: LinearGPTConfig / LinearGPTForCausalLM, registered with the Auto classes.
 
-The recurrent state travels through `generate()` as the cache (kwarg `state`), so each new token costs
-one recurrent step instead of re-running the prefix.
+The recurrent state travels through `generate()` as its cache, so each new token costs one recurrent step
+instead of re-running the prefix. It is a fixed-size `ModelState`, not a `transformers.Cache` (a growing
+KV cache with crop/offload/compile hooks that `generate()` calls on whatever it holds under the name
+`cache`), so it keeps the name `state` — as transformers' own recurrent RWKV does — and the model hands it
+from one step to the next itself (`_update_model_kwargs_for_generation`): transformers ≤ 5.23 copied a
+`state` output by name, ≥ 5.24 copies only `cache`. `generate(..., return_dict_in_generate=True)` returns
+the final state as the output's cache (`.cache` from 5.24, `.past_key_values` before).
 """
 
 from __future__ import annotations
@@ -116,6 +121,14 @@ class LinearGPTForCausalLM(PreTrainedModel, GenerationMixin):
             # the state already holds the prefix: feed only the newest token, no padding in it
             return {"input_ids": input_ids[:, -1:], "state": state, "use_cache": use_cache}
         return {"input_ids": input_ids, "state": None, "attention_mask": attention_mask, "use_cache": use_cache}
+
+    def _update_model_kwargs_for_generation(self, outputs: LinearGPTOutput, model_kwargs: dict, *args,
+                                            **kwargs) -> dict:
+        """Between two steps of `generate()`: the step's new state is the next step's `state` (read by
+        `prepare_inputs_for_generation`), whatever name this transformers version carries caches under."""
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        model_kwargs["state"] = outputs.state
+        return model_kwargs
 
 
 AutoConfig.register(MODEL_TYPE, LinearGPTConfig, exist_ok=True)

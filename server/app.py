@@ -55,6 +55,8 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     config = engine_config(settings, model)
     engine = Engine(model, tokenizer, config, device, metrics.observe).start()
     metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)
+    if engine.decode_step is not None:
+        metrics.watch_decode_step(engine.decode_step.describe)
     logger.info("loaded %s on %s: %d slots x %d state bytes", path, device, config.num_slots, engine.pool.slot_bytes)
     return engine, tokenizer
 

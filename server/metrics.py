@@ -7,6 +7,8 @@ same distribution in every context bucket.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  - re-exported for the /metrics route
     CollectorRegistry,
@@ -17,6 +19,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 from .engine.types import PoolStats, RecordSkipped, RequestStats, StepStats, StoreStats
 
@@ -88,6 +91,10 @@ class Metrics:
             self.itl.labels(label)
         self.itl.labels("64k+")
 
+    def watch_decode_step(self, describe: Callable[[], dict | None]) -> None:
+        """Export the decode step's compile status and compile=auto verdict, read at each scrape."""
+        self.registry.register(DecodeStepCollector(describe))
+
     def set_pool(self, state_bytes: int, total_bytes: int) -> None:
         self.state_bytes.set(state_bytes)
         self.pool_bytes.labels("total").set(total_bytes)
@@ -130,3 +137,38 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class DecodeStepCollector:
+    """`linserve_decode_step_info{compile,status,verdict}` 1, `linserve_decode_buckets_ready`, and once
+    compile=auto has measured (CPU): the compiled step's gain over eager, the CPU contention during that
+    measurement, whether the verdict is provisional (made under load: measured again when quiet) and when it
+    was measured (see server/engine/compile_verdict.py)."""
+
+    def __init__(self, read: Callable[[], dict | None]) -> None:
+        self.read = read  # (no `describe` attribute: the registry would take it for the metric names)
+
+    def collect(self):
+        step = self.read()
+        if step is None:
+            return
+        verdict = step.get("verdict")
+        info = GaugeMetricFamily("linserve_decode_step_info", "The decode step: compile setting, status (eager, "
+                                 "pending, compiling, compiled, declined, failed) and compile=auto's verdict.",
+                                 labels=["compile", "status", "verdict"])
+        info.add_metric([step["compile"], step["status"], verdict["decision"] if verdict else "none"], 1)
+        yield info
+        yield GaugeMetricFamily("linserve_decode_buckets_ready", "Batch-size buckets of the decode step served "
+                                "compiled.", value=len(step["ready"]))
+        if verdict is None:
+            return
+        yield GaugeMetricFamily("linserve_decode_compile_gain", "compile=auto: eager time / compiled time of one "
+                                "decode program call at the measured bucket (median of interleaved rounds).",
+                                value=verdict["gain"])
+        yield GaugeMetricFamily("linserve_decode_compile_contention_ratio", "compile=auto: share of the "
+                                "measurement's time that runnable tasks waited for a CPU.", value=verdict["contention"])
+        yield GaugeMetricFamily("linserve_decode_compile_verdict_provisional", "compile=auto: 1 while the verdict "
+                                "was made under load (measured again when the machine is quiet).",
+                                value=int(verdict["provisional"]))
+        yield GaugeMetricFamily("linserve_decode_compile_verdict_timestamp_seconds", "compile=auto: when the "
+                                "verdict was measured (unix time).", value=verdict["measured_at"])

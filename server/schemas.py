@@ -252,6 +252,11 @@ class TokenizerInfo(BaseModel):
 
 class VersionInfo(BaseModel):
     version: str
+    torch: str
+    transformers: str
+    device: str | None = None  # None while the model loads
+    decode_step: dict | None = Field(None, description="compile setting, status, buckets ready and compile=auto's "
+                                     "verdict (decision, gain, quartiles, rounds, contention, provisional, source)")
 
 
 class Usage(BaseModel):

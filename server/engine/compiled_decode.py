@@ -13,8 +13,9 @@ ready in the order traffic needs them, while the engine serves, so start-up and 
   buffers, read (tokens) and scattered back (state) before the next replay.
 
 `compile`: `off` (eager only), `on`, or `auto` — on CUDA the same as `on`; on CPU the first bucket is
-timed against eager and the rest are compiled only if it is at least AUTO_MIN_GAIN× faster (and not at
-all without a C++ compiler, unless the artifacts are already in the cache).
+timed against eager and served unless it is measurably slower (compile_verdict.py: a margin, more rounds
+where close, provisional under load and measured again, stored once made quietly), and nothing is compiled
+without a C++ compiler unless the artifacts are already in the cache.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import functools
 import logging
 import os
 import shutil
-import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +33,8 @@ import torch
 from linserve.model import LinearGPT
 from linserve.model.decode_step import state_names
 
+from . import compile_verdict
+from .compile_verdict import Verdict, VerdictStore, judge
 from .decode_program import DecodeOutputs, decode_program
 from .program_compiler import (
     ARTIFACT_FORMAT,
@@ -48,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("auto", "on", "off")
 SETTLED = ("eager", "compiled", "declined", "failed")  # statuses after which nothing more gets compiled
-AUTO_MIN_GAIN = 1.1
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -186,6 +187,14 @@ class DecodeStep:
         self.autotune = autotune
         self.cache_dir = compile_cache_dir(cache_dir, model, device, autotune) if mode != "off" else None
         self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
+        self.auto_cpu = mode == "auto" and device.type == "cpu"  # compiled only where it is not slower
+        self.verdict: Verdict | None = None  # auto on CPU: compiled or declined here, with its figures
+        self.verdicts = VerdictStore(self.cache_dir if self.auto_cpu else None)
+        self.measure = compile_verdict.measure  # (eager, compiled, args, hold) -> Measurement; tests inject one
+        self.recheck_s = compile_verdict.RECHECK_S
+        self.calls = 0  # programs run by the engine (a re-check waits for it to be idle)
+        self._measured: tuple[int, object] | None = None  # the bucket a verdict is (re-)measured with
+        self._built = threading.Event()  # the first pass over the buckets is over (wait_compiled)
         self.compile_seconds: dict[int, float] = {}
         self._ready: dict[int, Bucket] = {}
         self._unavailable: set[int] = set()  # not in the cache, and no compiler here
@@ -213,9 +222,10 @@ class DecodeStep:
             builder.close()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Block until the compile thread has finished (tests, benchmarks). True if every bucket is ready."""
+        """Block until every bucket has been built, loaded or given up on (tests, benchmarks) — not for a
+        provisional verdict's later re-checks. True if every bucket is ready."""
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._built.wait(timeout)
         return len(self._ready) == len(self.sizes)
 
     @property
@@ -223,16 +233,19 @@ class DecodeStep:
         return sorted(self._ready)
 
     def describe(self) -> dict:
-        """For /ready: {"compile", "status", "buckets", "ready", "compiling", "eta_s"}."""
+        """For /ready, /version and /metrics: {"compile", "status", "buckets", "ready", "compiling", "eta_s",
+        "verdict"} (the verdict: compile=auto on CPU, once made — see compile_verdict.Verdict.describe)."""
         eta = None if self.eta_s is None else round(self.eta_s, 1)
+        verdict = self.verdict.describe() if self.verdict is not None else None
         return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes,
-                "compiling": self.compiling, "eta_s": eta}
+                "compiling": self.compiling, "eta_s": eta, "verdict": verdict}
 
     # ------------------------------------------------------------------ engine thread
     def __call__(self, tokens: list[int], slots: list[int], positions: list[int]) -> DecodeOutputs:
         """One decode program over the rows (tokens consumed, their slots, the positions of the tokens to
         choose); the state outputs are not yet scattered back (the caller commits them)."""
         rows = len(slots)
+        self.calls += 1
         bucket = self._bucket_for(rows)
         if bucket is None:
             outputs = self._run(self.eager_program, rows, tokens, slots, positions)
@@ -304,44 +317,93 @@ class DecodeStep:
         build = None
         try:
             build = self._builder = self._compiler()
-            while (size := self._next_size()) is not None:
-                if self._closed.is_set():
-                    return
-                done = list(self.compile_seconds.values())
-                left = len(self.sizes) - len(self._ready) - len(self._unavailable)
-                self.eta_s = sum(done) / len(done) * left if done else None
-                self.compiling = size
-                logger.info("decode step: compiling bucket %d of %d (batch %d)%s", len(self._ready) + 1,
-                            len(self.sizes), size, f", ~{self.eta_s:.0f} s left" if self.eta_s is not None else "")
-                started = time.perf_counter()
-                program = build(size)
-                if self._closed.is_set():
-                    return
-                if program is None:  # not in the cache, and nothing here can compile it
-                    self._unavailable.add(size)
-                    continue
-                self.compile_seconds[size] = time.perf_counter() - started
-                if self.mode == "auto" and self.device.type == "cpu" and not self._ready:
-                    gain = self._measured_gain(program, size)
-                    if gain < AUTO_MIN_GAIN:
-                        logger.info("compile=auto: the compiled step is %.2fx eager here; serving eagerly", gain)
-                        self.status = "declined"
-                        return
-                self._ready[size] = Bucket(size, program)
-                logger.info("decode bucket %d ready in %.1f s", size, self.compile_seconds[size])
-            if self._unavailable:
-                logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
-                            "bucket for batch %s in the cache; those batches run eagerly", sorted(self._unavailable))
-            self.status = "compiled" if self._ready else "declined"
+            if self.auto_cpu:
+                self.verdict = self.verdicts.load(torch.get_num_threads())
+                if self.verdict is not None:
+                    logger.info("compile=auto: using this machine's stored verdict: %s (compiled step %.2fx eager "
+                                "at batch %d)", self.verdict.decision, self.verdict.measurement.gain,
+                                self.verdict.batch)
+            self._build_buckets(build)
+            self._built.set()
+            while self.verdict is not None and self.verdict.provisional and not self._closed.is_set():
+                if self._recheck() and self.verdict.decision == "compiled":
+                    self._build_buckets(build)
         except Exception:  # noqa: BLE001 - eager keeps serving; the operator learns why from the log
             if self._closed.is_set():
                 return  # closed mid-build: the child was ended on purpose
             logger.exception("compiling the decode step failed; serving eagerly")
             self.status = "failed"
         finally:
+            self._built.set()
             self.compiling, self.eta_s = None, None
             if getattr(build, "close", None) is not None:
                 build.close()
+
+    def _build_buckets(self, build) -> None:
+        """Build or load every bucket not ready yet, in traffic order; stop where the verdict declines."""
+        self.status = "compiling"
+        while (size := self._next_size()) is not None:
+            if self._closed.is_set() or (self.verdict is not None and self.verdict.decision == "declined"):
+                break
+            done = list(self.compile_seconds.values())
+            left = len(self.sizes) - len(self._ready) - len(self._unavailable)
+            self.eta_s = sum(done) / len(done) * left if done else None
+            self.compiling = size
+            logger.info("decode step: compiling bucket %d of %d (batch %d)%s", len(self._ready) + 1,
+                        len(self.sizes), size, f", ~{self.eta_s:.0f} s left" if self.eta_s is not None else "")
+            started = time.perf_counter()
+            program = build(size)
+            if self._closed.is_set():
+                return
+            if program is None:  # not in the cache, and nothing here can compile it
+                self._unavailable.add(size)
+                continue
+            self.compile_seconds[size] = time.perf_counter() - started
+            if self.auto_cpu and self._measured is None:
+                self._measured = size, program
+                if self.verdict is None:
+                    self._set_verdict(self._measure_verdict(size, program))
+                if self.verdict.decision == "declined":
+                    break
+            self._ready[size] = Bucket(size, program)
+            logger.info("decode bucket %d ready in %.1f s", size, self.compile_seconds[size])
+        if self._unavailable:
+            logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
+                        "bucket for batch %s in the cache; those batches run eagerly", sorted(self._unavailable))
+        self.compiling, self.eta_s = None, None
+        self.status = "compiled" if self._ready else "declined"
+
+    def _measure_verdict(self, size: int, program) -> Verdict:
+        """Time `program` against eager at its bucket, each round holding the engine's step lock."""
+        calls = self.calls
+        with torch.inference_mode():
+            measurement = self.measure(self.eager_program, program, self._dummy(size), hold=lambda: TRACING)
+        return judge(measurement, size, torch.get_num_threads(), served_meanwhile=self.calls != calls)
+
+    def _set_verdict(self, verdict: Verdict) -> None:
+        self.verdicts.save(verdict)  # (a quiet one; stored before it is seen, so whoever sees it finds it stored)
+        self.verdict = verdict
+        m = verdict.measurement
+        logger.info("compile=auto: the compiled step is %.2fx eager here (batch %d, quartiles %.2f-%.2f, %d rounds, "
+                    "CPU contention %.0f%%): %s%s", m.gain, verdict.batch, m.low, m.high, m.rounds,
+                    100 * m.contention, "serving compiled" if verdict.decision == "compiled" else "serving eagerly",
+                    f"; provisional, measured again when quiet (every {self.recheck_s:.0f} s)"
+                    if verdict.provisional else "")
+
+    def _recheck(self) -> bool:
+        """Measure a provisional verdict again once the engine has been idle for `recheck_s`. True if measured."""
+        calls = self.calls
+        if self._closed.wait(self.recheck_s) or self.calls != calls or self._measured is None:
+            return False  # closing, or the engine served meanwhile: not a quiet moment
+        size, program = self._measured
+        before, verdict = self.verdict.decision, self._measure_verdict(size, program)
+        if verdict.decision == "declined" and before == "compiled":
+            self._ready.clear()  # the engine serves eagerly from its next step
+            self.status = "declined"
+        elif verdict.decision == "compiled" and before == "declined":
+            self._ready[size] = Bucket(size, program)  # the rest are built next (_compile_all)
+        self._set_verdict(verdict)
+        return True
 
     def _compiler(self):
         """`build(size) -> program` for this device (with `close()` when it holds a process)."""
@@ -378,16 +440,3 @@ class DecodeStep:
     @torch.inference_mode()
     def _warm(self, step, size: int) -> None:
         step(*self._dummy(size))
-
-    @torch.inference_mode()
-    def _measured_gain(self, step, size: int, rounds: int = 5, calls: int = 10) -> float:
-        """eager time / compiled time for one bucket, interleaved rounds, medians."""
-        args = self._dummy(size)
-        times: dict[str, list[float]] = {"eager": [], "compiled": []}
-        for _ in range(rounds):
-            for name, fn in (("eager", self.eager_program), ("compiled", step)):
-                started = time.perf_counter()
-                for _ in range(calls):
-                    fn(*args)
-                times[name].append(time.perf_counter() - started)
-        return statistics.median(times["eager"]) / statistics.median(times["compiled"])

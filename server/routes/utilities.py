@@ -59,4 +59,13 @@ async def tokenizer_info(request: Request, tokenizer: TokenizerDep, owner: Owner
 
 @router.get("/version", response_model=VersionInfo)
 async def version(request: Request) -> VersionInfo:
-    return VersionInfo(version=request.app.version)
+    """linserve's version, the versions of what it runs on, the device, and how the decode step runs there
+    (compiled or not, and compile=auto's verdict with its figures)."""
+    import torch
+    import transformers
+
+    engine = getattr(request.app.state, "engine", None)
+    step = getattr(engine, "decode_step", None)
+    return VersionInfo(version=request.app.version, torch=torch.__version__, transformers=transformers.__version__,
+                       device=str(engine.device) if engine is not None else None,
+                       decode_step=step.describe() if step is not None else None)

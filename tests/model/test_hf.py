@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import linserve.model  # noqa: F401  (registers linear_gpt)
 from linserve.model import LinearGPTConfig, LinearGPTForCausalLM, ModelConfig
+from linserve.model.state import ModelState
 
 CONFIG = ModelConfig(
     vocab_size=61, d_model=32, n_layers=2, n_heads=4, chunk_size=4,
@@ -68,16 +69,47 @@ def test_favor_projection_is_loaded_not_redrawn(tmp_path):
     assert not torch.equal(redrawn, original)
 
 
+def generate_counting_forwards(lm: LinearGPTForCausalLM, ids: torch.Tensor, steps: int, **kwargs):
+    """Greedy `generate()` with the final state returned; also the length of every forward's input."""
+    calls = []
+    hook = lm.model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
+    try:
+        out = lm.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                          return_dict_in_generate=True, **kwargs)
+    finally:
+        hook.remove()
+    return out, calls
+
+
+def carried_state(out) -> ModelState:
+    """generate()'s cache: `cache` from transformers 5.24, `past_key_values` before (the same object)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
 @torch.no_grad()
 def test_generate_greedy_equals_own_loop_and_carries_state():
     lm = build()
     ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(1))
-    calls = []
-    hook = lm.model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
-    out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-    hook.remove()
-    assert torch.equal(out[:, 9:], own_greedy(lm, ids, 12))
-    assert calls[0] == 9 and set(calls[1:]) == {1}  # the prefix is never re-run
+    out, calls = generate_counting_forwards(lm, ids, 12, attention_mask=torch.ones_like(ids))
+    assert torch.equal(out.sequences[:, 9:], own_greedy(lm, ids, 12))
+    assert calls == [9] + [1] * 11  # the prefix once, then one token per step: never re-run
+    # the cache generate() ends with is the state after everything but the last token (not yet fed)
+    _, want = lm.model(out.sequences[:, :-1])
+    got = carried_state(out)
+    assert isinstance(got, ModelState) and got.tensors().keys() == want.tensors().keys()
+    for name, tensor in want.tensors().items():
+        torch.testing.assert_close(got.tensors()[name], tensor, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_generate_continues_from_a_returned_state_without_rereading_the_history():
+    lm = build()
+    ids = torch.randint(1, 61, (1, 7), generator=torch.Generator().manual_seed(2))
+    whole, _ = generate_counting_forwards(lm, ids, 10)
+    first, _ = generate_counting_forwards(lm, ids, 4)
+    rest, calls = generate_counting_forwards(lm, first.sequences, 6, state=carried_state(first))
+    assert calls == [1] * 6  # only the newest token each step: the 11-token history is in the state
+    assert torch.equal(rest.sequences, whole.sequences)
 
 
 @torch.no_grad()

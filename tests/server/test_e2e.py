@@ -57,6 +57,22 @@ def test_openai_client_completions_and_chat(server):
     assert "".join(pieces) == chat.choices[0].message.content
 
 
+def test_langchain_chat_model_invokes_streams_and_batches(server):
+    """LangChain's ChatOpenAI — how many agent frameworks reach an OpenAI-compatible server — pointed at linserve:
+    invoke, stream (the same text) and batch, with usage metadata."""
+    from langchain_openai import ChatOpenAI
+
+    model = httpx.get(server["base"] + "/v1/models").json()["data"][0]["id"]
+    chat = ChatOpenAI(base_url=server["base"] + "/v1", api_key="unused", model=model, temperature=0,
+                      max_tokens=6, extra_body={"ignore_eos": True}, stream_usage=True)
+    reply = chat.invoke([("user", "Hail!")])
+    assert reply.content and reply.usage_metadata["output_tokens"] == 6
+    streamed = list(chat.stream([("user", "Hail!")]))
+    assert "".join(chunk.content for chunk in streamed) == reply.content
+    assert sum((chunk.usage_metadata or {}).get("output_tokens", 0) for chunk in streamed) == 6
+    assert [r.content for r in chat.batch([[("user", "Hail!")], [("user", "Hail!")]])] == [reply.content] * 2
+
+
 def dechunk(body: bytes) -> bytes:
     """Undo HTTP/1.1 chunked transfer encoding."""
     out = b""

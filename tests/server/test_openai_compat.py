@@ -129,9 +129,15 @@ def test_tokenize_detokenize_version(client):
     )
     bad = client.post("/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    import torch
+    import transformers
+
     from linserve.server.version import package_version
 
-    assert client.get("/version").json() == {"version": package_version()}
+    version = client.get("/version").json()
+    assert version["version"] == package_version() and version["torch"] == torch.__version__
+    assert version["transformers"] == transformers.__version__ and version["device"] in ("cpu", "cuda:0", "cuda")
+    assert version["decode_step"]["compile"] == "off" and version["decode_step"]["verdict"] is None
 
 
 # ---------------------------------------------------------------- a batch of prompts in /v1/completions

@@ -8,6 +8,7 @@ import torch
 
 from linserve.model import LinearGPT
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
+from linserve.server.engine.compile_verdict import Measurement
 from linserve.server.engine.compiled_decode import DecodeStep, bucket_sizes
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
@@ -92,9 +93,12 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
     step = make_step(tiny_model, StatePool(tiny_model, 8, cpu), cpu, "auto", max_rows=2, cache_dir=compile_cache)
+    measured = []  # compile=auto's verdict is not this test's business (test_compile_verdict): a tie, injected
+    step.measure = lambda *args, **kwargs: measured.append(1) or Measurement(1.0, 1.0, 1.0, 7, 0.0)
     step.start()
     step.wait_compiled(60)
     assert step.status == "compiled" and step.ready_sizes == [1] and not started  # batch 2: eager, nothing compiled
+    assert step.verdict.decision == "compiled" and len(measured) == 1
     with torch.inference_mode():
         got, want = step([3], [2], [5]), make_step(tiny_model, step.pool, cpu, "off")([3], [2], [5])
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
