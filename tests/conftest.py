@@ -70,8 +70,10 @@ def hf_tokenizer(small_tokenizer):
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
     """One compile cache for the whole run: every test that compiles the same model with the same slot count
-    loads what an earlier one built (an AOTInductor build takes up to a few minutes on 2 cores)."""
-    return str(tmp_path_factory.mktemp("compile_cache"))
+    loads what an earlier one built (an AOTInductor build takes up to a few minutes on 2 cores).
+    `LINSERVE_TEST_COMPILE_CACHE=DIR` keeps it between runs (repeating the compile tests, e.g. under load)."""
+    kept = os.environ.get("LINSERVE_TEST_COMPILE_CACHE")
+    return kept if kept else str(tmp_path_factory.mktemp("compile_cache"))
 
 
 @pytest.fixture(scope="session")
