@@ -164,8 +164,10 @@ class ChildBuilder:
         return program
 
     def close(self) -> None:
-        if self.child is not None:
-            self.child.close()
+        """End the compiler child (if any); a later miss starts another."""
+        child, self.child = self.child, None
+        if child is not None:
+            child.close()
 
 
 class DecodeStep:
@@ -325,6 +327,8 @@ class DecodeStep:
                                 self.verdict.batch)
             self._build_buckets(build)
             self._built.set()
+            if getattr(build, "close", None) is not None:
+                build.close()  # no idle compiler child while a provisional verdict waits (a miss starts one)
             while self.verdict is not None and self.verdict.provisional and not self._closed.is_set():
                 if self._recheck() and self.verdict.decision == "compiled":
                     self._build_buckets(build)

@@ -65,7 +65,7 @@ def auto_step(model, cache_dir, measure_with: Injected, max_rows: int = 4) -> De
     return step
 
 
-def wait_for(condition, timeout: float = 30.0) -> None:
+def wait_for(condition, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -78,7 +78,7 @@ def test_gains_around_the_old_line_all_serve_compiled(tiny_model, tmp_path, gain
     compiled; nothing about them is provisional."""
     step = auto_step(tiny_model, tmp_path, Injected(quiet(gain)))
     step.start()
-    assert step.wait_compiled(30)
+    assert step.wait_compiled(600)
     assert step.status == "compiled" and step.ready_sizes == [1, 2, 4]
     assert step.verdict.decision == "compiled" and not step.verdict.provisional
     assert step.measure.calls == 1  # measured once, at the first bucket
@@ -87,7 +87,7 @@ def test_gains_around_the_old_line_all_serve_compiled(tiny_model, tmp_path, gain
 def test_a_measurably_slower_compiled_step_is_declined_and_the_rest_never_built(tiny_model, tmp_path):
     step = auto_step(tiny_model, tmp_path, Injected(quiet(0.8)))
     step.start()
-    assert step.wait_compiled(30) is False
+    assert step.wait_compiled(600) is False
     assert step.status == "declined" and step.ready_sizes == [] and step.built == [1]
     assert step.describe()["verdict"]["decision"] == "declined"
 
@@ -95,13 +95,13 @@ def test_a_measurably_slower_compiled_step_is_declined_and_the_rest_never_built(
 def test_a_quiet_verdict_is_stored_and_the_next_start_uses_it_without_measuring(tiny_model, tmp_path):
     first = auto_step(tiny_model, tmp_path, Injected(quiet(0.8)))
     first.start()
-    first.wait_compiled(30)
+    first.wait_compiled(600)
     stored = json.loads(open(first.verdicts.path(torch.get_num_threads())).read())
     assert stored["decision"] == "declined" and stored["measurement"]["gain"] == 0.8
 
     again = auto_step(tiny_model, tmp_path, Injected(quiet(1.5)))  # would say compiled, were it asked
     again.start()
-    again.wait_compiled(30)
+    again.wait_compiled(600)
     assert again.measure.calls == 0 and again.built == []  # the stored verdict: nothing measured or built
     assert again.status == "declined" and again.verdict.source == "stored" and again.verdict.measurement.gain == 0.8
 
@@ -124,7 +124,7 @@ def test_a_verdict_made_under_load_is_provisional_and_measured_again_when_quiet(
     step = auto_step(tiny_model, tmp_path, Injected(loaded(first), quiet(then)))
     step.recheck_s = 0.05
     step.start()
-    step.wait_compiled(30)
+    step.wait_compiled(600)
     wait_for(lambda: step.measure.calls == 2 and not step.verdict.provisional and step.status == final)
     step.close()
     assert step.verdict.decision == final and step.status == final
@@ -214,7 +214,7 @@ def test_the_verdict_is_shown_by_version_and_metrics(make_client, monkeypatch, t
     monkeypatch.setattr(DecodeStep, "_compiler", lambda self: (lambda size: self.eager_program))
     client = make_client(compile="auto", device="cpu", compile_cache_dir=str(tmp_path / "compile"))
     step = client.app.state.engine.decode_step
-    assert step.wait_compiled(30)
+    assert step.wait_compiled(600)
     version = client.get("/version").json()
     verdict = version["decode_step"]["verdict"]
     assert version["device"] == "cpu" and version["torch"] == torch.__version__
