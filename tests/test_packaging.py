@@ -48,3 +48,34 @@ def test_the_wheel_holds_linserve_only(tmp_path):
     assert {f"linserve/server/web/{name}" for name in ("index.html", "chart.js", "app.js", "style.css")} <= set(names)
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "linserve = linserve.server.cli:main" in entry
+
+
+def locked_versions() -> dict[str, str]:
+    """configs/constraints.txt as {normalised name: version}."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (REPO / "configs" / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version and ";" not in line and "+" not in version, f"not a plain pin: {line!r}"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_the_lock_pins_every_dependency_inside_pyprojects_ranges():
+    """The README's commands install with the lock: every declared dependency (dev extras included) is pinned
+    there, at a version pyproject.toml allows — a range moved without the lock (or the reverse) fails here."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = locked_versions()
+    for text in project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]:
+        requirement = Requirement(text)
+        if requirement.name == "linserve":
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement.name} is not in configs/constraints.txt (bash .ci/drift --lock)"
+        assert requirement.specifier.contains(pins[name]), f"locked {name}=={pins[name]} outside {text!r}"
+    assert "linserve" not in pins  # the project itself is never pinned

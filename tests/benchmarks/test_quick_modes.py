@@ -51,6 +51,17 @@ def test_serving_overhead(tmp_path):
     assert data["P5"]["streams_1"]["engine_python_us_per_row"] > 0  # the Python around the decode program
 
 
+def test_compile_vs_eager(tmp_path, compile_cache):
+    """The shipped model at 2 slots (its bucket 1 is the one test_compiled_decode builds: one cache)."""
+    run("compile_vs_eager.py", "--out", str(tmp_path / "c.json"), "--port", "8793",
+        "--compile-cache-dir", compile_cache)
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["compile_status"] == "compiled" and data["compiled_buckets"] == [1, 2]
+    for streams in (1, 8):
+        load = data[f"streams_{streams}"]
+        assert load["compiled_tokens_per_s"] > 0 and load["eager_tokens_per_s"] > 0
+
+
 def test_served_flatness(tmp_path):
     run("served_flatness.py", "--out-dir", str(tmp_path))
     data = json.loads((tmp_path / "p2_served_flatness.json").read_text())

@@ -84,7 +84,7 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
     `compile=auto` and none on PATH, the artifacts are loaded and no compiler process starts."""
     import copy
 
-    from linserve.server.engine import compiled_decode
+    from linserve.server.engine import compile_cache
 
     cpu = torch.device("cpu")
     tiny_model = copy.deepcopy(tiny_model).cpu()  # artifacts are the CPU path, whatever --device the suite runs on
@@ -92,7 +92,7 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
     built.start()
     assert built.wait_compiled(BUILD_WAIT_S), built.status  # (already in the cache when the test above ran first)
     started = []
-    monkeypatch.setattr(compiled_decode, "CompilerProcess", lambda *args: started.append(args))
+    monkeypatch.setattr(compile_cache, "CompilerProcess", lambda *args: started.append(args))
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
     step = make_step(tiny_model, StatePool(tiny_model, 8, cpu), cpu, "auto", max_rows=2, cache_dir=compile_cache)
@@ -250,7 +250,7 @@ def test_compile_time_tracing_never_reaches_the_engines_eager_calls(make_engine)
 def test_the_compile_cache_is_per_user_and_keyed_by_model_dtype_torch_and_device(tiny_model, monkeypatch, tmp_path):
     import copy
 
-    from linserve.server.engine.compiled_decode import compile_cache_dir
+    from linserve.server.engine.compile_cache import compile_cache_dir
 
     cpu = torch.device("cpu")
     model = copy.deepcopy(tiny_model).cpu()
@@ -287,7 +287,7 @@ def test_a_process_without_a_cpp_compiler_keys_its_cache_and_serves(tiny_checkpo
     import sys
 
     probe = ("import torch; from linserve.model.loading import load_model; "
-             "from linserve.server.engine.compiled_decode import compile_cache_dir, cpp_compiler_available; "
+             "from linserve.server.engine.compile_cache import compile_cache_dir, cpp_compiler_available; "
              f"model = load_model({str(tiny_checkpoint)!r}, torch.device('cpu')).model; "
              "print(cpp_compiler_available(), compile_cache_dir(None, model, torch.device('cpu')).split('-cpu-')[1])")
     env = {k: v for k, v in os.environ.items() if k != "CXX"}
