@@ -8,7 +8,7 @@ import torch
 
 from linserve.model import LinearGPT
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
-from linserve.server.engine.compile_verdict import Measurement
+from linserve.server.engine.compile_verdict import Measurement, VerdictStore
 from linserve.server.engine.compiled_decode import DecodeStep, bucket_sizes
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
@@ -84,7 +84,7 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
     `compile=auto` and none on PATH, the artifacts are loaded and no compiler process starts."""
     import copy
 
-    from linserve.server.engine import compile_cache
+    from linserve.server.engine import compile_cache as cache_module
 
     cpu = torch.device("cpu")
     tiny_model = copy.deepcopy(tiny_model).cpu()  # artifacts are the CPU path, whatever --device the suite runs on
@@ -92,12 +92,13 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
     built.start()
     assert built.wait_compiled(BUILD_WAIT_S), built.status  # (already in the cache when the test above ran first)
     started = []
-    monkeypatch.setattr(compile_cache, "CompilerProcess", lambda *args: started.append(args))
+    monkeypatch.setattr(cache_module, "CompilerProcess", lambda *args: started.append(args))
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
     step = make_step(tiny_model, StatePool(tiny_model, 8, cpu), cpu, "auto", max_rows=2, cache_dir=compile_cache)
-    measured = []  # compile=auto's verdict is not this test's business (test_compile_verdict): a tie, injected
+    measured = []  # compile=auto's verdict is not this test's business (test_compile_verdict): a tie, injected,
     step.measure = lambda *args, **kwargs: measured.append(1) or Measurement(1.0, 1.0, 1.0, 7, 0.0)
+    step.verdicts = VerdictStore(None)  # and neither stored nor read (a kept compile cache may hold one)
     step.start()
     step.wait_compiled(BUILD_WAIT_S)
     assert step.status == "compiled" and step.ready_sizes == [1] and not started  # batch 2: eager, nothing compiled
