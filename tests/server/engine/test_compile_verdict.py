@@ -205,7 +205,14 @@ def test_contention_reads_the_kernels_pressure_stall_counter(tmp_path):
     with Contention((str(tmp_path / "absent"), str(psi))) as stalled:
         psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=900001000\n")  # 900 s stalled: all of it
     assert stalled.share == 1.0 > LOAD_LIMIT
-    assert Contention((str(tmp_path / "absent"),)).path is None  # no PSI here: the thread's CPU share alone
+    with Contention((str(psi),)) as waiting_for_nothing:  # off a CPU, but nothing waited for one: PSI decides
+        time.sleep(0.05)
+    assert waiting_for_nothing.share == 0.0
+    without_psi = Contention((str(tmp_path / "absent"),))
+    assert without_psi.path is None
+    with without_psi:  # no PSI here: the measuring thread's time off a CPU (all of it, asleep)
+        time.sleep(0.05)
+    assert without_psi.share > 0.5
 
 
 def test_the_verdict_is_shown_by_version_and_metrics(make_client, monkeypatch, tmp_path):
