@@ -241,6 +241,8 @@ class DetokenizeResponse(BaseModel):
 class TokenizerInfo(BaseModel):
     """The tokenizer as vLLM's `/tokenizer_info` describes it (lm-evaluation-harness's remote tokenizer)."""
 
+    model_config = ConfigDict(protected_namespaces=())  # `model_max_length` is the field's name (pydantic < 2.10 warns)
+
     tokenizer_class: str
     eos_token: str | None
     bos_token: str | None
