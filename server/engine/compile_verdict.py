@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -117,7 +118,7 @@ def readable_pressure(path: str | None) -> int | None:
     return None
 
 
-def measure(eager: Callable, compiled: Callable, args: tuple, hold: Callable = None,
+def measure(eager: Callable, compiled: Callable, args: tuple, hold: Callable | None = None,
             timer: Callable[[], float] = time.perf_counter, contention: Contention | None = None) -> Measurement:
     """Time `eager(*args)` against `compiled(*args)` in interleaved rounds of CALLS_PER_ROUND calls each.
     `hold()` is a context manager entered around each round (the engine's step lock: a round never overlaps
@@ -126,7 +127,7 @@ def measure(eager: Callable, compiled: Callable, args: tuple, hold: Callable = N
     probe = contention or Contention()
     with probe:
         while True:
-            with hold() if hold is not None else _nothing():
+            with hold() if hold is not None else nullcontext():
                 seconds = [0.0, 0.0]  # eager, compiled
                 for which in ((0, 1) if len(ratios) % 2 == 0 else (1, 0)):
                     fn = (eager, compiled)[which]
@@ -143,14 +144,6 @@ def measure(eager: Callable, compiled: Callable, args: tuple, hold: Callable = N
                     break
     low, median, high = quartiles(ratios)
     return Measurement(median, low, high, len(ratios), probe.share)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 class VerdictStore:
