@@ -21,9 +21,9 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
     """Where this model's compiled buckets live: under `base` (unset: the user's cache directory,
     `$XDG_CACHE_HOME/linserve/compile`, else `~/.cache/linserve/compile`), one subdirectory per model
     (config and weights: frozen weights are compiled in), the program's source code, how it is built
-    (autotuned or not), dtype, torch version and device (GPU name; CPU architecture and vector instruction
-    set) — so every working directory shares one cache, and nothing compiled for another model, program
-    version or machine is ever reused."""
+    (autotuned or not), dtype, torch version and device (GPU name; CPU architecture, vector instruction set
+    and intra-op threads) — so every working directory shares one cache, and nothing compiled for another
+    model, program version, machine or thread count is ever reused."""
     import hashlib
     import json
     import platform
@@ -42,8 +42,10 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:  # the CPU's vector instructions (an AVX-512 build must never load on an AVX2 host), as ATen detects
-        # them at run time — not Inductor's pick_vec_isa, which test-compiles with g++: a slim image has none
-        where = f"cpu-{platform.machine()}-{torch.backends.cpu.get_cpu_capability().lower()}"
+        # them at run time — not Inductor's pick_vec_isa, which test-compiles with g++: a slim image has none —
+        # and the intra-op thread count, which Inductor's GEMM templates bake in (`num_threads = 2`)
+        capability = torch.backends.cpu.get_cpu_capability().lower()
+        where = f"cpu-{platform.machine()}-{capability}-threads{torch.get_num_threads()}"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key = f"{digest.hexdigest()[:16]}-{dtype}-torch{torch.__version__}-{where}".replace(" ", "_").replace("/", "_")
     return os.path.join(base, key)

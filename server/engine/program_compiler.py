@@ -68,7 +68,9 @@ class CompilerProcess:
 
     def __init__(self, directory: str, num_slots: int, autotune: bool) -> None:
         directory = os.path.abspath(directory)
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor")}
+        # the child builds for this process's intra-op thread count (Inductor bakes it into the GEMM kernels)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor"),
+               "OMP_NUM_THREADS": str(torch.get_num_threads())}
         with open(os.path.join(directory, "compile.log"), "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "linserve.server.engine.program_compiler", directory, str(num_slots),

@@ -248,7 +248,7 @@ def test_compile_time_tracing_never_reaches_the_engines_eager_calls(make_engine)
     assert engine.alive
 
 
-def test_the_compile_cache_is_per_user_and_keyed_by_model_dtype_torch_and_device(tiny_model, monkeypatch, tmp_path):
+def test_the_compile_cache_is_keyed_by_model_dtype_torch_device_and_threads(tiny_model, monkeypatch, tmp_path):
     import copy
 
     from linserve.server.engine.compile_cache import compile_cache_dir
@@ -263,8 +263,37 @@ def test_the_compile_cache_is_per_user_and_keyed_by_model_dtype_torch_and_device
     assert compile_cache_dir(None, LinearGPT(model.config), cpu) != default  # other weights (they are compiled in)
     assert compile_cache_dir(None, copy.deepcopy(model).to(torch.bfloat16), cpu) != default
     assert compile_cache_dir(None, model, cpu, autotune=False) != default  # built another way
+    threads = torch.get_num_threads()
+    try:  # Inductor bakes the intra-op thread count into the GEMM kernels: another count, another artifact
+        torch.set_num_threads(threads + 1)
+        assert compile_cache_dir(None, model, cpu) != default
+    finally:
+        torch.set_num_threads(threads)
+    assert compile_cache_dir(None, model, cpu) == default
     assert compile_cache_dir(str(tmp_path / "mine"), model, cpu).startswith(str(tmp_path / "mine"))
     assert make_step(model, StatePool(model, 1, cpu), cpu, "off").cache_dir is None
+
+
+def test_the_compiler_child_builds_for_the_servers_thread_count(tmp_path, monkeypatch):
+    """The child is a fresh process: it would take torch's default thread count, not the server's."""
+    import subprocess
+
+    from linserve.server.engine import program_compiler
+
+    seen = []
+
+    class Recorded:
+        def __init__(self, command, **kwargs):
+            seen.append(kwargs["env"])
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        program_compiler.CompilerProcess(str(tmp_path), 4, autotune=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen[0]["OMP_NUM_THREADS"] == str(threads + 1)
 
 
 @pytest.mark.parametrize("quiet", [False, True])
