@@ -257,6 +257,8 @@ class VersionInfo(BaseModel):
     torch: str
     transformers: str
     device: str | None = None  # None while the model loads
+    threads: int = Field(description="torch's intra-op CPU threads in this process (the compiled CPU kernels are "
+                         "built for this count)")
     decode_step: dict | None = Field(None, description="compile setting, status, buckets ready and compile=auto's "
                                      "verdict (decision, gain, quartiles, rounds, contention, provisional, source)")
 

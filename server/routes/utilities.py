@@ -67,5 +67,5 @@ async def version(request: Request) -> VersionInfo:
     engine = getattr(request.app.state, "engine", None)
     step = getattr(engine, "decode_step", None)
     return VersionInfo(version=request.app.version, torch=torch.__version__, transformers=transformers.__version__,
-                       device=str(engine.device) if engine is not None else None,
+                       device=str(engine.device) if engine is not None else None, threads=torch.get_num_threads(),
                        decode_step=step.describe() if step is not None else None)

@@ -137,6 +137,7 @@ def test_tokenize_detokenize_version(client):
     version = client.get("/version").json()
     assert version["version"] == package_version() and version["torch"] == torch.__version__
     assert version["transformers"] == transformers.__version__ and version["device"] in ("cpu", "cuda:0", "cuda")
+    assert version["threads"] == torch.get_num_threads() >= 1
     assert version["decode_step"]["compile"] == "off" and version["decode_step"]["verdict"] is None
 
 
