@@ -85,7 +85,7 @@ def targets(result: dict, prefix: str = ""):
     for key, value in result.items():
         if isinstance(value, dict):
             if "target" in value and "pass" in value:
-                measured = value.get("ratio", value.get("speedup", value.get("growth")))
+                measured = value.get("ratio", value.get("speedup", value.get("growth", value.get("measured"))))
                 shown = f"{measured:.3g}" if isinstance(measured, float) else measured
                 yield (
                     prefix + str(key),
@@ -94,6 +94,41 @@ def targets(result: dict, prefix: str = ""):
                 )
             else:
                 yield from targets(value, f"{prefix}{key}.")
+
+
+# A fixed workload on every CPU this process may use (a 384x384 fp32 matmul chain, in a child process so this
+# one's thread settings stay as they are), timed before and after a side-by-side run: a machine that was quiet
+# gives the same figure twice. A neighbour that took a core for part of the run moves one of them.
+REFERENCE_WORKLOAD = """
+import os, statistics, sys, time, torch
+torch.set_num_threads(len(os.sched_getaffinity(0)))
+a = torch.randn(384, 384, generator=torch.Generator().manual_seed(0))
+for _ in range(50): a @ a
+times = []
+for _ in range(int(sys.argv[1])):
+    t = time.perf_counter()
+    for _ in range(100): a @ a
+    times.append(time.perf_counter() - t)
+print(1e3 * statistics.median(times))
+"""
+QUIET_DRIFT = 0.05  # the two timings within 5% of each other
+
+
+def reference_workload_ms(reps: int = 21) -> float:
+    """The reference workload's median time (ms) on this machine, now."""
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", REFERENCE_WORKLOAD, str(reps)], capture_output=True, text=True,
+                          check=True, timeout=300)
+    return float(done.stdout.strip())
+
+
+def machine_check(before_ms: float, after_ms: float) -> dict:
+    """Whether the machine stayed quiet through a run: the reference timed before and after agrees."""
+    drift = after_ms / before_ms - 1.0
+    return {"reference_before_ms": before_ms, "reference_after_ms": after_ms, "ratio": after_ms / before_ms,
+            "target": f"within {1 - QUIET_DRIFT:g}..{1 + QUIET_DRIFT:g} (quiet machine)",
+            "pass": abs(drift) <= QUIET_DRIFT}
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -6,15 +6,17 @@ weights, GGUF F32), identical `linserve bench` loads, side by side in one run.
 
 Loads (each repetition runs every load on every server, servers in turn): 1 stream × 512 tokens, 8 streams ×
 256 tokens, 1 stream × 8,192 tokens (ITL p50 of the first and the last 1,024 tokens). All three servers run
-at once on 127.0.0.1 (idle ones cost nothing) with `llama-server -np 8 -cb -t 2`. Target: linserve's tokens/s
-≥ the faster peer's at 1 and 8 streams, and linserve's ITL late/early ≤ 1.10.
+at once on 127.0.0.1 (idle ones cost nothing): `llama-server -np 8 -cb -t T` (`--llama-threads`, default 2:
+its best measured count here) and `linserve serve --threads N` (`--threads`; default: the server's own
+default). Target: linserve's tokens/s ≥ the faster peer's at 1 and 8 streams, and linserve's ITL late/early
+≤ 1.10. A fixed reference workload is timed before and after (benchmarks/common.py): the result says whether
+the machine stayed quiet, and a ratio from a run that was not is not a result.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_compile_argument, emit, wait_until_up  # noqa: E402
+import httpx  # noqa: E402
+from common import add_compile_argument, emit, machine_check, reference_workload_ms, wait_until_up  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
@@ -33,9 +36,9 @@ PEERS = Path(__file__).resolve().parents[1] / "data" / "peers"
 LLAMA_SERVER = PEERS / "llama.cpp" / "bin" / "llama-server"
 
 
-def start_llama(gguf: Path, port: int, context_per_slot: int) -> subprocess.Popen:
+def start_llama(gguf: Path, port: int, context_per_slot: int, threads: int) -> subprocess.Popen:
     command = [str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "8", "-cb",
-               "-t", "2", "-c", str(8 * context_per_slot), "--log-disable"]
+               "-t", str(threads), "-c", str(8 * context_per_slot), "--log-disable"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return wait_until_up(process, f"http://127.0.0.1:{port}/health", "llama-server")
 
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="short loads, one repetition")
     parser.add_argument("--out")
     parser.add_argument("--plot", help="PNG: ITL vs position of the 8,192-token load, all three servers")
+    parser.add_argument("--threads", type=int, help="linserve serve --threads [default: the server's default]")
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama-server -t (default 2)")
     add_compile_argument(parser)
     args = parser.parse_args(argv)
     if not LLAMA_SERVER.exists():
@@ -76,24 +81,25 @@ def main(argv: list[str] | None = None) -> None:
         args.reps, args.compile, loads = 1, "off", {"1x64": (1, 64), "8x32": (8, 32), "1x256": (1, 256)}
     long_load = list(loads)[-1]
     long_tokens = loads[long_load][1]
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    reference_before = reference_workload_ms()
     servers = {"linserve": 8901, "llama.cpp gpt2": 8902, "llama.cpp mamba": 8903}
     processes = [
         start_server(
             str(DEFAULT_CHECKPOINT),
             servers["linserve"],
             64,  # the default slot count: the compiled programs `linserve compile` built for `serve` are reused
-            extra=["--log-level", "warning"],
+            extra=["--log-level", "warning", *(["--threads", str(args.threads)] if args.threads else [])],
             env={"LINSERVE_SESSION_STORE": "none"},
             compile=args.compile,
         ),
-        start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64),
-        start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64),
+        start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64, args.llama_threads),
+        start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64, args.llama_threads),
     ]
     rates = {(s, load): [] for s in servers for load in loads}
     early_late = {s: [] for s in servers}
     last_summaries = {}
     try:
+        linserve_version = httpx.get(f"http://127.0.0.1:{servers['linserve']}/version", timeout=10).json()
         for port in servers.values():
             one_load(port, 1, 8)  # warm-up
         for _ in range(args.reps):
@@ -124,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         late = statistics.median(later for _, later in early_late[name])
         row[long_load].update({"itl_p50_first_ms": early, "itl_p50_last_ms": late, "late_over_early": late / early})
         table[name] = row
-    result = {"loads": loads, "reps": args.reps, "servers": table, "P9": {}}
+    machine = machine_check(reference_before, reference_workload_ms())
+    settings = {"linserve": {k: linserve_version.get(k) for k in ("threads", "cpu_threads", "dtype", "decode_step")},
+                "llama_threads": args.llama_threads}
+    result = {"loads": loads, "reps": args.reps, "machine": machine, "settings": settings, "servers": table, "P9": {}}
     for load in list(loads)[:2]:
         peer = max(table["llama.cpp gpt2"][load]["tokens_per_s"], table["llama.cpp mamba"][load]["tokens_per_s"])
         ours = table["linserve"][load]["tokens_per_s"]

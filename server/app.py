@@ -57,8 +57,10 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)
     if engine.decode_step is not None:
         metrics.watch_decode_step(engine.decode_step.describe)
-    logger.info("loaded %s on %s (%d intra-op CPU threads): %d slots x %d state bytes", path, device,
-                torch.get_num_threads(), config.num_slots, engine.pool.slot_bytes)
+    plan = engine.threads
+    logger.info("loaded %s on %s (%s weights; %d intra-op CPU threads, %s: %g CPUs usable, OMP_WAIT_POLICY %s): "
+                "%d slots x %d state bytes", path, device, settings.dtype, plan.threads, plan.source,
+                plan.usable_cpus, plan.omp_wait_policy, config.num_slots, engine.pool.slot_bytes)
     return engine, tokenizer
 
 

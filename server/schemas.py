@@ -257,8 +257,11 @@ class VersionInfo(BaseModel):
     torch: str
     transformers: str
     device: str | None = None  # None while the model loads
-    threads: int = Field(description="torch's intra-op CPU threads in this process (the compiled CPU kernels are "
+    threads: int = Field(description="torch's intra-op CPU threads of the engine (the compiled CPU kernels are "
                          "built for this count)")
+    cpu_threads: dict | None = Field(None, description="how the thread count was chosen: threads, usable_cpus "
+                                     "(affinity mask and cgroup quota), source (setting or default), omp_wait_policy")
+    dtype: str | None = Field(None, description="the weights' dtype (the (S, z) state is fp32 whatever it is)")
     decode_step: dict | None = Field(None, description="compile setting, status, buckets ready and compile=auto's "
                                      "verdict (decision, gain, quartiles, rounds, contention, provisional, source)")
 

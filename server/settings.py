@@ -82,6 +82,9 @@ class Settings(BaseSettings):
         None, description="the compiled programs, one subdirectory per model, program source, dtype, torch version "
         "and device; unset: "
         "$XDG_CACHE_HOME/linserve/compile (else ~/.cache/linserve/compile), shared by every working directory")
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="intra-op CPU threads for the model's ops (torch/OpenMP); unset: the CPUs "
+        "this process may use (affinity mask and cgroup quota) less one for the event loop, between 1 and 4")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights' dtype; the (S, z) state stays fp32")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

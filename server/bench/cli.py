@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .client import BenchError, LoadSpec, run_load
+    from .client import BenchError, LoadSpec, run_load, server_info
     from .report import plot, render_text, summarize
     targets = [("A", args.url)] + ([("B", args.compare)] if args.compare else [])
     results = {}
@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         bar.close()
         result = summarize(spec, model, records, wall, args.bin or max(args.max_tokens // 16, 1))
+        result["server"] = server_info(spec)  # threads, dtype, decode step: what the figures were measured with
         results[f"{label} {url}"] = result
         print(render_text(label, result))
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

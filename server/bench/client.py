@@ -68,6 +68,23 @@ async def discover_model(client: httpx.AsyncClient, spec: LoadSpec) -> str:
     return models[0]["id"]
 
 
+SERVER_FIELDS = ("version", "device", "dtype", "threads", "cpu_threads", "decode_step")
+
+
+def server_info(spec: LoadSpec) -> dict | None:
+    """What the server says it runs with (linserve's /version: device, dtype, threads, decode step), recorded
+    beside the figures; None for a server without that route (another OpenAI-compatible server)."""
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    try:
+        response = httpx.get(f"{spec.url}/version", headers=headers, timeout=10)
+        body = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    return {name: body[name] for name in SERVER_FIELDS if name in body} or None
+
+
 async def stream_one(client: httpx.AsyncClient, spec: LoadSpec, model: str, prompt: str, run_start: float,
                      seed: int) -> RequestRecord:
     record = RequestRecord(start=time.perf_counter() - run_start)

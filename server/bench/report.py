@@ -90,6 +90,11 @@ def render_text(label: str, result: dict) -> str:
     lines = [f"== {label}: {result['url']} ({result['model']})",
              f"requests {result['succeeded']}/{result['requests']} ok, errors {result['errors_by_status'] or 'none'}, "
              f"{result['request_throughput_per_s']:.2f} req/s, {result['token_throughput_per_s']:.1f} tokens/s"]
+    server = result.get("server")
+    if server:
+        step = server.get("decode_step") or {}
+        lines.append(f"server: linserve {server.get('version')} on {server.get('device')}, {server.get('dtype')} "
+                     f"weights, {server.get('threads')} CPU threads, decode step {step.get('status', 'n/a')}")
     for name in ("ttft_ms", "itl_ms", "e2e_ms"):
         d = result[name]
         lines.append(f"{name[:-3].upper():>5} ms  mean {d['mean']:9.2f}  p50 {d['p50']:9.2f}  p90 {d['p90']:9.2f}  "

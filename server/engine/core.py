@@ -35,6 +35,7 @@ from linserve.model import LinearGPT
 from . import heap
 from .command_queue import ENGINE_DEAD, CommandQueue
 from .compiled_decode import TRACING, DecodeStep
+from .cpu_threads import apply_threads
 from .kv_pool import KVCachePool
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache, scope_seed
@@ -71,6 +72,7 @@ STEP_FAILED = "the engine failed while serving this request (see the server log)
 class Engine:
     def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
                  stats_sink: StatsSink | None = None) -> None:
+        self.threads = apply_threads(config.threads)  # before any op runs or program is built: kernels bake it in
         self.model, self.config, self.device = model.eval(), config, device
         # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
         self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)

@@ -44,6 +44,7 @@ class EngineConfig:
     compile: str  # the decode step: "off" (eager), "on" or "auto" (see compiled_decode)
     compile_autotune: bool  # CPU builds: max-autotune GEMM choices (slower builds, faster programs)
     compile_cache_dir: str | None
+    threads: int | None  # torch intra-op CPU threads; None: derived from the CPUs this process may use
 
     @classmethod
     def from_settings(cls, settings: object, **overrides: object) -> EngineConfig:

@@ -67,5 +67,8 @@ async def version(request: Request) -> VersionInfo:
     engine = getattr(request.app.state, "engine", None)
     step = getattr(engine, "decode_step", None)
     return VersionInfo(version=request.app.version, torch=torch.__version__, transformers=transformers.__version__,
-                       device=str(engine.device) if engine is not None else None, threads=torch.get_num_threads(),
+                       device=str(engine.device) if engine is not None else None,
+                       threads=engine.threads.threads if engine is not None else torch.get_num_threads(),
+                       cpu_threads=engine.threads.describe() if engine is not None else None,
+                       dtype=str(next(engine.model.parameters()).dtype).removeprefix("torch.") if engine else None,
                        decode_step=step.describe() if step is not None else None)

@@ -5,6 +5,7 @@ Timing targets are judged by the full runs (README); here only that each measure
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from tests.helpers import require_program
 
 pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-ON_ANY_DEVICE = {"decode_vs_context.py", "engine_inprocess.py", "serving_overhead.py", "served_flatness.py"}
+ON_ANY_DEVICE = {"decode_vs_context.py", "engine_inprocess.py", "serving_overhead.py", "served_flatness.py",
+                 "served_load.py"}
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -93,7 +95,7 @@ def test_memory(tmp_path):
     assert data["P8"]["session_bytes"]["tokens"] == [10, 2000] and data["P8"]["session_bytes"]["pass"] is True
 
 
-@pytest.mark.parametrize("target", [f"p{i}_" for i in range(1, 11)])
+@pytest.mark.parametrize("target", [f"p{i}_" for i in range(1, 12)])
 def test_one_entry_script_per_spec_target(target):
     (script,) = BENCHMARKS.glob(f"{target}*.py")
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
@@ -115,3 +117,44 @@ def test_p13_store_outage(tmp_path):
     for scenario in data.values():
         assert scenario["ok"], scenario  # the ledger holds even in a 2-second run: nothing acknowledged is lost
         assert scenario["session_requests"]["outage"].get("503")  # the outage was seen as one
+
+
+def test_served_load(tmp_path):
+    run("served_load.py", "--streams", "1", "3", "--out", str(tmp_path / "s.json"), "--port", "8795")
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert set(data["loads"]) == {"streams_1", "streams_3"} and data["loads"]["streams_3"]["tokens_per_s"] > 0
+    assert data["server"]["threads"] >= 1 and data["server"]["decode_step"]["compile"] == "off"
+    assert ("P11" in data) == (device_name_under_test() == "cuda")
+
+
+def test_gpu_suite_without_a_gpu_says_so_and_runs_the_cpu_parts(tmp_path):
+    """What CI runs of `bash benchmarks/gpu.sh`: no CUDA (hidden even where there is one), so the GPU parts are
+    skipped, the thread sweep runs, and one results file plus the table rows are written; exit status 0."""
+    result = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "--quick", "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                            cwd=BENCHMARKS.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no CUDA device on this machine: GPU parts skipped (tests, p1p6, p5, served)" in result.stdout
+    data = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert data["machine"]["gpu"] is None and data["machine"]["cpus_usable"] >= 1
+    assert set(data["parts"]) == {"threads"} and data["parts"]["threads"]["status"] == 0
+    sweep = data["parts"]["threads"]["result"]
+    assert set(sweep["configs"]) == {"1 threads, default", "2 threads, default"}
+    assert all(row["1_stream"]["tokens_per_s"] > 0 for row in sweep["configs"].values())
+    assert [row["threads"] for row in sweep["configs"].values()] == [1, 2]  # each server ran with its count
+    assert "CPU threads sweep" in (tmp_path / "gpu_rows.md").read_text()
+
+
+def test_gpu_suite_rejects_an_unknown_part(tmp_path):
+    result = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "--parts", "tests,nope", "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
+    assert result.returncode == 2 and "unknown parts ['nope']" in result.stderr
+
+
+def test_machine_check_judges_drift():
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import machine_check, reference_workload_ms
+
+    assert machine_check(10.0, 10.4)["pass"] and not machine_check(10.0, 11.0)["pass"]
+    assert not machine_check(10.0, 9.0)["pass"]
+    assert reference_workload_ms(reps=3) > 0

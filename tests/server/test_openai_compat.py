@@ -137,7 +137,11 @@ def test_tokenize_detokenize_version(client):
     version = client.get("/version").json()
     assert version["version"] == package_version() and version["torch"] == torch.__version__
     assert version["transformers"] == transformers.__version__ and version["device"] in ("cpu", "cuda:0", "cuda")
-    assert version["threads"] == torch.get_num_threads() >= 1
+    engine = client.app.state.engine  # the count is per thread in OpenMP: the engine thread's is the one that counts
+    engine_threads = engine.commands.call(torch.get_num_threads).result()
+    assert version["threads"] == engine_threads == version["cpu_threads"]["threads"]
+    assert version["cpu_threads"]["source"] in ("default", "setting") and version["cpu_threads"]["usable_cpus"] > 0
+    assert version["dtype"] == "float32"
     assert version["decode_step"]["compile"] == "off" and version["decode_step"]["verdict"] is None
 
 

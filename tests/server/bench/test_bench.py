@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from linserve.server.bench.client import RequestRecord
@@ -31,6 +32,9 @@ def test_closed_loop_writes_json_and_plot(server, tmp_path):
     assert only["token_throughput_per_s"] > 0 and only["ttft_ms"]["p99"] >= only["ttft_ms"]["p50"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ITL @" in result.stdout
+    server_says = httpx.get(server["base"] + "/version").json()  # what the figures were measured with
+    assert only["server"]["threads"] == server_says["threads"] >= 1 and only["server"]["dtype"] == "float32"
+    assert only["server"]["cpu_threads"] == server_says["cpu_threads"] and "CPU threads" in result.stdout
 
 
 def test_open_loop_and_compare(server, tmp_path):

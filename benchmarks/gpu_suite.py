@@ -1,0 +1,156 @@
+"""The GPU suite in one command (`bash benchmarks/gpu.sh`): on a machine with CUDA, the test suite on CUDA,
+P1 and P6 (the decode step against context and against one read of the weights), P5 (HTTP vs in-engine), a
+served load at 1/32/128 streams (P11), and the CPU thread sweep of this larger machine; one results file and
+the rows for docs/benchmarks.md's GPU table, with the machine named.
+
+    bash benchmarks/gpu.sh [--parts tests,p1p6,p5,served,threads] [--quick] [--out-dir DIR]
+
+Without CUDA it says so, runs the CPU-only parts (the thread sweep) and exits 0: CI runs it that way. Each
+part is a separate child process with its own deadline; a part that fails is recorded as failed and the rest
+still run. Parts can be run one call at a time (a lent GPU may allow minutes per command): each call merges its
+parts into DIR/gpu_suite.json and rewrites DIR/gpu_rows.md from everything measured there so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+GPU_PARTS = ("tests", "p1p6", "p5", "served")
+CPU_PARTS = ("threads",)
+PART_TIMEOUT_S = {"tests": 1800, "p1p6": 900, "p5": 900, "served": 1200, "threads": 1800}
+SERVED_STREAMS = (1, 32, 128)
+
+
+def machine() -> dict:
+    """What the figures were measured on (the GPU's name, the CPU, the cores this process may use)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "cpu": cpu,
+            "cpus_usable": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "date": datetime.date.today().isoformat()}
+
+
+def run_part(name: str, command: list[str], timeout_s: float) -> dict:
+    print(f"== {name}: {' '.join(command)}", flush=True)
+    started = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        status, tail = done.returncode, (done.stdout + done.stderr)[-3000:]
+    except subprocess.TimeoutExpired as expired:
+        status, tail = "timeout", ((expired.stdout or b"").decode(errors="replace"))[-3000:]
+    seconds = time.monotonic() - started
+    print(f"   {name}: status {status} in {seconds:.0f} s", flush=True)
+    return {"command": " ".join(command), "status": status, "seconds": round(seconds, 1), "output_tail": tail}
+
+
+def load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def part_commands(name: str, out: Path, quick: bool) -> list[str]:
+    py = sys.executable
+    q = ["--quick"] if quick else []
+    if name == "tests":
+        return [py, "-m", "pytest", "-q", "--device", "cuda", "-p", "no:cacheprovider",
+                *(["tests/model/test_decode_step.py"] if quick else ["tests"])]
+    if name == "p1p6":
+        return [py, "benchmarks/decode_vs_context.py", "--device", "cuda", *q, "--out", str(out / "p1_p6.json"),
+                "--plot", str(out / "p1_decode_vs_context.png")]
+    if name == "p5":
+        return [py, "benchmarks/serving_overhead.py", "--device", "cuda", *q, "--out", str(out / "p5.json")]
+    if name == "served":
+        return [py, "benchmarks/served_load.py", "--device", "cuda", *q, "--streams",
+                *(str(n) for n in SERVED_STREAMS), "--out", str(out / "served.json")]
+    if name == "threads":
+        return [py, "benchmarks/threads.py", *q, "--out", str(out / "threads.json")]
+    raise ValueError(name)
+
+
+def rows(results: dict) -> list[str]:
+    """docs/benchmarks.md's GPU table rows from whatever parts have results."""
+    m = results.get("machine", {})
+    where = f"{m.get('gpu') or 'no GPU'}, {m.get('cpus_usable')} CPUs, torch {m.get('torch')}, {m.get('date')}"
+    parts, lines = results.get("parts", {}), []
+    if "tests" in parts:
+        tail = parts["tests"]["output_tail"].strip().splitlines()
+        lines.append(f"| test suite on CUDA ({where}) | {tail[-1] if tail else parts['tests']['status']} | all pass | "
+                     f"{'PASS' if parts['tests']['status'] == 0 else 'FAIL'} | `{parts['tests']['command']}` |")
+    p1p6 = parts.get("p1p6", {}).get("result")
+    if p1p6:
+        for key in ("P1", "P6"):
+            entry = p1p6.get(key, {})
+            lines.append(f"| {key} ({where}) | {entry.get('ratio', float('nan')):.3g} | {entry.get('target')} | "
+                         f"{'PASS' if entry.get('pass') else 'FAIL'} | `{parts['p1p6']['command']}` |")
+    p5 = parts.get("p5", {}).get("result")
+    if p5:
+        for streams, entry in p5.get("P5", {}).items():
+            lines.append(f"| P5 {streams} ({where}) | {entry['ratio']:.3g} ({entry['http_tokens_per_s']:.0f} vs "
+                         f"{entry['engine_tokens_per_s']:.0f} tok/s) | {entry['target']} | "
+                         f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['p5']['command']}` |")
+    served = parts.get("served", {}).get("result")
+    if served:
+        for key, entry in served.get("P11", {}).items():
+            lines.append(f"| P11 {key} ({where}) | {entry['measured']:.4g} | {entry['target']} | "
+                         f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['served']['command']}` |")
+    threads = parts.get("threads", {}).get("result")
+    if threads:
+        best = threads.get("best", {})
+        lines.append(f"| CPU threads sweep ({where}) | best {best} | — | — | `{parts['threads']['command']}` |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(GPU_PARTS + CPU_PARTS))
+    parser.add_argument("--quick", action="store_true", help="short versions of every part (tests of this script)")
+    parser.add_argument("--out-dir", default=str(HERE / "results" / "gpu"))
+    args = parser.parse_args(argv)
+    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(wanted) - set(GPU_PARTS + CPU_PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(GPU_PARTS + CPU_PARTS)}")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "gpu_suite.json"
+    results = load_json(results_path) or {}
+    results["machine"] = machine()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        skipped = [p for p in wanted if p in GPU_PARTS]
+        print(f"no CUDA device on this machine: GPU parts skipped ({', '.join(skipped) or 'none asked for'}); "
+              "running the CPU-only parts", flush=True)
+        wanted = [p for p in wanted if p in CPU_PARTS]
+    for name in wanted:
+        command = part_commands(name, out, args.quick)
+        record = run_part(name, command, PART_TIMEOUT_S[name])
+        json_out = next((Path(a) for a in command if a.endswith(".json")), None)
+        record["result"] = load_json(json_out) if json_out and record["status"] == 0 else None
+        results.setdefault("parts", {})[name] = record
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    table = rows(results)
+    (out / "gpu_rows.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"wrote {results_path} and {out / 'gpu_rows.md'}")
+    failed = [n for n in wanted if results["parts"][n]["status"] != 0]
+    if failed:
+        print(f"failed parts: {', '.join(failed)} (see output_tail in {results_path})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

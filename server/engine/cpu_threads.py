@@ -1,0 +1,112 @@
+"""The process's intra-op CPU threads: how many CPUs this process may use, how many threads the model's ops
+get by default, and setting that once, before the model loads.
+
+torch's own default is the host's physical core count. On a small machine that starves the rest of the
+server: at one stream on 2 cores, the engine's two OpenMP threads spent about three quarters of every
+decode step waiting at barriers for a core that the event loop and the client held, and `OMP_NUM_THREADS=1`
+served 2.7x the tokens/s (docs/benchmarks.md, "Threads"). So the default leaves one CPU for everything that
+is not the model's arithmetic (event loop, tokenizer, store worker, the client's side of loopback) and caps
+the rest: a decode step of this size is a chain of small matrix-vector products whose barriers cost more than
+a wide split saves.
+
+"CPUs this process may use" is the smaller of its affinity mask and its cgroup CPU quota (a container limited
+to 2 CPUs on a 64-core host gets 1 thread, not 63).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+MAX_DEFAULT_THREADS = 4  # the default's ceiling; `threads` set explicitly may go higher
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    threads: int  # torch intra-op threads (OpenMP), as set
+    usable_cpus: float  # min(affinity mask, cgroup quota)
+    source: str  # "setting" (asked for) or "default" (derived from usable_cpus)
+    omp_wait_policy: str  # OMP_WAIT_POLICY as the process started with it ("default" when unset)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def affinity_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _quota_v2(path: Path) -> float | None:
+    try:
+        quota, period = (path / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _quota_v1(root: Path) -> float | None:
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPU quota this process's cgroup (or any ancestor) sets, in CPUs; None where there is none.
+    cgroup v2: `cpu.max` along the process's path from /proc/self/cgroup (inside a container that path is
+    usually the root); v1: cpu.cfs_quota_us / cpu.cfs_period_us."""
+    limits = []
+    try:
+        entry = next((line.split(":", 2)[2] for line in self_cgroup.read_text().splitlines()
+                      if line.startswith("0::")), None)
+    except OSError:
+        entry = None
+    if entry is not None:
+        here = root / entry.strip().lstrip("/")
+        while True:
+            limit = _quota_v2(here)
+            if limit is not None:
+                limits.append(limit)
+            if here == root or root not in here.parents:
+                break
+            here = here.parent
+    v1 = _quota_v1(root)
+    if v1 is not None:
+        limits.append(v1)
+    return min(limits) if limits else None
+
+
+def usable_cpus() -> float:
+    quota = cgroup_cpu_quota()
+    return float(affinity_cpus()) if quota is None else min(float(affinity_cpus()), quota)
+
+
+def default_threads(usable: float) -> int:
+    """One CPU left for the rest of the server, at least one thread, at most MAX_DEFAULT_THREADS."""
+    return max(1, min(math.floor(usable) - 1, MAX_DEFAULT_THREADS))
+
+
+def plan_threads(requested: int | None) -> ThreadPlan:
+    usable = usable_cpus()
+    threads = requested if requested is not None else default_threads(usable)
+    return ThreadPlan(threads, usable, "setting" if requested is not None else "default",
+                      os.environ.get("OMP_WAIT_POLICY", "default").lower())
+
+
+def apply_threads(requested: int | None) -> ThreadPlan:
+    """Set torch's intra-op thread count for this process (before the model's first op, and before any
+    compiled program is built or loaded: Inductor bakes the count into its kernels)."""
+    plan = plan_threads(requested)
+    if torch.get_num_threads() != plan.threads:
+        torch.set_num_threads(plan.threads)
+    return plan

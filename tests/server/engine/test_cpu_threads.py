@@ -1,0 +1,103 @@
+"""The intra-op thread count: the CPUs a process may use (affinity, cgroup quota), the default derived from
+them, and the engine setting it before its first op."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from linserve.server.engine.cpu_threads import (
+    MAX_DEFAULT_THREADS,
+    affinity_cpus,
+    cgroup_cpu_quota,
+    default_threads,
+    plan_threads,
+    usable_cpus,
+)
+from linserve.server.settings import Settings
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def cgroup_tree(tmp_path, path: str, limits: dict[str, str]):
+    """A cgroup v2 hierarchy under tmp_path: `limits` maps a directory (relative) to its cpu.max line."""
+    root = tmp_path / "cgroup"
+    (root / path.lstrip("/")).mkdir(parents=True)
+    for where, line in limits.items():
+        (root / where).mkdir(parents=True, exist_ok=True)
+        (root / where / "cpu.max").write_text(line + "\n")
+    self_cgroup = tmp_path / "self-cgroup"
+    self_cgroup.write_text(f"0::{path}\n")
+    return root, self_cgroup
+
+
+def test_quota_is_the_tightest_along_the_process_path(tmp_path):
+    root, me = cgroup_tree(tmp_path, "/kubepods/pod1/ctr", {"kubepods": "400000 100000", "kubepods/pod1": "max 100000",
+                                                            "kubepods/pod1/ctr": "150000 100000"})
+    assert cgroup_cpu_quota(root, me) == pytest.approx(1.5)
+    root, me = cgroup_tree(tmp_path / "b", "/a/b", {"a": "250000 100000"})  # only an ancestor limits it
+    assert cgroup_cpu_quota(root, me) == pytest.approx(2.5)
+
+
+def test_no_quota_anywhere_is_none(tmp_path):
+    root, me = cgroup_tree(tmp_path, "/", {"": "max 100000"})
+    assert cgroup_cpu_quota(root, me) is None
+    assert cgroup_cpu_quota(tmp_path / "absent", tmp_path / "absent-self") is None
+
+
+def test_cgroup_v1_quota(tmp_path):
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(tmp_path, tmp_path / "no-self") == pytest.approx(3.0)
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(tmp_path, tmp_path / "no-self") is None
+
+
+@pytest.mark.parametrize(("usable", "threads"), [(0.5, 1), (1, 1), (1.9, 1), (2, 1), (3, 2), (4, 3), (5, 4), (64, 4)])
+def test_default_leaves_a_cpu_for_the_rest_and_is_capped(usable, threads):
+    assert default_threads(usable) == threads
+    assert MAX_DEFAULT_THREADS == 4
+
+
+def test_usable_cpus_is_this_process_affinity_at_most():
+    assert 0 < usable_cpus() <= affinity_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_plan_names_its_source(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    chosen = plan_threads(None)
+    assert chosen.source == "default" and chosen.threads == default_threads(usable_cpus())
+    assert chosen.omp_wait_policy == "passive"
+    asked = plan_threads(3)
+    assert (asked.threads, asked.source) == (3, "setting")
+
+
+def engine_thread_count(engine) -> int:
+    """OpenMP's count is per thread (each takes torch's process-wide value when it first runs an op): the
+    engine thread's own is the one its steps use."""
+    return engine.commands.call(torch.get_num_threads).result(timeout=30)
+
+
+def test_engine_sets_the_count_before_its_first_op(make_engine, restore_threads):
+    torch.set_num_threads(default_threads(usable_cpus()) + 1)  # anything but what the engine will choose
+    engine = make_engine()
+    assert engine_thread_count(engine) == engine.threads.threads == default_threads(usable_cpus())
+    assert engine.threads.source == "default"
+    engine = make_engine(threads=3)
+    assert engine_thread_count(engine) == engine.threads.threads == 3 and engine.threads.source == "setting"
+
+
+def test_threads_setting_from_env_and_bounds(monkeypatch):
+    monkeypatch.setenv("LINSERVE_THREADS", "2")
+    assert Settings.load().threads == 2
+    monkeypatch.setenv("LINSERVE_THREADS", "0")
+    with pytest.raises(ValueError, match="invalid threads"):
+        Settings.load()
