@@ -43,6 +43,11 @@ def add_compile_argument(parser) -> None:
                         help="linserve's decode step (default auto, as `linserve serve`); measured once compiled")
 
 
+def add_threads_argument(parser) -> None:
+    parser.add_argument("--threads", type=int, help="intra-op CPU threads, as `linserve serve --threads` "
+                        "[default: the server's default from the usable CPUs]")
+
+
 def add_device_argument(parser) -> None:
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (default: cpu; auto picks CUDA when available)")
@@ -65,6 +70,12 @@ def synchronize(device: torch.device) -> None:
 def describe(device: torch.device) -> dict:
     """What the numbers were measured on (goes into every result file)."""
     info = {"device": device.type, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        from linserve.server.engine.cpu_threads import plan_threads
+
+        info["cpus_usable"] = plan_threads(None).usable_cpus
+    except ImportError:
+        pass
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

@@ -17,7 +17,7 @@ import threading
 import time
 
 import torch
-from common import add_device_argument, describe, emit, percentile, resolve_device, synchronize
+from common import add_device_argument, add_threads_argument, describe, emit, percentile, resolve_device, synchronize
 
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
 from linserve.server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
@@ -212,19 +212,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out")
     parser.add_argument("--targets", nargs="+", default=["P3", "P4", "P7"], choices=["P3", "P4", "P7"])
     add_device_argument(parser)
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
+    from linserve.server.engine.cpu_threads import apply_threads
+
+    results_threads = apply_threads(args.threads)  # P3 runs on this thread: the server's count, set first
     from transformers import AutoTokenizer
 
     lm = load_model(args.model, device)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = lm.model
     quick = args.quick
-    results = {**describe(device), "model": args.model}
+    results = {**describe(device), "threads": results_threads.describe(), "model": args.model}
     if "P3" in args.targets:
         results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3)
     config = EngineConfig.from_settings(
-        Settings(compile="off", session_store="none", num_slots=64, max_prefill_chunk=args.max_prefill_chunk)
+        Settings(compile="off", session_store="none", num_slots=64, max_prefill_chunk=args.max_prefill_chunk,
+                 threads=args.threads)
     )
     totals = DecodeTotals()
     engine = Engine(model, tokenizer, config, device, totals).start()

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_compile_argument,
     add_device_argument,
+    add_threads_argument,
     compile_settled,
     describe,
     emit,
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out")
     add_device_argument(parser)
     add_compile_argument(parser)
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     if args.quick:
@@ -87,12 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     sizes = (1, 32)
     model = load_model(args.model, device).model
     config = EngineConfig.from_settings(
-        Settings(session_store="none", num_slots=64, compile=args.compile)  # the server's cache too
+        # the server's settings, compile cache and thread count too
+        Settings(session_store="none", num_slots=64, compile=args.compile, threads=args.threads)
     )
     totals = DecodeTotals()  # the engine thread's Python around the decode program, per row
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device, totals).start()
     engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm
-    server = start_server(args.model, args.port, 64, device=device.type, compile=args.compile)
+    extra = ["--log-level", "warning", *(["--threads", str(args.threads)] if args.threads else [])]
+    server = start_server(args.model, args.port, 64, extra=extra, device=device.type, compile=args.compile)
     rates = {(where, n): [] for where in ("engine", "http") for n in sizes}
     python_us = {n: [] for n in sizes}
     try:
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         server.terminate()
         server.wait(30)
-    result = {**describe(device), "tokens_per_stream": args.tokens, "reps": args.reps}
+    result = {**describe(device), "threads": engine.threads.describe(), "tokens_per_stream": args.tokens,
+              "reps": args.reps}
     targets = {1: 0.9, 32: 0.9}  # SPEC P5: 0.9 at both
     for n in sizes:
         engine_rate = statistics.median(rates[("engine", n)])

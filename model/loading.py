@@ -9,7 +9,8 @@ import torch
 from .hf import LinearGPTForCausalLM
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-DTYPE_CHOICES = ("float32", "bfloat16")  # weights; the recurrent state is fp32 whatever this is
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # weights; the recurrent state is fp32 whatever this is
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPUs that compute bf16 dot products in hardware
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"  # ships inside the package
 
 
@@ -22,6 +23,27 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for, but no CUDA device is available")
     return torch.device(name)
+
+
+def cpu_computes_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has bf16 arithmetic in hardware (AVX512-BF16 or AMX-BF16; Linux's flags). Elsewhere
+    bf16 weights are widened in software and cost more than they save."""
+    try:
+        with cpuinfo.open() as lines:
+            flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The weights' dtype: `auto` is bfloat16 on a CPU that computes bf16 natively, else float32 (CUDA keeps
+    float32 until measured otherwise: its step is launch-bound, not bandwidth-bound — docs/benchmarks.md)."""
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {name!r}")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cpu" and cpu_computes_bf16() else torch.float32
+    return getattr(torch, name)
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> LinearGPTForCausalLM:

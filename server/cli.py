@@ -119,16 +119,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
     from tokenizers import Tokenizer
 
-    from linserve.model.loading import load_model, resolve_device
+    from linserve.model.loading import load_model, resolve_device, resolve_dtype
     from linserve.model.training.corpus import load_corpus
     from linserve.model.training.evaluate import bits_per_byte
 
     device = resolve_device(args.device)
     path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
-    lm = load_model(path, device, getattr(torch, args.dtype))
+    lm = load_model(path, device, resolve_dtype(args.dtype, device))
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     window = args.window
     if window is None and lm.model.config.attention == "softmax":
@@ -138,7 +137,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = bits_per_byte(lm.model, tokenizer, works, window=window, progress=ProgressLine("eval", "tokens"))
     report = {
         "model": str(path),
-        "dtype": args.dtype,
+        "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
         "window": window,
         "works": list(works),
         "bits_per_byte": result.bits_per_byte,
@@ -183,9 +182,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """Build the decode step's compile cache ahead of `serve` (images, init containers): every batch bucket
     `serve` would compile with the same settings, into the same cache directory, in the foreground."""
 
-    import torch
 
-    from linserve.model.loading import load_model, resolve_device
+    from linserve.model.loading import load_model, resolve_device, resolve_dtype
     from linserve.server.app import engine_config
     from linserve.server.engine.compiled_decode import DecodeStep
     from linserve.server.engine.sampling import SlotSampling
@@ -195,7 +193,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     settings = Settings.load(args.config, **{name: getattr(args, name) for name in Settings.model_fields})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = resolve_device(settings.device)
-    model = load_model(checkpoint_dir(settings.model), device, getattr(torch, settings.dtype)).model
+    from linserve.server.engine.cpu_threads import apply_threads
+
+    apply_threads(settings.threads)  # the count `serve` will run with: Inductor builds it into the kernels
+    model = load_model(checkpoint_dir(settings.model), device, resolve_dtype(settings.dtype, device)).model
     if model.config.attention != "linear":
         print("error: only linear-attention models have a compiled decode step", file=sys.stderr)
         return 2
