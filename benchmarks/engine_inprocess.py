@@ -92,21 +92,27 @@ class DecodeTotals:
 
     def __init__(self) -> None:
         self.step_s = self.program_s = 0.0
-        self.rows = 0
+        self.rows = self.steps = 0
 
     def __call__(self, stats) -> None:
         if getattr(stats, "phase", None) == "decode":
             self.step_s += stats.duration_s
             self.program_s += stats.program_s
             self.rows += stats.decode_tokens
+            self.steps += 1
 
-    def mark(self) -> tuple[float, float, int]:
-        return self.step_s, self.program_s, self.rows
+    def mark(self) -> tuple[float, float, int, int]:
+        return self.step_s, self.program_s, self.rows, self.steps
 
-    def python_us_per_row(self, since: tuple[float, float, int] = (0.0, 0.0, 0)) -> float:
+    def python_us_per_row(self, since: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)) -> float:
         """Microseconds of engine-thread Python per decoded row (step time outside the program) since a mark."""
-        step_s, program_s, rows = (now - then for now, then in zip(self.mark(), since))
+        step_s, program_s, rows, _ = (now - then for now, then in zip(self.mark(), since))
         return (step_s - program_s) / max(rows, 1) * 1e6
+
+    def per_step_ms(self, since: tuple[float, float, int, int]) -> tuple[float, float]:
+        """(program, whole engine step) milliseconds per decode-only step since a mark."""
+        step_s, program_s, _, steps = (now - then for now, then in zip(self.mark(), since))
+        return 1e3 * program_s / max(steps, 1), 1e3 * step_s / max(steps, 1)
 
 
 def p4_batching(engine: Engine, max_tokens: int, reps: int, sizes=(1, 32), totals: DecodeTotals | None = None) -> dict:

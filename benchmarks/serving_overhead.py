@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     server = start_server(args.model, args.port, 64, extra=extra, device=device.type, compile=args.compile)
     rates = {(where, n): [] for where in ("engine", "http") for n in sizes}
     python_us = {n: [] for n in sizes}
+    step_ms = {n: [] for n in sizes}  # (program, engine step) per decode step
     try:
         http_rate(args.port, 1, 4)  # warm-up
         for rep in range(args.reps):
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                 seconds, generated = run_streams(engine, n, args.tokens, f"p5-{rep}-{n}")
                 rates[("engine", n)].append(generated / seconds)
                 python_us[n].append(totals.python_us_per_row(mark))
+                step_ms[n].append(totals.per_step_ms(mark))
                 rates[("http", n)].append(http_rate(args.port, n, args.tokens))
     finally:
         engine.stop()
@@ -128,7 +130,28 @@ def main(argv: list[str] | None = None) -> None:
             "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
             "http_spread": [min(rates[("http", n)]), max(rates[("http", n)])],
         }
+    result["per_token_1_stream"] = breakdown(rates, step_ms)
     emit(result, args.out)
+
+
+def breakdown(rates: dict, step_ms: dict) -> dict:
+    """Where a token's time goes at one stream (docs/engine.md): the decode program; the engine step's Python
+    around it (gather of the rows, the scatter back, sampling's bookkeeping, detokenizing, delivery); the engine
+    loop between steps (scheduling, commands, the stats sink); and the HTTP path (event loop, SSE, the client)."""
+    program = statistics.median(p for p, _ in step_ms[1])
+    step = statistics.median(s for _, s in step_ms[1])
+    engine_token = 1e3 / statistics.median(rates[("engine", 1)])
+    http_token = 1e3 / statistics.median(rates[("http", 1)])
+    return {
+        "program_ms": program,
+        "step_python_ms": step - program,
+        "engine_loop_ms": engine_token - step,
+        "http_ms": http_token - engine_token,
+        "engine_token_ms": engine_token,
+        "http_token_ms": http_token,
+        "in_engine": {"ratio": engine_token / program, "target": "<= 1.3", "pass": engine_token / program <= 1.3},
+        "over_http": {"ratio": http_token / program, "target": "<= 1.5", "pass": http_token / program <= 1.5},
+    }
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def test_decode_vs_context(tmp_path):
     data = json.loads((tmp_path / "p1.json").read_text())
     assert set(data["decode_step"]) == {"linear", "softmax", "hf_gpt2"}
     assert data["P6"]["bandwidth_gb_s"] > 0 and data["P1"]["ratio"] > 0
+    floor = data["P6"]["bandwidth"]  # DRAM over a buffer 4x the last-level cache; the cache case beside it
+    assert floor["last_level_cache_bytes"] > 0 and floor["cache_gb_s"] > 0 and data["P6"]["ratio_cache"] > 0
 
 
 def test_engine_inprocess(tmp_path):
@@ -51,6 +53,10 @@ def test_serving_overhead(tmp_path):
     data = json.loads((tmp_path / "p5.json").read_text())
     assert data["P5"]["streams_1"]["http_tokens_per_s"] > 0 and data["P5"]["streams_32"]["engine_tokens_per_s"] > 0
     assert data["P5"]["streams_1"]["engine_python_us_per_row"] > 0  # the Python around the decode program
+    parts = data["per_token_1_stream"]  # a token's time, part by part (docs/engine.md)
+    assert parts["program_ms"] > 0 and parts["engine_token_ms"] > parts["program_ms"]
+    assert parts["in_engine"]["ratio"] > 1 and parts["over_http"]["ratio"] > 0
+    assert data["threads"]["threads"] >= 1
 
 
 def test_compile_vs_eager(tmp_path, compile_cache):
