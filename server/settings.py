@@ -86,7 +86,7 @@ class Settings(BaseSettings):
         None, ge=1, le=1024, description="intra-op CPU threads for the model's ops (torch/OpenMP); unset: the CPUs "
         "this process may use (affinity mask and cgroup quota) less one for the event loop, between 1 and 4")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "float32", description="weights' dtype; the (S, z) state stays fp32. auto: bfloat16 on a CPU with bf16 in "
+        "auto", description="weights' dtype; the (S, z) state stays fp32. auto: bfloat16 on a CPU with bf16 in "
         "hardware (AVX512-BF16, AMX), else float32")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

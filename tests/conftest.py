@@ -10,6 +10,10 @@ from linserve.model.training.corpus import Corpus, load_corpus
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_DIR = REPO / "data" / "corpus"  # cached between runs; downloaded on first use (training tests only)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# The suite compares served tokens with fp32 references (the model run directly, HF generate, recorded
+# fixtures): every server it starts, in process or not, loads fp32 weights unless a test says otherwise.
+# `dtype=auto` (bf16 where the CPU computes it) has its own tests.
+os.environ.setdefault("LINSERVE_DTYPE", "float32")
 
 
 def pytest_addoption(parser):

@@ -312,3 +312,28 @@ def test_logs_have_one_format_and_an_access_line_per_request(start_server):
     assert any('"GET /health" 200' in line and line.endswith(own) for line in access)
     text = served.log.read_text()
     assert "sekrit-key" not in text and "PROMPT-SHOULD-NOT-BE-LOGGED" not in text
+
+
+def test_dtype_auto_serves_bf16_where_the_cpu_computes_it(start_server):
+    """`dtype` defaults to auto: bf16 weights on a CPU with bf16 in hardware, else fp32; the (S, z) state stays
+    fp32 either way. The server says which in /version and serves greedy text that repeats exactly."""
+    import torch
+
+    from linserve.model.loading import resolve_dtype
+    from tests.devices import device_under_test
+
+    server = start_server("--dtype", "auto", "--threads", "1")
+    version = httpx.get(server.base + "/version").json()
+    expected = str(resolve_dtype("auto", device_under_test())).removeprefix("torch.")
+    assert version["dtype"] == expected and version["cpu_threads"] == {**version["cpu_threads"], "threads": 1,
+                                                                       "source": "setting"}
+    body = {"prompt": "ROMEO.", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    first = httpx.post(server.base + "/v1/completions", json=body, timeout=60).json()
+    again = httpx.post(server.base + "/v1/completions", json=body, timeout=60).json()
+    assert first["usage"]["completion_tokens"] == 12 and first["choices"][0]["text"] == again["choices"][0]["text"]
+    created = httpx.post(server.base + "/v1/sessions", json={"prompt": "ROMEO."}, timeout=60).json()
+    state = httpx.get(f"{server.base}/v1/sessions/{created['id']}/state", timeout=60)
+    from safetensors.torch import load as load_safetensors
+
+    tensors = load_safetensors(state.content)
+    assert {t.dtype for name, t in tensors.items() if name.endswith((".S", ".z"))} == {torch.float32}

@@ -101,3 +101,8 @@ def test_threads_setting_from_env_and_bounds(monkeypatch):
     monkeypatch.setenv("LINSERVE_THREADS", "0")
     with pytest.raises(ValueError, match="invalid threads"):
         Settings.load()
+
+
+def test_dtype_defaults_to_auto(monkeypatch):
+    monkeypatch.delenv("LINSERVE_DTYPE", raising=False)  # the suite pins float32 (tests/conftest.py)
+    assert Settings.load().dtype == "auto"
