@@ -48,6 +48,12 @@ def add_threads_argument(parser) -> None:
                         "[default: the server's default from the usable CPUs]")
 
 
+def add_dtype_argument(parser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="weights' dtype, as `linserve serve --dtype` "
+                        "(default auto: bf16 where the CPU computes it)")
+
+
 def add_device_argument(parser) -> None:
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (default: cpu; auto picks CUDA when available)")

@@ -17,9 +17,18 @@ import threading
 import time
 
 import torch
-from common import add_device_argument, add_threads_argument, describe, emit, percentile, resolve_device, synchronize
+from common import (
+    add_device_argument,
+    add_dtype_argument,
+    add_threads_argument,
+    describe,
+    emit,
+    percentile,
+    resolve_device,
+    synchronize,
+)
 
-from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype
 from linserve.server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from linserve.server.settings import Settings  # noqa: E402
 
@@ -219,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--targets", nargs="+", default=["P3", "P4", "P7"], choices=["P3", "P4", "P7"])
     add_device_argument(parser)
     add_threads_argument(parser)
+    add_dtype_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     from linserve.server.engine.cpu_threads import apply_threads
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     results_threads = apply_threads(args.threads)  # P3 runs on this thread: the server's count, set first
     from transformers import AutoTokenizer
 
-    lm = load_model(args.model, device)
+    lm = load_model(args.model, device, resolve_dtype(args.dtype, device))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = lm.model
     quick = args.quick

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_compile_argument,
     add_device_argument,
+    add_dtype_argument,
     add_threads_argument,
     compile_settled,
     describe,
@@ -31,7 +32,7 @@ from common import (  # noqa: E402
 )
 from engine_inprocess import DecodeTotals, run_streams  # noqa: E402
 
-from linserve.model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype  # noqa: E402
 from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
 from linserve.server.engine import Engine, EngineConfig  # noqa: E402
 from linserve.server.settings import Settings  # noqa: E402
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     add_device_argument(parser)
     add_compile_argument(parser)
     add_threads_argument(parser)
+    add_dtype_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     if args.quick:
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     sizes = (1, 32)
-    model = load_model(args.model, device).model
+    model = load_model(args.model, device, resolve_dtype(args.dtype, device)).model
     config = EngineConfig.from_settings(
         # the server's settings, compile cache and thread count too
         Settings(session_store="none", num_slots=64, compile=args.compile, threads=args.threads)
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     totals = DecodeTotals()  # the engine thread's Python around the decode program, per row
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device, totals).start()
     engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm
-    extra = ["--log-level", "warning", *(["--threads", str(args.threads)] if args.threads else [])]
+    extra = ["--log-level", "warning", "--dtype", args.dtype,
+             *(["--threads", str(args.threads)] if args.threads else [])]
     server = start_server(args.model, args.port, 64, extra=extra, device=device.type, compile=args.compile)
     rates = {(where, n): [] for where in ("engine", "http") for n in sizes}
     python_us = {n: [] for n in sizes}
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         server.terminate()
         server.wait(30)
-    result = {**describe(device), "threads": engine.threads.describe(), "tokens_per_stream": args.tokens,
+    result = {**describe(device), "threads": engine.threads.describe(),
+              "dtype": str(next(model.parameters()).dtype), "tokens_per_stream": args.tokens,
               "reps": args.reps}
     targets = {1: 0.9, 32: 0.9}  # SPEC P5: 0.9 at both
     for n in sizes:
