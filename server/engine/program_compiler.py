@@ -59,7 +59,9 @@ def load_artifact(directory: str, num_slots: int, size: int):
     path = artifact_path(directory, num_slots, size)
     if not os.path.exists(path):
         return None
-    return torch._inductor.aoti_load_package(path)
+    from .aoti_runner import load_program
+
+    return load_program(path)  # called without holding the GIL (aoti_runner.py)
 
 
 class CompilerProcess:

@@ -1,0 +1,90 @@
+"""A compiled CPU bucket called without holding the GIL.
+
+torch's own loader (`torch._inductor.aoti_load_package`) runs an AOTInductor program while holding the GIL:
+for the ~0.6 ms of a batch-1 step, no other Python thread of the server can run — the event loop writing the
+previous token's SSE event included — so HTTP work and the program take turns instead of overlapping (a pure
+Python thread beside the program advanced at 3% of its idle rate; measured in docs/engine.md, "Threads").
+
+The artifact is a zip holding one shared library with the program and its weights, whose C entry points are
+AOTInductor's stable ABI (`AOTInductorModelContainerCreateWithDevice`, `…Run`, `…Delete`). Called through
+ctypes, the call releases the GIL for its whole length; tensors cross as AtenTensorHandles made and taken by
+torch's own helpers (`torch._C._aoti`), exactly as its loader passes them. Anything unexpected — no such entry point, a failed
+create — falls back to torch's loader (logged), so a torch that changes this ABI serves as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import zipfile
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.restype, _new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+def open_library(package: str) -> ctypes.CDLL:
+    """The package's shared library, loaded: written to a temporary file beside the package, opened, and
+    unlinked at once (the mapping stays; nothing is left on disk — as torch's loader extracts on every load)."""
+    with zipfile.ZipFile(package) as archive:
+        (member,) = [name for name in archive.namelist() if name.endswith(".so")]
+        temp = f"{os.path.splitext(package)[0]}.{os.getpid()}.{threading.get_ident()}.so"
+        try:
+            with archive.open(member) as source, open(temp, "wb") as out:
+                while chunk := source.read(1 << 20):
+                    out.write(chunk)
+            return ctypes.CDLL(temp)  # CDLL, not PyDLL: its calls release the GIL
+        finally:
+            if os.path.exists(temp):
+                os.unlink(temp)
+
+
+class ReleasingProgram:
+    """`program(*tensors) -> list of tensors`, like torch's loaded package, with the GIL released."""
+
+    def __init__(self, package: str) -> None:
+        self.library = open_library(package)
+        self.handle = ctypes.c_void_p()
+        self._delete = self.library.AOTInductorModelContainerDelete
+        self._run = self.library.AOTInductorModelContainerRun
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                              ctypes.c_void_p, ctypes.c_void_p]
+        check(self.library.AOTInductorModelContainerCreateWithDevice(ctypes.byref(self.handle), ctypes.c_size_t(1),
+                                                                      b"cpu", None), "create")
+        count = ctypes.c_size_t()
+        check(self.library.AOTInductorModelContainerGetNumOutputs(self.handle, ctypes.byref(count)), "outputs")
+        self.num_outputs = count.value
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        handles = [_capsule_pointer(c, None) for c in torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(inputs)]
+        in_array = (ctypes.c_void_p * len(handles))(*handles)  # the handles are the callee's to free
+        out_array = (ctypes.c_void_p * self.num_outputs)()
+        check(self._run(self.handle, in_array, len(handles), out_array, self.num_outputs, None, None), "run")
+        return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(
+            [_new_capsule(out_array[i], None, None) for i in range(self.num_outputs)])
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None) and self.handle.value:
+            self._delete(self.handle)
+            self.handle = ctypes.c_void_p()
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"AOTInductor container {what} failed (status {status}; its message is on stderr)")
+
+
+def load_program(package: str):
+    """The package's program called without the GIL; torch's loader where that cannot be done."""
+    try:
+        return ReleasingProgram(package)
+    except (OSError, AttributeError, ValueError, RuntimeError) as error:
+        logger.warning("calling %s through torch's loader (holds the GIL while it runs): %s", package, error)
+        return torch._inductor.aoti_load_package(package)
