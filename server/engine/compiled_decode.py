@@ -174,7 +174,9 @@ class DecodeStep:
             outputs = self._replay(bucket, tokens, slots, positions)
         else:
             outputs = self._run(bucket.step, bucket.size, tokens, slots, positions)
-        return DecodeOutputs(*(tensor[:rows] for tensor in outputs[:6]), state=[t[:rows] for t in outputs[6:]])
+        if len(outputs[0]) != rows:  # padded to the bucket: the padding's outputs are dropped
+            outputs = [tensor[:rows] for tensor in outputs]
+        return DecodeOutputs(*outputs[:6], state=list(outputs[6:]))
 
     def _bucket_for(self, rows: int) -> Bucket | None:
         for size in self.sizes:

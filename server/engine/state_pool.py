@@ -26,6 +26,7 @@ class SlotPool:
         if num_slots < 1:
             raise ValueError("the state pool needs at least one slot")
         self.buffers = buffers  # name → (num_slots, …)
+        self._buffer_list = list(buffers.values())  # the same, in order (the per-step scatter)
         self.num_slots, self.n_layers, self.device = num_slots, n_layers, device
         self.slot_bytes = sum(b[0].numel() * b.element_size() for b in buffers.values())
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
@@ -100,8 +101,8 @@ class StatePool(SlotPool):
     def scatter_tensors(self, index: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """Write rows back to the slots in `index` (B,): `tensors` in the buffers' order (ModelState.tensors(),
         the decode program's state outputs)."""
-        for buffer, tensor in zip(self.buffers.values(), tensors):
-            buffer.index_copy_(0, index, tensor.to(buffer.dtype))
+        for buffer, tensor in zip(self._buffer_list, tensors):
+            buffer.index_copy_(0, index, tensor if tensor.dtype == buffer.dtype else tensor.to(buffer.dtype))
 
     def copy(self, src: int, dst: int) -> None:
         for buffer in self.buffers.values():
