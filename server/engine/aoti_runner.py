@@ -8,8 +8,9 @@ Python thread beside the program advanced at 3% of its idle rate; measured in do
 The artifact is a zip holding one shared library with the program and its weights, whose C entry points are
 AOTInductor's stable ABI (`AOTInductorModelContainerCreateWithDevice`, `…Run`, `…Delete`). Called through
 ctypes, the call releases the GIL for its whole length; tensors cross as AtenTensorHandles made and taken by
-torch's own helpers (`torch._C._aoti`), exactly as its loader passes them. Anything unexpected — no such entry point, a failed
-create — falls back to torch's loader (logged), so a torch that changes this ABI serves as before.
+torch's own helpers (`torch._C._aoti`), exactly as its loader passes them. Anything unexpected — no such
+entry point, a failed create — falls back to torch's loader (logged), so a torch that changes this ABI serves
+as before.
 """
 
 from __future__ import annotations
