@@ -46,6 +46,8 @@ def add_compile_argument(parser) -> None:
 def add_threads_argument(parser) -> None:
     parser.add_argument("--threads", type=int, help="intra-op CPU threads, as `linserve serve --threads` "
                         "[default: the server's default from the usable CPUs]")
+    parser.add_argument("--prefill-threads", type=int, help="the same while prefilling, as `linserve serve "
+                        "--prefill-threads` [default: the server's]")
 
 
 def add_dtype_argument(parser) -> None:

@@ -12,6 +12,7 @@ Each ratio is measured side by side in one run; repetitions are interleaved and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import threading
 import time
@@ -28,23 +29,31 @@ from common import (
     synchronize,
 )
 
-from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, prefill_dtype, resolve_dtype
 from linserve.server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from linserve.server.settings import Settings  # noqa: E402
 
 
-def p3_prefill(model, n_tokens: int, reps: int) -> dict:
+def p3_prefill(model, n_tokens: int, reps: int, threads=None, chunk: int | None = None) -> dict:
+    """The chunked form on the engine's prefill thread count, in the engine's prefill chunks (`chunk` tokens a
+    forward, as `max_prefill_chunk`; None: one forward), against token by token on its decode count."""
+    from linserve.server.engine.cpu_threads import prefill_threads
+
     device = next(model.parameters()).device
+    on_cpu = threads is not None and device.type == "cpu"
     ids = torch.randint(0, model.config.vocab_size, (1, n_tokens), device=device)
     chunked, stepwise = [], []
     with torch.inference_mode():
         model(ids[:, :64])  # warm-up (kernels, allocator)
         for _ in range(reps):
             synchronize(device)
-            started = time.perf_counter()
-            _, state_chunked = model(ids)
-            synchronize(device)
-            chunked.append(time.perf_counter() - started)
+            with prefill_threads(threads) if on_cpu else contextlib.nullcontext():
+                started = time.perf_counter()
+                state_chunked = None
+                for start in range(0, n_tokens, chunk or n_tokens):
+                    _, state_chunked = model(ids[:, start : start + (chunk or n_tokens)], state_chunked)
+                synchronize(device)
+                chunked.append(time.perf_counter() - started)
             started = time.perf_counter()
             state = None
             for t in range(n_tokens):
@@ -54,16 +63,21 @@ def p3_prefill(model, n_tokens: int, reps: int) -> dict:
     worst = max((a - b).abs().max().item() / b.abs().max().item()
                 for a, b in zip(state_chunked.tensors().values(), state.tensors().values()))
     ratio = statistics.median(stepwise) / statistics.median(chunked)
+    # the state is fp32 either way, but bf16 weights round the projections feeding it differently for a chunk
+    # than for one token (different GEMM shapes): agreement to bf16's precision, not fp32's
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
     return {
         "tokens": n_tokens,
+        "chunk_tokens": chunk or n_tokens,
         "chunked_s": statistics.median(chunked),
         "token_by_token_s": statistics.median(stepwise),
         "chunked_spread_s": [min(chunked), max(chunked)],
         "token_by_token_spread_s": [min(stepwise), max(stepwise)],
         "speedup": ratio,
         "final_state_max_rel_diff": worst,
+        "final_state_tolerance": tolerance,
         "target": ">= 20x",
-        "pass": ratio >= 20 and worst < 1e-4,
+        "pass": ratio >= 20 and worst < tolerance,
     }
 
 
@@ -233,22 +247,23 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     from linserve.server.engine.cpu_threads import apply_threads
 
-    results_threads = apply_threads(args.threads)  # P3 runs on this thread: the server's count, set first
+    # P3 runs on this thread: the server's counts, set first
+    results_threads = apply_threads(args.threads, args.prefill_threads)
     from transformers import AutoTokenizer
 
-    lm = load_model(args.model, device, resolve_dtype(args.dtype, device))
+    decode_dtype = resolve_dtype(args.dtype, device)  # as serve: the chunked form runs in prefill_dtype
+    lm = load_model(args.model, device, prefill_dtype(decode_dtype, device))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = lm.model
     quick = args.quick
-    results = {**describe(device), "threads": results_threads.describe(), "model": args.model}
-    if "P3" in args.targets:
-        results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3)
+    results = {**describe(device), "threads": results_threads.describe(), "model": args.model,
+               "dtype": str(decode_dtype), "prefill_dtype": str(next(model.parameters()).dtype)}
     config = EngineConfig.from_settings(
         Settings(compile="off", session_store="none", num_slots=64, max_prefill_chunk=args.max_prefill_chunk,
-                 threads=args.threads)
+                 threads=args.threads, prefill_threads=args.prefill_threads)
     )
     totals = DecodeTotals()
-    engine = Engine(model, tokenizer, config, device, totals).start()
+    engine = Engine(model, tokenizer, config, device, totals, decode_dtype=decode_dtype).start()
     try:
         if "P4" in args.targets:
             results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3, totals=totals)
@@ -256,6 +271,10 @@ def main(argv: list[str] | None = None) -> None:
             results["P7"] = p7_mixed(engine, 512 if quick else 8192, 8, 40 if quick else 400, 1 if quick else 3)
     finally:
         engine.stop()
+    if "P3" in args.targets:  # last: the pool of OpenMP workers its two-thread run leaves on this thread slowed
+        # the engine thread's steps measured after it (P7 ratio 3.66 vs 1.97 on 2 cores)
+        results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3, results_threads,
+                                   args.max_prefill_chunk)
     emit(results, args.out)
 
 

@@ -87,9 +87,12 @@ class Metrics:
         self.store_up.set(1)
         for tier in ("device", "host", "store"):
             self.sessions.labels(tier)
-        for _, label in CONTEXT_BUCKETS:
-            self.itl.labels(label)
-        self.itl.labels("64k+")
+        # the children the engine thread observes every step, looked up once (a labels() call takes a lock)
+        self._itl = {label: self.itl.labels(label) for label in (*(lb for _, lb in CONTEXT_BUCKETS), "64k+")}
+        self._step = {phase: self.step.labels(phase) for phase in ("decode", "prefill", "mixed")}
+        self._pool_gauges = (self.running, self.waiting, self.pool_bytes.labels("in_use"),
+                             *(self.sessions.labels(tier) for tier in ("device", "host", "store")))
+        self._pool_values: tuple | None = None  # as last set: a step that changed none sets none
 
     def watch_decode_step(self, describe: Callable[[], dict | None]) -> None:
         """Export the decode step's compile status and compile=auto verdict, read at each scrape."""
@@ -103,18 +106,18 @@ class Metrics:
     def observe(self, stats: object) -> None:
         """The engine's stats sink (runs on the engine thread; prometheus-client is thread-safe)."""
         if isinstance(stats, StepStats):
-            self.step.labels(stats.phase).observe(stats.duration_s)
+            self._step[stats.phase].observe(stats.duration_s)
             if stats.batch_size:
                 self.batch_size.observe(stats.batch_size)
             for position, seconds in stats.token_latencies:
-                self.itl.labels(context_label(position)).observe(seconds)
+                self._itl[context_label(position)].observe(seconds)
         elif isinstance(stats, PoolStats):
-            self.running.set(stats.running)
-            self.waiting.set(stats.waiting)
-            self.pool_bytes.labels("in_use").set(stats.state_bytes_in_use)
-            self.sessions.labels("device").set(stats.sessions_device)
-            self.sessions.labels("host").set(stats.sessions_host)
-            self.sessions.labels("store").set(stats.sessions_store)
+            values = (stats.running, stats.waiting, stats.state_bytes_in_use, stats.sessions_device,
+                      stats.sessions_host, stats.sessions_store)
+            if values != self._pool_values:
+                for gauge, value in zip(self._pool_gauges, values):
+                    gauge.set(value)
+                self._pool_values = values
         elif isinstance(stats, RequestStats):
             self.queue_wait.observe(stats.queue_wait_s)
             if stats.ttft_s is not None:

@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     threads: int | None = Field(
         None, ge=1, le=1024, description="intra-op CPU threads for the model's ops (torch/OpenMP); unset: the CPUs "
         "this process may use (affinity mask and cgroup quota) less one for the event loop, between 1 and 4")
+    prefill_threads: int | None = Field(
+        None, ge=1, le=1024, description="intra-op CPU threads while the engine runs the chunked form (prefill, "
+        "prompt scoring), whose GEMMs are large enough to split; unset: the CPUs this process may use, at most 8")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights' dtype; the (S, z) state stays fp32. auto: bfloat16 on a CPU with bf16 in "
         "hardware (AVX512-BF16, AMX), else float32")

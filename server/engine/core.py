@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 
 from linserve.model import LinearGPT
+from linserve.model.loading import in_dtype
 
 from . import heap
 from .command_queue import ENGINE_DEAD, CommandQueue
@@ -71,30 +72,35 @@ STEP_FAILED = "the engine failed while serving this request (see the server log)
 
 class Engine:
     def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
-                 stats_sink: StatsSink | None = None) -> None:
-        self.threads = apply_threads(config.threads)  # before any op runs or program is built: kernels bake it in
+                 stats_sink: StatsSink | None = None, decode_dtype: torch.dtype | None = None) -> None:
+        """`model` runs the chunked form (prefill, prompt scoring); the decode step runs a copy of it with
+        weights in `decode_dtype` (None: the model itself) — see `model.loading.prefill_dtype`."""
+        # before any op runs or program is built: kernels bake the count in
+        self.threads = apply_threads(config.threads, config.prefill_threads)
         self.model, self.config, self.device = model.eval(), config, device
+        self.linear = model.config.attention == "linear"
+        self.decode_model = in_dtype(self.model, decode_dtype) if decode_dtype and self.linear else self.model
         # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
         self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.vocab_size, self.eos_id = model.config.vocab_size, tokenizer.eos_token_id
-        self.linear = model.config.attention == "linear"
         self.stats_sink = stats_sink or (lambda stats: None)
         self.pool = (StatePool(model, config.num_slots, device) if self.linear
                      else KVCachePool(model, config.num_slots, config.max_context, device))
         self.sampling = SlotSampling(config.num_slots, self.vocab_size, device)
         max_rows = min(config.num_slots, config.max_batch_tokens)
-        self.decode_step = DecodeStep(model, self.pool, self.sampling, device, config.compile, max_rows,
+        self.decode_step = DecodeStep(self.decode_model, self.pool, self.sampling, device, config.compile, max_rows,
                                       config.compile_cache_dir, config.compile_autotune) if self.linear else None
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
                                         self.pool.slot_bytes)
         self.runner = StepRunner(model, self.pool, self.sampling, self.decode_step, self.prefix_cache, device,
-                                 self.eos_id)
+                                 self.eos_id, self.threads)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         store = (open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
                  if self.linear else None)
         self.store_worker = None if store is None else StoreWorker(store, config.session_store_timeout_s,
                                                                    self._store_result)
-        self.registry = SessionRegistry(self.pool, model, config.max_host_sessions, config.session_ttl_s,
+        # a snapshot names the decode weights: they made its state's tokens
+        self.registry = SessionRegistry(self.pool, self.decode_model, config.max_host_sessions, config.session_ttl_s,
                                         self.reserved_slots, config.session_turns_kept, store, self.store_worker)
         self.commands = CommandQueue()
         self.sessions = SessionService(self.registry, self.store_worker, self.commands.call, self.commands.internal,

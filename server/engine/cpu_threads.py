@@ -7,7 +7,8 @@ decode step waiting at barriers for a core that the event loop and the client he
 served 2.7x the tokens/s (docs/benchmarks.md, "Threads"). So the default leaves one CPU for everything that
 is not the model's arithmetic (event loop, tokenizer, store worker, the client's side of loopback) and caps
 the rest: a decode step of this size is a chain of small matrix-vector products whose barriers cost more than
-a wide split saves.
+a wide split saves. Prefill is different — its GEMMs are large — so the engine thread switches to
+`prefill_threads` (default: every usable CPU) while it runs the chunked form, and back after.
 
 "CPUs this process may use" is the smaller of its affinity mask and its cgroup CPU quota (a container limited
 to 2 CPUs on a 64-core host gets 1 thread, not 63).
@@ -17,21 +18,25 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 MAX_DEFAULT_THREADS = 4  # the default's ceiling; `threads` set explicitly may go higher
+MAX_DEFAULT_PREFILL_THREADS = 8  # likewise for `prefill_threads`
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 @dataclass(frozen=True)
 class ThreadPlan:
-    threads: int  # torch intra-op threads (OpenMP), as set
+    threads: int  # torch intra-op threads (OpenMP), as set: the decode step's
     usable_cpus: float  # min(affinity mask, cgroup quota)
     source: str  # "setting" (asked for) or "default" (derived from usable_cpus)
     omp_wait_policy: str  # OMP_WAIT_POLICY as the process started with it ("default" when unset)
+    prefill_threads: int = 1  # the engine thread's count while it runs the chunked form (prefill)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -96,17 +101,38 @@ def default_threads(usable: float) -> int:
     return max(1, min(math.floor(usable) - 1, MAX_DEFAULT_THREADS))
 
 
-def plan_threads(requested: int | None) -> ThreadPlan:
+def default_prefill_threads(usable: float) -> int:
+    """Every CPU this process may use (at least one, at most MAX_DEFAULT_PREFILL_THREADS): a prefill chunk's
+    GEMMs are large enough that splitting them pays for the barriers, unlike a decode step's."""
+    return max(1, min(math.floor(usable), MAX_DEFAULT_PREFILL_THREADS))
+
+
+def plan_threads(requested: int | None, prefill_requested: int | None = None) -> ThreadPlan:
     usable = usable_cpus()
     threads = requested if requested is not None else default_threads(usable)
+    prefill = prefill_requested if prefill_requested is not None else default_prefill_threads(usable)
     return ThreadPlan(threads, usable, "setting" if requested is not None else "default",
-                      os.environ.get("OMP_WAIT_POLICY", "default").lower())
+                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill)
 
 
-def apply_threads(requested: int | None) -> ThreadPlan:
+def apply_threads(requested: int | None, prefill_requested: int | None = None) -> ThreadPlan:
     """Set torch's intra-op thread count for this process (before the model's first op, and before any
     compiled program is built or loaded: Inductor bakes the count into its kernels)."""
-    plan = plan_threads(requested)
+    plan = plan_threads(requested, prefill_requested)
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
     return plan
+
+
+@contextmanager
+def prefill_threads(plan: ThreadPlan) -> Iterator[None]:
+    """The calling thread's eager ops run on `plan.prefill_threads` threads inside, on `plan.threads` after
+    (OpenMP's count is per thread: other threads are untouched; a switch costs well under a microsecond)."""
+    if plan.prefill_threads == plan.threads:
+        yield
+        return
+    torch.set_num_threads(plan.prefill_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(plan.threads)

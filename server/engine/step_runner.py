@@ -10,6 +10,7 @@ request (and its session) as before the step; the core fails the step's requests
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_threads import ThreadPlan, prefill_threads
 from .decode_program import DecodeOutputs
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache, boundary_hashes
@@ -54,9 +56,10 @@ def with_prompt_logprobs(output: RequestOutput, scored: list[TokenLogprob | None
 
 class StepRunner:
     def __init__(self, model, pool, sampling: SlotSampling, decode_step, prefix_cache: PrefixCache,
-                 device: torch.device, eos_id: int | None) -> None:
+                 device: torch.device, eos_id: int | None, threads: ThreadPlan | None = None) -> None:
         self.model, self.pool, self.sampling, self.decode_step = model, pool, sampling, decode_step
         self.prefix_cache, self.device, self.eos_id = prefix_cache, device, eos_id
+        self.threads = threads if device.type == "cpu" else None  # CPU threads for the chunked form
 
     # ------------------------------------------------------------------ phases
     def decode(self, rows: list[Row]) -> Delivery:
@@ -82,7 +85,12 @@ class StepRunner:
 
     def prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:
         """This step's prefill chunks (request, start, length) — those of equal length as one batch (exact:
-        no padding). The state moves on; the first tokens come from `first_tokens` once a prompt is whole."""
+        no padding), on the prefill thread count. The state moves on; the first tokens come from
+        `first_tokens` once a prompt is whole."""
+        with prefill_threads(self.threads) if self.threads is not None else contextlib.nullcontext():
+            self._prefill(work)
+
+    def _prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:
         by_length: dict[int, list[tuple[LiveRequest, int]]] = {}
         for live, start, length in work:
             by_length.setdefault(length, []).append((live, start))

@@ -45,6 +45,7 @@ class EngineConfig:
     compile_autotune: bool  # CPU builds: max-autotune GEMM choices (slower builds, faster programs)
     compile_cache_dir: str | None
     threads: int | None  # torch intra-op CPU threads; None: derived from the CPUs this process may use
+    prefill_threads: int | None  # the same while the chunked form (prefill) runs
 
     @classmethod
     def from_settings(cls, settings: object, **overrides: object) -> EngineConfig:

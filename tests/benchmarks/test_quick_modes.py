@@ -41,7 +41,7 @@ def test_decode_vs_context(tmp_path):
 
 
 def test_engine_inprocess(tmp_path):
-    run("engine_inprocess.py", "--out", str(tmp_path / "e.json"))
+    run("engine_inprocess.py", "--out", str(tmp_path / "e.json"), "--dtype", "float32")
     data = json.loads((tmp_path / "e.json").read_text())
     assert data["P3"]["final_state_max_rel_diff"] < 1e-4  # same final state either way
     assert data["P4"]["tokens_per_s"] and data["P7"]["samples_with"] > 0

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linserve.model.loading import cpu_computes_bf16, resolve_dtype
+from linserve.model.loading import (
+    DEFAULT_CHECKPOINT,
+    cpu_computes_bf16,
+    in_dtype,
+    load_model,
+    prefill_dtype,
+    resolve_dtype,
+)
 
 
 def cpuinfo(tmp_path, flags: str):
@@ -35,3 +42,23 @@ def test_resolve_dtype():
     assert resolve_dtype("auto", torch.device("cuda")) is torch.float32  # resolved without touching a GPU
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("float16", cpu)
+
+
+def test_prefill_dtype_is_fp32_on_cpu_and_the_decode_dtype_elsewhere():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert prefill_dtype(torch.bfloat16, cpu) is torch.float32 and prefill_dtype(torch.float32, cpu) is torch.float32
+    assert prefill_dtype(torch.bfloat16, cuda) is torch.bfloat16 and prefill_dtype(torch.float32, cuda) is torch.float32
+
+
+def test_in_dtype_casts_a_copys_parameters_not_its_buffers_as_from_pretrained_loads():
+    """The decode copy of the shipped model equals `from_pretrained(dtype=bfloat16)`, byte for byte (its heads'
+    decays stay fp32), so `linserve compile` and `serve` build and find the same artifacts."""
+    model = load_model(DEFAULT_CHECKPOINT, torch.device("cpu"), torch.float32).model
+    assert in_dtype(model, torch.float32) is model
+    copy = in_dtype(model, torch.bfloat16)
+    assert copy is not model and next(model.parameters()).dtype == torch.float32 and not copy.training
+    loaded = load_model(DEFAULT_CHECKPOINT, torch.device("cpu"), torch.bfloat16).model.state_dict()
+    mine = copy.state_dict()
+    assert {name: t.dtype for name, t in mine.items()} == {name: t.dtype for name, t in loaded.items()}
+    assert all(torch.equal(mine[name], loaded[name]) for name in loaded)
+    assert {t.dtype for name, t in mine.items() if name.endswith("log_decay")} == {torch.float32}

@@ -315,8 +315,9 @@ def test_logs_have_one_format_and_an_access_line_per_request(start_server):
 
 
 def test_dtype_auto_serves_bf16_where_the_cpu_computes_it(start_server):
-    """`dtype` defaults to auto: bf16 weights on a CPU with bf16 in hardware, else fp32; the (S, z) state stays
-    fp32 either way. The server says which in /version and serves greedy text that repeats exactly."""
+    """`dtype` defaults to auto: bf16 decode weights on a CPU with bf16 in hardware, else fp32 (prefill runs fp32
+    weights on a CPU either way); the (S, z) state stays fp32 either way. The server says which in /version and
+    serves greedy text that repeats exactly."""
     import torch
 
     from linserve.model.loading import resolve_dtype
@@ -325,8 +326,9 @@ def test_dtype_auto_serves_bf16_where_the_cpu_computes_it(start_server):
     server = start_server("--dtype", "auto", "--threads", "1")
     version = httpx.get(server.base + "/version").json()
     expected = str(resolve_dtype("auto", device_under_test())).removeprefix("torch.")
-    assert version["dtype"] == expected and version["cpu_threads"] == {**version["cpu_threads"], "threads": 1,
-                                                                       "source": "setting"}
+    prefill = "float32" if device_under_test().type == "cpu" else expected  # the chunked form's weights
+    assert version["dtype"] == expected and version["prefill_dtype"] == prefill
+    assert version["cpu_threads"] == {**version["cpu_threads"], "threads": 1, "source": "setting"}
     body = {"prompt": "ROMEO.", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     first = httpx.post(server.base + "/v1/completions", json=body, timeout=60).json()
     again = httpx.post(server.base + "/v1/completions", json=body, timeout=60).json()

@@ -9,14 +9,18 @@ import pytest
 import torch
 
 from linserve.server.engine.cpu_threads import (
+    MAX_DEFAULT_PREFILL_THREADS,
     MAX_DEFAULT_THREADS,
     affinity_cpus,
     cgroup_cpu_quota,
+    default_prefill_threads,
     default_threads,
     plan_threads,
     usable_cpus,
 )
+from linserve.server.engine.types import SamplingParams
 from linserve.server.settings import Settings
+from tests.helpers import prompt, run
 
 
 @pytest.fixture
@@ -67,6 +71,12 @@ def test_default_leaves_a_cpu_for_the_rest_and_is_capped(usable, threads):
     assert MAX_DEFAULT_THREADS == 4
 
 
+@pytest.mark.parametrize(("usable", "threads"), [(0.5, 1), (1, 1), (1.9, 1), (2, 2), (3, 3), (8, 8), (64, 8)])
+def test_prefill_default_is_every_usable_cpu_capped(usable, threads):
+    assert default_prefill_threads(usable) == threads
+    assert MAX_DEFAULT_PREFILL_THREADS == 8
+
+
 def test_usable_cpus_is_this_process_affinity_at_most():
     assert 0 < usable_cpus() <= affinity_cpus() == len(os.sched_getaffinity(0))
 
@@ -78,6 +88,8 @@ def test_plan_names_its_source(monkeypatch):
     assert chosen.omp_wait_policy == "passive"
     asked = plan_threads(3)
     assert (asked.threads, asked.source) == (3, "setting")
+    assert chosen.prefill_threads == asked.prefill_threads == default_prefill_threads(usable_cpus())
+    assert plan_threads(None, 5).prefill_threads == 5
 
 
 def engine_thread_count(engine) -> int:
@@ -106,3 +118,27 @@ def test_threads_setting_from_env_and_bounds(monkeypatch):
 def test_dtype_defaults_to_auto(monkeypatch):
     monkeypatch.delenv("LINSERVE_DTYPE", raising=False)  # the suite pins float32 (tests/conftest.py)
     assert Settings.load().dtype == "auto"
+
+
+class ThreadsSeen:
+    """Wraps the engine's model (the real one runs): the calling thread's count at every chunked forward."""
+
+    def __init__(self, model) -> None:
+        self.model, self.seen = model, []
+
+    def __call__(self, ids, state):
+        self.seen.append((ids.shape[1], torch.get_num_threads()))
+        return self.model(ids, state)
+
+
+def test_prefill_runs_on_the_prefill_count_and_decode_on_the_decode_count(make_engine, restore_threads, device):
+    if device.type != "cpu":
+        pytest.skip("CPU threads: a CUDA engine's prefill runs on the GPU")
+    engine = make_engine(threads=1, prefill_threads=3)
+    assert (engine.threads.threads, engine.threads.prefill_threads) == (1, 3)
+    spy = engine.runner.model = ThreadsSeen(engine.runner.model)
+    outputs = run(engine, prompt(40), SamplingParams(max_tokens=4, temperature=0), "t")
+    assert sum(o.token_id is not None for o in outputs) == 4
+    assert [length for length, _ in spy.seen] == [16, 16, 8]  # the engine's chunks (max_prefill_chunk 16)
+    assert {threads for _, threads in spy.seen} == {3}
+    assert engine_thread_count(engine) == 1  # back for the decode steps
