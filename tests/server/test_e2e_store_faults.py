@@ -210,3 +210,66 @@ def test_a_frozen_redis_under_two_replicas_acknowledges_only_what_it_stored(tiny
         two.stop()
         redis.kill()
         redis.wait(10)
+
+
+def test_a_store_directory_removed_and_made_again_takes_writes_again(tiny_checkpoint, tmp_path):
+    """Issue 31 row 1: `rm -rf` of the store directory under a running server, then `mkdir` of it again: while
+    it is gone every change is a 503 and /ready says why; once it is back the store rebuilds its own layout
+    and creates and continues succeed within seconds — not 503 forever."""
+    import shutil
+
+    store = tmp_path / "store"
+    env = {"LINSERVE_SESSION_STORE": f"dir:{store}", **STORE_TIMEOUT}
+    server = ServerProcess(tiny_checkpoint, tmp_path / "a.log", env=env)
+    try:
+        base = server.base
+        before = httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}).json()["id"]
+        shutil.rmtree(store)
+        store_503(httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}))
+        wait_store(base, up=False)
+        ready = httpx.get(f"{base}/ready").json()["session_store"]
+        assert "missing" in ready["last_error"], ready  # says why
+        store.mkdir()
+        deadline = time.monotonic() + 10
+        while (created := httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."})).status_code != 200:
+            store_503(created)
+            assert time.monotonic() < deadline, "the remade store directory never took a write"
+            time.sleep(0.2)
+        sid = created.json()["id"]
+        assert completion(base, sid).status_code == 200
+        assert completion(base, before).status_code == 200  # a session in memory is stored again with its turn
+        assert httpx.get(f"{base}/ready").json()["session_store"]["up"] is True
+        assert sorted(s["id"] for s in httpx.get(f"{base}/v1/sessions").json()["data"]) == sorted([sid, before])
+        slots_balance(base)
+    finally:
+        server.stop()
+    restarted = ServerProcess(tiny_checkpoint, tmp_path / "b.log", env=env)
+    try:  # both were stored in the remade directory with the index that lists them
+        assert sorted(s["id"] for s in httpx.get(f"{restarted.base}/v1/sessions").json()["data"]) == sorted(
+            [sid, before])
+    finally:
+        restarted.stop()
+
+
+def test_leftovers_of_a_killed_write_are_swept_at_start_up(tiny_checkpoint, tmp_path):
+    """Issue 31 row 9: a server SIGKILLed in the middle of writing leaves its temporary record (and possibly a
+    probe file or a half-built owner index); the next start removes them, and listings never showed them."""
+    store = tmp_path / "store"
+    env = {"LINSERVE_SESSION_STORE": f"dir:{store}"}
+    server = ServerProcess(tiny_checkpoint, tmp_path / "a.log", env=env)
+    try:
+        sid = httpx.post(f"{server.base}/v1/sessions", json={"prompt": "HAMLET."}).json()["id"]
+    finally:
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait(30)
+    # what a kill between the temporary file's write and its rename, or mid-probe, or mid-index build leaves
+    (store / f".{sid}.0123456789abcdef0123456789abcdef.tmp").write_bytes(b"half a record")
+    (store / ".probe.0123456789abcdef").write_bytes(b"ok")
+    (store / ".owners.0123456789abcdef" / "anon").mkdir(parents=True)
+    restarted = ServerProcess(tiny_checkpoint, tmp_path / "b.log", env=env)
+    try:
+        assert sorted(p.name for p in store.iterdir() if p.name.startswith(".")) == []
+        assert [s["id"] for s in httpx.get(f"{restarted.base}/v1/sessions").json()["data"]] == [sid]
+        assert completion(restarted.base, sid).status_code == 200
+    finally:
+        restarted.stop()

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
+
+logger = logging.getLogger(__name__)
 
 SESSION_ID_PATTERN = r"sess-[0-9A-Za-z_-]{1,64}"  # the one pattern: routes, stores and listings use it
 SESSION_ID = re.compile(SESSION_ID_PATTERN)
@@ -117,7 +121,28 @@ class DirStore:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.owners = self.path / "owners"  # owners/<owner key>/<session id>: empty files, the owner index
+        self._sweep()
+        self._ensure_layout()
+
+    def _sweep(self) -> None:
+        """What a process killed mid-write leaves (one process per directory, so at start-up nothing else is
+        writing): record and probe files never renamed into place, and owner indexes never finished."""
+        for leftover in self.path.glob(".*"):
+            try:
+                if leftover.is_dir() and leftover.name.startswith(".owners."):
+                    shutil.rmtree(leftover)
+                elif leftover.name.endswith(".tmp") or leftover.name.startswith(".probe."):
+                    leftover.unlink()
+            except FileNotFoundError:
+                continue
+            logger.info("session store: removed %s, left by an interrupted write", leftover.name)
+
+    def _ensure_layout(self) -> None:
+        """The owner index, built when it is missing — at the first start, or after the directory was removed
+        and made again under a running server (its writes then work again at once, not never)."""
         if not self.owners.is_dir():
+            if not self.path.is_dir():
+                raise self._missing()
             self._build_index()
 
     def _file(self, session_id: str) -> Path | None:
@@ -160,8 +185,7 @@ class DirStore:
         target = self._file(session_id)
         if target is None:
             raise ValueError(f"not a session id: {session_id!r}")
-        if not self.path.is_dir():
-            raise self._missing()
+        self._ensure_layout()
         self._index(session_id, owner)  # first: a record is never without its entry
         temporary = self.path / f".{session_id}.{uuid.uuid4().hex}.tmp"
         try:
@@ -253,8 +277,7 @@ class DirStore:
     def ping(self) -> None:
         """A real write: the only proof that the directory takes writes (permissions, read-only mounts, a
         full disk) whoever the server runs as."""
-        if not self.path.is_dir():
-            raise self._missing()
+        self._ensure_layout()  # a directory made again is usable again
         probe = self.path / f".probe.{uuid.uuid4().hex}"
         with open(probe, "wb") as out:
             out.write(b"ok")
