@@ -81,6 +81,14 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     generated: int = 0
     engine_ids: list[str] = field(default_factory=list)
+    consumed: dict[int, int] = field(default_factory=dict)  # prompt number → prompt tokens the engine took
+
+    def count(self, output: RequestOutput) -> None:
+        """Account one output: a generated token, and the prompt tokens its request added as the engine counts
+        them (an empty session's first call starts from end-of-text: one token, not zero)."""
+        self.generated += output.token_id is not None
+        if output.request_id:
+            self.consumed[output.index // self.params.n] = output.prompt_tokens
 
     @property
     def rows(self) -> int:
@@ -92,7 +100,7 @@ class Generation:
 
     @property
     def usage(self) -> dict:
-        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        prompt_tokens = sum(self.consumed.get(number, len(ids)) for number, ids in enumerate(self.prompts))
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": self.generated,
@@ -148,7 +156,7 @@ async def collect(request: Request, generation: Generation) -> list[list[Request
     async def gather() -> list[list[RequestOutput]]:
         async for output in generation.stream:
             rows[output.index].append(output)
-            generation.generated += output.token_id is not None
+            generation.count(output)
             if output.finish_reason is FinishReason.ERROR:
                 generation.abort()  # a failed prompt fails the request: its other prompts stop too
         return rows
@@ -205,7 +213,7 @@ def stream_events(
             async for batch in generation.stream.batches():
                 events = []
                 for output in batch:
-                    generation.generated += output.token_id is not None
+                    generation.count(output)
                     finished_rows += output.finished
                     if output.finish_reason is FinishReason.ERROR:
                         if not failed:  # one error event per request, whichever of its rows reports it

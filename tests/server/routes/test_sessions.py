@@ -68,3 +68,32 @@ def test_a_listing_under_concurrent_creates_and_deletes_stays_consistent(make_cl
         assert len(ids) == len(set(ids)) and ids == sorted(ids, reverse=True) and set(kept) <= set(ids)
     assert every_id(client) == kept[::-1] and not gone & set(every_id(client))
     assert_slots_balance(client.app.state.engine)
+
+
+def test_usage_counts_exactly_the_tokens_each_call_added_to_the_session(client):
+    """Issue 31 row 11: an empty session's first call starts from end-of-text — one prompt token, not zero —
+    and in every path (non-streamed, streamed with usage, empty and non-empty prompts) the session grows by
+    exactly the call's usage.total_tokens."""
+    import json
+
+    sid = client.post("/v1/sessions", json={}).json()["id"]
+    tokens = client.get(f"/v1/sessions/{sid}").json()["tokens"]
+    assert tokens == 0
+    calls = [({"prompt": "", "max_tokens": 3}, 1), ({"prompt": " and so", "max_tokens": 2}, None),
+             ({"prompt": "", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}, 0),
+             ({"prompt": " to", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}, None)]
+    for body, prompt_tokens in calls:
+        response = client.post(f"/v1/sessions/{sid}/completions", json={"temperature": 0, "ignore_eos": True, **body})
+        assert response.status_code == 200, response.text
+        if body.get("stream"):
+            events = [json.loads(line[6:]) for line in response.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            usage = next(e["usage"] for e in events if e.get("usage"))
+        else:
+            usage = response.json()["usage"]
+        if prompt_tokens is not None:
+            assert usage["prompt_tokens"] == prompt_tokens, (body, usage)
+        assert usage["completion_tokens"] == body["max_tokens"]
+        grown = client.get(f"/v1/sessions/{sid}").json()["tokens"]
+        assert grown - tokens == usage["total_tokens"], (body, usage)
+        tokens = grown
