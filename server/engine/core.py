@@ -161,8 +161,9 @@ class Engine:
         try:
             failures = 0
             while not self.commands.stopping.is_set():
-                if self.commands.drain(block=not self.live):
-                    self._emit_pool_stats()
+                idle = not self.live
+                if self.commands.drain(block=idle) or idle:  # idle: once a second, so gauges follow expiry
+                    self._emit_pool_stats()                  # and the store's sweep with no request at all
                 self.registry.expire()
                 plan = self.scheduler.schedule()
                 for seq_id, error in plan.failed:  # admission raised (e.g. a seed the generator rejects)

@@ -273,3 +273,28 @@ def test_leftovers_of_a_killed_write_are_swept_at_start_up(tiny_checkpoint, tmp_
         assert completion(restarted.base, sid).status_code == 200
     finally:
         restarted.stop()
+
+
+def test_tier_gauges_follow_an_idle_server(tiny_checkpoint, tmp_path):
+    """Issue 31 row 10: on an idle server — no request reaches the engine, only /metrics scrapes, which never
+    do — the store tier's gauge follows the store's own sweep (every 10 s) and a session that expires from
+    memory leaves the device tier within seconds."""
+    env = {"LINSERVE_SESSION_STORE": f"dir:{tmp_path / 'store'}", "LINSERVE_SESSION_TTL_S": "20"}
+    server = ServerProcess(tiny_checkpoint, tmp_path / "a.log", env=env)
+    try:
+        base = server.base
+        assert httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}).status_code == 200
+        created = time.monotonic()
+        assert metric(base, 'linserve_sessions{tier="device"}') == 1
+
+        def wait_for(series: str, value: float, within_s: float) -> None:
+            while metric(base, series) != value:
+                assert time.monotonic() < created + within_s, f"{series} never became {value}"
+                time.sleep(0.2)
+
+        wait_for('linserve_sessions{tier="store"}', 1, 17)  # the record, counted by the sweep
+        wait_for('linserve_sessions{tier="device"}', 0, 30)  # expired from memory at 20 s
+        assert metric(base, 'linserve_sessions{tier="host"}') == 0
+        assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
+    finally:
+        server.stop()
