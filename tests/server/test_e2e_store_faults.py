@@ -298,3 +298,43 @@ def test_tier_gauges_follow_an_idle_server(tiny_checkpoint, tmp_path):
         assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
     finally:
         server.stop()
+
+
+def test_a_full_redis_can_still_be_emptied(tiny_checkpoint, tmp_path):
+    """Issue 31 row 8: Redis at `maxmemory` with `noeviction` refuses what needs memory (new records: 503), but
+    deleting sessions frees it and works (204), and then creates succeed again."""
+    import redis as redis_client
+
+    url, process = start_redis(tmp_path)
+    env = {"LINSERVE_SESSION_STORE": url, **STORE_TIMEOUT}
+    server = ServerProcess(tiny_checkpoint, tmp_path / "a.log", env=env)
+    direct = redis_client.Redis.from_url(url)
+    try:
+        base = server.base
+        ids = [httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}).json()["id"] for _ in range(3)]
+        used = direct.info("memory")["used_memory"]
+        direct.config_set("maxmemory-policy", "noeviction")
+        direct.config_set("maxmemory", used + 4096)  # full: the next record does not fit
+        ballast = 0
+        while True:  # fill what is left (a client of its own, as another tenant of this Redis would)
+            try:
+                direct.set(f"ballast:{ballast}", b"x" * 1024)
+                ballast += 1
+            except redis_client.exceptions.OutOfMemoryError:
+                break
+        # strictly over the line (a byte freed elsewhere must not let one record in): full until emptied
+        direct.config_set("maxmemory", direct.info("memory")["used_memory"] - 1024)
+        store_503(httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}))
+        for sid in ids:  # a full store can be emptied
+            response = httpx.delete(f"{base}/v1/sessions/{sid}", timeout=30)
+            assert response.status_code == 204, response.text
+            assert httpx.get(f"{base}/v1/sessions/{sid}").status_code == 404
+        assert direct.exists(*(f"linserve:session:{sid}" for sid in ids)) == 0
+        direct.config_set("maxmemory", 0)  # room again
+        wait_store(base, up=True)
+        assert httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}).status_code == 200
+        slots_balance(base)
+    finally:
+        server.stop()
+        process.terminate()
+        process.wait(10)

@@ -36,6 +36,9 @@ return 1"""
 _ACQUIRE = _LATE + """if late then return -1 end
 if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then return 1 end
 return 0"""
+# the same, run even while Redis is at `maxmemory` (Redis >= 7: a script's shebang flags): a lease key is a few
+# bytes, and without it a full store could not be emptied — a delete takes the session's lease first
+_ACQUIRE_ALLOW_OOM = "#!lua flags=allow-oom\n" + _ACQUIRE
 # compare-and-act on a lease: only its holder may renew or release it
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -59,6 +62,7 @@ class RedisStore:
         self.ttl_ms = max(int(ttl_s * 1000), 1)
         self._put, self._delete, self._acquire, self._renew, self._release = (
             self.client.register_script(s) for s in (_PUT, _DELETE, _ACQUIRE, _RENEW, _RELEASE))
+        self._acquire_any = None  # chosen by the server's version at the first lease
 
     def _key(self, session_id: str, prefix: str = PREFIX) -> str | None:
         return prefix + session_id if SESSION_ID.fullmatch(session_id) else None
@@ -113,10 +117,17 @@ class RedisStore:
         key = self._key(session_id, self.LEASE)
         if key is None:
             return False
-        got = self._acquire(keys=[key], args=[_ms(deadline), holder, lease_ms])
+        got = self._lease_script()(keys=[key], args=[_ms(deadline), holder, lease_ms])
         if got == -1:
             raise StoreTimeout("the session store did not grant the lease in time")
         return bool(got)
+
+    def _lease_script(self):
+        """The allow-oom acquire where Redis reads script flags (7.0 on), the plain one before."""
+        if self._acquire_any is None:
+            major = int(str(self.client.info("server").get("redis_version", "0")).split(".")[0])
+            self._acquire_any = self.client.register_script(_ACQUIRE_ALLOW_OOM) if major >= 7 else self._acquire
+        return self._acquire_any
 
     def renew(self, session_id: str, holder: str, lease_ms: int) -> bool:
         return bool(self._renew(keys=[self.LEASE + session_id], args=[holder, lease_ms]))
