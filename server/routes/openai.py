@@ -44,14 +44,20 @@ async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> 
 
 
 def completion_chunk(generation: Generation, model: str, tokenizer, output, echo_text: str = "",
-                     prompt_ids: list[int] | None = None) -> str:
-    """One streamed event; with echo and scoring, a row's first one carries its prompt and the prompt's logprobs."""
-    logprobs = (completion_logprobs(tokenizer, [output], len(echo_text), prompt_ids)
+                     prompt_ids: list[int] | None = None, offset: int = 0) -> tuple[str, int]:
+    """One streamed event, and the text offset after it: with logprobs, its tokens' `text_offset` count from
+    `offset` (where this chunk's text starts in the choice's whole returned text), as the non-streamed
+    response counts them; with echo and scoring, a row's first event carries its prompt and the prompt's
+    logprobs (offsets from 0)."""
+    logprobs = (completion_logprobs(tokenizer, [output], offset + len(echo_text), prompt_ids)
                 if generation.params.logprobs is not None else None)
     choice = CompletionChoice(index=output.index, text=echo_text + output.text, logprobs=logprobs,
                               finish_reason=output.finish_reason.value if output.finished else None)
+    after = offset + len(echo_text)
+    if logprobs is not None and logprobs.tokens:
+        after = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
     return chunk_json(CompletionResponse(id=generation.request_id, created=generation.created, model=model,
-                                         choices=[choice]))
+                                         choices=[choice])), after
 
 
 def check_model(name: str | None, settings) -> None:
@@ -106,19 +112,22 @@ async def run_completion(
 
         scoring = params.prompt_logprobs is not None  # the echo goes out with its logprobs, after the prefill
         first = [
-            completion_chunk(generation, model, tokenizer, _empty(i), echo(i))
+            completion_chunk(generation, model, tokenizer, _empty(i), echo(i))[0]
             for i in range(generation.rows)
             if echo(i) and not scoring
         ]
         if params.logprobs is None:  # the hot path: a prepared template, no model per token
             chunk = CompletionChunks(generation.request_id, generation.created, model)
         else:
+            offsets: dict[int, int] = {}  # each choice's next text offset: positions in its whole returned text
 
             def chunk(output) -> str:
-                if output.prompt_logprobs is not None:
-                    return completion_chunk(generation, model, tokenizer, output, echo(output.index),
-                                            prompts[output.index // params.n])
-                return completion_chunk(generation, model, tokenizer, output)
+                scored = output.prompt_logprobs is not None
+                at = offsets.get(output.index, len(echo(output.index)) if echo(output.index) and not scored else 0)
+                text, offsets[output.index] = completion_chunk(
+                    generation, model, tokenizer, output, echo(output.index) if scored else "",
+                    prompts[output.index // params.n] if scored else None, at)
+                return text
 
         return stream_events(generation, chunk, body.include_usage, usage_chunk, first)
     rows = await collect(request, generation)

@@ -107,10 +107,30 @@ def test_a_stream_sends_the_echo_with_its_logprobs_then_the_tokens(client):
     first = events[0]
     assert first["text"].startswith(PASSAGE) and len(first["logprobs"]["tokens"]) == len(ids) + 1
     streamed = {"text": "".join(e["text"] for e in events),
-                "token_logprobs": sum((e["logprobs"]["token_logprobs"] for e in events), [])}
+                "token_logprobs": sum((e["logprobs"]["token_logprobs"] for e in events), []),
+                "text_offset": sum((e["logprobs"]["text_offset"] for e in events), [])}
     whole = score(client, PASSAGE, logprobs=1, max_tokens=3)["choices"][0]
     assert streamed["text"] == whole["text"]
     assert_matches(streamed["token_logprobs"], whole["logprobs"]["token_logprobs"])
+    assert streamed["text_offset"] == whole["logprobs"]["text_offset"]  # positions in the whole text
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_text_offsets_are_positions_in_the_whole_returned_text(client, echo):
+    """Issue 31 row 12: a streamed choice's `text_offset` continues across events (it restarted at 0 in every
+    event), equal to the non-streamed response's, with and without an echoed prompt."""
+    body = {"prompt": PASSAGE, "echo": echo, "logprobs": 2, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line)["choices"][0] for line in lines[:-1]]
+    offsets = sum((e["logprobs"]["text_offset"] for e in events if e["logprobs"]), [])
+    tokens = sum((e["logprobs"]["tokens"] for e in events if e["logprobs"]), [])
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert tokens == whole["logprobs"]["tokens"] and offsets == whole["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] > offsets[0]
+    if not echo:
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
 def test_a_prompt_in_the_prefix_cache_is_still_scored_whole(make_client, offline):
