@@ -301,8 +301,9 @@ def test_tier_gauges_follow_an_idle_server(tiny_checkpoint, tmp_path):
 
 
 def test_a_full_redis_can_still_be_emptied(tiny_checkpoint, tmp_path):
-    """Issue 31 row 8: Redis at `maxmemory` with `noeviction` refuses what needs memory (new records: 503), but
-    deleting sessions frees it and works (204), and then creates succeed again."""
+    """Issue 31 rows 8 and 4: Redis at `maxmemory` with `noeviction` refuses what needs memory (new records:
+    503, and a failed create leaves no session, slot or record), but deleting sessions frees it and works
+    (204), and then creates succeed again."""
     import redis as redis_client
 
     url, process = start_redis(tmp_path)
@@ -322,14 +323,25 @@ def test_a_full_redis_can_still_be_emptied(tiny_checkpoint, tmp_path):
                 ballast += 1
             except redis_client.exceptions.OutOfMemoryError:
                 break
-        # strictly over the line (a byte freed elsewhere must not let one record in): full until emptied
-        direct.config_set("maxmemory", direct.info("memory")["used_memory"] - 1024)
-        store_503(httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}))
+        # well over the line (client buffers freed elsewhere must not let one record in): full throughout
+        direct.config_set("maxmemory", direct.info("memory")["used_memory"] - 65536)
+        made = []  # row 4: a burst of creates; whatever failed leaves nothing behind, whatever was stored stays
+        for body in [{"prompt": "x"}] * 4 + [{}] * 4:
+            response = httpx.post(f"{base}/v1/sessions", json=body)
+            if response.status_code == 200:  # (Redis' own accounting moves by client buffers: one may fit)
+                made.append(response.json()["id"])
+            else:
+                store_503(response)
+        assert len(made) < 8
         for sid in ids:  # a full store can be emptied
             response = httpx.delete(f"{base}/v1/sessions/{sid}", timeout=30)
             assert response.status_code == 204, response.text
             assert httpx.get(f"{base}/v1/sessions/{sid}").status_code == 404
         assert direct.exists(*(f"linserve:session:{sid}" for sid in ids)) == 0
+        listed = sorted(s["id"] for s in httpx.get(f"{base}/v1/sessions").json()["data"])
+        assert listed == sorted(made)  # no ghost of a failed create
+        in_memory = metric(base, 'linserve_sessions{tier="device"}') + metric(base, 'linserve_sessions{tier="host"}')
+        assert in_memory == len(made)
         direct.config_set("maxmemory", 0)  # room again
         wait_store(base, up=True)
         assert httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}).status_code == 200
