@@ -87,7 +87,7 @@ class Generation:
         """Account one output: a generated token, and the prompt tokens its request added as the engine counts
         them (an empty session's first call starts from end-of-text: one token, not zero)."""
         self.generated += output.token_id is not None
-        if output.request_id:
+        if output.finished and output.request_id:  # once a row: the count is the request's, not the token's
             self.consumed[output.index // self.params.n] = output.prompt_tokens
 
     @property

@@ -128,14 +128,17 @@ class DirStore:
         """What a process killed mid-write leaves (one process per directory, so at start-up nothing else is
         writing): record and probe files never renamed into place, and owner indexes never finished."""
         for leftover in self.path.glob(".*"):
+            name = leftover.name
             try:
-                if leftover.is_dir() and leftover.name.startswith(".owners."):
+                if name.startswith(".owners.") and leftover.is_dir():
                     shutil.rmtree(leftover)
-                elif leftover.name.endswith(".tmp") or leftover.name.startswith(".probe."):
+                elif name.endswith(".tmp") or name.startswith(".probe."):
                     leftover.unlink()
+                else:
+                    continue  # not ours: left alone, and not reported
             except FileNotFoundError:
                 continue
-            logger.info("session store: removed %s, left by an interrupted write", leftover.name)
+            logger.info("session store: removed %s, left by an interrupted write", name)
 
     def _ensure_layout(self) -> None:
         """The owner index, built when it is missing — at the first start, or after the directory was removed
