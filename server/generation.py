@@ -4,6 +4,7 @@ streaming (SSE) and not, with cancellation when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 import uuid
@@ -238,28 +239,63 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0,
-                        prompt_ids: list[int] | None = None) -> CompletionLogprobs:
-    """Generated tokens' logprobs (text offsets from `offset`); with `prompt_ids` and scored prompt tokens on
-    the first output (echo), the prompt's tokens first, offsets from 0."""
-    result = CompletionLogprobs()
+class ChoiceLogprobs:
+    """One completion choice's token logprobs, released with its text. A token's entry goes out once the text
+    it starts in has been returned: a row with stop strings withholds text that may become a stop string, and
+    its tokens wait with it; when a stop string ends the row, the tokens that lie wholly inside it are dropped
+    (a token straddling it stays: part of its text was returned). So the entries cover exactly the returned
+    text, and `text_offset` is a position in the choice's whole returned text, streamed or not. What waits is
+    bounded by the longest stop string."""
 
-    def add(token_id: int, lp: TokenLogprob | None, at: int) -> int:
+    def __init__(self, tokenizer, start: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.returned = start  # characters of the choice's text returned so far
+        self.next_at = start  # where the next generated token's text starts
+        self.waiting: collections.deque = collections.deque()  # (TokenLogprob, offset), not yet released
+
+    def prompt(self, result: CompletionLogprobs, prompt_ids: list[int],
+               scored: list[TokenLogprob | None]) -> None:
+        """An echoed prompt's tokens (the first without a logprob), offsets from 0."""
+        at = 0
+        for token_id, lp in zip(prompt_ids, scored):
+            at = self._add(result, token_id, lp, at)
+
+    def push(self, result: CompletionLogprobs, output: RequestOutput) -> None:
+        """Add to `result` what this output releases."""
+        lp = output.logprob
+        if lp is not None:
+            self.waiting.append((lp, self.next_at))
+            if lp.token_id != self.eos_id:  # end-of-text (generated with ignore_eos) adds no text
+                self.next_at += len(token_text(self.tokenizer, lp.token_id))
+        self.returned += len(output.text)
+        stopped_by_string = output.finish_reason is FinishReason.STOP and output.token_id != self.eos_id
+        everything = output.finished and not stopped_by_string
+        while self.waiting and (everything or self.waiting[0][1] < self.returned):
+            lp, at = self.waiting.popleft()
+            self._add(result, lp.token_id, lp, at)
+        if output.finished:
+            self.waiting.clear()  # a stop string's own tokens: their text was never returned
+
+    def _add(self, result: CompletionLogprobs, token_id: int, lp: TokenLogprob | None, at: int) -> int:
         """One token's entry (lp None: a token nothing predicts); the offset of the next."""
-        text = token_text(tokenizer, token_id)
+        text = token_text(self.tokenizer, token_id)
         result.tokens.append(text)
         result.token_logprobs.append(None if lp is None else lp.logprob)
-        result.top_logprobs.append(None if lp is None else {token_text(tokenizer, t): v for t, v in lp.top})
+        result.top_logprobs.append(None if lp is None else {token_text(self.tokenizer, t): v for t, v in lp.top})
         result.text_offset.append(at)
         return at + len(text)
 
-    scored = outputs[0].prompt_logprobs if outputs and prompt_ids is not None else None
-    at = 0
-    for token_id, lp in zip(prompt_ids or (), scored or ()):
-        at = add(token_id, lp, at)
+
+def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0,
+                        prompt_ids: list[int] | None = None) -> CompletionLogprobs:
+    """A whole choice's logprobs (generated tokens' offsets from `offset`, the echo's length); with `prompt_ids`
+    and scored prompt tokens on the first output (echo), the prompt's tokens first, offsets from 0."""
+    result, choice = CompletionLogprobs(), ChoiceLogprobs(tokenizer, offset)
+    if outputs and prompt_ids is not None and outputs[0].prompt_logprobs is not None:
+        choice.prompt(result, prompt_ids, outputs[0].prompt_logprobs)
     for output in outputs:
-        if output.logprob is not None:
-            offset = add(output.logprob.token_id, output.logprob, offset)
+        choice.push(result, output)
     return result
 
 

@@ -9,6 +9,7 @@ from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..engine.types import RequestOutput
 from ..errors import APIError
 from ..generation import (
+    ChoiceLogprobs,
     Generation,
     chat_logprobs,
     chat_prompt,
@@ -28,6 +29,7 @@ from ..schemas import (
     ChatDelta,
     ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -43,21 +45,14 @@ async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> 
     return ModelList(data=[ModelCard(id=settings.served_model_name, created=request.app.state.started)])
 
 
-def completion_chunk(generation: Generation, model: str, tokenizer, output, echo_text: str = "",
-                     prompt_ids: list[int] | None = None, offset: int = 0) -> tuple[str, int]:
-    """One streamed event, and the text offset after it: with logprobs, its tokens' `text_offset` count from
-    `offset` (where this chunk's text starts in the choice's whole returned text), as the non-streamed
-    response counts them; with echo and scoring, a row's first event carries its prompt and the prompt's
-    logprobs (offsets from 0)."""
-    logprobs = (completion_logprobs(tokenizer, [output], offset + len(echo_text), prompt_ids)
-                if generation.params.logprobs is not None else None)
+def completion_chunk(generation: Generation, model: str, output, echo_text: str = "",
+                     logprobs: CompletionLogprobs | None = None) -> str:
+    """One streamed event: the output's text (after `echo_text`, a row's echoed prompt) and the logprobs its
+    text releases (see ChoiceLogprobs)."""
     choice = CompletionChoice(index=output.index, text=echo_text + output.text, logprobs=logprobs,
                               finish_reason=output.finish_reason.value if output.finished else None)
-    after = offset + len(echo_text)
-    if logprobs is not None and logprobs.tokens:
-        after = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
     return chunk_json(CompletionResponse(id=generation.request_id, created=generation.created, model=model,
-                                         choices=[choice])), after
+                                         choices=[choice]))
 
 
 def check_model(name: str | None, settings) -> None:
@@ -112,22 +107,25 @@ async def run_completion(
 
         scoring = params.prompt_logprobs is not None  # the echo goes out with its logprobs, after the prefill
         first = [
-            completion_chunk(generation, model, tokenizer, _empty(i), echo(i))[0]
+            completion_chunk(generation, model, _empty(i), echo(i))
             for i in range(generation.rows)
             if echo(i) and not scoring
         ]
         if params.logprobs is None:  # the hot path: a prepared template, no model per token
             chunk = CompletionChunks(generation.request_id, generation.created, model)
         else:
-            offsets: dict[int, int] = {}  # each choice's next text offset: positions in its whole returned text
+            choices: dict[int, ChoiceLogprobs] = {}  # each choice's logprobs, released with its text
 
             def chunk(output) -> str:
-                scored = output.prompt_logprobs is not None
-                at = offsets.get(output.index, len(echo(output.index)) if echo(output.index) and not scored else 0)
-                text, offsets[output.index] = completion_chunk(
-                    generation, model, tokenizer, output, echo(output.index) if scored else "",
-                    prompts[output.index // params.n] if scored else None, at)
-                return text
+                echoed, logprobs = "", CompletionLogprobs()
+                if output.index not in choices:  # a row's first event: echo, and with scoring its prompt's logprobs
+                    choices[output.index] = ChoiceLogprobs(tokenizer, len(echo(output.index)))
+                    if output.prompt_logprobs is not None:
+                        echoed = echo(output.index)
+                        choices[output.index].prompt(logprobs, prompts[output.index // params.n],
+                                                     output.prompt_logprobs)
+                choices[output.index].push(logprobs, output)
+                return completion_chunk(generation, model, output, echoed, logprobs)
 
         return stream_events(generation, chunk, body.include_usage, usage_chunk, first)
     rows = await collect(request, generation)

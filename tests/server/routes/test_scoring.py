@@ -158,3 +158,69 @@ def test_a_session_continuation_is_scored_given_the_sessions_history(client, off
     lp = score(client, tail, url=url)["choices"][0]["logprobs"]
     assert_matches(lp["token_logprobs"], offline(history + tail)[len(history):])
     assert_slots_balance(client.app.state.engine)
+
+
+def completion(client, body: dict, stream: bool) -> dict:
+    """The choice's text and logprobs, joined across events when streamed."""
+    if not stream:
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return {"text": choice["text"], **{k: choice["logprobs"][k] for k in ("tokens", "text_offset")}}
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line)["choices"][0] for line in lines[:-1]]
+    return {"text": "".join(e["text"] for e in events),
+            **{k: sum((e["logprobs"][k] for e in events), []) for k in ("tokens", "text_offset")}}
+
+
+SAMPLED = {"prompt": PASSAGE, "logprobs": 1, "max_tokens": 16, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+
+
+def first_clean_split(free: dict, start: str = "") -> int:
+    """A token index k > 0 where `start` + tokens k and k+1 first occur in the text exactly at token k's
+    offset (so a stop string made of them cuts the text there)."""
+    for k in range(1, len(free["tokens"]) - 1):
+        stop = start + free["tokens"][k] + free["tokens"][k + 1]
+        if len(stop) > 1 and free["text"].find(stop) == free["text_offset"][k] - len(start):
+            return k
+    raise AssertionError(f"no token pair to stop on in {free['text']!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_strings_tokens_are_not_in_the_logprobs(client, stream):
+    """Issue 31 row 12: logprobs cover exactly the returned text. A stop string made of two whole tokens cuts
+    them from the text and from the logprobs (they stayed there, streamed or not); the tokens before it keep
+    their offsets."""
+    free = completion(client, SAMPLED, stream)
+    k = first_clean_split(free)
+    got = completion(client, {**SAMPLED, "stop": [free["tokens"][k] + free["tokens"][k + 1]]}, stream)
+    assert got["text"] == "".join(free["tokens"][:k])
+    assert got["tokens"] == free["tokens"][:k] and got["text_offset"] == free["text_offset"][:k]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_straddling_the_stop_string_stays(client, stream):
+    """A token whose text is partly returned keeps its entry: the stop string starts at the last character of
+    token k-1 (its other characters are returned)."""
+    free = completion(client, SAMPLED, stream)
+    k = next(k for k in range(2, len(free["tokens"]) - 1) if len(free["tokens"][k - 1]) > 1
+             and free["text"].find(free["tokens"][k - 1][-1] + free["tokens"][k] + free["tokens"][k + 1])
+             == free["text_offset"][k] - 1)
+    stop = free["tokens"][k - 1][-1] + free["tokens"][k] + free["tokens"][k + 1]
+    got = completion(client, {**SAMPLED, "stop": [stop]}, stream)
+    assert got["text"] == "".join(free["tokens"][:k])[:-1]
+    assert got["tokens"] == free["tokens"][:k] and got["text_offset"] == free["text_offset"][:k]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_echoed_prompt_puts_the_first_token_at_0(client, stream):
+    """Issue 31 row 12: an empty prompt is end-of-text (scored: no logprob) and returns no text, so the first
+    generated token starts at offset 0 of the returned text; every token's text is where its offset says."""
+    body = {"prompt": "", "echo": True, "logprobs": 1, "max_tokens": 24, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True}
+    got = completion(client, body, stream)
+    assert got["tokens"][0] == "<|endoftext|>" and got["text_offset"][:2] == [0, 0]
+    for token, at in zip(got["tokens"][1:], got["text_offset"][1:]):
+        assert got["text"][at:at + len(token)] == token
+    assert got == completion(client, body, not stream)
