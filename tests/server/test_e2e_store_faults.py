@@ -225,7 +225,8 @@ def test_a_store_directory_removed_and_made_again_takes_writes_again(tiny_checkp
         base = server.base
         before = httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}).json()["id"]
         shutil.rmtree(store)
-        store_503(httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}))
+        for _ in range(6):
+            store_503(httpx.post(f"{base}/v1/sessions", json={"prompt": "x"}))
         wait_store(base, up=False)
         ready = httpx.get(f"{base}/ready").json()["session_store"]
         assert "missing" in ready["last_error"], ready  # says why
@@ -241,6 +242,8 @@ def test_a_store_directory_removed_and_made_again_takes_writes_again(tiny_checkp
         assert httpx.get(f"{base}/ready").json()["session_store"]["up"] is True
         assert sorted(s["id"] for s in httpx.get(f"{base}/v1/sessions").json()["data"]) == sorted([sid, before])
         slots_balance(base)
+        log = (tmp_path / "a.log").read_text()  # row 7: one line down, one back — not one per failed write
+        assert log.count("session store is down") == 1 and log.count("session store is back") == 1, log[-3000:]
     finally:
         server.stop()
     restarted = ServerProcess(tiny_checkpoint, tmp_path / "b.log", env=env)

@@ -9,6 +9,12 @@ filesystem that never answers) is failed by the watchdog, and the jobs behind it
 deadlines. Results are counted by kind (`on_result(op, result, seconds)`); `up` is the store's health:
 down after a failed or late call, up again after a successful call or probe (the idle thread probes the
 store every PROBE_INTERVAL_S, more often while it is down).
+
+Health has a hysteresis, as a load balancer's checks do: the store goes down after FALL consecutive failed
+calls (a failure makes the idle thread probe at once, so an outage is noticed within a second) and comes back
+after RISE consecutive successes; interleaved failures and successes flip nothing. The log has one line per
+change (down / back, with what happened in between) and, while anything fails, a summary every
+SUMMARY_INTERVAL_S — never a line per failed call.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 10.0  # while up and idle
 PROBE_INTERVAL_DOWN_S = 1.0  # while down: notice the store's return quickly
 WATCHDOG_GRACE_S = 0.25  # past its deadline, a hung call's caller is told it failed
+FALL = 2  # consecutive failed calls that make the store down
+RISE = 2  # consecutive successful calls (or probes) that bring it back
+SUMMARY_INTERVAL_S = 60.0  # while calls fail: one summary line per interval
 
 
 def error_kind(error: BaseException) -> str:
@@ -76,6 +85,14 @@ class StoreWorker:
         self.on_result = on_result or (lambda op, result, seconds: None)
         self.up = True
         self.last_error: str | None = None
+        self.summary_interval_s = SUMMARY_INTERVAL_S
+        self._streak = 0  # consecutive results against the current state (failures while up, successes while down)
+        self._changed = time.monotonic()  # when `up` last changed
+        self._failed: dict[str, int] = {}  # failed calls by kind since the last summary or change
+        self._calls = 0  # calls since the last summary or change
+        self._summarized = time.monotonic()
+        self._last_detail = ""
+        self._health_lock = threading.Lock()
         self._jobs: deque[_Job] = deque()
         self._running: _Job | None = None
         self._closed = False
@@ -167,18 +184,47 @@ class StoreWorker:
             self._record(job, "ok", time.monotonic() - job.started)
 
     def _record(self, job: _Job, result: str, seconds: float, detail: str | None = None) -> None:
-        if result == "ok":
-            if not self.up:
-                logger.warning("the session store is back")
-            self.up, self.last_error = True, None
-        else:
-            if self.up:
-                logger.error("the session store failed (%s %s): %s", job.op, result, detail)
-            self.up, self.last_error = False, f"{job.op}: {result}"
+        with self._health_lock:  # the store thread and the watchdog both report
+            self._judge(job, result, detail)
         self.on_result(job.op, result, seconds)
 
+    def _judge(self, job: _Job, result: str, detail: str | None) -> None:
+        ok = result == "ok"
+        self._calls += 1
+        if not ok:
+            self._failed[result] = self._failed.get(result, 0) + 1
+            self.last_error = f"{job.op}: {result}"  # what /ready and a 503 say (no paths or hosts)
+            self._last_detail = f"{self.last_error}, {detail}" if detail else self.last_error
+        elif self.up:
+            self.last_error = None
+        self._streak = 0 if ok == self.up else self._streak + 1
+        now = time.monotonic()
+        if self.up and self._streak >= FALL:
+            logger.error("the session store is down after %d failed calls in a row (last: %s)", FALL, self._last_detail)
+            self._change(False, now)
+        elif not self.up and self._streak >= RISE:
+            logger.warning("the session store is back after %.1f s down (%s)", now - self._changed, self._tally())
+            self.last_error = None
+            self._change(True, now)
+        elif self._failed and now - self._summarized >= self.summary_interval_s:
+            logger.warning("the session store is %s: %s in the last %.1f s (last: %s)",
+                           "up" if self.up else f"still down ({now - self._changed:.0f} s)", self._tally(),
+                           now - self._summarized, self._last_detail)
+            self._reset_tally(now)
+
+    def _change(self, up: bool, now: float) -> None:
+        self.up, self._streak, self._changed = up, 0, now
+        self._reset_tally(now)
+
+    def _tally(self) -> str:
+        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(self._failed.items()))
+        return f"{sum(self._failed.values())} of {self._calls} calls failed" + (f" ({kinds})" if kinds else "")
+
+    def _reset_tally(self, now: float) -> None:
+        self._failed, self._calls, self._summarized = {}, 0, now
+
     def _probe_wait(self) -> float:
-        interval = PROBE_INTERVAL_S if self.up else PROBE_INTERVAL_DOWN_S
+        interval = PROBE_INTERVAL_S if self.up and not self._streak else PROBE_INTERVAL_DOWN_S
         return max(0.05, self._last_activity + interval - time.monotonic())
 
     def _watch(self) -> None:
