@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, require_program, start_redis
+from tests.helpers import ServerProcess, free_port, require_program, start_redis
 
 pytestmark = pytest.mark.slow
 
@@ -353,3 +353,40 @@ def test_a_full_redis_can_still_be_emptied(tiny_checkpoint, tmp_path):
         server.stop()
         process.terminate()
         process.wait(10)
+
+
+def test_a_lease_the_store_missed_is_released_when_it_returns(tiny_checkpoint, tmp_path):
+    """Issue 31 row 5: Redis (durable: it keeps the lease across its restart) dies while a continue generates,
+    so the turn's write and the lease's release both fail; once Redis is back the release is retried, and the
+    session continues again within 2 s (the lease, 30 s long, answered 409 "generating on another replica"
+    for the rest of its life)."""
+    port = free_port()
+    url, redis = start_redis(tmp_path, port=port, durable=True)
+    env = {"LINSERVE_SESSION_STORE": url, **STORE_TIMEOUT}
+    server = ServerProcess(tiny_checkpoint, tmp_path / "a.log", env=env)
+    try:
+        base = server.base
+        sid = httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}).json()["id"]
+        body = {"prompt": " and", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/sessions/{sid}/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # generating: the lease is held
+            redis.kill()
+            redis.wait(10)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert '"code":"store_unavailable"' in rest[-2].replace(" ", "") and rest[-1] == "data: [DONE]"
+        assert "releasing the lease" in (tmp_path / "a.log").read_text()
+        time.sleep(1.0)
+        url, redis = start_redis(tmp_path, port=port, durable=True)  # the same file: the lease is still there
+        returned = time.monotonic()
+        statuses = []
+        while (response := completion(base, sid, {"prompt": " x", "max_tokens": 1})).status_code != 200:
+            statuses.append(response.status_code)
+            assert response.status_code in (409, 503), response.text
+            assert time.monotonic() - returned < 2.0, f"still refused 2 s after the store returned: {statuses}"
+            time.sleep(0.1)
+        slots_balance(base)
+    finally:
+        server.stop()
+        redis.kill()
+        redis.wait(10)

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 LEASE_MS = 30_000  # a replica that dies mid-turn blocks its session at most this long
 LEASE_RENEW_S = LEASE_MS / 3000  # renewed three times per lease while generating
 LEASE_GRACE_S = 0.5  # a lease held by a turn finishing elsewhere is waited for this long before a 409
+MAX_UNRELEASED = 10_000  # releases kept for retry (each a few bytes); beyond that the oldest just expire
 
 
 class LeaseHeld(EngineError):
@@ -49,10 +50,15 @@ class StoreAccess:
         self.shared = store.shared
         self.local = local
         self.replica = uuid.uuid4().hex  # this process's name, the first half of every lease token it takes
+        # leases whose release failed (the store was down): retried as soon as the store answers — by the
+        # worker's next successful probe, or by the next claim of the same session — not left to expire
+        self.unreleased: dict[str, str] = {}
 
     def lookup(self, session_id: str, claim: bool, refetch: bool, deadline: float | None) -> Lookup:
         lease = None
         if claim and self.shared:
+            if session_id in self.unreleased:  # our own lease, kept by a failed release: give it back first
+                self.release(session_id, self.unreleased.pop(session_id))
             lease = f"{self.replica}:{uuid.uuid4().hex[:12]}"  # one per claim: a late release can't free a newer one
             if not self.store.acquire(session_id, lease, LEASE_MS, deadline):
                 raise LeaseHeld(session_id)
@@ -67,11 +73,29 @@ class StoreAccess:
             raise
         return Lookup(session_id, lease, revision, data, fetch)
 
-    def release(self, session_id: str, lease: str) -> None:
+    def release(self, session_id: str, lease: str) -> bool:
+        """Give the lease back (whether the store took it); a failure is kept and retried (`retry_releases`)."""
         try:
             self.store.release(session_id, lease)
-        except Exception:  # noqa: BLE001 - it expires by itself after LEASE_MS
-            logger.warning("releasing the lease of %s failed; it expires in %d ms", session_id, LEASE_MS)
+            return True
+        except Exception:  # noqa: BLE001 - retried when the store answers; it expires by itself after LEASE_MS
+            if session_id not in self.unreleased:
+                logger.warning("releasing the lease of %s failed; retried when the store answers (it expires "
+                               "in %d ms regardless)", session_id, LEASE_MS)
+            if len(self.unreleased) >= MAX_UNRELEASED:
+                self.unreleased.pop(next(iter(self.unreleased)))
+            self.unreleased[session_id] = lease
+            return False
+
+    def retry_releases(self, deadline: float | None = None) -> None:
+        """Store thread, after a successful probe: give back the leases whose release failed (stops at the
+        first failure: the store is not answering after all)."""
+        while self.unreleased:
+            session_id, lease = next(iter(self.unreleased.items()))
+            del self.unreleased[session_id]
+            if not self.release(session_id, lease):
+                return
+            logger.info("released the lease of %s that the store missed", session_id)
 
     def renew(self, leases: list[tuple[str, str]]) -> None:
         for session_id, lease in leases:

@@ -66,6 +66,8 @@ class SessionRegistry:
         self.pool = pool
         self.store, self.worker = store, worker
         self.access = None if store is None else StoreAccess(store, self._held)
+        if worker is not None and self.access is not None and self.access.shared:
+            worker.after_probe.append(self.access.retry_releases)
         self.shared = store is not None and store.shared  # replicas share it: leases and freshness checks
         self.stored = 0  # records in the store (counted by the sweep, on the store thread)
         self.model = model

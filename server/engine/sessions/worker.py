@@ -33,7 +33,7 @@ from .stores import SessionStore, StoreTimeout, StoreUnavailable
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 10.0  # while up and idle
-PROBE_INTERVAL_DOWN_S = 1.0  # while down: notice the store's return quickly
+PROBE_INTERVAL_DOWN_S = 0.5  # while down (or after a failure): notice the store's return quickly
 WATCHDOG_GRACE_S = 0.25  # past its deadline, a hung call's caller is told it failed
 FALL = 2  # consecutive failed calls that make the store down
 RISE = 2  # consecutive successful calls (or probes) that bring it back
@@ -93,6 +93,8 @@ class StoreWorker:
         self._summarized = time.monotonic()
         self._last_detail = ""
         self._health_lock = threading.Lock()
+        self.after_probe: list[Callable[[float | None], None]] = []  # store thread, after each successful probe
+        self._last_upkeep = time.monotonic()
         self._jobs: deque[_Job] = deque()
         self._running: _Job | None = None
         self._closed = False
@@ -150,7 +152,7 @@ class StoreWorker:
                 if not self._jobs:
                     if self._closed:
                         return
-                    job = _Job("ping", lambda deadline: self.store.ping(), Future(), time.monotonic() + self.timeout_s)
+                    job = _Job("ping", self._probe, Future(), time.monotonic() + self.timeout_s)
                 else:
                     job = self._jobs.popleft()
                 if job.deadline is not None and time.monotonic() > job.deadline:  # expired in the queue
@@ -167,6 +169,20 @@ class StoreWorker:
                 self._last_activity = time.monotonic()
                 self._cond.notify_all()
 
+    def _probe(self, deadline: float | None) -> None:
+        self.store.ping()
+        self._upkeep(deadline)
+
+    def _upkeep(self, deadline: float | None) -> None:
+        """What waits for the store to answer (leases whose release it missed): after every successful probe,
+        and at most once per PROBE_INTERVAL_DOWN_S after a successful call (a busy worker never probes)."""
+        self._last_upkeep = time.monotonic()
+        for upkeep in self.after_probe:
+            try:
+                upkeep(deadline)
+            except Exception:  # noqa: BLE001 - upkeep retries by itself; it never fails the job it follows
+                logger.exception("session store upkeep failed")
+
     def _execute(self, job: _Job) -> None:
         wall_deadline = None if job.deadline is None else time.time() + (job.deadline - time.monotonic())
         try:
@@ -182,6 +198,8 @@ class StoreWorker:
             return
         if _settle(job.future, result):
             self._record(job, "ok", time.monotonic() - job.started)
+            if job.op != "ping" and time.monotonic() - self._last_upkeep >= PROBE_INTERVAL_DOWN_S:
+                self._upkeep(wall_deadline)
 
     def _record(self, job: _Job, result: str, seconds: float, detail: str | None = None) -> None:
         with self._health_lock:  # the store thread and the watchdog both report
