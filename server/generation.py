@@ -11,11 +11,13 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from fastapi import Request
+from fastapi import BackgroundTasks, Request
+from starlette.background import BackgroundTask
 
 from .engine import Engine, EngineRequest, SamplingParams
 from .engine.types import EngineError, FinishReason, RequestOutput, TokenLogprob
 from .errors import ENGINE_STATUS, APIError, from_engine_error
+from .logprob_budget import Reservation, logprob_bytes
 from .schemas import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from .streaming import EventStreamResponse, OutputStream, race_disconnect, sse_event
 
@@ -116,6 +118,17 @@ def _offset_sink(sink, offset: int):
     return lambda output: sink(dataclasses.replace(output, index=output.index + offset))
 
 
+def reserve_logprobs(request: Request, prompts: Sequence[list[int]], params: SamplingParams, streamed: bool,
+                     background: BackgroundTasks) -> Reservation:
+    """Count the request's logprobs against `logprobs_memory_mb` (400 / 429 when they do not fit); given back
+    after the response is sent (`background`, or a stream's close)."""
+    budget = request.app.state.logprob_budget
+    reservation = budget.reserve(logprob_bytes([len(p) for p in prompts], params, streamed))
+    if not streamed:
+        background.add_task(reservation.release)
+    return reservation
+
+
 async def start_generation(
     request: Request,
     prompts: Sequence[list[int]],
@@ -202,9 +215,10 @@ def error_event(generation: Generation, output: RequestOutput) -> bytes:
 
 
 def stream_events(
-    generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=()
+    generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=(), on_close=None
 ) -> EventStreamResponse:
-    """SSE: one event per token (and per finish), optional usage event, then [DONE]."""
+    """SSE: one event per token (and per finish), optional usage event, then [DONE]. `on_close()` runs once
+    the response has ended, however it ended."""
 
     async def events() -> AsyncIterator[bytes]:
         finished_rows, failed = 0, False
@@ -231,7 +245,7 @@ def stream_events(
             if finished_rows < generation.rows:
                 generation.abort()  # cancelled: the client went away or the server is stopping
 
-    return EventStreamResponse(events())
+    return EventStreamResponse(events(), background=None if on_close is None else BackgroundTask(on_close))
 
 
 # ---------------------------------------------------------------- logprob formats

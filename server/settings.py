@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it")
     max_tokens_limit: int = Field(1_000_000, ge=1)
     max_prompt_tokens: int = Field(131_072, ge=1, description="longest prompt accepted (400 beyond)")
+    logprobs_memory_mb: float = Field(
+        512, gt=0, description="memory that the logprobs of requests in flight may take (a scored prompt, a "
+        "non-streamed response's tokens): a request needing more is a 400, one that does not fit beside the others "
+        "a 429; sized for 2 cores / 2 GB")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this (408)")
     header_timeout_s: float = Field(

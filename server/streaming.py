@@ -135,7 +135,9 @@ class EventStreamResponse(StreamingResponse):
             except OSError:
                 pass  # the client went away mid-write; the body iterator has been closed
 
-        await race_disconnect(receive, stream)
-        if self.background is not None:
-            await self.background()
+        try:
+            await race_disconnect(receive, stream)
+        finally:  # also when the client left before the first byte: what the request holds is given back
+            if self.background is not None:
+                await self.background()
 

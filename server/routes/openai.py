@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, BackgroundTasks, Request
 
 from ..chunks import ChatChunks, CompletionChunks, chunk_json
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
@@ -15,6 +15,7 @@ from ..generation import (
     chat_prompt,
     collect,
     completion_logprobs,
+    reserve_logprobs,
     start_generation,
     stream_events,
 )
@@ -79,12 +80,22 @@ async def encode_prompts(
     return [await encode_prompt(request, prompt, allow_empty=session_id is not None) for prompt in prompts]
 
 
-async def run_completion(
-    request: Request, body: CompletionRequest, settings, tokenizer, owner, session_id: str | None = None
-):
+async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
+                         background: BackgroundTasks, session_id: str | None = None):
     check_model(body.model, settings)
     prompts = await encode_prompts(request, body, settings, session_id)
     params = body.to_sampling_params(settings.max_tokens_default)
+    reservation = reserve_logprobs(request, prompts, params, body.stream, background)
+    try:
+        return await _completion(request, body, settings, tokenizer, owner, session_id, prompts, params,
+                                 reservation.release)
+    except BaseException:
+        reservation.release()
+        raise
+
+
+async def _completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
+                      session_id: str | None, prompts: list[list[int]], params, on_close):
     generation = await start_generation(request, prompts, params, "cmpl", session_id, owner)
     model = settings.served_model_name
     # echo: each choice starts with its prompt's text (a token-id prompt decoded)
@@ -127,7 +138,7 @@ async def run_completion(
                 choices[output.index].push(logprobs, output)
                 return completion_chunk(generation, model, output, echoed, logprobs)
 
-        return stream_events(generation, chunk, body.include_usage, usage_chunk, first)
+        return stream_events(generation, chunk, body.include_usage, usage_chunk, first, on_close)
     rows = await collect(request, generation)
     if rows is None:
         return None
@@ -158,18 +169,16 @@ def _empty(index: int) -> RequestOutput:
 
 
 @router.post("/v1/completions", response_model=None, responses={**streamed(CompletionResponse), **errors(*GENERATION)})
-async def completions(
-    request: Request, body: CompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep, owner: Owner
-):
-    return await run_completion(request, body, settings, tokenizer, owner)
+async def completions(request: Request, body: CompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep,
+                      owner: Owner, background: BackgroundTasks):
+    return await run_completion(request, body, settings, tokenizer, owner, background)
 
 
 @router.post(
     "/v1/chat/completions", response_model=None, responses={**streamed(ChatCompletionResponse), **errors(*GENERATION)}
 )
-async def chat_completions(
-    request: Request, body: ChatCompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep, owner: Owner
-):
+async def chat_completions(request: Request, body: ChatCompletionRequest, settings: SettingsDep,
+                           tokenizer: TokenizerDep, owner: Owner, background: BackgroundTasks):
     check_model(body.model, settings)
     limit = settings.max_tokens_limit
     if body.max_completion_tokens is not None and body.max_completion_tokens > limit:
@@ -177,6 +186,16 @@ async def chat_completions(
     text = await chat_prompt(request, body.messages, tokenizer)
     prompt_ids = await encode_prompt(request, text, allow_empty=False)
     params = body.to_sampling_params(settings.max_tokens_default)
+    reservation = reserve_logprobs(request, [prompt_ids], params, body.stream, background)
+    try:
+        return await _chat(request, body, tokenizer, settings, owner, prompt_ids, params, reservation.release)
+    except BaseException:
+        reservation.release()
+        raise
+
+
+async def _chat(request: Request, body: ChatCompletionRequest, tokenizer, settings, owner, prompt_ids: list[int],
+                params, on_close):
     generation = await start_generation(request, [prompt_ids], params, "chatcmpl", None, owner)
     model = settings.served_model_name
     want_logprobs = params.logprobs is not None
@@ -216,7 +235,7 @@ async def chat_completions(
             ).model_dump_json(exclude_none=True)
 
         chunk = chunk_with_logprobs if want_logprobs else ChatChunks(generation.request_id, generation.created, model)
-        return stream_events(generation, chunk, body.include_usage, usage_chunk, role_chunks)
+        return stream_events(generation, chunk, body.include_usage, usage_chunk, role_chunks, on_close)
     rows = await collect(request, generation)
     if rows is None:
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
 from starlette.convertors import StringConvertor, register_url_convertor
 
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
@@ -106,8 +106,8 @@ async def get_session(request: Request, session_id: str, owner: Owner) -> Sessio
 @router.post("/{session_id:session_id}/completions", response_model=None,
              responses={**streamed(CompletionResponse), **errors(*GENERATION, 404, 409)})
 async def session_completions(request: Request, session_id: str, body: CompletionRequest, settings: SettingsDep,
-                              tokenizer: TokenizerDep, owner: Owner):
-    return await run_completion(request, body, settings, tokenizer, owner, session_id=session_id)
+                              tokenizer: TokenizerDep, owner: Owner, background: BackgroundTasks):
+    return await run_completion(request, body, settings, tokenizer, owner, background, session_id=session_id)
 
 
 @router.post("/{session_id:session_id}/fork", response_model=SessionRef, responses=errors(*SESSION, 429))
