@@ -20,6 +20,7 @@ from .dependencies import max_token_bytes, require_key
 from .engine import Engine, EngineConfig
 from .engine.state_pool import slots_for_budget
 from .errors import RequestBody, ServerErrors, error_response, install_handlers
+from .idempotency import RecentResults
 from .logprob_budget import LogprobBudget
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openapi import OPERATIONAL_RESPONSES, document_errors
@@ -190,6 +191,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.draining = False
     app.state.request_exit = None  # set by `serve`: how a dead engine stops the process
     app.state.started = int(time.time())
+    app.state.recent_results = RecentResults()
     app.state.logprob_budget = LogprobBudget(int(settings.logprobs_memory_mb * 2**20), settings.retry_after_s)
     install_handlers(app)
     app.include_router(openai.router)

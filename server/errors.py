@@ -21,10 +21,12 @@ from .engine.types import EngineError
 logger = logging.getLogger(__name__)
 
 ENGINE_STATUS = {"invalid": 400, "not_found": 404, "busy": 409, "capacity": 429, "unavailable": 503, "dead": 503,
-                 "store_unavailable": 503}
+                 "store_unavailable": 503, "outcome_unknown": 503, "already_applied": 409, "revision_mismatch": 409,
+                 "idempotency_key_reused": 422}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 409: "conflict_error",
-               413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+               413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error",
                503: "service_unavailable"}
 
 

@@ -15,7 +15,7 @@ from fastapi import BackgroundTasks, Request
 from starlette.background import BackgroundTask
 
 from .engine import Engine, EngineRequest, SamplingParams
-from .engine.types import EngineError, FinishReason, RequestOutput, TokenLogprob
+from .engine.types import AlreadyApplied, EngineError, FinishReason, Idempotency, RequestOutput, TokenLogprob
 from .errors import ENGINE_STATUS, APIError, from_engine_error
 from .logprob_budget import Reservation, logprob_bytes
 from .schemas import ChatTokenLogprob, CompletionLogprobs, TopLogprob
@@ -136,6 +136,8 @@ async def start_generation(
     prefix: str,
     session_id: str | None = None,
     owner: str | None = None,
+    idempotency: Idempotency | None = None,
+    expected_revision: str | None = None,
 ) -> Generation:
     """Submit one engine request per prompt and wait until each is accepted (EngineError → HTTP error before
     any byte is sent; the prompts accepted before a refused one are aborted)."""
@@ -148,12 +150,18 @@ async def start_generation(
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     stream = OutputStream(asyncio.get_running_loop(), len(prompts) * params.n)
     generation = Generation(state.engine, request_id, list(prompts), params, stream)
+    if idempotency is not None:  # a retry's replayed answer carries the first attempt's time
+        generation.created = idempotency.created
     for number, prompt_ids in enumerate(prompts):
         engine_id = request_id if len(prompts) == 1 else f"{request_id}-{number}"
-        engine_request = EngineRequest(engine_id, prompt_ids, params, session_id=session_id, owner=owner)
+        engine_request = EngineRequest(engine_id, prompt_ids, params, session_id=session_id, owner=owner,
+                                       idempotency=idempotency, expected_revision=expected_revision)
         generation.engine_ids.append(engine_id)  # aborted below if anything fails, even while being accepted
         try:
             await asyncio.wrap_future(state.engine.submit(engine_request, _offset_sink(stream.sink, number * params.n)))
+        except AlreadyApplied:
+            generation.abort()
+            raise  # the caller answers with the first attempt's result
         except EngineError as error:
             generation.abort()
             raise from_engine_error(error, state.settings.retry_after_s) from None

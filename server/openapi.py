@@ -17,11 +17,15 @@ DESCRIPTIONS = {
     401: "Missing or invalid API key",
     404: "Not found: no such session (or it belongs to another key), or `model` names a model not served here",
     408: "The request body did not arrive in time",
-    409: "The session is busy with another generation",
+    409: "The session is busy with another generation, or it changed since `If-Match`'s revision "
+         "(`revision_mismatch`), or this `Idempotency-Key` was applied and its result was not kept",
     413: "Request body too large",
+    422: "This `Idempotency-Key` was used for another request (`idempotency_key_reused`)",
     429: "Queue or session limit reached; retry after `Retry-After` seconds",
     500: "The engine failed while serving this request (the message names the request id)",
-    503: "Shutting down, or the engine has failed; retry after `Retry-After` seconds",
+    503: "Shutting down, the engine has failed, or the session store is unavailable (`store_unavailable`: nothing "
+         "changed) or did not answer a write in time (`outcome_unknown`: retry with the same `Idempotency-Key`); "
+         "retry after `Retry-After` seconds",
 }
 
 
@@ -87,7 +91,8 @@ def document_errors(app: FastAPI) -> None:
         for path in document.get("paths", {}).values():
             for operation in path.values():
                 responses = operation.get("responses", {})
-                if responses.pop("422", None) is not None and "400" not in responses:
+                generated = responses.get("422", {}).get("description") == "Validation Error"  # FastAPI's own
+                if generated and responses.pop("422") is not None and "400" not in responses:
                     responses["400"] = {"description": DESCRIPTIONS[400], "content": {
                         "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
         schemas = document.get("components", {}).get("schemas", {})

@@ -373,6 +373,8 @@ class SessionCreated(BaseModel):
     id: str
     tokens: int
     state_bytes: int
+    revision: str | None = Field(None, description="changes with every change of the session: send it as "
+                                 "`If-Match` to continue only if nothing changed it since")
 
 
 class SessionDetail(SessionCreated):

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -176,3 +177,58 @@ def poison_sampling(monkeypatch, temperature: float, times: int | None = None) -
 
     monkeypatch.setattr(StepRunner, "_sampled", sampled)
     return armed
+
+
+class ReplyDroppingProxy:
+    """A TCP relay in front of a real redis-server that loses the answer to one chosen command: armed with some
+    bytes (a Lua script's sha), the next connection that sends them gets no reply from then on — the command
+    runs in Redis, its answer never arrives (a network that fails after the send). What a store call then
+    sees is a timeout with the change made: the ambiguous outcome."""
+
+    def __init__(self, redis_port: int) -> None:
+        import socketserver
+
+        self.redis_port, self.armed, self.dropped = redis_port, None, 0
+        proxy = self
+
+        class Relay(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                upstream = socket.create_connection(("127.0.0.1", proxy.redis_port))
+                state = {"drop": False}
+
+                def answers() -> None:
+                    try:
+                        while data := upstream.recv(65536):
+                            if not state["drop"]:
+                                self.request.sendall(data)
+                    except OSError:
+                        pass
+
+                reader = threading.Thread(target=answers, daemon=True)
+                reader.start()
+                try:
+                    while data := self.request.recv(65536):
+                        if proxy.armed is not None and proxy.armed in data:
+                            proxy.armed, state["drop"] = None, True
+                            proxy.dropped += 1
+                        upstream.sendall(data)
+                except OSError:
+                    pass
+                finally:
+                    upstream.close()
+                    reader.join(5)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self.server = Server(("127.0.0.1", 0), Relay)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def arm(self, marker: bytes) -> None:
+        self.armed = marker
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

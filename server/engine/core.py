@@ -245,7 +245,8 @@ class Engine:
         if session is not None:  # found (404) and claimed (409) before anything about the body
             if params.n != 1:
                 raise EngineError("n must be 1 when continuing a session", param="n")
-            self.registry.acquire_for_request(session, len(feed) + params.max_tokens + 1)
+            self.registry.acquire_for_request(session, len(feed) + params.max_tokens + 1, request.idempotency,
+                                              request.expected_revision)
             feed = session.pending + feed
             if not feed and session.logits is None:  # a new, empty session: start from end-of-text, as
                 if self.eos_id is None:              # a stateless request with an empty prompt does

@@ -11,7 +11,7 @@ import torch
 
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from .sampling import SlotSampling, token_logprobs
-from .sessions.records import TAIL_TOKENS, Session, TurnResult
+from .sessions.records import APPLIED_TEXT_CHARS, TAIL_TOKENS, Session, TurnResult
 from .state_pool import StatePool
 from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, TokenLogprob
 
@@ -32,6 +32,8 @@ class Row:
     recent: collections.deque | None = None  # a session row's last tokens (its next tail); None otherwise
     finished: bool = False
     last_time: float | None = None
+    reason: FinishReason | None = None
+    kept: str | None = None  # its text so far, for a session turn made with an Idempotency-Key (bounded)
 
     @property
     def position(self) -> int:
@@ -66,13 +68,21 @@ class Row:
             reason = FinishReason.LENGTH
         if reason is not None and not hit:
             text += self.stop.flush()
-        self.finished = reason is not None
+        self.finished, self.reason = reason is not None, reason
+        self._keep(text)
         return self.live.output(self.index, token, text, logprob, reason, self.num_generated, position)
 
     def finish_without_token(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
-        self.finished = True
+        self.finished, self.reason = True, reason
         text = self.stop.flush() if reason is not FinishReason.ERROR else ""
+        self._keep(text)
         return self.live.output(self.index, None, text, None, reason, self.num_generated, 0, error)
+
+    def _keep(self, text: str) -> None:
+        """The returned text of a keyed turn, to answer a retry with; past APPLIED_TEXT_CHARS none is kept."""
+        if self.kept is not None and text:
+            self.kept = self.kept + text if len(self.kept) + len(text) <= APPLIED_TEXT_CHARS else None
+            self.live.text_dropped |= self.kept is None
 
 
 @dataclass
@@ -93,6 +103,7 @@ class LiveRequest:
     prefix_digest: bytes = b""  # prefix-cache key chain at the last block boundary consumed
     held: list[RequestOutput] | None = None  # final outputs waiting for the session turn's store write
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's tokens scored so far (when asked)
+    text_dropped: bool = False  # a keyed turn's text outgrew what is kept to answer a retry
 
     @property
     def base_position(self) -> int:
@@ -117,6 +128,7 @@ class LiveRequest:
             row = Row(self, index, slot, detokenizer, StopMatcher(params.stop))
             if self.session is not None:
                 row.recent = collections.deque(maxlen=TAIL_TOKENS)
+                row.kept = "" if self.request.idempotency is not None else None
             self.rows.append(row)
 
     def row_for_slot(self, slot: int) -> Row:
@@ -169,9 +181,24 @@ class LiveRequest:
         """What this request did to its session, as plain values for the registry."""
         row = self.rows[0] if self.rows else None
         if row is None or not row.num_generated:
-            return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits)
+            return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, applied=self.applied(row))
         return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, row.num_generated,
-                          sampling.counts[row.slot].clone(), row.next_token, tuple(row.recent or ()))
+                          sampling.counts[row.slot].clone(), row.next_token, tuple(row.recent or ()),
+                          self.applied(row))
+
+    def applied(self, row: Row | None) -> dict | None:
+        """What a keyed turn answered, for its session to remember (the result None when its text was too long):
+        enough to answer a retry of the same request as the first attempt was answered."""
+        key = self.request.idempotency
+        if key is None:
+            return None
+        result = None
+        if not self.text_dropped:
+            reason = row.reason if row is not None and row.reason is not None else FinishReason.ABORT
+            result = {"id": self.request.request_id, "created": key.created, "text": row.kept if row else "",
+                      "finish_reason": reason.value, "prompt_tokens": len(self.request.prompt_ids),
+                      "completion_tokens": row.num_generated if row else 0}
+        return {"key": key.key, "request": key.request, "result": result}
 
     def request_stats(self, reason: FinishReason, now: float) -> RequestStats:
         admitted = self.admitted_time if self.admitted_time is not None else now

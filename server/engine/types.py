@@ -123,6 +123,26 @@ class EngineRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     session_id: str | None = None  # continue this session: its state, then the prompt
     owner: str | None = None  # the API key that sent it; sessions belong to their creator's key
+    idempotency: Idempotency | None = None  # a session turn applied at most once per key (kept in its record)
+    expected_revision: str | None = None  # continue only if the session is still at this revision
+
+
+@dataclass(frozen=True)
+class Idempotency:
+    """A client's idempotency key for a change of a session: applied at most once; a retry gets the result."""
+
+    key: str  # digest of the owner and the client's key
+    request: str  # digest of the request (method, path, body): a key reused for another request is refused
+    created: int  # unix time of the first attempt (the response's `created`, replayed as it was)
+
+
+class AlreadyApplied(EngineError):
+    """The session already holds the change this key names: `result` is what it answered (None: not kept)."""
+
+    def __init__(self, session_id: str, result: dict | None) -> None:
+        super().__init__(f"this Idempotency-Key was already applied to session {session_id!r}", kind="already_applied",
+                         param="Idempotency-Key")
+        self.result = result
 
 
 @dataclass(frozen=True)

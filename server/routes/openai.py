@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, BackgroundTasks, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
 
 from ..chunks import ChatChunks, CompletionChunks, chunk_json
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
-from ..engine.types import RequestOutput
+from ..engine.types import AlreadyApplied, Idempotency, RequestOutput
 from ..errors import APIError
 from ..generation import (
     ChoiceLogprobs,
@@ -37,6 +39,7 @@ from ..schemas import (
     ModelList,
     Usage,
 )
+from ..streaming import EventStreamResponse, sse_event
 
 router = APIRouter()
 
@@ -81,22 +84,57 @@ async def encode_prompts(
 
 
 async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
-                         background: BackgroundTasks, session_id: str | None = None):
+                         background: BackgroundTasks, session_id: str | None = None,
+                         idempotency: Idempotency | None = None, expected_revision: str | None = None):
     check_model(body.model, settings)
     prompts = await encode_prompts(request, body, settings, session_id)
     params = body.to_sampling_params(settings.max_tokens_default)
     reservation = reserve_logprobs(request, prompts, params, body.stream, background)
     try:
-        return await _completion(request, body, settings, tokenizer, owner, session_id, prompts, params,
+        try:
+            generation = await start_generation(request, prompts, params, "cmpl", session_id, owner, idempotency,
+                                                expected_revision)
+        except AlreadyApplied as applied:
+            reservation.release()
+            return replay_completion(applied, body, settings.served_model_name, tokenizer)
+        return await _completion(request, body, settings, tokenizer, generation, prompts, params,
                                  reservation.release)
     except BaseException:
         reservation.release()
         raise
 
 
-async def _completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
-                      session_id: str | None, prompts: list[list[int]], params, on_close):
-    generation = await start_generation(request, prompts, params, "cmpl", session_id, owner)
+def replay_completion(applied: AlreadyApplied, body: CompletionRequest, model: str, tokenizer):
+    """A retried session turn that is already part of the session: the first attempt's answer, streamed or not
+    as this request asks (its text, finish reason and usage; logprobs are not kept)."""
+    result = applied.result
+    if result is None:
+        raise APIError(409, f"{applied.message}; its result was too long to keep, so it cannot be returned again",
+                       "Idempotency-Key", code="already_applied")
+    prompt = body.prompts[0]
+    echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if body.echo else ""
+    usage = Usage(prompt_tokens=result["prompt_tokens"], completion_tokens=result["completion_tokens"],
+                  total_tokens=result["prompt_tokens"] + result["completion_tokens"])
+    choice = CompletionChoice(index=0, text=echo + result["text"], finish_reason=result["finish_reason"])
+    response = CompletionResponse(id=result["id"], created=result["created"], model=model, choices=[choice],
+                                  usage=usage)
+    headers = {"Idempotent-Replayed": "true"}
+    if not body.stream:
+        return JSONResponse(jsonable_encoder(response), headers=headers)
+    events = [chunk_json(response.model_copy(update={"usage": None}))]
+    if body.include_usage:
+        events.append(chunk_json(response.model_copy(update={"choices": []})))
+
+    async def replayed():
+        for event in events:
+            yield sse_event(event)
+        yield sse_event("[DONE]")
+
+    return EventStreamResponse(replayed(), headers=headers)
+
+
+async def _completion(request: Request, body: CompletionRequest, settings, tokenizer, generation: Generation,
+                      prompts: list[list[int]], params, on_close):
     model = settings.served_model_name
     # echo: each choice starts with its prompt's text (a token-id prompt decoded)
     echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts] if body.echo else None

@@ -6,14 +6,17 @@ import asyncio
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
 from starlette.convertors import StringConvertor, register_url_convertor
 
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..engine import SamplingParams
 from ..engine.sessions.stores import SESSION_ID, SESSION_ID_PATTERN
-from ..engine.types import EngineError
+from ..engine.types import AlreadyApplied, EngineError
 from ..errors import from_engine_error
 from ..generation import collect, start_generation
+from ..idempotency import UNKNOWN, IdempotencyDep, IfMatch
 from ..openapi import AUTH, BINARY, BODY, GENERATION, SESSION, errors, streamed
 from ..schemas import (
     CompletionRequest,
@@ -48,16 +51,52 @@ async def engine_call(request: Request, future):
         raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
 
 
-@router.post("", response_model=SessionCreated, responses=errors(*GENERATION))
-async def create_session(request: Request, owner: Owner, body: SessionCreateRequest | None = None) -> SessionCreated:
+def replayed(status: int, body: object) -> Response:
+    """The answer a key got the first time (see idempotency.py)."""
+    headers = {"Idempotent-Replayed": "true"}
+    if body is None:
+        return Response(status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def replay_made(request: Request, owner: Owner, idempotency) -> Response | None:
+    """A create, fork or import this key already made: its first answer, while the session it made exists (one
+    deleted since is not made again by a replay: the key applies anew)."""
+    recent = request.app.state.recent_results
+    earlier = recent.get(idempotency)
+    if earlier is None:
+        return None
+    try:
+        await asyncio.wrap_future(request.app.state.engine.sessions.info(earlier[1]["id"], owner))
+    except EngineError as error:
+        if error.kind != "not_found":
+            raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
+        recent.forget(idempotency)
+        return None
+    return replayed(*earlier)
+
+
+@router.post("", response_model=SessionCreated, responses=errors(*GENERATION, 422))
+async def create_session(request: Request, owner: Owner, idempotency: IdempotencyDep,
+                         body: SessionCreateRequest | None = None) -> SessionCreated:
     """The prompt is checked before the session exists, and the session is deleted again if its prefill
     fails or the client leaves: no failure path leaves a session (and its slot) behind."""
+    recent = request.app.state.recent_results
+    if (earlier := await replay_made(request, owner, idempotency)) is not None:
+        return earlier
+    created = await _create(request, owner, body)
+    if created is not None:
+        recent.put(idempotency, 200, created.model_dump())
+    return created
+
+
+async def _create(request: Request, owner: Owner, body: SessionCreateRequest | None) -> SessionCreated | None:
     engine = request.app.state.engine
     prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True) if body else []
     # with a prompt, one write: the prompt's turn stores the new session (a failed prefill or write leaves none)
     info = await engine_call(request, engine.sessions.create(owner, first_prompt=bool(prompt_ids)))
     if not prompt_ids:
-        return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
+        return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes, revision=info.revision)
     done = False
     try:
         generation = await start_generation(request, [prompt_ids], SamplingParams(max_tokens=0), "sess", info.id, owner)
@@ -68,7 +107,7 @@ async def create_session(request: Request, owner: Owner, body: SessionCreateRequ
     finally:
         if not done:  # waits for the aborted prefill's turn to settle (milliseconds), then deletes
             engine.sessions.delete(info.id, owner, wait_s=CLEANUP_WAIT_S)
-    return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes)
+    return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes, revision=info.revision)
 
 
 MAX_PAGE = 100
@@ -88,12 +127,16 @@ async def list_sessions(request: Request, owner: Owner,
                        first_id=sessions[0].id if sessions else None, last_id=sessions[-1].id if sessions else None)
 
 
-@router.post("/import", response_model=SessionRef, responses=errors(*BODY),
+@router.post("/import", response_model=SessionRef, responses=errors(*BODY, 422),
              openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": BINARY},
                                             "description": "a snapshot from GET /v1/sessions/{id}/state"}})
-async def import_session(request: Request, owner: Owner) -> SessionRef:
+async def import_session(request: Request, owner: Owner, idempotency: IdempotencyDep) -> SessionRef:
+    recent = request.app.state.recent_results
+    if (earlier := await replay_made(request, owner, idempotency)) is not None:
+        return earlier
     data = await request.body()
     info = await engine_call(request, request.app.state.engine.sessions.import_(data, owner))
+    recent.put(idempotency, 200, {"id": info.id})
     return SessionRef(id=info.id)
 
 
@@ -104,15 +147,23 @@ async def get_session(request: Request, session_id: str, owner: Owner) -> Sessio
 
 
 @router.post("/{session_id:session_id}/completions", response_model=None,
-             responses={**streamed(CompletionResponse), **errors(*GENERATION, 404, 409)})
+             responses={**streamed(CompletionResponse), **errors(*GENERATION, 404, 409, 422)})
 async def session_completions(request: Request, session_id: str, body: CompletionRequest, settings: SettingsDep,
-                              tokenizer: TokenizerDep, owner: Owner, background: BackgroundTasks):
-    return await run_completion(request, body, settings, tokenizer, owner, background, session_id=session_id)
+                              tokenizer: TokenizerDep, owner: Owner, background: BackgroundTasks,
+                              idempotency: IdempotencyDep, if_match: IfMatch):
+    """With `Idempotency-Key`, the turn is applied at most once: a retry gets the first answer; with
+    `If-Match: "<revision>"`, only if the session is still at that revision (else 409 naming the current one)."""
+    return await run_completion(request, body, settings, tokenizer, owner, background, session_id, idempotency,
+                                if_match)
 
 
-@router.post("/{session_id:session_id}/fork", response_model=SessionRef, responses=errors(*SESSION, 429))
-async def fork_session(request: Request, session_id: str, owner: Owner) -> SessionRef:
+@router.post("/{session_id:session_id}/fork", response_model=SessionRef, responses=errors(*SESSION, 400, 422, 429))
+async def fork_session(request: Request, session_id: str, owner: Owner, idempotency: IdempotencyDep) -> SessionRef:
+    recent = request.app.state.recent_results
+    if (earlier := await replay_made(request, owner, idempotency)) is not None:
+        return earlier
     info = await engine_call(request, request.app.state.engine.sessions.fork(session_id, owner))
+    recent.put(idempotency, 200, {"id": info.id})
     return SessionRef(id=info.id)
 
 
@@ -132,14 +183,39 @@ async def list_turns(request: Request, session_id: str, owner: Owner) -> list[Tu
     return [TurnInfo(turn=t.index, tokens=t.tokens, created=t.created) for t in turns]
 
 
-@router.post("/{session_id:session_id}/rewind", response_model=SessionDetail, responses=errors(*BODY, 404, 409))
-async def rewind(request: Request, session_id: str, body: RewindRequest, owner: Owner) -> SessionDetail:
+@router.post("/{session_id:session_id}/rewind", response_model=SessionDetail, responses=errors(*BODY, 404, 409, 422))
+async def rewind(request: Request, session_id: str, body: RewindRequest, owner: Owner,
+                 idempotency: IdempotencyDep) -> SessionDetail:
     """Make a kept turn the head again (later turns are dropped): regenerate or edit the last answer."""
-    info = await engine_call(request, request.app.state.engine.sessions.rewind(session_id, owner, body.turn))
+    engine = request.app.state.engine
+    try:
+        info = await asyncio.wrap_future(engine.sessions.rewind(session_id, owner, body.turn, idempotency))
+    except AlreadyApplied as applied:  # the session as that rewind left it (tokens), as it is now otherwise
+        info = await engine_call(request, engine.sessions.info(session_id, owner))
+        detail = SessionDetail(**{**info.__dict__, **(applied.result or {})})
+        return replayed(200, jsonable_encoder(detail))
+    except EngineError as error:
+        raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
     return SessionDetail(**info.__dict__)
 
 
-@router.delete("/{session_id:session_id}", status_code=204, response_class=Response, responses=errors(*SESSION))
-async def delete_session(request: Request, session_id: str, owner: Owner) -> Response:
-    await engine_call(request, request.app.state.engine.sessions.delete(session_id, owner))
+@router.delete("/{session_id:session_id}", status_code=204, response_class=Response,
+                responses=errors(*SESSION, 400, 422))
+async def delete_session(request: Request, session_id: str, owner: Owner, idempotency: IdempotencyDep) -> Response:
+    """With `Idempotency-Key`, a retry of a delete answers 204 again — also after an `outcome_unknown`
+    answer, when the session turns out to be gone (the first attempt landed)."""
+    recent = request.app.state.recent_results
+    earlier = recent.get(idempotency)
+    if earlier is not None and earlier[0] == 204:
+        return replayed(204, None)
+    try:
+        await asyncio.wrap_future(request.app.state.engine.sessions.delete(session_id, owner))
+    except EngineError as error:
+        if error.kind == "not_found" and earlier is not None:  # the delete whose outcome was unknown landed
+            recent.put(idempotency, 204, None)
+            return replayed(204, None)
+        if error.kind == "outcome_unknown":
+            recent.put(idempotency, UNKNOWN, None)
+        raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
+    recent.put(idempotency, 204, None)
     return Response(status_code=204)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..types import EngineError
-from .stores import SessionStore
+from .stores import SessionStore, StoreTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,14 @@ class StoreAccess:
             if session_id in self.unreleased:  # our own lease, kept by a failed release: give it back first
                 self.release(session_id, self.unreleased.pop(session_id))
             lease = f"{self.replica}:{uuid.uuid4().hex[:12]}"  # one per claim: a late release can't free a newer one
-            if not self.store.acquire(session_id, lease, LEASE_MS, deadline):
+            try:
+                acquired = self.store.acquire(session_id, lease, LEASE_MS, deadline)
+            except StoreTimeout:
+                raise  # Redis ran it too late: it took no lease
+            except Exception:  # the answer was lost: it may hold the lease; release it when the store answers
+                self.unreleased[session_id] = lease
+                raise
+            if not acquired:
                 raise LeaseHeld(session_id)
         try:
             revision = self.store.revision(session_id) if self.shared else None

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 TAIL_TOKENS = 6  # history tokens kept as detokenizer context (as many as it re-decodes)
+APPLIED_KEPT = 16  # idempotency keys a session remembers (the newest), each with the result it answered
+APPLIED_TEXT_CHARS = 16_384  # a kept result's text, at most (longer: the key is kept, its result is not)
 MAX_SESSION_TOKENS = 2**48  # ~2.8e14 tokens: more than any session can have consumed
 
 
@@ -38,6 +40,14 @@ class Session:
     revision: str | None = None  # the store record this copy matches (shared stores: freshness check)
     stored: bool = True  # False: created with a first prompt, not yet written (its first turn writes it)
     lease: str | None = None  # token of the shared store's per-session lease it holds (one writer across replicas)
+    # the newest changes made with an Idempotency-Key: [{"key", "request", "turn", "result"}] (bounded, in the record)
+    applied: list[dict] = field(default_factory=list)
+
+    def applied_entry(self, key: str) -> dict | None:
+        return next((entry for entry in self.applied if entry["key"] == key), None)
+
+    def remember(self, entry: dict) -> None:
+        self.applied = [*(e for e in self.applied if e["key"] != entry["key"]), entry][-APPLIED_KEPT:]
 
     @property
     def tier(self) -> str:
@@ -79,6 +89,7 @@ class SessionInfo:
     tier: str
     created: float
     last_used: float  # unix time
+    revision: str | None = None  # changes with every change of the session (If-Match)
 
 
 def new_session_id() -> str:
@@ -98,3 +109,4 @@ class TurnResult:
     counts: torch.Tensor | None = None  # (V,) generated-token counts, with `generated`
     next_token: int | None = None  # the last sampled token (pending from now on)
     recent: tuple[int, ...] = ()  # the last few generated tokens
+    applied: dict | None = None  # made with an Idempotency-Key: {"key", "request", "result"} to remember

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import redis
 
-from .stores import SESSION_ID, StoreTimeout, header_metadata, owner_key
+from .stores import SESSION_ID, OutcomeUnknown, StoreTimeout, header_metadata, owner_key
 
 # `late` is 1 when Redis' clock has passed ARGV[1] (the caller's deadline, unix ms)
 _LATE = ("if redis.replicate_commands then redis.replicate_commands() end "
@@ -49,6 +49,19 @@ def _ms(deadline: float | None) -> int:
     return FAR_FUTURE_MS if deadline is None else int(deadline * 1000)
 
 
+def _write(script, keys: list, args: list):
+    """Run a write script. Not connecting is a plain failure (nothing was sent); a timeout or a connection lost
+    once connected may come after Redis ran it: OutcomeUnknown."""
+    try:
+        return script(keys=keys, args=args)
+    except redis.exceptions.TimeoutError as error:
+        raise OutcomeUnknown(f"Redis did not answer the write in time ({error})") from error
+    except redis.exceptions.ConnectionError as error:
+        if "connecting to" in str(error) or "Connection refused" in str(error):
+            raise
+        raise OutcomeUnknown(f"the connection to Redis was lost during the write ({error})") from error
+
+
 class RedisStore:
     PREFIX = "linserve:session:"
     REVISION = "linserve:revision:"
@@ -73,7 +86,7 @@ class RedisStore:
         if key is None:
             raise ValueError(f"not a session id: {session_id!r}")
         keys = [key, self.REVISION + session_id, self.OWNER + owner_key(owner)]
-        if not self._put(keys=keys, args=[_ms(deadline), data, revision, self.ttl_ms, session_id]):
+        if not _write(self._put, keys, [_ms(deadline), data, revision, self.ttl_ms, session_id]):
             raise StoreTimeout("the session store did not finish the write in time")
 
     def get(self, session_id: str) -> bytes | None:
@@ -93,7 +106,7 @@ class RedisStore:
         if owner is None:
             owner = (self.metadata(session_id) or {}).get("owner", "")
         keys = [key, self.REVISION + session_id, self.OWNER + owner_key(owner)]
-        if not self._delete(keys=keys, args=[_ms(deadline), session_id]):
+        if not _write(self._delete, keys, [_ms(deadline), session_id]):
             raise StoreTimeout("the session store did not finish the delete in time")
 
     def unindex(self, session_id: str, owner: str) -> None:

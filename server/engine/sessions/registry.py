@@ -16,6 +16,7 @@ the least recently used one out in its place.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -26,11 +27,11 @@ import torch
 from linserve.model import LinearGPT
 
 from ..state_pool import StatePool
-from ..types import EngineError
+from ..types import AlreadyApplied, EngineError, Idempotency
 from .leases import LEASE_RENEW_S, Lookup, StoreAccess
 from .records import MAX_SESSION_TOKENS, TAIL_TOKENS, Session, SessionInfo, Turn, TurnResult, new_session_id
 from .snapshot import decode_snapshot, encode_snapshot, model_fingerprint, record_fields
-from .stores import SessionStore
+from .stores import OutcomeUnknown, SessionStore
 from .tiers import Tiers
 from .worker import StoreStep, StoreWorker, error_kind
 
@@ -55,6 +56,10 @@ def store_failure(error: BaseException, outcome: str) -> EngineError:
     """A store call that failed or ran out of time, as the 503 its caller gets."""
     if isinstance(error, EngineError):
         return error
+    if isinstance(error, OutcomeUnknown):
+        return EngineError("the session store took the change but did not answer in time: it may or may not have "
+                           "been applied. Retrying with the same Idempotency-Key applies it at most once (and "
+                           "returns the original result if it was); or read the session", kind="outcome_unknown")
     return EngineError(f"the session store is unavailable ({error_kind(error)}: {type(error).__name__}); {outcome}",
                        kind="store_unavailable")
 
@@ -141,7 +146,7 @@ class SessionRegistry:
     def info(self, session: Session) -> SessionInfo:
         idle = time.monotonic() - session.last_used
         return SessionInfo(id=session.id, tokens=session.tokens, state_bytes=self.pool.slot_bytes, tier=session.tier,
-                           created=session.created, last_used=time.time() - idle)
+                           created=session.created, last_used=time.time() - idle, revision=session.revision)
 
     def owned_infos(self, owner: str | None) -> dict[str, SessionInfo]:
         """The caller's sessions in memory, described (a listing's snapshot; engine thread)."""
@@ -175,6 +180,8 @@ class SessionRegistry:
         session.revision = uuid.uuid4().hex
         extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count),
                  "revision": session.revision, "updated": repr(time.time())}
+        if session.applied:
+            extra["applied"] = json.dumps(session.applied)
         fingerprint, store, access = self.fingerprint, self.store, self.access
         session_id, revision, owner, lease = session.id, session.revision, session.owner or "", session.lease
         session.lease = None
@@ -193,6 +200,7 @@ class SessionRegistry:
     def _stored_change(self, session: Session, failed: str) -> StoreStep | SessionInfo:
         """Answer once the session's record is written; if it is not, roll back (see the module doc)."""
         if self.store is None:
+            session.revision = uuid.uuid4().hex
             return self.info(session)
         session.busy = True
 
@@ -234,14 +242,30 @@ class SessionRegistry:
             return self.info(session)
         return self._add(session)
 
-    def acquire_for_request(self, session: Session, new_tokens: int) -> Session:
-        """A claimed session, busy from now until its turn is stored."""
+    def acquire_for_request(self, session: Session, new_tokens: int, idempotency: Idempotency | None = None,
+                            expected_revision: str | None = None) -> Session:
+        """A claimed session, busy from now until its turn is stored. A key it already applied answers with
+        that turn's result (AlreadyApplied); a revision it has moved past is a 409 naming the current one."""
+        self.check_idempotency(session, idempotency)
+        if expected_revision is not None and expected_revision != session.revision:
+            raise EngineError(f"the session is at revision {session.revision!r}, not {expected_revision!r} "
+                              "(If-Match): it changed since you read it", kind="revision_mismatch", param="If-Match")
         if session.tokens + new_tokens > MAX_SESSION_TOKENS:  # so every record it writes can be imported back
             raise EngineError(f"the session would pass {MAX_SESSION_TOKENS} tokens", param="max_tokens")
         self._check_store()
         session.busy = True
         self._touch(session)
         return session
+
+    @staticmethod
+    def check_idempotency(session: Session, idempotency: Idempotency | None) -> None:
+        entry = None if idempotency is None else session.applied_entry(idempotency.key)
+        if entry is None:
+            return
+        if entry["request"] != idempotency.request:
+            raise EngineError("this Idempotency-Key was used for another request on this session: a key names one "
+                              "request", kind="idempotency_key_reused", param="Idempotency-Key")
+        raise AlreadyApplied(session.id, entry.get("result"))
 
     def release(self, session: Session) -> None:
         """The end of a command that stored nothing (its lease, if any, is given back after queued writes)."""
@@ -278,7 +302,10 @@ class SessionRegistry:
         session.tokens += len(consumed_prompt) + generated
         session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + list(turn.recent))[-TAIL_TOKENS:]
         self._record_turn(session)
+        if turn.applied is not None:
+            session.remember({**turn.applied, "turn": session.turn_count})
         if self.store is None:
+            session.revision = uuid.uuid4().hex
             self.release(session)
             return None
 
@@ -301,8 +328,13 @@ class SessionRegistry:
                                   history=session.copy_history()))
         del session.turns[: -self.turns_kept]
 
-    def rewind(self, session: Session, index: int) -> StoreStep | SessionInfo:
+    def rewind(self, session: Session, index: int, idempotency: Idempotency | None = None) -> StoreStep | SessionInfo:
         """Make turn `index` the head again: its state and history back, later turns dropped."""
+        try:
+            self.check_idempotency(session, idempotency)
+        except BaseException:
+            self.release(session)
+            raise
         turn = next((t for t in session.turns if t.index == index), None)
         if turn is None:
             kept = [t.index for t in session.turns]
@@ -317,6 +349,11 @@ class SessionRegistry:
             session.host = {name: t.clone() for name, t in turn.state.items()}
         session.turns = [t for t in session.turns if t.index <= index]
         session.turn_count = index
+        if idempotency is not None:
+            session.remember({"key": idempotency.key, "request": idempotency.request, "turn": index,
+                              "result": {"tokens": session.tokens}})
+        if self.store is None:
+            session.revision = uuid.uuid4().hex
         self._touch(session)
         return self._stored_change(session, "the session was not rewound")
 
@@ -340,6 +377,8 @@ class SessionRegistry:
 
         def settle(error: BaseException | None, _: object) -> None:
             session.busy = False
+            if isinstance(error, OutcomeUnknown):
+                self.discard(session)  # it may be gone: the store says, at the next access
             if error is not None:
                 raise store_failure(error, "the session was not deleted")
             self.discard(session)

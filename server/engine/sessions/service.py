@@ -55,8 +55,9 @@ class SessionService:
     def turns(self, session_id: str, owner: str | None) -> Future:
         return self.command(lambda session: list(session.turns), session_id, owner)
 
-    def rewind(self, session_id: str, owner: str | None, turn: int) -> Future:
-        return self.command(lambda session: self.registry.rewind(session, turn), session_id, owner, claim=True)
+    def rewind(self, session_id: str, owner: str | None, turn: int, idempotency=None) -> Future:
+        return self.command(lambda session: self.registry.rewind(session, turn, idempotency), session_id, owner,
+                            claim=True)
 
     def delete(self, session_id: str, owner: str | None, wait_s: float = LEASE_GRACE_S) -> Future:
         """`wait_s`: how long a session busy here or elsewhere is waited for before a 409."""

@@ -88,8 +88,15 @@ def record_fields(metadata: dict[str, str]) -> dict:
         raise _invalid("its created time or turn count is not a number") from None
     if not (math.isfinite(created) and 0 <= created < 2**40 and 0 <= turn_count <= MAX_SESSION_TOKENS):
         raise _invalid("its created time or turn count is out of range")
+    try:
+        applied = json.loads(metadata.get("applied", "[]"))
+    except ValueError:
+        raise _invalid("its idempotency keys are not JSON") from None
+    if not (isinstance(applied, list) and all(isinstance(e, dict) and isinstance(e.get("key"), str)
+                                              and isinstance(e.get("request"), str) for e in applied)):
+        raise _invalid("its idempotency keys are malformed")
     return {"owner": metadata.get("owner") or None, "created": created, "turn_count": turn_count,
-            "revision": metadata.get("revision")}
+            "revision": metadata.get("revision"), "applied": applied}
 
 
 def _invalid(message: str) -> EngineError:

@@ -41,6 +41,12 @@ class StoreTimeout(Exception):
     """A store call that did not finish before its deadline; it took no effect."""
 
 
+class OutcomeUnknown(Exception):
+    """A write or delete that reached the store but whose answer did not come back in time (a socket timeout
+    or a connection lost after the command was sent, a call hung past its deadline): it may or may not have
+    taken effect. The caller says so (`outcome_unknown`); the store is the truth from then on."""
+
+
 class StoreUnavailable(Exception):
     """The store itself is missing or unusable (e.g. its directory was removed)."""
 

@@ -28,13 +28,14 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from ..types import EngineError
-from .stores import SessionStore, StoreTimeout, StoreUnavailable
+from .stores import OutcomeUnknown, SessionStore, StoreTimeout, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 10.0  # while up and idle
 PROBE_INTERVAL_DOWN_S = 0.5  # while down (or after a failure): notice the store's return quickly
 WATCHDOG_GRACE_S = 0.25  # past its deadline, a hung call's caller is told it failed
+WRITES = frozenset({"put", "delete"})  # a write hung past its deadline may still land: its outcome is unknown
 FALL = 2  # consecutive failed calls that make the store down
 RISE = 2  # consecutive successful calls (or probes) that bring it back
 SUMMARY_INTERVAL_S = 60.0  # while calls fail: one summary line per interval
@@ -42,7 +43,7 @@ SUMMARY_INTERVAL_S = 60.0  # while calls fail: one summary line per interval
 
 def error_kind(error: BaseException) -> str:
     """A bounded label for a store failure (the `result` of linserve_session_store_operations_total)."""
-    if isinstance(error, (StoreTimeout, TimeoutError)) or type(error).__name__ == "TimeoutError":
+    if isinstance(error, (StoreTimeout, TimeoutError, OutcomeUnknown)) or type(error).__name__ == "TimeoutError":
         return "timeout"
     if isinstance(error, StoreUnavailable) or isinstance(error, (FileNotFoundError, NotADirectoryError)):
         return "missing"
@@ -261,7 +262,9 @@ class StoreWorker:
                            and not j.future.done()]
             if hung:
                 job.timed_out = True
-                if _settle(job.future, error=StoreTimeout("the session store is not answering")):
+                failure = (OutcomeUnknown("the session store took the write and did not answer in time")
+                           if job.op in WRITES else StoreTimeout("the session store is not answering"))
+                if _settle(job.future, error=failure):
                     self._record(job, "timeout", now - job.started, "hung past its deadline")
             for queued in expired:  # behind a hung call: answered now, skipped when reached
                 _settle(queued.future, error=StoreTimeout("the session store is not answering"))

@@ -25,7 +25,7 @@ TIMEOUT_S = 0.5  # the store deadline in these tests
 def store_error(future) -> EngineError:
     with pytest.raises(EngineError) as error:
         future.result(10 * TIMEOUT_S + 10)
-    assert error.value.kind == "store_unavailable", error.value.message
+    assert error.value.kind in ("store_unavailable", "outcome_unknown"), error.value.message
     return error.value
 
 
@@ -94,20 +94,20 @@ def session_work(engine, session_id: str, owner: str | None, tag: str) -> list[b
         try:
             done.append(bool(future.result(10 * TIMEOUT_S + 10)))
         except EngineError as error:
-            assert error.kind == "store_unavailable", error.message
+            assert error.kind in ("store_unavailable", "outcome_unknown"), error.message
             done.append(False)
     try:
         outputs = run(engine, [7, 8], GREEDY_6, f"work-{tag}", session_id=session_id, owner=owner)
         done.append(outputs[-1].finish_reason is not FinishReason.ERROR)
     except EngineError as error:
-        assert error.kind == "store_unavailable", error.message
+        assert error.kind in ("store_unavailable", "outcome_unknown"), error.message
         done.append(False)
     for command in (lambda: engine.sessions.fork(session_id, owner), lambda: engine.sessions.delete(session_id, owner)):
         try:
             command().result(10 * TIMEOUT_S + 10)
             done.append(True)
         except EngineError as error:
-            assert error.kind == "store_unavailable", error.message
+            assert error.kind in ("store_unavailable", "outcome_unknown"), error.message
             done.append(False)
     return done
 
@@ -178,7 +178,9 @@ def test_a_frozen_redis_fails_in_time_and_what_it_runs_on_waking_changes_nothing
     try:
         started = time.monotonic()
         failed = turn.wait()
-        assert failed[-1].finish_reason is FinishReason.ERROR and failed[-1].error_kind == "store_unavailable"
+        # the write reached Redis and no answer came: it may have run (it did not: its deadline had passed when
+        # Redis woke), and the turn's caller is told exactly that — 503 outcome_unknown, a retry with its key is safe
+        assert failed[-1].finish_reason is FinishReason.ERROR and failed[-1].error_kind == "outcome_unknown"
         assert not any(session_work(engine, kept.id, "k", "down"))
         elapsed = time.monotonic() - started
         assert elapsed < 8 * (TIMEOUT_S + 0.5), elapsed  # each failed on its deadline, not on the store's return

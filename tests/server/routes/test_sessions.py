@@ -36,7 +36,7 @@ def test_each_key_lists_its_own_sessions_page_by_page(make_client):
     assert every_id(client, b) == [theirs]
     first = listing(client, a, limit=1)["data"][0]
     assert first["id"] == mine[-1] and first["tier"] == "device" and first["tokens"] > 0
-    assert set(first) == {"id", "tokens", "state_bytes", "tier", "created", "last_used"}
+    assert set(first) == {"id", "tokens", "state_bytes", "tier", "created", "last_used", "revision"}
     assert client.get("/v1/sessions").status_code == 401
     empty = listing(client, b, after=theirs)
     assert empty == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
