@@ -100,3 +100,33 @@ def test_the_autoscaler_scales_the_deployment_on_requests_waiting_from_this_prom
     assert selector["app"] == pod_labels["app.kubernetes.io/name"]
     annotations = BY_KIND["Deployment"]["linserve"]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+
+
+def routing_rules(config: str) -> list[str]:
+    rules = [line.split("#")[0].strip() for line in config.splitlines()]
+    return [r for r in rules if r.startswith(("http-request", "balance", "hash-type", "retry-on", "option redispatch"))]
+
+
+def test_the_router_hashes_sessions_as_the_compose_balancer_does_and_finds_every_replica(tmp_path):
+    """Issue 31: the in-cluster router is haproxy with docker/haproxy.cfg's affinity rules (the same lines), a
+    valid configuration to haproxy itself, and its replicas are the headless Service's ready linserve pods."""
+    from tests.helpers import require_program
+
+    config = BY_KIND["ConfigMap"]["linserve-router"]["data"]["haproxy.cfg"]
+    compose = (ROOT / "docker" / "haproxy.cfg").read_text()
+    assert routing_rules(config) == routing_rules(compose) and any("balance hdr(" in r for r in routing_rules(config))
+    (tmp_path / "haproxy.cfg").write_text(config)
+    haproxy = require_program("haproxy", "haproxy")
+    import subprocess
+
+    checked = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    template = re.search(r"server-template \S+ \d+ ([\w-]+):(\d+)", config)
+    headless = BY_KIND["Service"][template[1]]
+    assert headless["spec"]["clusterIP"] == "None" and int(template[2]) == headless["spec"]["ports"][0]["port"]
+    assert headless["spec"]["selector"].items() <= (
+        BY_KIND["Deployment"]["linserve"]["spec"]["template"]["metadata"]["labels"].items())
+    router = BY_KIND["Deployment"]["linserve-router"]["spec"]["template"]["spec"]
+    mount = router["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert router["containers"][0]["args"] == ["-f", f"{mount}/haproxy.cfg"]
+    assert re.search(r"bind :(\d+)", config)[1] == str(router["containers"][0]["ports"][0]["containerPort"])

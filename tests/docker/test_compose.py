@@ -52,12 +52,15 @@ def test_replica_settings_are_real_settings_and_point_at_the_stacks_redis():
         assert SERVICES[name]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
-def test_haproxy_balances_round_robin_over_every_replica_with_ready_checks(server_routes):
+def test_haproxy_hashes_sessions_over_every_replica_with_ready_checks(server_routes):
+    """Consistent hashing on the affinity key (session id, X-Session-Id, a create's Idempotency-Key; round robin
+    without one) — no cookies or source stickiness: a moved session resumes from Redis (tests/docker/test_stack)."""
     config = (DOCKER / "haproxy.cfg").read_text()
     servers = re.findall(r"^\s*server\s+(\S+)\s+([\w-]+):(\d+)", config, re.M)
     assert sorted(host for _, host, _ in servers) == REPLICAS and {port for *_, port in servers} == {"8000"}
-    assert re.search(r"^\s*balance\s+roundrobin\s*$", config, re.M)
-    assert not re.search(r"^\s*(stick|cookie|balance\s+source)", config, re.M)  # no stickiness
+    assert re.search(r"^\s*balance\s+hdr\(X-Linserve-Affinity\)", config, re.M)
+    assert re.search(r"^\s*hash-type\s+consistent\s*$", config, re.M)
+    assert not re.search(r"^\s*(stick|cookie|balance\s+source)", config, re.M)
     check = re.search(r"option httpchk GET (\S+)", config)[1]
     assert check == "/ready" and check in server_routes
     assert re.search(r"^\s*bind\s+:8000\s*$", config, re.M)

@@ -151,11 +151,14 @@ def served_counts(replicas) -> dict[str, float]:
 
 
 def converse(base: str, session: str, turns: range) -> list[str]:
+    """Turns as a careful client sends them: each with its own Idempotency-Key (so the balancer may resend a
+    turn that met a draining replica, and a resent turn is applied once)."""
     texts = []
     for turn in turns:
         response = httpx.post(
             f"{base}/v1/sessions/{session}/completions",
             timeout=60,
+            headers={"Idempotency-Key": f"{session}-turn-{turn}"},
             json={"prompt": f" Turn {turn}:", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
         )
         assert response.status_code == 200, response.text
@@ -163,20 +166,32 @@ def converse(base: str, session: str, turns: range) -> list[str]:
     return texts
 
 
-def test_sessions_continue_through_the_balancer_across_replicas_and_survive_losing_one(stack):
+def test_sessions_stay_on_one_replica_and_survive_losing_it(stack):
+    """Issue 31: the balancer hashes on the session id, so each session's turns land on one replica (both
+    replicas get sessions); stopping a replica mid-conversation moves its sessions to the other, nothing lost."""
     lb, replicas = stack["lb"], stack["replicas"]
     first, second = (replicas[name] for name in REPLICAS)
     # the reference: the same conversation on one replica directly
     reference = httpx.post(f"{first.base}/v1/sessions", json={"prompt": "JULIET."}).json()["id"]
     expected = converse(first.base, reference, range(10))
-    before = served_counts(replicas)
-    sessions = [httpx.post(f"{lb}/v1/sessions", json={"prompt": "JULIET."}).json()["id"] for _ in range(3)]
-    for session in sessions:
+    sessions, homes = [], {}
+    while len(set(homes.values())) < len(REPLICAS):  # sessions until each replica is some session's home
+        assert len(sessions) < 16, f"16 sessions all hashed to one replica: {homes}"
+        session = httpx.post(f"{lb}/v1/sessions", json={"prompt": "JULIET."}).json()["id"]
+        before = served_counts(replicas)
         assert converse(lb, session, range(6)) == expected[:6]
-    after = served_counts(replicas)
-    assert all(after[name] - before[name] >= 6 for name in REPLICAS), (before, after)  # both replicas served turns
+        after = served_counts(replicas)
+        served = {name: after[name] - before[name] for name in REPLICAS}
+        assert sorted(served.values()) == [0, 6], served  # all six turns on one replica
+        sessions.append(session)
+        homes[session] = max(served, key=served.get)
+    for session in sessions:  # still at home
+        before = served_counts(replicas)
+        assert converse(lb, session, range(6, 7)) == expected[6:7]
+        after = served_counts(replicas)
+        assert after[homes[session]] - before[homes[session]] == 1
     second.stop()  # SIGTERM mid-conversation; haproxy has not noticed yet: its retries move the requests
     for session in sessions:
-        assert converse(lb, session, range(6, 10)) == expected[6:]
+        assert converse(lb, session, range(7, 10)) == expected[7:]
     listed = {s["id"] for s in httpx.get(f"{lb}/v1/sessions", params={"limit": 100}).json()["data"]}
     assert set(sessions) | {reference} <= listed
