@@ -21,7 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
-from .engine.types import PoolStats, RecordSkipped, RequestStats, StepStats, StoreStats
+from .engine.types import PoolStats, RecordSkipped, RequestStats, SessionLoaded, StepStats, StoreStats
 
 disable_created_metrics()  # no *_created series: plain classic text format
 
@@ -78,6 +78,10 @@ class Metrics:
         self.store_ops = Counter("linserve_session_store_operations_total",
                                  "Session-store calls by operation and result (ok, or the kind of failure: timeout, "
                                  "connection, permission, missing, io, error).", ["op", "result"], registry=r)
+        self.store_loads = Counter("linserve_session_store_loads_total",
+                                   "Session records read from the store into this replica (it held no current copy: "
+                                   "after a restart, or a session last changed on another replica). Per continue, "
+                                   "near 0 with session-affinity routing, near 1 - 1/replicas without.", registry=r)
         self.store_up = Gauge("linserve_session_store_up", "1 while the session store takes calls, 0 while it is "
                               "down or not answering (set by every call and by probes).", registry=r)
         self.store_skipped = Counter("linserve_session_store_records_skipped_total",
@@ -137,6 +141,8 @@ class Metrics:
             self.store_up.set(int(stats.up))
         elif isinstance(stats, RecordSkipped):
             self.store_skipped.inc()
+        elif isinstance(stats, SessionLoaded):
+            self.store_loads.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -57,6 +57,7 @@ from .types import (
     PoolStats,
     RecordSkipped,
     RequestOutput,
+    SessionLoaded,
     StepStats,
     StoreStats,
 )
@@ -104,7 +105,8 @@ class Engine:
                                         self.reserved_slots, config.session_turns_kept, store, self.store_worker)
         self.commands = CommandQueue()
         self.sessions = SessionService(self.registry, self.store_worker, self.commands.call, self.commands.internal,
-                                       self.pool.slot_bytes, self._skipped_record)
+                                       self.pool.slot_bytes, self._skipped_record,
+                                       lambda: self.stats_sink(SessionLoaded()))
         self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
                                    config.max_prefill_while_decoding)
         self.live: dict[str, LiveRequest] = {}

@@ -227,5 +227,10 @@ class StoreStats:
 
 
 @dataclass(frozen=True)
+class SessionLoaded:
+    """A session record was read from the store into this process (it held no current copy)."""
+
+
+@dataclass(frozen=True)
 class RecordSkipped:
     """A listing met a store record it cannot read, and skipped it."""

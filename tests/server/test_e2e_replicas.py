@@ -77,6 +77,28 @@ def test_sessions_move_freely_between_replicas(replicas, tiny_checkpoint, tmp_pa
     assert httpx.get(f"{a.base}/v1/sessions/{sid}", headers={"Authorization": "Bearer k1"}).status_code == 404
 
 
+def loads(replica) -> float:
+    from tests.server.test_e2e_store_faults import metric
+
+    return metric(replica.base, "linserve_session_store_loads_total")
+
+
+def test_a_replica_loads_a_session_from_the_store_only_when_its_copy_is_missing_or_stale(replicas):
+    """linserve_session_store_loads_total (what session-affinity routing saves): a replica reads a session's
+    record when it holds no copy, or another replica changed it since; never while its own copy is current."""
+    a, b, _ = replicas
+    sid = _create(a.base)
+    before = {r.base: loads(r) for r in (a, b)}
+    _continue(a.base, sid, TURNS[1])  # A made it: its copy is current
+    _continue(a.base, sid, TURNS[1])
+    assert loads(a) == before[a.base] and loads(b) == before[b.base]
+    _continue(b.base, sid, TURNS[1])  # B never held it: one load
+    _continue(b.base, sid, TURNS[1])  # now B's copy is current: none
+    assert loads(b) == before[b.base] + 1 and loads(a) == before[a.base]
+    _continue(a.base, sid, TURNS[1])  # B changed it: A's copy is stale, one load
+    assert loads(a) == before[a.base] + 1
+
+
 def test_one_generation_per_session_across_replicas_and_redis_outage(replicas):
     a, b, redis = replicas
     sid = _create(a.base)

@@ -29,8 +29,10 @@ LOOKUP_ATTEMPTS = 3  # a session that changes under every lookup (it cannot, sho
 class SessionService:
     def __init__(self, registry: SessionRegistry, worker: StoreWorker | None, call: Callable[[Callable], Future],
                  internal_call: Callable[[Callable], Future], state_bytes: int,
-                 on_skipped_record: Callable[[str, str], None] = lambda session_id, reason: None) -> None:
+                 on_skipped_record: Callable[[str, str], None] = lambda session_id, reason: None,
+                 on_loaded: Callable[[], None] = lambda: None) -> None:
         self.registry, self.worker = registry, worker
+        self.on_loaded = on_loaded
         self._call, self._internal_call = call, internal_call
         self.state_bytes = state_bytes
         self.on_skipped_record = on_skipped_record
@@ -110,7 +112,10 @@ class SessionService:
             elif error is not None:
                 outer.set_exception(store_failure(error, "the session could not be read"))
             else:
-                act_on(looked.result())
+                found = looked.result()
+                if found.fetched and found.data is not None:
+                    self.on_loaded()
+                act_on(found)
 
         def act_on(found: Lookup | None) -> None:
             self._call(lambda: self._act(act, session_id, owner, claim, found)).add_done_callback(after_act)
