@@ -359,7 +359,7 @@ def test_a_full_redis_can_still_be_emptied(tiny_checkpoint, tmp_path):
 def test_a_lease_the_store_missed_is_released_when_it_returns(tiny_checkpoint, tmp_path):
     """Issue 31 row 5: Redis (durable: it keeps the lease across its restart) dies while a continue generates,
     so the turn's write and the lease's release both fail; once Redis is back the release is retried, and the
-    session continues again within 2 s (the lease, 30 s long, answered 409 "generating on another replica"
+    session continues again within 2 s (the lease, 10 s long, answered 409 "generating on another replica"
     for the rest of its life)."""
     port = free_port()
     url, redis = start_redis(tmp_path, port=port, durable=True)

@@ -19,7 +19,7 @@ from .stores import SessionStore, StoreTimeout
 
 logger = logging.getLogger(__name__)
 
-LEASE_MS = 30_000  # a replica that dies mid-turn blocks its session at most this long
+LEASE_MS = 10_000  # a replica that dies mid-turn blocks its session at most this long (renewed while alive)
 LEASE_RENEW_S = LEASE_MS / 3000  # renewed three times per lease while generating
 LEASE_GRACE_S = 0.5  # a lease held by a turn finishing elsewhere is waited for this long before a 409
 MAX_UNRELEASED = 10_000  # releases kept for retry (each a few bytes); beyond that the oldest just expire
