@@ -164,3 +164,14 @@ def test_machine_check_judges_drift():
     assert machine_check(10.0, 10.4)["pass"] and not machine_check(10.0, 11.0)["pass"]
     assert not machine_check(10.0, 9.0)["pass"]
     assert reference_workload_ms(reps=3) > 0
+
+
+def test_session_affinity(tmp_path):
+    for program in ("haproxy", "redis-server"):
+        require_program(program, program)
+    run("session_affinity.py", "--out", str(tmp_path / "affinity.json"))
+    data = json.loads((tmp_path / "affinity.json").read_text())
+    assert data["nothing_lost"]["pass"], data["replica_killed"]
+    assert data["affinity"]["latency_ms_p50"] > 0 and data["round_robin"]["latency_ms_p99"] > 0
+    # the one measurement that is not a timing: hashing on the session id keeps its state where it is
+    assert data["affinity"]["loads_per_continue"] < data["round_robin"]["loads_per_continue"]
