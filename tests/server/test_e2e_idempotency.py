@@ -126,7 +126,17 @@ def test_if_match_refuses_a_continue_on_a_moved_session(replica):
 
 
 def test_creates_and_deletes_with_lost_answers_leave_exactly_what_was_asked(replica):
+    """Row 3: a create whose record landed unanswered leaves nothing (the server removes it: its client was
+    told it failed); a keyed create's retry makes one session; a keyed delete's retry answers 204."""
     base, proxy = replica
+    __import__("redis").Redis(port=proxy.redis_port).script_load(_PUT)  # EVALSHA finds it: the write runs
+    proxy.arm(PUT_SHA)  # an empty create: one write, the session's record, and its answer is lost
+    unknown(httpx.post(f"{base}/v1/sessions", json={}))
+    wait_store(base, up=True)
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{base}/v1/sessions").json()["data"]:  # undone as soon as the store answers
+        assert time.monotonic() < deadline, "the unanswered create's record stayed"
+        time.sleep(0.1)
     proxy.arm(PUT_SHA)  # a create with a prompt: its first turn writes the record, and the answer is lost
     unknown(httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}, headers={"Idempotency-Key": "make-1"}))
     wait_store(base, up=True)

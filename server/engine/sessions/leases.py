@@ -53,6 +53,7 @@ class StoreAccess:
         # leases whose release failed (the store was down): retried as soon as the store answers — by the
         # worker's next successful probe, or by the next claim of the same session — not left to expire
         self.unreleased: dict[str, str] = {}
+        self.undone: dict[str, str] = {}  # new sessions whose record must not stay (their create failed): owner
 
     def lookup(self, session_id: str, claim: bool, refetch: bool, deadline: float | None) -> Lookup:
         lease = None
@@ -94,9 +95,25 @@ class StoreAccess:
             self.unreleased[session_id] = lease
             return False
 
+    def undo(self, session_id: str, owner: str) -> None:
+        """Remove a new session's record that may have landed after its create failed (kept and retried with
+        the leases until the store answers)."""
+        try:
+            self.store.delete(session_id, owner)
+        except Exception:  # noqa: BLE001 - retried when the store answers
+            if len(self.undone) < MAX_UNRELEASED:
+                self.undone[session_id] = owner
+
     def retry_releases(self, deadline: float | None = None) -> None:
-        """Store thread, after a successful probe: give back the leases whose release failed (stops at the
-        first failure: the store is not answering after all)."""
+        """Store thread, after a successful probe: give back the leases whose release failed, and remove the
+        records of creates that failed with an unknown outcome (stops at the first failure: the store is not
+        answering after all)."""
+        while self.undone:
+            session_id, owner = next(iter(self.undone.items()))
+            del self.undone[session_id]
+            self.undo(session_id, owner)
+            if session_id in self.undone:
+                return
         while self.unreleased:
             session_id, lease = next(iter(self.unreleased.items()))
             del self.unreleased[session_id]

@@ -71,7 +71,7 @@ class SessionRegistry:
         self.pool = pool
         self.store, self.worker = store, worker
         self.access = None if store is None else StoreAccess(store, self._held)
-        if worker is not None and self.access is not None and self.access.shared:
+        if worker is not None and self.access is not None:
             worker.after_probe.append(self.access.retry_releases)
         self.shared = store is not None and store.shared  # replicas share it: leases and freshness checks
         self.stored = 0  # records in the store (counted by the sweep, on the store thread)
@@ -197,8 +197,10 @@ class SessionRegistry:
 
         return write
 
-    def _stored_change(self, session: Session, failed: str) -> StoreStep | SessionInfo:
-        """Answer once the session's record is written; if it is not, roll back (see the module doc)."""
+    def _stored_change(self, session: Session, failed: str, new: bool = False) -> StoreStep | SessionInfo:
+        """Answer once the session's record is written; if it is not, roll back (see the module doc). A new
+        session whose write may have landed (outcome unknown) is deleted from the store again: its caller was
+        told it failed and never learnt its id, so nothing may be left behind."""
         if self.store is None:
             session.revision = uuid.uuid4().hex
             return self.info(session)
@@ -207,6 +209,9 @@ class SessionRegistry:
         def settle(error: BaseException | None, _: object) -> SessionInfo:
             if error is not None:
                 self.discard(session)
+                if new and isinstance(error, OutcomeUnknown):
+                    access, session_id, owner = self.access, session.id, session.owner or ""
+                    self.worker.submit("delete", lambda deadline: access.undo(session_id, owner), None)
                 raise store_failure(error, failed)
             session.busy, session.stored = False, True
             self._touch(session)
@@ -216,7 +221,7 @@ class SessionRegistry:
 
     def _add(self, session: Session) -> StoreStep | SessionInfo:
         self.by_id[session.id] = session
-        return self._stored_change(session, "the session was not created")
+        return self._stored_change(session, "the session was not created", new=True)
 
     def discard(self, session: Session) -> None:
         """Drop the in-memory copy (and its slot), if it is still the one held."""
