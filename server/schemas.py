@@ -18,6 +18,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
+from .structured import StructuredFields
 
 
 def _valid_unicode(value: str) -> str:
@@ -52,12 +53,12 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_TOKEN_ID_DIGITS = 10  # beyond any vocabulary
 
 
-class _Sampling(BaseModel):
+class _Sampling(StructuredFields):
     """Fields shared by completions and chat completions; ranges checked here give 400 with `param`.
 
     A parameter linserve does not implement is refused with a 400 naming it (never silently ignored),
     except the harmless ones in HARMLESS_EXTRAS and the neutral values of a few (`best_of: 1`,
-    `response_format: {"type": "text"}`, `suffix: ""`, `parallel_tool_calls` without tools)."""
+    `suffix: ""`, `parallel_tool_calls` without tools). Structured outputs: structured.py."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -84,7 +85,6 @@ class _Sampling(BaseModel):
     def _no_unsupported_parameters(self):
         extras = dict(self.model_extra or {})
         neutral = {"best_of": lambda v: v in (None, 1), "suffix": lambda v: v in (None, ""),
-                   "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                    "parallel_tool_calls": lambda v: True, "tool_choice": lambda v: v in (None, "none")}
         refused = sorted(name for name, value in extras.items()
                          if name not in HARMLESS_EXTRAS and not (name in neutral and neutral[name](value)))

@@ -36,6 +36,7 @@ from linserve.model.loading import in_dtype
 from . import heap
 from .command_queue import ENGINE_DEAD, CommandQueue
 from .compiled_decode import TRACING, DecodeStep
+from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads
 from .kv_pool import KVCachePool
 from .live import LiveRequest, Row
@@ -83,6 +84,8 @@ class Engine:
         self.decode_model = in_dtype(self.model, decode_dtype) if decode_dtype and self.linear else self.model
         # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
         self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self.tokenizer = tokenizer
+        self._grammars: GrammarRuntime | None = None
         self.vocab_size, self.eos_id = model.config.vocab_size, tokenizer.eos_token_id
         self.stats_sink = stats_sink or (lambda stats: None)
         self.pool = (StatePool(model, config.num_slots, device) if self.linear
@@ -153,6 +156,13 @@ class Engine:
     def slot_accounting(self) -> Future:
         """Who holds which slot, taken on the engine thread (the balance every engine test asserts)."""
         return self.commands.call(self._slot_accounting)
+
+    @property
+    def grammars(self) -> GrammarRuntime:
+        """Structured outputs' view of the tokenizer (built at first use: ~20 ms); compiles requests' grammars."""
+        if self._grammars is None:
+            self._grammars = GrammarRuntime(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def store_status(self) -> dict | None:
         """The session store's health (None: no store), for /ready."""
@@ -274,7 +284,7 @@ class Engine:
         if live.session is not None:
             slot = self.registry.tiers.bring_to_device(live.session)
             if slot is not None:
-                live.assign_slots([slot], now, self.sampling)
+                live.assign_slots([slot], now, self.sampling, self.grammars if live.constrained else None)
             return None if slot is None else [slot]
         slots: list[int] = []
         try:
@@ -292,7 +302,7 @@ class Engine:
                 if entry is not None:
                     self.pool.load(slots[0], entry)
                     seq.prefilled = live.consumed = hit_len
-            live.assign_slots(slots, now, self.sampling)
+            live.assign_slots(slots, now, self.sampling, self.grammars if live.constrained else None)
         except BaseException:
             for taken in slots:
                 self.pool.free(taken)

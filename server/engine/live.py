@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .constraint import GrammarConstraint, GrammarRuntime
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from .sampling import SlotSampling, token_logprobs
 from .sessions.records import APPLIED_TEXT_CHARS, TAIL_TOKENS, Session, TurnResult
@@ -33,6 +34,7 @@ class Row:
     finished: bool = False
     last_time: float | None = None
     reason: FinishReason | None = None
+    constraint: GrammarConstraint | None = None  # structured outputs: what the grammar allows next
     kept: str | None = None  # its text so far, for a session turn made with an Idempotency-Key (bounded)
 
     @property
@@ -56,7 +58,7 @@ class Row:
         self.next_token = token
 
         reason, text, hit = None, "", False
-        if token == eos_id and not params.ignore_eos:
+        if token == eos_id and (not params.ignore_eos or self.constraint is not None):  # a grammar's end is final
             reason = FinishReason.STOP
         elif self.stop.stops:  # stop strings are matched only for rows that have them
             text, hit = self.stop.push(self.detokenizer.add(token))
@@ -115,7 +117,12 @@ class LiveRequest:
         history = self.session.tail if self.session else []
         return (history + self.request.prompt_ids[-TAIL_TOKENS:])[-TAIL_TOKENS:]
 
-    def assign_slots(self, slots: list[int], now: float, sampling: SlotSampling) -> None:
+    @property
+    def constrained(self) -> bool:
+        return self.request.params.grammar is not None
+
+    def assign_slots(self, slots: list[int], now: float, sampling: SlotSampling,
+                     grammars: GrammarRuntime | None = None) -> None:
         params = self.request.params
         skip = frozenset() if self.eos_id is None else frozenset({self.eos_id})
         self.admitted_time = now
@@ -126,6 +133,9 @@ class LiveRequest:
             sampling.assign(slot, params, seed - 2**64 if seed >= 2**63 else seed, history, self.request.prompt_ids)
             detokenizer = IncrementalDetokenizer(self.decoder, skip, self.detokenizer_context())
             row = Row(self, index, slot, detokenizer, StopMatcher(params.stop))
+            if grammars is not None:  # the first token is drawn under the grammar's first mask
+                row.constraint = GrammarConstraint(grammars, params.grammar, sampling.bias[slot])
+                row.constraint.write(sampling.bias[slot], params.max_tokens)
             if self.session is not None:
                 row.recent = collections.deque(maxlen=TAIL_TOKENS)
                 row.kept = "" if self.request.idempotency is not None else None

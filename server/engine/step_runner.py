@@ -171,7 +171,12 @@ class StepRunner:
         now = time.monotonic()
         for row, token, logprob in zip(rows, sampled.tokens, sampled.logprobs):
             if row.live.request.request_id not in failed:
-                delivery.outputs.append((row, row.accept(token, logprob, now, self.eos_id, delivery.latencies)))
+                output = row.accept(token, logprob, now, self.eos_id, delivery.latencies)
+                delivery.outputs.append((row, output))
+                if row.constraint is not None and not output.finished:  # the next position's mask
+                    row.constraint.accept(token)
+                    remaining = row.live.request.params.max_tokens - row.num_generated
+                    row.constraint.write(self.sampling.bias[row.slot], remaining)
         for request_id in failed:
             logger.error("request %s: %s", request_id, NON_FINITE)
             delivery.failed.append((request_id, NON_FINITE))

@@ -80,6 +80,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
+    grammar: object | None = None  # constraint.Grammar: only tokens it allows (structured outputs)
 
     def __post_init__(self) -> None:
         checks = [

@@ -44,7 +44,6 @@ def test_model_omitted_or_served_is_fine_and_another_is_404(client):
     ({"best_of": 3}, "best_of"),
     ({"suffix": "THE END"}, "suffix"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"functions": [], "echo_everything": True}, "echo_everything, functions"),
 ])
 def test_unimplemented_parameters_are_refused_by_name(client, extra, named):

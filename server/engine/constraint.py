@@ -1,0 +1,208 @@
+"""Constrained decoding: a grammar (JSON schema, regex, choice, Lark) decides which tokens may come next.
+
+The engine is llguidance (see docs/http-api.md for why: no dependencies, JSON schema / regex / Lark natively,
+~10-30 µs per mask on this vocabulary, matchers that copy and roll back). The decode step sees one thing: a
+constrained row's logit-bias row (`SlotSampling.bias`, an input of the compiled decode program) holds -inf
+for every token the grammar forbids, so sampling, penalties and filters need no other change. After each
+accepted token the row's `GrammarConstraint` advances its matcher and writes the next mask — a packed bitmask
+unpacked by tensor ops, never a Python loop over the vocabulary.
+
+The token budget is part of the constraint: once the tokens left are just enough for the shortest way found
+to close the open structure, only that way's tokens are allowed, so an output that fits `max_tokens` is
+complete and valid. The shortest way is searched over single-character tokens (greedy walks in a few orders
+of preference: close a string, an object, an array, write a digit …): an upper bound, found in well under
+a millisecond, computed only near the end of the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import string
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CLOSING_ORDERS = ('"}]0', '}]"0')  # preferences of the greedy closing walks (then any character)
+CLOSE_MARGIN = 6  # the most one token can lengthen the way (a `\\u` escape needs 4 hex digits and a quote)
+CHECK_EVERY = 8  # tokens between measurements of the closing way while far from needing it
+NEAR_TOKENS = 16  # within this many tokens of the way's length: measured at every token
+NEARLY_FORCED = 16  # this few tokens allowed: a forced word, taken in its longest token
+# then any character, punctuation first (it moves a pattern on: `@`, `.`, `-`), digits, space, letters
+CLOSING_CHARS = '"}],:@.-_/+#!?;=&%$*<>|~^`\'()[{\\' + '0123456789 ' + string.ascii_lowercase + string.ascii_uppercase
+WATCH_TOKENS = 96  # the closing way is searched once this few tokens are left
+MAX_CLOSING = 80  # a longer closing way is not searched for (the row ends with "length")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+CACHED_GRAMMARS = 256  # compiled grammars kept (by what was asked), least recently used dropped
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: no tokens spent on layout
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled-on-demand grammar in llguidance's serialized form (what SamplingParams carries)."""
+
+    source: str  # llguidance grammar (from grammar_from_json_schema / _regex / _lark)
+    description: str  # what the client asked for, for errors and logs
+
+
+class GrammarRuntime:
+    """The tokenizer's view for llguidance and the single-character tokens of the closing search (one per
+    engine; built lazily, at the first constrained request)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._llguidance = llguidance
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.vocab_size = vocab_size
+        self.eos_id = tokenizer.eos_token_id
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.char_tokens: dict[str, int] = {}
+        for char in CLOSING_CHARS:
+            ids = tokenizer.encode(char, add_special_tokens=False)
+            if len(ids) == 1:
+                self.char_tokens[char] = ids[0]
+        words = (vocab_size + 31) // 32
+        self.shifts = torch.arange(32, dtype=torch.int32)  # (32,)
+        self.token_chars = torch.tensor([len(tokenizer.decode([i])) for i in range(vocab_size)])  # (V,)
+        self.words = words
+
+    def compile(self, kind: str, value) -> Grammar:
+        """The grammar for what a request asked (`kind` in KINDS), checked against this tokenizer: an invalid or
+        unsupported one raises ValueError naming what is wrong. Cached by what was asked."""
+        key = (kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            grammar = Grammar(self._source(kind, value), f"{kind} {key[1][:200]}")
+        except Exception as error:  # noqa: BLE001 - the library's complaint about the client's grammar
+            raise ValueError(str(error) or type(error).__name__) from None
+        error, messages = self._llguidance.LLMatcher.validate_grammar_with_warnings(grammar.source, self.tokenizer)
+        if error:
+            raise ValueError("; ".join(messages) or "the grammar is invalid")
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _source(self, kind: str, value) -> str:
+        matcher = self._llguidance.LLMatcher
+        if kind == "json_schema":
+            if not isinstance(value, (dict, bool)):
+                raise ValueError("a JSON schema is an object")
+            return matcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+        if kind == "json_object":
+            return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return matcher.grammar_from_regex(value)
+        if kind == "choice":
+            return matcher.grammar_from_regex("|".join(f"(?:{re.escape(choice)})" for choice in value))
+        if kind == "grammar":  # Lark, or GBNF (llama.cpp's, `::=`) translated to Lark
+            from llguidance.gbnf_to_lark import any_to_lark
+
+            return matcher.grammar_from_lark(any_to_lark(value))
+        raise ValueError(f"unknown kind of constraint {kind!r}")
+
+    def matcher(self, grammar: Grammar):
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar.source)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+
+class GrammarConstraint:
+    """One row's grammar state. `write(bias_row, remaining)` puts the allowed tokens for the next position
+    into the row's bias; `accept(token)` advances."""
+
+    def __init__(self, runtime: GrammarRuntime, grammar: Grammar, base_bias: torch.Tensor) -> None:
+        import llguidance.torch as lgt
+
+        self.runtime, self.grammar = runtime, grammar
+        self.matcher = runtime.matcher(grammar)
+        self.base = base_bias.clone()  # (V,) the request's own logit_bias
+        self.bitmask = lgt.allocate_token_bitmask(1, runtime.vocab_size)  # (1, V/32) int32
+        self.closing: list[int] | None = None  # once forced: the rest of the closing way
+        self.check_at = WATCH_TOKENS  # the next `remaining` at which the closing way is measured
+
+    def accept(self, token: int) -> None:
+        if self.closing:
+            self.closing.pop(0)
+        if not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+
+    def write(self, bias_row: torch.Tensor, remaining: int) -> None:
+        """Allowed tokens for the next position into `bias_row` (V,) (-inf elsewhere); `remaining` tokens left,
+        this one included."""
+        runtime = self.runtime
+        if self.closing is None and remaining <= min(WATCH_TOKENS, self.check_at):
+            way = self._closing_way(min(remaining, MAX_CLOSING))
+            if way is not None and len(way) + CLOSE_MARGIN >= remaining:
+                self.closing = way  # one free token more could make it too long (an escape, half a character)
+            # the way grows only as the text opens structures: far from the line, look again every few tokens
+            near = way is None or remaining <= len(way) + NEAR_TOKENS
+            self.check_at = remaining - 1 if near else remaining - CHECK_EVERY
+        if self.closing:
+            allowed = torch.zeros(runtime.vocab_size, dtype=torch.bool)
+            allowed[self.closing[0]] = True
+        elif self.matcher.is_stopped():  # complete: nothing but end-of-text
+            allowed = torch.zeros(runtime.vocab_size, dtype=torch.bool)
+            allowed[runtime.eos_id] = True
+        else:
+            import llguidance.torch as lgt
+
+            lgt.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+            bits = (self.bitmask[0, :, None] >> runtime.shifts) & 1  # (V/32, 32)
+            allowed = bits.reshape(-1)[: runtime.vocab_size].bool()  # (V,)
+        minus_inf = torch.tensor(float("-inf"), device=bias_row.device)
+        bias_row.copy_(torch.where(allowed.to(bias_row.device), self.base.to(bias_row.device), minus_inf))
+
+    def _closing_way(self, limit: int) -> list[int] | None:
+        """The shortest way found to complete the grammar (token ids, end-of-text last), at most `limit`."""
+        best = None
+        for order in CLOSING_ORDERS:
+            way = self._greedy(order, limit if best is None else len(best) - 1)
+            if way is not None and (best is None or len(way) < len(best)):
+                best = way
+        return best
+
+    def _greedy(self, order: str, limit: int) -> list[int] | None:
+        import llguidance.torch as lgt
+
+        runtime, probe = self.runtime, self.matcher.deep_copy()
+        mask = lgt.allocate_token_bitmask(1, runtime.vocab_size)
+        closers = [runtime.char_tokens[c] for c in order if c in runtime.char_tokens]
+        preference = [runtime.char_tokens[c] for c in CLOSING_CHARS if c in runtime.char_tokens]
+        way: list[int] = []
+        while len(way) < limit:
+            if probe.is_stopped() or probe.is_accepting():
+                return [*way, runtime.eos_id] if len(way) < limit else None
+            forced = probe.compute_ff_tokens()  # what the grammar alone dictates, in its own tokens
+            if forced:
+                probe.consume_tokens(forced)
+                way.extend(forced)
+                continue
+            lgt.fill_next_token_bitmask(probe, mask, 0)
+            allowed = ((mask[0, :, None] >> runtime.shifts) & 1).reshape(-1)[: runtime.vocab_size].nonzero()[:, 0]
+            if not len(allowed):
+                return None
+            row = mask[0]
+            token = next((t for t in closers if (int(row[t // 32]) >> (t % 32)) & 1), None)
+            if token is None and len(allowed) <= NEARLY_FORCED:  # a key or keyword: its longest token
+                token = int(allowed[runtime.token_chars[allowed].argmax()])
+            if token is None:
+                token = next((t for t in preference if (int(row[t // 32]) >> (t % 32)) & 1), int(allowed[0]))
+            probe.consume_token(token)
+            way.append(token)
+        return None
