@@ -70,9 +70,9 @@ def llguidance_engine(tokenizer, vocab: int) -> dict:
         compiled = time.perf_counter() - started
         mask = lgt.allocate_token_bitmask(1, vocab)
 
-        result.append((compiled, walk(lambda: lgt.fill_next_token_bitmask(matcher, mask, 0),
-                                      lambda: unpack(mask, vocab),
-                                      lambda t: matcher.consume_token(t) and not matcher.is_stopped(), STEPS)))
+        result.append((compiled, walk(lambda m=matcher, k=mask: lgt.fill_next_token_bitmask(m, k, 0),
+                                      lambda k=mask: unpack(k, vocab),
+                                      lambda t, m=matcher: m.consume_token(t) and not m.is_stopped(), STEPS)))
     return summary(result)
 
 
@@ -87,8 +87,9 @@ def xgrammar_engine(tokenizer, vocab: int) -> dict:
         compiled = time.perf_counter() - started
         mask = xgr.allocate_token_bitmask(1, vocab)
 
-        result.append((compiled, walk(lambda: matcher.fill_next_token_bitmask(mask, 0), lambda: unpack(mask, vocab),
-                                      lambda t: matcher.accept_token(t) and not matcher.is_terminated(), STEPS)))
+        result.append((compiled, walk(lambda m=matcher, k=mask: m.fill_next_token_bitmask(k, 0),
+                                      lambda k=mask: unpack(k, vocab),
+                                      lambda t, m=matcher: m.accept_token(t) and not m.is_terminated(), STEPS)))
     return summary(result)
 
 
@@ -108,11 +109,12 @@ def outlines_engine(tokenizer, vocab: int) -> dict:
         guide = outlines_core.Guide(outlines_core.Index(build_regex_from_schema(json.dumps(schema)), vocabulary))
         compiled = time.perf_counter() - started
 
-        def advance(token):
-            guide.advance(token)
-            return not guide.is_finished()
+        def advance(token, g=guide):
+            g.advance(token)
+            return not g.is_finished()
 
-        result.append((compiled, walk(lambda: guide.get_tokens(), lambda: list(guide.get_tokens()), advance, STEPS)))
+        result.append((compiled, walk(lambda g=guide: g.get_tokens(), lambda g=guide: list(g.get_tokens()), advance,
+                                      STEPS)))
     return summary(result)
 
 

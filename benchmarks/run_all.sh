@@ -13,6 +13,8 @@ python benchmarks/memory.py --out "$out/p8_memory.json"
 python benchmarks/p10_resume.py --reps 21 --out "$out/p10_resume.json"
 python benchmarks/p13_store_outage.py --seconds 15 --out "$out/p13_store_outage.json"
 python benchmarks/session_affinity.py --out "$out/session_affinity.json"
+python benchmarks/p14_constrained.py --out "$out/p14_constrained.json"
+python benchmarks/grammar_engines.py --out "$out/grammar_engines.json"
 python benchmarks/cli_startup.py --out "$out/cli_startup.json"
 python benchmarks/p12_first_start.py --stream-s 30 --out "$out/p12_first_start.json"
 # P9 needs the llama.cpp peer, built once (~15 min): bash benchmarks/peers/build_llama_server.sh && python benchmarks/peers/make_models.py

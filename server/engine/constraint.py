@@ -30,12 +30,10 @@ logger = logging.getLogger(__name__)
 
 CLOSING_ORDERS = ('"}]0', '}]"0')  # preferences of the greedy closing walks (then any character)
 CLOSE_MARGIN = 6  # the most one token can lengthen the way (a `\\u` escape needs 4 hex digits and a quote)
-CHECK_EVERY = 8  # tokens between measurements of the closing way while far from needing it
-NEAR_TOKENS = 16  # within this many tokens of the way's length: measured at every token
 NEARLY_FORCED = 16  # this few tokens allowed: a forced word, taken in its longest token
 # then any character, punctuation first (it moves a pattern on: `@`, `.`, `-`), digits, space, letters
 CLOSING_CHARS = '"}],:@.-_/+#!?;=&%$*<>|~^`\'()[{\\' + '0123456789 ' + string.ascii_lowercase + string.ascii_uppercase
-WATCH_TOKENS = 96  # the closing way is searched once this few tokens are left
+WATCH_TOKENS = 64  # the closing way is first measured once this few tokens are left
 MAX_CLOSING = 80  # a longer closing way is not searched for (the row ends with "length")
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 CACHED_GRAMMARS = 256  # compiled grammars kept (by what was asked), least recently used dropped
@@ -122,6 +120,18 @@ class GrammarRuntime:
         return matcher
 
 
+def write_rows(constraints: list[GrammarConstraint], bias_rows: torch.Tensor, remaining: list[int]) -> torch.Tensor:
+    """The next masks of a step's constrained rows as their bias rows (R, V): the request's logit_bias where the
+    grammar allows, -inf elsewhere — unpacked and written for all rows at once. Returns the rows written."""
+    runtime = constraints[0].runtime
+    masks = torch.stack([c.next_mask(left) for c, left in zip(constraints, remaining)])  # (R, V/32)
+    allowed = ((masks[:, :, None] >> runtime.shifts) & 1).reshape(len(constraints), -1)  # (R, V/32 * 32)
+    allowed = allowed[:, : runtime.vocab_size].bool().to(bias_rows.device)  # (R, V)
+    bases = torch.stack([c.base for c in constraints]).to(bias_rows.device)  # (R, V)
+    bias_rows.copy_(torch.where(allowed, bases, torch.tensor(float("-inf"), device=bias_rows.device)))
+    return bias_rows
+
+
 class GrammarConstraint:
     """One row's grammar state. `write(bias_row, remaining)` puts the allowed tokens for the next position
     into the row's bias; `accept(token)` advances."""
@@ -144,29 +154,27 @@ class GrammarConstraint:
 
     def write(self, bias_row: torch.Tensor, remaining: int) -> None:
         """Allowed tokens for the next position into `bias_row` (V,) (-inf elsewhere); `remaining` tokens left,
-        this one included."""
-        runtime = self.runtime
+        this one included. (A step writes all its rows at once: `write_rows`.)"""
+        write_rows([self], bias_row[None], [remaining])
+
+    def next_mask(self, remaining: int) -> torch.Tensor:
+        """The packed mask (V/32,) int32 of the tokens allowed next, `remaining` tokens left (this one included)."""
         if self.closing is None and remaining <= min(WATCH_TOKENS, self.check_at):
             way = self._closing_way(min(remaining, MAX_CLOSING))
             if way is not None and len(way) + CLOSE_MARGIN >= remaining:
                 self.closing = way  # one free token more could make it too long (an escape, half a character)
-            # the way grows only as the text opens structures: far from the line, look again every few tokens
-            near = way is None or remaining <= len(way) + NEAR_TOKENS
-            self.check_at = remaining - 1 if near else remaining - CHECK_EVERY
-        if self.closing:
-            allowed = torch.zeros(runtime.vocab_size, dtype=torch.bool)
-            allowed[self.closing[0]] = True
-        elif self.matcher.is_stopped():  # complete: nothing but end-of-text
-            allowed = torch.zeros(runtime.vocab_size, dtype=torch.bool)
-            allowed[runtime.eos_id] = True
-        else:
-            import llguidance.torch as lgt
+            # the way grows only as the text opens structures: look again halfway to where it would have to start
+            slack = remaining if way is None else remaining - len(way) - CLOSE_MARGIN
+            self.check_at = remaining - max(1, slack // 2)
+        if self.closing or self.matcher.is_stopped():  # forced: the closing way's next token, or end-of-text
+            mask = torch.zeros_like(self.bitmask[0])
+            token = self.closing[0] if self.closing else self.runtime.eos_id
+            mask[token // 32] = (1 << (token % 32)) - (1 << 32 if token % 32 == 31 else 0)  # int32 bit
+            return mask
+        import llguidance.torch as lgt
 
-            lgt.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-            bits = (self.bitmask[0, :, None] >> runtime.shifts) & 1  # (V/32, 32)
-            allowed = bits.reshape(-1)[: runtime.vocab_size].bool()  # (V,)
-        minus_inf = torch.tensor(float("-inf"), device=bias_row.device)
-        bias_row.copy_(torch.where(allowed.to(bias_row.device), self.base.to(bias_row.device), minus_inf))
+        lgt.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        return self.bitmask[0]
 
     def _closing_way(self, limit: int) -> list[int] | None:
         """The shortest way found to complete the grammar (token ids, end-of-text last), at most `limit`."""

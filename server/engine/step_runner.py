@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .constraint import write_rows
 from .cpu_threads import ThreadPlan, prefill_threads
 from .decode_program import DecodeOutputs
 from .live import LiveRequest, Row
@@ -169,14 +170,19 @@ class StepRunner:
         delivery = Delivery()
         failed = {row.live.request.request_id for row, bad in zip(rows, sampled.broken) if bad}
         now = time.monotonic()
+        constrained = []
         for row, token, logprob in zip(rows, sampled.tokens, sampled.logprobs):
             if row.live.request.request_id not in failed:
                 output = row.accept(token, logprob, now, self.eos_id, delivery.latencies)
                 delivery.outputs.append((row, output))
-                if row.constraint is not None and not output.finished:  # the next position's mask
+                if row.constraint is not None and not output.finished:
                     row.constraint.accept(token)
-                    remaining = row.live.request.params.max_tokens - row.num_generated
-                    row.constraint.write(self.sampling.bias[row.slot], remaining)
+                    constrained.append(row)
+        if constrained:  # the next position's masks, into the rows' bias (an input of the decode program)
+            slots = torch.tensor([row.slot for row in constrained], device=self.device)  # (R,)
+            left = [row.live.request.params.max_tokens - row.num_generated for row in constrained]
+            rows_bias = write_rows([row.constraint for row in constrained], self.sampling.bias[slots], left)
+            self.sampling.bias.index_copy_(0, slots, rows_bias)
         for request_id in failed:
             logger.error("request %s: %s", request_id, NON_FINITE)
             delivery.failed.append((request_id, NON_FINITE))

@@ -175,3 +175,10 @@ def test_session_affinity(tmp_path):
     assert data["affinity"]["latency_ms_p50"] > 0 and data["round_robin"]["latency_ms_p99"] > 0
     # the one measurement that is not a timing: hashing on the session id keeps its state where it is
     assert data["affinity"]["loads_per_continue"] < data["round_robin"]["loads_per_continue"]
+
+
+def test_p14_constrained(tmp_path):
+    run("p14_constrained.py", "--out", str(tmp_path / "p14.json"), "--port", "8794")
+    data = json.loads((tmp_path / "p14.json").read_text())
+    assert data["P14"]["valid"]["pass"], data["P14"]["valid"]  # not a timing: every constrained output validates
+    assert data["P14"]["streams_1"]["constrained_itl_ms"]["p50"] > 0 and data["P14"]["streams_4"]["ratio"] > 0

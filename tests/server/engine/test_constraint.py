@@ -1,0 +1,100 @@
+"""Constrained decoding in the engine (engine/constraint.py) with the real tokenizer and grammar engine: the
+mask reaches the decode program as the row's bias, the budget closes the structure, rows of a batch keep their
+own grammars (or none), n > 1 rows each follow theirs, and slots balance (invariant 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from linserve.server.engine import SamplingParams
+from linserve.server.engine.constraint import GrammarConstraint, GrammarRuntime
+from tests.helpers import assert_slots_balance, prompt, run
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+          "required": ["name", "n", "tags"]}
+
+
+@pytest.fixture(scope="module")
+def runtime(hf_tokenizer):
+    return GrammarRuntime(hf_tokenizer, len(hf_tokenizer))
+
+
+def text_of(engine, outputs) -> str:
+    return "".join(o.text for o in outputs)
+
+
+def test_compiled_grammars_are_cached_and_bad_ones_name_the_problem(runtime):
+    assert runtime.compile("json_schema", SCHEMA) is runtime.compile("json_schema", json.loads(json.dumps(SCHEMA)))
+    for kind, value, words in [("json_schema", {"type": "strng"}, "strng"), ("regex", "[a-", "."),
+                               ("grammar", "start: nowhere", "nowhere"), ("json_schema", [1], "object")]:
+        with pytest.raises(ValueError, match=words):
+            runtime.compile(kind, value)
+
+
+def test_the_bias_row_allows_exactly_what_the_grammar_does(runtime, hf_tokenizer):
+    grammar = runtime.compile("choice", ["yes", "no"])
+    base = torch.zeros(len(hf_tokenizer))
+    base[5] = 2.5  # the request's own logit_bias stays on allowed tokens
+    constraint = GrammarConstraint(runtime, grammar, base)
+    row = torch.zeros(len(hf_tokenizer))
+    constraint.write(row, remaining=50)
+    allowed = torch.isfinite(row).nonzero()[:, 0].tolist()
+    texts = {hf_tokenizer.decode([t]) for t in allowed}
+    assert allowed and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    assert row[torch.isfinite(row)].eq(0).all()  # token 5 is not allowed here: its bias is -inf, not 2.5
+
+
+def test_the_budget_closes_an_open_string(runtime, hf_tokenizer):
+    constraint = GrammarConstraint(runtime, runtime.compile("json_schema", SCHEMA), torch.zeros(len(hf_tokenizer)))
+    for token in hf_tokenizer.encode('{"name":"so long a', add_special_tokens=False):
+        constraint.accept(token)
+    way = constraint._closing_way(80)
+    tail = hf_tokenizer.decode([t for t in way if t != hf_tokenizer.eos_token_id])
+    jsonschema.validate(json.loads('{"name":"so long a' + tail), SCHEMA)
+    assert way[-1] == hf_tokenizer.eos_token_id
+    row = torch.zeros(len(hf_tokenizer))
+    constraint.write(row, remaining=len(way))  # exactly enough left: only the way's next token
+    assert torch.isfinite(row).nonzero()[:, 0].tolist() == [way[0]]
+
+
+def test_constrained_and_free_rows_share_batches_and_slots_balance(make_engine, runtime):
+    engine = make_engine(num_slots=16)
+    grammar = engine.grammars.compile("json_schema", SCHEMA)
+    constrained = SamplingParams(max_tokens=60, temperature=1.0, seed=3, grammar=grammar, n=2)
+    free = SamplingParams(max_tokens=60, temperature=1.0, seed=3, ignore_eos=True)
+    results, threads = {}, []
+
+    def one(name, params):
+        results[name] = run(engine, prompt(8, 5), params, name)
+
+    for name, params in [("c1", constrained), ("f1", free), ("c2", dataclasses.replace(constrained, seed=9)),
+                         ("f2", free)]:
+        threads.append(threading.Thread(target=one, args=(name, params)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(60)
+    for name in ("c1", "c2"):
+        for row in range(2):
+            outputs = [o for o in results[name] if o.index == row]
+            assert outputs[-1].finish_reason.value == "stop"
+            jsonschema.validate(json.loads(text_of(engine, outputs)), SCHEMA)
+    alone = run(engine, prompt(8, 5), free, "f3")  # invariant 3: a free row is untouched by its neighbours
+    assert text_of(engine, alone) == text_of(engine, [o for o in results["f1"] if o.index == 0])
+    assert_slots_balance(engine)
+
+
+def test_a_session_turn_is_constrained_too(make_engine):
+    engine = make_engine(num_slots=8, session_store="none")
+    session = engine.sessions.create(None).result(10)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=1,
+                            grammar=engine.grammars.compile("regex", "[A-Z]{3}-[0-9]{2}"))
+    outputs = run(engine, prompt(4, 2), params, "s1", session_id=session.id)
+    assert outputs[-1].finish_reason.value == "stop" and len(text_of(engine, outputs)) == 6
+    assert_slots_balance(engine)
