@@ -112,3 +112,15 @@ def test_bad_constraints_are_400s_naming_them(server, client):
                                        response_format={"type": "json_schema", "json_schema": {
                                            "name": "bad", "schema": {"type": "object", "properties": {
                                                "a": {"type": "string", "pattern": "(unclosed"}}}}})
+
+
+def test_langchain_with_structured_output(server):
+    """LangChain's `with_structured_output(method="json_schema")` (response_format json_schema underneath)."""
+    from langchain_openai import ChatOpenAI
+
+    schema = {"title": "Line", "description": "a line of a play", "type": "object",
+              "properties": {"speaker": {"type": "string"}, "act": {"type": "integer"}},
+              "required": ["speaker", "act"]}
+    model = ChatOpenAI(base_url=f"{server.base}/v1", api_key="unused", model=MODEL, max_tokens=60, max_retries=0)
+    answer = model.with_structured_output(schema, method="json_schema").invoke("Who speaks first?")
+    jsonschema.validate(answer, schema)
