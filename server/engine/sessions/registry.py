@@ -16,8 +16,6 @@ the least recently used one out in its place.
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -27,41 +25,18 @@ import torch
 from linserve.model import LinearGPT
 
 from ..state_pool import StatePool
-from ..types import AlreadyApplied, EngineError, Idempotency
+from ..types import EngineError, Idempotency
+from .failures import SessionBusy, StaleLookup, store_failure
 from .leases import LEASE_RENEW_S, Lookup, StoreAccess
+from .record_io import check_applied, record_write, session_from_record
 from .records import MAX_SESSION_TOKENS, TAIL_TOKENS, Session, SessionInfo, Turn, TurnResult, new_session_id
-from .snapshot import decode_snapshot, encode_snapshot, model_fingerprint, record_fields
+from .snapshot import decode_snapshot, encode_snapshot, model_fingerprint
 from .stores import OutcomeUnknown, SessionStore
 from .tiers import Tiers
-from .worker import StoreStep, StoreWorker, error_kind
+from .worker import StoreStep, StoreWorker
 
 EXPIRY_CHECK_INTERVAL_S = 1.0
 STORE_SWEEP_INTERVAL_S = 10.0
-
-logger = logging.getLogger(__name__)
-
-
-class SessionBusy(EngineError):
-    """The session is generating, or its last change is being stored (409 once the caller's wait is over)."""
-
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} is generating", kind="busy", param="session_id")
-
-
-class StaleLookup(Exception):
-    """The session changed between the store lookup and the engine thread: look it up again."""
-
-
-def store_failure(error: BaseException, outcome: str) -> EngineError:
-    """A store call that failed or ran out of time, as the 503 its caller gets."""
-    if isinstance(error, EngineError):
-        return error
-    if isinstance(error, OutcomeUnknown):
-        return EngineError("the session store took the change but did not answer in time: it may or may not have "
-                           "been applied. Retrying with the same Idempotency-Key applies it at most once (and "
-                           "returns the original result if it was); or read the session", kind="outcome_unknown")
-    return EngineError(f"the session store is unavailable ({error_kind(error)}: {type(error).__name__}); {outcome}",
-                       kind="store_unavailable")
 
 
 class SessionRegistry:
@@ -131,14 +106,8 @@ class SessionRegistry:
         """A session that is only in the store (after a restart, or expired from memory) comes back to the
         host tier, turns included; validated like an import, metadata too."""
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
-        try:
-            snapshot = decode_snapshot(data, template, self.fingerprint, self.vocab_size, with_turns=True)
-            fields = record_fields(snapshot.metadata)
-        except EngineError as error:
-            raise EngineError(f"session {session_id!r} is stored but unreadable: {error.message}",
-                              param="session_id") from None
+        session = session_from_record(session_id, data, template, self.fingerprint, self.vocab_size)
         self._check_capacity()
-        session = Session(id=session_id, host=snapshot.state, turns=list(snapshot.turns), **fields, **snapshot.history)
         self.by_id[session_id] = session
         self.by_id.move_to_end(session_id, last=False)  # coldest: first to leave memory again
         return session
@@ -171,31 +140,8 @@ class SessionRegistry:
 
     # ---- writes ----
     def _record_write(self, session: Session):
-        """The store write of the session as it is now: immutable copies handed to the store thread, which
-        encodes and writes them (and then releases the lease this change held)."""
-        latest = session.turns[-1] if session.turns and session.turns[-1].index == session.turn_count else None
-        # the newest turn's snapshot is the head's state (immutable): the store thread copies it, not this one
-        state = latest.state if latest is not None else {n: t.clone() for n, t in self.tiers.state_of(session).items()}
-        history, turns = session.copy_history(), tuple(session.turns)
-        session.revision = uuid.uuid4().hex
-        extra = {"owner": session.owner or "", "created": repr(session.created), "turn_count": str(session.turn_count),
-                 "revision": session.revision, "updated": repr(time.time())}
-        if session.applied:
-            extra["applied"] = json.dumps(session.applied)
-        fingerprint, store, access = self.fingerprint, self.store, self.access
-        session_id, revision, owner, lease = session.id, session.revision, session.owner or "", session.lease
-        session.lease = None
-
-        def write(deadline: float | None) -> None:
-            own = {name: t.clone() for name, t in state.items()} if latest is not None else state
-            try:
-                store.put(session_id, encode_snapshot(own, history, fingerprint, turns, extra), revision, owner,
-                          deadline)
-            finally:
-                if lease is not None:
-                    access.release(session_id, lease)
-
-        return write
+        """The store write of the session as it is now (see `record_write`)."""
+        return record_write(session, self.tiers.state_of(session), self.fingerprint, self.store, self.access)
 
     def _stored_change(self, session: Session, failed: str, new: bool = False) -> StoreStep | SessionInfo:
         """Answer once the session's record is written; if it is not, roll back (see the module doc). A new
@@ -251,7 +197,7 @@ class SessionRegistry:
                             expected_revision: str | None = None) -> Session:
         """A claimed session, busy from now until its turn is stored. A key it already applied answers with
         that turn's result (AlreadyApplied); a revision it has moved past is a 409 naming the current one."""
-        self.check_idempotency(session, idempotency)
+        check_applied(session, idempotency)
         if expected_revision is not None and expected_revision != session.revision:
             raise EngineError(f"the session is at revision {session.revision!r}, not {expected_revision!r} "
                               "(If-Match): it changed since you read it", kind="revision_mismatch", param="If-Match")
@@ -261,16 +207,6 @@ class SessionRegistry:
         session.busy = True
         self._touch(session)
         return session
-
-    @staticmethod
-    def check_idempotency(session: Session, idempotency: Idempotency | None) -> None:
-        entry = None if idempotency is None else session.applied_entry(idempotency.key)
-        if entry is None:
-            return
-        if entry["request"] != idempotency.request:
-            raise EngineError("this Idempotency-Key was used for another request on this session: a key names one "
-                              "request", kind="idempotency_key_reused", param="Idempotency-Key")
-        raise AlreadyApplied(session.id, entry.get("result"))
 
     def release(self, session: Session) -> None:
         """The end of a command that stored nothing (its lease, if any, is given back after queued writes)."""
@@ -336,7 +272,7 @@ class SessionRegistry:
     def rewind(self, session: Session, index: int, idempotency: Idempotency | None = None) -> StoreStep | SessionInfo:
         """Make turn `index` the head again: its state and history back, later turns dropped."""
         try:
-            self.check_idempotency(session, idempotency)
+            check_applied(session, idempotency)
         except BaseException:
             self.release(session)
             raise

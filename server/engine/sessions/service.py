@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from .failures import SessionBusy, StaleLookup, store_failure
 from .leases import LEASE_GRACE_S, LeaseHeld, Lookup
 from .listing import list_sessions
 from .records import Session
-from .registry import SessionBusy, SessionRegistry, StaleLookup, store_failure
+from .registry import SessionRegistry
 from .worker import StoreStep, StoreWorker
 
 LOOKUP_ATTEMPTS = 3  # a session that changes under every lookup (it cannot, short of a bug) is a 503
