@@ -200,11 +200,6 @@ class ChatCompletionRequest(_Sampling):
         return self._params(default_max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
-class SessionCreateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prompt: Text | list[Int] = ""
-
-
 class TokenizeRequest(BaseModel):
     """`prompt` (text) or `messages` (a chat, rendered as /v1/chat/completions does), not both."""
 
@@ -367,45 +362,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class SessionCreated(BaseModel):
-    id: str
-    tokens: int
-    state_bytes: int
-    revision: str | None = Field(None, description="changes with every change of the session: send it as "
-                                 "`If-Match` to continue only if nothing changed it since")
-
-
-class SessionDetail(SessionCreated):
-    tier: str
-    created: float
-    last_used: float
-
-
-class SessionList(BaseModel):
-    """A page of the caller's sessions, newest first unless `order=asc`; the next page: `after=<last_id>`."""
-
-    object: Literal["list"] = "list"
-    data: list[SessionDetail]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
-class SessionRef(BaseModel):
-    id: str
-
-
-class RewindRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    turn: Int = Field(ge=1, description="a kept turn's index (GET /v1/sessions/{id}/turns)")
-
-
-class TurnInfo(BaseModel):
-    turn: int
-    tokens: int  # the session's length after this turn
-    created: float  # unix time
 
 
 class ErrorBody(BaseModel):

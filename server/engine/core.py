@@ -34,6 +34,7 @@ from linserve.model import LinearGPT
 from linserve.model.loading import in_dtype
 
 from . import heap
+from .accounting import check_request, pool_stats, slot_accounting
 from .command_queue import ENGINE_DEAD, CommandQueue
 from .compiled_decode import TRACING, DecodeStep
 from .constraint import GrammarRuntime
@@ -55,7 +56,6 @@ from .types import (
     EngineError,
     EngineRequest,
     FinishReason,
-    PoolStats,
     RecordSkipped,
     RequestOutput,
     SessionLoaded,
@@ -242,17 +242,7 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineError("the request queue is full", kind="capacity")
         params = request.params
-        if params.n > self.config.max_n:
-            raise EngineError(f"n must be <= {self.config.max_n}", param="n")
-        if params.n > self.reserved_slots:
-            raise EngineError(f"n must be <= {self.reserved_slots} on this server (state slots)", param="n")
-        if params.top_k > self.vocab_size:
-            raise EngineError(f"top_k must be <= the vocabulary size {self.vocab_size} (0 disables it)", param="top_k")
-        if any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
-            raise EngineError("prompt holds token ids outside the vocabulary", param="prompt")
-        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
-            raise EngineError(f"logit_bias names token ids outside the vocabulary (0..{self.vocab_size - 1})",
-                              param="logit_bias")
+        check_request(request, self.config, self.reserved_slots, self.vocab_size)
         feed = list(request.prompt_ids)
         if session is not None:  # found (404) and claimed (409) before anything about the body
             if params.n != 1:
@@ -352,18 +342,8 @@ class Engine:
         try:
             step.settle(error, None)
         except EngineError as failure:
-            held = [
-                replace(
-                    output,
-                    token_id=None,
-                    text="",
-                    logprob=None,
-                    finish_reason=FinishReason.ERROR,
-                    error=failure.message,
-                    error_kind=failure.kind,
-                )
-                for output in held
-            ]
+            held = [replace(output, token_id=None, text="", logprob=None, finish_reason=FinishReason.ERROR,
+                            error=failure.message, error_kind=failure.kind) for output in held]
         for output in held:
             self._emit(live, output)
 
@@ -395,38 +375,10 @@ class Engine:
 
     # ---------------------------------------------------------------- observations
     def _emit_pool_stats(self) -> None:
-        tiers = self.registry.tiers.counts()
-        self.stats_sink(
-            PoolStats(
-                running=self.scheduler.num_running,
-                waiting=self.scheduler.num_waiting,
-                slots_in_use=self.pool.used_slots,
-                slots_total=self.pool.num_slots,
-                state_bytes_in_use=self.pool.bytes_in_use,
-                sessions_device=tiers["device"],
-                sessions_host=tiers["host"],
-                sessions_store=self.registry.stored,
-            )
-        )
+        self.stats_sink(pool_stats(self.pool, self.registry, self.scheduler))
 
     def _slot_accounting(self) -> dict[str, int]:
-        session_slots = [s.slot for s in self.registry.by_id.values() if s.slot is not None]
-        seq_slots = [slot for seq in self.scheduler.active.values() for slot in seq.slots]
-        row_only = set(seq_slots) - set(session_slots)
-        return {
-            "slots_in_use": self.pool.used_slots,
-            "running_rows": len(row_only),
-            "device_sessions": len(session_slots),
-            "distinct_session_slots": len(set(session_slots)),
-            "distinct_row_slots": len(set(seq_slots)),
-            "row_slots": len(seq_slots),
-            "free_list": self.pool.free_slots,
-            "distinct_free": self.pool.distinct_free_slots,
-            "num_slots": self.pool.num_slots,
-            "bytes_in_use": self.pool.bytes_in_use,
-            "slot_bytes": self.pool.slot_bytes,
-            "live": len(self.live),
-        }
+        return slot_accounting(self.pool, self.registry, self.scheduler, self.live)
 
     def _store_result(self, op: str, result: str, seconds: float) -> None:
         worker = getattr(self, "store_worker", None)  # (a probe may report before the constructor has finished)

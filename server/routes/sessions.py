@@ -18,9 +18,8 @@ from ..errors import from_engine_error
 from ..generation import collect, start_generation
 from ..idempotency import UNKNOWN, IdempotencyDep, IfMatch
 from ..openapi import AUTH, BINARY, BODY, GENERATION, SESSION, errors, streamed
-from ..schemas import (
-    CompletionRequest,
-    CompletionResponse,
+from ..schemas import CompletionRequest, CompletionResponse
+from ..session_schemas import (
     RewindRequest,
     SessionCreated,
     SessionCreateRequest,

@@ -1,0 +1,51 @@
+"""The engine's checks and counts that need no engine state of their own: what a request may ask of this
+engine (400 / 429 before it queues), the pool's occupancy for the metrics, and the slot accounting every
+engine test asserts (design invariant 5: slots in use == running rows + device-tier sessions)."""
+
+from __future__ import annotations
+
+from .types import EngineError, EngineRequest, PoolStats
+
+
+def check_request(request: EngineRequest, config, reserved_slots: int, vocab_size: int) -> None:
+    """What the request's parameters ask of this engine: n, top_k, token ids, logit_bias."""
+    params = request.params
+    if params.n > config.max_n:
+        raise EngineError(f"n must be <= {config.max_n}", param="n")
+    if params.n > reserved_slots:
+        raise EngineError(f"n must be <= {reserved_slots} on this server (state slots)", param="n")
+    if params.top_k > vocab_size:
+        raise EngineError(f"top_k must be <= the vocabulary size {vocab_size} (0 disables it)", param="top_k")
+    if any(not 0 <= t < vocab_size for t in request.prompt_ids):
+        raise EngineError("prompt holds token ids outside the vocabulary", param="prompt")
+    if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
+        raise EngineError(f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1})",
+                          param="logit_bias")
+
+
+def pool_stats(pool, registry, scheduler) -> PoolStats:
+    tiers = registry.tiers.counts()
+    return PoolStats(running=scheduler.num_running, waiting=scheduler.num_waiting, slots_in_use=pool.used_slots,
+                     slots_total=pool.num_slots, state_bytes_in_use=pool.bytes_in_use,
+                     sessions_device=tiers["device"], sessions_host=tiers["host"], sessions_store=registry.stored)
+
+
+def slot_accounting(pool, registry, scheduler, live: dict) -> dict[str, int]:
+    """Who holds which slot (taken on the engine thread)."""
+    session_slots = [s.slot for s in registry.by_id.values() if s.slot is not None]
+    seq_slots = [slot for seq in scheduler.active.values() for slot in seq.slots]
+    row_only = set(seq_slots) - set(session_slots)
+    return {
+        "slots_in_use": pool.used_slots,
+        "running_rows": len(row_only),
+        "device_sessions": len(session_slots),
+        "distinct_session_slots": len(set(session_slots)),
+        "distinct_row_slots": len(set(seq_slots)),
+        "row_slots": len(seq_slots),
+        "free_list": pool.free_slots,
+        "distinct_free": pool.distinct_free_slots,
+        "num_slots": pool.num_slots,
+        "bytes_in_use": pool.bytes_in_use,
+        "slot_bytes": pool.slot_bytes,
+        "live": len(live),
+    }
