@@ -6,6 +6,7 @@ names it, never a silent unconstrained answer."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any, Literal
 
@@ -83,8 +84,9 @@ class StructuredFields(BaseModel):
         return asked[0] if asked else None
 
 
-def with_grammar(request: Request, body: StructuredFields, params: SamplingParams) -> SamplingParams:
-    """`params` with the request's grammar (compiled, or from the cache), or as they are."""
+async def with_grammar(request: Request, body: StructuredFields, params: SamplingParams) -> SamplingParams:
+    """`params` with the request's grammar (compiled, or from the cache), or as they are. Compiling runs off the
+    event loop (the first one also builds the tokenizer's view: a pass over the vocabulary)."""
     asked = body.constraint()
     if asked is None:
         return params
@@ -97,7 +99,8 @@ def with_grammar(request: Request, body: StructuredFields, params: SamplingParam
         except ValueError:
             raise APIError(400, f"{field}: the JSON schema is not valid JSON", field) from None
     try:
-        grammar = request.app.state.engine.grammars.compile(kind, value)
+        engine = request.app.state.engine
+        grammar = await asyncio.to_thread(lambda: engine.grammars.compile(kind, value))
     except ValueError as error:
         raise APIError(400, f"{field}: {kind} cannot be enforced: {error}", field, code="invalid_grammar") from None
     return dataclasses.replace(params, grammar=grammar)

@@ -86,6 +86,7 @@ class Engine:
         self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.tokenizer = tokenizer
         self._grammars: GrammarRuntime | None = None
+        self._grammars_lock = threading.Lock()
         self.vocab_size, self.eos_id = model.config.vocab_size, tokenizer.eos_token_id
         self.stats_sink = stats_sink or (lambda stats: None)
         self.pool = (StatePool(model, config.num_slots, device) if self.linear
@@ -160,8 +161,9 @@ class Engine:
     @property
     def grammars(self) -> GrammarRuntime:
         """Structured outputs' view of the tokenizer (built at first use: ~20 ms); compiles requests' grammars."""
-        if self._grammars is None:
-            self._grammars = GrammarRuntime(self.tokenizer, self.vocab_size)
+        with self._grammars_lock:  # asked from request threads and the engine thread alike
+            if self._grammars is None:
+                self._grammars = GrammarRuntime(self.tokenizer, self.vocab_size)
         return self._grammars
 
     def store_status(self) -> dict | None:

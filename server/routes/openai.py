@@ -89,7 +89,7 @@ async def run_completion(request: Request, body: CompletionRequest, settings, to
                          idempotency: Idempotency | None = None, expected_revision: str | None = None):
     check_model(body.model, settings)
     prompts = await encode_prompts(request, body, settings, session_id)
-    params = with_grammar(request, body, body.to_sampling_params(settings.max_tokens_default))
+    params = await with_grammar(request, body, body.to_sampling_params(settings.max_tokens_default))
     reservation = reserve_logprobs(request, prompts, params, body.stream, background)
     try:
         try:
@@ -224,7 +224,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
         raise APIError(400, f"max_completion_tokens must be <= {limit}", "max_completion_tokens")
     text = await chat_prompt(request, body.messages, tokenizer)
     prompt_ids = await encode_prompt(request, text, allow_empty=False)
-    params = with_grammar(request, body, body.to_sampling_params(settings.max_tokens_default))
+    params = await with_grammar(request, body, body.to_sampling_params(settings.max_tokens_default))
     reservation = reserve_logprobs(request, [prompt_ids], params, body.stream, background)
     try:
         return await _chat(request, body, tokenizer, settings, owner, prompt_ids, params, reservation.release)
