@@ -181,8 +181,7 @@ def balanced(directory: Path, ports: list[int], bases: list[str], mode: str, arg
                                stderr=subprocess.STDOUT)
     try:
         lb = f"http://127.0.0.1:{lb_port}"
-        wait_until_up(haproxy, f"{lb}/ready", "haproxy")
-        time.sleep(2.5)  # both replicas checked up (inter 2s)
+        wait_until_up(haproxy, f"{lb}/ready", "haproxy")  # (servers start up: the first checks only confirm it)
         return run_mode(lb, bases, args.sessions, args.clients, args.turns, f"{tag}-{mode}", kill)
     finally:
         haproxy.terminate()

@@ -23,8 +23,10 @@ DELETE_SHA = hashlib.sha1(_DELETE.encode()).hexdigest().encode()
 TURN = {"prompt": " and", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture
-def replica(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def replica(tiny_checkpoint, tmp_path_factory):
+    """One server for the module (each test works on its own sessions and keys)."""
+    tmp_path = tmp_path_factory.mktemp("idempotency")
     port = free_port()
     url, redis = start_redis(tmp_path, port=port)
     proxy = ReplyDroppingProxy(port)
@@ -129,12 +131,17 @@ def test_creates_and_deletes_with_lost_answers_leave_exactly_what_was_asked(repl
     """Row 3: a create whose record landed unanswered leaves nothing (the server removes it: its client was
     told it failed); a keyed create's retry makes one session; a keyed delete's retry answers 204."""
     base, proxy = replica
+
+    def listed() -> set[str]:
+        return {s["id"] for s in httpx.get(f"{base}/v1/sessions", params={"limit": 100}).json()["data"]}
+
+    before = listed()  # the other tests' sessions
     __import__("redis").Redis(port=proxy.redis_port).script_load(_PUT)  # EVALSHA finds it: the write runs
     proxy.arm(PUT_SHA)  # an empty create: one write, the session's record, and its answer is lost
     unknown(httpx.post(f"{base}/v1/sessions", json={}))
     wait_store(base, up=True)
     deadline = time.monotonic() + 5
-    while httpx.get(f"{base}/v1/sessions").json()["data"]:  # undone as soon as the store answers
+    while listed() != before:  # undone as soon as the store answers
         assert time.monotonic() < deadline, "the unanswered create's record stayed"
         time.sleep(0.1)
     proxy.arm(PUT_SHA)  # a create with a prompt: its first turn writes the record, and the answer is lost
@@ -144,8 +151,7 @@ def test_creates_and_deletes_with_lost_answers_leave_exactly_what_was_asked(repl
     assert made.status_code == 200, made.text
     again = httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}, headers={"Idempotency-Key": "make-1"})
     assert again.json()["id"] == made.json()["id"] and again.headers["idempotent-replayed"] == "true"
-    listed = [s["id"] for s in httpx.get(f"{base}/v1/sessions").json()["data"]]
-    assert listed == [made.json()["id"]]  # the failed attempt left nothing; the retry made one
+    assert listed() == before | {made.json()["id"]}  # the failed attempt left nothing; the retry made one
     sid = made.json()["id"]
     __import__("redis").Redis(port=proxy.redis_port).script_load(_DELETE)  # EVALSHA finds it: the delete runs
     proxy.arm(DELETE_SHA)  # the delete runs in Redis; its answer is lost
@@ -155,4 +161,4 @@ def test_creates_and_deletes_with_lost_answers_leave_exactly_what_was_asked(repl
     assert gone.status_code == 204 and gone.headers["idempotent-replayed"] == "true"
     assert httpx.get(f"{base}/v1/sessions/{sid}").status_code == 404
     assert httpx.delete(f"{base}/v1/sessions/{sid}").status_code == 404  # without the key: plainly gone
-    assert json.loads(httpx.get(f"{base}/v1/sessions").text)["data"] == []
+    assert listed() == before

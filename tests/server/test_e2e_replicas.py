@@ -75,6 +75,7 @@ def test_sessions_move_freely_between_replicas(replicas, tiny_checkpoint, tmp_pa
     # deleted through B: gone on A too
     assert httpx.delete(f"{b.base}/v1/sessions/{sid}", headers={"Authorization": "Bearer k1"}).status_code == 204
     assert httpx.get(f"{a.base}/v1/sessions/{sid}", headers={"Authorization": "Bearer k1"}).status_code == 404
+    loads_only_for_a_missing_or_stale_copy(a, b)
 
 
 def loads(replica) -> float:
@@ -83,10 +84,9 @@ def loads(replica) -> float:
     return metric(replica.base, "linserve_session_store_loads_total")
 
 
-def test_a_replica_loads_a_session_from_the_store_only_when_its_copy_is_missing_or_stale(replicas):
+def loads_only_for_a_missing_or_stale_copy(a, b) -> None:
     """linserve_session_store_loads_total (what session-affinity routing saves): a replica reads a session's
     record when it holds no copy, or another replica changed it since; never while its own copy is current."""
-    a, b, _ = replicas
     sid = _create(a.base)
     before = {r.base: loads(r) for r in (a, b)}
     _continue(a.base, sid, TURNS[1])  # A made it: its copy is current
