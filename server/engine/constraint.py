@@ -17,7 +17,6 @@ a millisecond, computed only near the end of the budget.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import string
 import threading
@@ -26,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
 
 CLOSING_ORDERS = ('"}]0', '}]"0')  # preferences of the greedy closing walks (then any character)
 CLOSE_MARGIN = 6  # the most one token can lengthen the way (a `\\u` escape needs 4 hex digits and a quote)
