@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 CLOSING_ORDERS = ('"}]0', '}]"0')  # preferences of the greedy closing walks (then any character)
 CLOSE_MARGIN = 6  # the most one token can lengthen the way (a `\\u` escape needs 4 hex digits and a quote)
 NEARLY_FORCED = 16  # this few tokens allowed: a forced word, taken in its longest token
