@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -85,39 +86,65 @@ class Stream(threading.Thread):
 
 
 class Churn(threading.Thread):
-    """Session work beside the stream; what was acknowledged (2xx) is the ledger checked afterwards."""
+    """Session work beside the stream; what was acknowledged (2xx) is the ledger checked afterwards. Every
+    change carries an `Idempotency-Key`; one answered 503 `outcome_unknown` is retried with the same key once
+    the store is back (`settle`), as a client must: its answer then says whether it was applied."""
 
     def __init__(self, base: str) -> None:
         super().__init__(daemon=True)
         self.base = base
         self.live: dict[str, int] = {}  # acknowledged sessions -> acknowledged tokens
         self.deleted: set[str] = set()
+        self.unknown: list[tuple[str, str, dict | None, str]] = []  # (method, path, body, key) to retry
         self.statuses: dict[str, dict[int, int]] = {"baseline": {}, "outage": {}}
         self.phase = "baseline"
         self.stop = threading.Event()
+        self.client = httpx.Client(base_url=base, timeout=30)
 
-    def _count(self, response: httpx.Response) -> httpx.Response:
+    def _send(self, method: str, path: str, body: dict | None = None, key: str | None = None) -> httpx.Response:
+        key = key or uuid.uuid4().hex
+        response = self.client.request(method, path, json=body, headers={"Idempotency-Key": key})
         table = self.statuses.setdefault(self.phase, {})
         table[response.status_code] = table.get(response.status_code, 0) + 1
+        if response.status_code == 503 and response.json()["error"]["code"] == "outcome_unknown":
+            self.unknown.append((method, path, body, key))
+        else:
+            self._apply(method, path, response)
         return response
 
+    def _apply(self, method: str, path: str, response: httpx.Response) -> None:
+        if path == "/v1/sessions" and response.status_code == 200:
+            self.live[response.json()["id"]] = response.json()["tokens"]
+        elif method == "POST" and response.status_code == 200:
+            self.live[path.split("/")[3]] += response.json()["usage"]["total_tokens"]
+        elif method == "DELETE" and response.status_code == 204:
+            sid = path.split("/")[3]
+            del self.live[sid]
+            self.deleted.add(sid)
+
     def run(self) -> None:
-        client = httpx.Client(base_url=self.base, timeout=30)
         while not self.stop.is_set():
-            made = self._count(client.post("/v1/sessions", json={"prompt": "HAMLET.\nTo be"}))
-            if made.status_code == 200:
-                self.live[made.json()["id"]] = made.json()["tokens"]
-            for sid in list(self.live)[-2:]:
-                turn = self._count(client.post(f"/v1/sessions/{sid}/completions",
-                                               json={"prompt": " and", "max_tokens": 8, "temperature": 0}))
-                if turn.status_code == 200:
-                    self.live[sid] += turn.json()["usage"]["total_tokens"]
-            if len(self.live) > 4:
-                sid = next(iter(self.live))
-                if self._count(client.delete(f"/v1/sessions/{sid}")).status_code == 204:
-                    del self.live[sid]
-                    self.deleted.add(sid)
+            self._send("POST", "/v1/sessions", {"prompt": "HAMLET.\nTo be"})
+            pending = {path.split("/")[3] for _, path, _, _ in self.unknown if path != "/v1/sessions"}
+            for sid in [s for s in self.live if s not in pending][-2:]:
+                self._send("POST", f"/v1/sessions/{sid}/completions", {"prompt": " and", "max_tokens": 8,
+                                                                       "temperature": 0})
+            if len(self.live) > 4 and (sid := next((s for s in self.live if s not in pending), None)):
+                self._send("DELETE", f"/v1/sessions/{sid}")
             time.sleep(0.02)
+
+    def settle(self) -> None:
+        """Retry each change whose outcome was unknown, with its key, until the store answers it."""
+        self.phase = "settle"
+        for method, path, body, key in self.unknown:
+            for _ in range(100):
+                response = self.client.request(method, path, json=body, headers={"Idempotency-Key": key})
+                if response.status_code not in (409, 503):  # 409: the session is still busy with it
+                    self._apply(method, path, response)
+                    break
+                time.sleep(0.1)
+            else:
+                raise RuntimeError(f"{method} {path} still unanswered after the store came back: {response.text}")
 
 
 def verify(base: str, churn: Churn) -> dict:
@@ -129,10 +156,15 @@ def verify(base: str, churn: Churn) -> dict:
             wrong.append((sid, tokens, got.status_code, got.text[:100]))
     resurrected = [sid for sid in churn.deleted
                    if httpx.get(f"{base}/v1/sessions/{sid}", timeout=30).status_code != 404]
-    listed = {s["id"] for s in httpx.get(f"{base}/v1/sessions", params={"limit": 100}, timeout=30).json()["data"]}
+    for _ in range(50):  # a create whose outcome was unknown is deleted again by the server, in the background
+        listed = {s["id"] for s in httpx.get(f"{base}/v1/sessions", params={"limit": 100}, timeout=30).json()["data"]}
+        if listed == set(churn.live):
+            break
+        time.sleep(0.1)
     return {
         "acknowledged_sessions": len(churn.live),
         "acknowledged_deletes": len(churn.deleted),
+        "outcome_unknown_retried": len(churn.unknown),
         "lost_or_changed": wrong,
         "resurrected": resurrected,
         "unacknowledged_listed": sorted(listed - set(churn.live)),
@@ -192,6 +224,7 @@ def scenario(name: str, seconds: float, checkpoint: str | None, work: Path) -> d
                 break
             time.sleep(0.1)
         time.sleep(0.5)
+        churn.settle()
         stream.stop.set()
         p99 = {phase: percentile(stream.gaps[phase], 0.99) * 1e3 for phase in ("quiet", "baseline", "outage")}
         ratio = p99["outage"] / max(p99["quiet"], p99["baseline"])
