@@ -24,7 +24,7 @@ from .idempotency import RecentResults
 from .logprob_budget import LogprobBudget
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openapi import OPERATIONAL_RESPONSES, document_errors
-from .routes import openai, sessions, utilities, web
+from .routes import chat, openai, responses, sessions, utilities, web
 from .settings import Settings
 from .version import package_version
 
@@ -195,6 +195,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.logprob_budget = LogprobBudget(int(settings.logprobs_memory_mb * 2**20), settings.retry_after_s)
     install_handlers(app)
     app.include_router(openai.router)
+    app.include_router(chat.router)
+    app.include_router(responses.router)
     app.include_router(sessions.router)
     app.include_router(utilities.router)
     if settings.web_ui:

@@ -21,55 +21,6 @@ from .logprob_budget import Reservation, logprob_bytes
 from .schemas import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from .streaming import EventStreamResponse, OutputStream, race_disconnect, sse_event
 
-INLINE_RENDER_MESSAGES = 64  # longer chats are rendered on a worker thread
-DEFAULT_CHAT_ROLES = {
-    "system": "SYSTEM",
-    "developer": "SYSTEM",
-    "user": "USER",
-    "assistant": "ASSISTANT",
-    "tool": "TOOL",
-}
-
-
-def render_chat(messages, tokenizer) -> str:
-    """The checkpoint's chat template if it has one; else plain speaker turns, like a play's:
-
-    USER.\\n<content>\\n\\nASSISTANT.\\n<content>\\n\\n … ASSISTANT.\\n
-    """
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{**m.model_dump(exclude_none=True), "content": m.text} for m in messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-    turns = [f"{m.name or DEFAULT_CHAT_ROLES[m.role]}.\n{m.text}\n\n" for m in messages]
-    return "".join(turns) + "ASSISTANT.\n"
-
-
-async def chat_prompt(request: Request, messages, tokenizer) -> str:
-    """A chat's prompt text: at most `max_chat_messages` messages (400 beyond), and no more text than a
-    prompt may have (checked on the messages' bytes, before anything is rendered); rendered off the event
-    loop when large."""
-    settings = request.app.state.settings
-    if len(messages) > settings.max_chat_messages:
-        raise APIError(
-            400,
-            f"a chat may have at most {settings.max_chat_messages} messages, got {len(messages)}",
-            "messages",
-            "too_many_messages",
-        )
-    text_bytes = sum(len(m.text.encode()) for m in messages)
-    if text_bytes > settings.max_prompt_tokens * request.app.state.max_token_bytes:
-        raise APIError(
-            400,
-            f"the chat is longer than max_prompt_tokens ({settings.max_prompt_tokens} tokens)",
-            "messages",
-            "prompt_too_long",
-        )
-    if len(messages) <= INLINE_RENDER_MESSAGES:
-        return render_chat(messages, tokenizer)
-    return await asyncio.to_thread(render_chat, messages, tokenizer)
-
 
 @dataclass
 class Generation:
@@ -145,6 +96,9 @@ async def start_generation(
     if state.draining or not state.engine.alive:
         reason = "the server is shutting down" if state.draining else "the engine has failed; the server is restarting"
         raise APIError(503, reason, code="unavailable", headers={"Retry-After": str(state.settings.retry_after_s)})
+    if params.priority and state.settings.scheduling_policy != "priority":
+        raise APIError(400, "priority is honoured only with scheduling_policy: priority (this server: "
+                       f"{state.settings.scheduling_policy}); send 0 or leave it out", "priority")
     if params.max_tokens > state.settings.max_tokens_limit:
         raise APIError(400, f"max_tokens must be <= {state.settings.max_tokens_limit}", "max_tokens")
     request_id = f"{prefix}-{uuid.uuid4().hex}"

@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
 from .structured import StructuredFields
+from .tools import MAX_TOOLS, ToolCallDelta, ToolCallItem, ToolFields
 
 
 def _valid_unicode(value: str) -> str:
@@ -80,6 +81,8 @@ class _Sampling(StructuredFields):
     repetition_penalty: Float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: StrictBool = False
     logit_bias: dict[str, Float] | None = Field(None, description="token id (as a string) → bias in [-100, 100]")
+    priority: Int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower is served first (scheduling_policy "
+                          "priority; another value than 0 is a 400 under fcfs)")
 
     @model_validator(mode="after")
     def _no_unsupported_parameters(self):
@@ -136,6 +139,7 @@ class _Sampling(StructuredFields):
             prompt_logprobs=prompt_logprobs, n=self.n,
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
             logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
+            priority=self.priority,
         )
 
     @property
@@ -179,16 +183,28 @@ def _content_parts(value):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Annotated[Text | list[dict], BeforeValidator(_content_parts)]
+    content: Annotated[Text | list[dict], BeforeValidator(_content_parts)] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool's result answers this call
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     @property
     def text(self) -> str:
         """The message's text: a list of parts is joined as OpenAI does (no separator)."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part["text"] for part in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
@@ -313,11 +329,13 @@ class ChatLogprobs(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class ChatChoice(BaseModel):

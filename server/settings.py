@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     max_prompts_per_request: int = Field(32, ge=1, description="prompts in one /v1/completions batch (400 beyond)")
     reserved_slots: int = Field(8, ge=0, description="slots idle sessions never pin (raised to max_n)")
     max_waiting: int = Field(256, ge=1, description="queued requests before 429")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="the order waiting requests get slots: arrival, or the request's `priority` (lower "
+        "first; ties by arrival)")
+    priority_aging_s: float = Field(5.0, gt=0, description="scheduling_policy priority: every this many seconds "
+                                    "waited counts as one level more urgent, so no request waits forever")
     max_context: int = Field(8192, ge=16, description="softmax models: KV-cache tokens per slot (400 beyond)")
     kv_memory_mb: float = Field(1024, gt=0, description="softmax models: slots = min(num_slots, this / slot bytes)")
     max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it")

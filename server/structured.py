@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from typing import Any, Literal
 
 from fastapi import Request
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from .engine import SamplingParams
 from .errors import APIError
+from .tools import ToolSpec
 
 MAX_CHOICES = 256
 
@@ -84,20 +86,28 @@ class StructuredFields(BaseModel):
         return asked[0] if asked else None
 
 
-async def with_grammar(request: Request, body: StructuredFields, params: SamplingParams) -> SamplingParams:
-    """`params` with the request's grammar (compiled, or from the cache), or as they are. Compiling runs off the
-    event loop (the first one also builds the tokenizer's view: a pass over the vocabulary)."""
+async def with_grammar(request: Request, body: StructuredFields, params: SamplingParams,
+                       tools: ToolSpec | None = None) -> SamplingParams:
+    """`params` with the request's grammar (compiled, or from the cache), or as they are. With tool calls allowed
+    (`tools`) the grammar is theirs; a JSON constraint beside them shapes the plain-text answer. Compiling runs off
+    the event loop (the first one also builds the tokenizer's view: a pass over the vocabulary)."""
     asked = body.constraint()
-    if asked is None:
+    if asked is None and tools is None:
         return params
-    field, kind, value = asked
+    field, kind, value = asked or ("tools", "grammar", None)
     if kind == "json_schema" and isinstance(value, str):
-        import json
-
         try:
             value = json.loads(value)
         except ValueError:
             raise APIError(400, f"{field}: the JSON schema is not valid JSON", field) from None
+    if tools is not None:
+        if asked is not None and kind not in ("json_schema", "json_object"):
+            raise APIError(400, f"{field}: beside tools only a JSON schema or JSON object can shape the answer",
+                           field)
+        text_schema = None if asked is None else ({"type": "object"} if kind == "json_object" else value)
+        if isinstance(text_schema, bool) or (text_schema is not None and not isinstance(text_schema, dict)):
+            raise APIError(400, f"{field}: a JSON schema is an object", field)
+        field, kind, value = "tools", "grammar", tools.grammar(text_schema)
     try:
         engine = request.app.state.engine
         grammar = await asyncio.to_thread(lambda: engine.grammars.compile(kind, value))

@@ -156,9 +156,16 @@ class GrammarConstraint:
 
     def next_mask(self, remaining: int) -> torch.Tensor:
         """The packed mask (V/32,) int32 of the tokens allowed next, `remaining` tokens left (this one included)."""
-        if self.closing is None and remaining <= min(WATCH_TOKENS, self.check_at):
-            way = self._closing_way(min(remaining, MAX_CLOSING))
-            if way is not None and len(way) + CLOSE_MARGIN >= remaining:
+        go_on = (self.closing is None and remaining <= WATCH_TOKENS and self.matcher.is_accepting()
+                 and not self.matcher.is_stopped())
+        if self.closing is None and (remaining <= min(WATCH_TOKENS, self.check_at) or go_on):
+            # where the text could end now, what matters is the cheapest way to go on and still end: if even that
+            # does not fit, it ends here (a second tool call, another item, is not begun without room to finish).
+            # Looked at whenever it could end: going on can need far more than closing did a token before.
+            way = self._closing_way(min(remaining, MAX_CLOSING), go_on)
+            if go_on and (way is None or len(way) + CLOSE_MARGIN >= remaining):
+                self.closing = [self.runtime.eos_id]
+            elif way is not None and len(way) + CLOSE_MARGIN >= remaining:
                 self.closing = way  # one free token more could make it too long (an escape, half a character)
             # the way grows only as the text opens structures: look again halfway to where it would have to start
             slack = remaining if way is None else remaining - len(way) - CLOSE_MARGIN
@@ -173,16 +180,17 @@ class GrammarConstraint:
         lgt.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         return self.bitmask[0]
 
-    def _closing_way(self, limit: int) -> list[int] | None:
-        """The shortest way found to complete the grammar (token ids, end-of-text last), at most `limit`."""
+    def _closing_way(self, limit: int, go_on: bool = False) -> list[int] | None:
+        """The shortest way found to complete the grammar (token ids, end-of-text last), at most `limit`;
+        `go_on`: one that does not end at once."""
         best = None
         for order in CLOSING_ORDERS:
-            way = self._greedy(order, limit if best is None else len(best) - 1)
+            way = self._greedy(order, limit if best is None else len(best) - 1, go_on)
             if way is not None and (best is None or len(way) < len(best)):
                 best = way
         return best
 
-    def _greedy(self, order: str, limit: int) -> list[int] | None:
+    def _greedy(self, order: str, limit: int, go_on: bool = False) -> list[int] | None:
         import llguidance.torch as lgt
 
         runtime, probe = self.runtime, self.matcher.deep_copy()
@@ -191,7 +199,7 @@ class GrammarConstraint:
         preference = [runtime.char_tokens[c] for c in CLOSING_CHARS if c in runtime.char_tokens]
         way: list[int] = []
         while len(way) < limit:
-            if probe.is_stopped() or probe.is_accepting():
+            if (way or not go_on) and (probe.is_stopped() or probe.is_accepting()):
                 return [*way, runtime.eos_id] if len(way) < limit else None
             forced = probe.compute_ff_tokens()  # what the grammar alone dictates, in its own tokens
             if forced:
@@ -199,6 +207,9 @@ class GrammarConstraint:
                 way.extend(forced)
                 continue
             lgt.fill_next_token_bitmask(probe, mask, 0)
+            if not way and go_on:  # the first token is not end-of-text
+                eos = runtime.eos_id
+                mask[0, eos // 32] &= ~(1 << (eos % 32))
             allowed = ((mask[0, :, None] >> runtime.shifts) & 1).reshape(-1)[: runtime.vocab_size].nonzero()[:, 0]
             if not len(allowed):
                 return None

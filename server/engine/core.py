@@ -112,7 +112,8 @@ class Engine:
                                        self.pool.slot_bytes, self._skipped_record,
                                        lambda: self.stats_sink(SessionLoaded()))
         self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
-                                   config.max_prefill_while_decoding)
+                                   config.max_prefill_while_decoding, config.scheduling_policy,
+                                   config.priority_aging_s)
         self.live: dict[str, LiveRequest] = {}
         self.on_death: list[Callable[[BaseException], None]] = []
         self._skipped_logged: set[str] = set()
@@ -266,7 +267,8 @@ class Engine:
         live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.decoder,
                            eos_id=self.eos_id, arrival=time.monotonic())
         self.live[request.request_id] = live
-        self.scheduler.add(SchedSeq(request.request_id, to_prefill=len(feed), rows=params.n))
+        self.scheduler.add(SchedSeq(request.request_id, to_prefill=len(feed), rows=params.n,
+                                    priority=params.priority))
 
     # ---------------------------------------------------------------- slots (the scheduler's allocator)
     def acquire(self, seq: SchedSeq) -> list[int] | None:

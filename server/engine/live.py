@@ -208,6 +208,8 @@ class LiveRequest:
             result = {"id": self.request.request_id, "created": key.created, "text": row.kept if row else "",
                       "finish_reason": reason.value, "prompt_tokens": len(self.request.prompt_ids),
                       "completion_tokens": row.num_generated if row else 0}
+            if key.note is not None:
+                result["note"] = key.note
         return {"key": key.key, "request": key.request, "result": result}
 
     def request_stats(self, reason: FinishReason, now: float) -> RequestStats:

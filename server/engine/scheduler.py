@@ -1,9 +1,15 @@
 """Continuous-batching scheduler: waiting and running queues, admission by free state slots, a per-step
-token budget. Torch-free: it decides, the engine executes, and slots come from an allocator."""
+token budget. Torch-free: it decides, the engine executes, and slots come from an allocator.
+
+Admission order: arrival (`fcfs`), or with `priority` the smallest `priority - waited // aging_s` first, ties by
+arrival — a request waiting `aging_s` seconds counts one level more urgent, so a steady stream of urgent work
+delays a patient request by at most (its priority - theirs) × aging_s, never forever. Admission never overtakes
+the request it chose: if that one finds no slot, nothing behind it is admitted this step."""
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,6 +29,8 @@ class SchedSeq:
     prefilled: int = 0
     status: Status = Status.WAITING
     slots: list[int] = field(default_factory=list)
+    priority: int = 0  # lower first (scheduling_policy "priority")
+    arrival: float = field(default_factory=time.monotonic)
 
     @property
     def prefill_left(self) -> int:
@@ -54,7 +62,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, max_batch_tokens: int, max_prefill_chunk: int,
-                 max_prefill_while_decoding: int | None = None) -> None:
+                 max_prefill_while_decoding: int | None = None, policy: str = "fcfs",
+                 aging_s: float = 5.0) -> None:
         if max_batch_tokens < 1 or max_prefill_chunk < 1:
             raise ValueError("max_batch_tokens and max_prefill_chunk must be >= 1")
         self.allocator = allocator
@@ -62,6 +71,9 @@ class Scheduler:
         self.max_prefill_chunk = max_prefill_chunk
         # while streams are decoding, prefill at most this many tokens per step (bounds their ITL)
         self.max_prefill_while_decoding = max_prefill_while_decoding or max_batch_tokens
+        if policy not in ("fcfs", "priority") or aging_s <= 0:
+            raise ValueError("policy is 'fcfs' or 'priority', aging_s > 0")
+        self.policy, self.aging_s = policy, aging_s
         self.waiting: OrderedDict[str, SchedSeq] = OrderedDict()
         self.active: OrderedDict[str, SchedSeq] = OrderedDict()  # prefilling or running, arrival order
 
@@ -113,7 +125,7 @@ class Scheduler:
                 budget -= length
         failed: list[tuple[str, Exception]] = []
         while self.waiting and budget > 0:
-            seq = next(iter(self.waiting.values()))
+            seq = self._next_waiting()
             try:
                 slots = self.allocator.acquire(seq)
             except Exception as error:  # noqa: BLE001 - this sequence fails; the queue goes on
@@ -121,7 +133,7 @@ class Scheduler:
                 failed.append((seq.seq_id, error))
                 continue
             if slots is None:
-                break  # strict FIFO: later arrivals do not overtake the head of the queue
+                break  # nothing overtakes the chosen request (see the module doc)
             del self.waiting[seq.seq_id]
             seq.slots, seq.status = slots, Status.PREFILLING
             self.active[seq.seq_id] = seq
@@ -129,6 +141,13 @@ class Scheduler:
             prefill.append((seq.seq_id, seq.prefilled, length))
             budget -= max(length, 1)
         return StepPlan(decode=decode, prefill=prefill, failed=failed)
+
+    def _next_waiting(self) -> SchedSeq:
+        if self.policy == "fcfs":
+            return next(iter(self.waiting.values()))
+        now = time.monotonic()
+        return min(self.waiting.values(),
+                   key=lambda s: (s.priority - int((now - s.arrival) // self.aging_s), s.arrival))
 
     def _chunk(self, seq: SchedSeq, budget: int) -> int:
         """Next prefill length: chunk ends stay on multiples of max_prefill_chunk (prefix-cache boundaries)."""

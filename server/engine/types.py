@@ -36,6 +36,8 @@ class EngineConfig:
     session_ttl_s: float
     max_n: int
     max_waiting: int
+    scheduling_policy: str  # "fcfs" or "priority"
+    priority_aging_s: float  # priority: each this many seconds waited is one level more urgent
     max_context: int  # softmax models only: KV-cache capacity per slot
     reserved_slots: int  # slots idle sessions never pin: stateless work always finds room (at least max_n)
     session_turns_kept: int
@@ -81,6 +83,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     grammar: object | None = None  # constraint.Grammar: only tokens it allows (structured outputs)
+    priority: int = 0  # lower is served first under `scheduling_policy: priority` (vLLM's sense); else unused
 
     def __post_init__(self) -> None:
         checks = [
@@ -135,6 +138,7 @@ class Idempotency:
     key: str  # digest of the owner and the client's key
     request: str  # digest of the request (method, path, body): a key reused for another request is refused
     created: int  # unix time of the first attempt (the response's `created`, replayed as it was)
+    note: dict | None = field(default=None, compare=False)  # kept with the result (a stored response's request)
 
 
 class AlreadyApplied(EngineError):

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+"""OpenAI-compatible routes: /v1/models, /v1/completions (chat: chat.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,13 @@ from fastapi import APIRouter, BackgroundTasks, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
-from ..chunks import ChatChunks, CompletionChunks, chunk_json
+from ..chunks import CompletionChunks, chunk_json
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..engine.types import AlreadyApplied, Idempotency, RequestOutput
 from ..errors import APIError
 from ..generation import (
     ChoiceLogprobs,
     Generation,
-    chat_logprobs,
-    chat_prompt,
     collect,
     completion_logprobs,
     reserve_logprobs,
@@ -23,14 +21,6 @@ from ..generation import (
 )
 from ..openapi import AUTH, GENERATION, errors, streamed
 from ..schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatLogprobs,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -211,86 +201,3 @@ def _empty(index: int) -> RequestOutput:
 async def completions(request: Request, body: CompletionRequest, settings: SettingsDep, tokenizer: TokenizerDep,
                       owner: Owner, background: BackgroundTasks):
     return await run_completion(request, body, settings, tokenizer, owner, background)
-
-
-@router.post(
-    "/v1/chat/completions", response_model=None, responses={**streamed(ChatCompletionResponse), **errors(*GENERATION)}
-)
-async def chat_completions(request: Request, body: ChatCompletionRequest, settings: SettingsDep,
-                           tokenizer: TokenizerDep, owner: Owner, background: BackgroundTasks):
-    check_model(body.model, settings)
-    limit = settings.max_tokens_limit
-    if body.max_completion_tokens is not None and body.max_completion_tokens > limit:
-        raise APIError(400, f"max_completion_tokens must be <= {limit}", "max_completion_tokens")
-    text = await chat_prompt(request, body.messages, tokenizer)
-    prompt_ids = await encode_prompt(request, text, allow_empty=False)
-    params = await with_grammar(request, body, body.to_sampling_params(settings.max_tokens_default))
-    reservation = reserve_logprobs(request, [prompt_ids], params, body.stream, background)
-    try:
-        return await _chat(request, body, tokenizer, settings, owner, prompt_ids, params, reservation.release)
-    except BaseException:
-        reservation.release()
-        raise
-
-
-async def _chat(request: Request, body: ChatCompletionRequest, tokenizer, settings, owner, prompt_ids: list[int],
-                params, on_close):
-    generation = await start_generation(request, [prompt_ids], params, "chatcmpl", None, owner)
-    model = settings.served_model_name
-    want_logprobs = params.logprobs is not None
-
-    def chunk_with_logprobs(output) -> str:
-        logprobs = ChatLogprobs(content=chat_logprobs(tokenizer, [output]))
-        choice = ChatChunkChoice(
-            index=output.index,
-            delta=ChatDelta(content=output.text or None),
-            logprobs=logprobs,
-            finish_reason=output.finish_reason.value if output.finished else None,
-        )
-        return chunk_json(
-            ChatCompletionChunk(id=generation.request_id, created=generation.created, model=model, choices=[choice])
-        )
-
-    if body.stream:
-        role_chunks = [
-            chunk_json(
-                ChatCompletionChunk(
-                    id=generation.request_id,
-                    created=generation.created,
-                    model=model,
-                    choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
-                )
-            )
-            for i in range(params.n)
-        ]
-
-        def usage_chunk() -> str:
-            return ChatCompletionChunk(
-                id=generation.request_id,
-                created=generation.created,
-                model=model,
-                choices=[],
-                usage=Usage(**generation.usage),
-            ).model_dump_json(exclude_none=True)
-
-        chunk = chunk_with_logprobs if want_logprobs else ChatChunks(generation.request_id, generation.created, model)
-        return stream_events(generation, chunk, body.include_usage, usage_chunk, role_chunks, on_close)
-    rows = await collect(request, generation)
-    if rows is None:
-        return None
-    choices = [
-        ChatChoice(
-            index=i,
-            message=AssistantMessage(content="".join(o.text for o in outputs)),
-            logprobs=ChatLogprobs(content=chat_logprobs(tokenizer, outputs)) if want_logprobs else None,
-            finish_reason=outputs[-1].finish_reason.value,
-        )
-        for i, outputs in enumerate(rows)
-    ]
-    return ChatCompletionResponse(
-        id=generation.request_id,
-        created=generation.created,
-        model=model,
-        choices=choices,
-        usage=Usage(**generation.usage),
-    )

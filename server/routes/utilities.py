@@ -6,9 +6,9 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
+from ..chat_prompt import chat_prompt
 from ..dependencies import Owner, TokenizerDep, encode_prompt
 from ..errors import APIError
-from ..generation import chat_prompt
 from ..openapi import AUTH, BODY, errors
 from ..schemas import (
     DetokenizeRequest,

@@ -96,9 +96,9 @@ def test_stack_errors_are_json_with_the_right_allow(client):
 
 
 def test_an_unhandled_exception_is_a_json_500_with_a_request_id(client, monkeypatch):
-    import linserve.server.generation as generation
+    import linserve.server.chat_prompt as generation
 
-    def broken(messages, tokenizer):
+    def broken(messages, tokenizer, tools=None):
         raise RuntimeError("injected bug")
 
     monkeypatch.setattr(generation, "render_chat", broken)

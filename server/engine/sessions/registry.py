@@ -358,10 +358,23 @@ class SessionRegistry:
         return sweep
 
     # ---- fork / export / import ----
-    def fork(self, source: Session, owner: str | None) -> StoreStep | SessionInfo:
+    def fork(self, source: Session, owner: str | None, at_turn: int | None = None) -> StoreStep | SessionInfo:
+        """A new session with the source's state and history — as they are, or as they were after a kept turn."""
         if source.busy:  # mid-turn its state and history disagree
             raise SessionBusy(source.id)
         self._check_store()
+        if at_turn is not None and at_turn != source.turn_count:
+            turn = next((t for t in source.turns if t.index == at_turn), None)
+            if turn is None:
+                kept = [t.index for t in source.turns]
+                raise EngineError(f"turn {at_turn} of {source.id} is not kept (kept: {kept})", kind="turn_not_kept")
+            self._check_capacity()
+            child = Session(id=new_session_id(), owner=owner, **{
+                name: value.clone() if isinstance(value, torch.Tensor) else
+                (list(value) if isinstance(value, list) else value) for name, value in turn.history.items()})
+            child.host = {name: t.clone() for name, t in turn.state.items()}
+            self._touch(source)
+            return self._add(child)
         self._check_capacity()
         child = Session(id=new_session_id(), owner=owner, **source.copy_history())
         slot = self.tiers.allocate_slot(keep=source) if source.slot is not None else None  # never offload the source
@@ -372,6 +385,23 @@ class SessionRegistry:
             child.host = {name: t.clone() for name, t in self.tiers.state_of(source).items()}
         self._touch(source)
         return self._add(child)
+
+    def kept_result(self, session: Session, key: str) -> dict:
+        """A change this session remembers by key (a stored response): its entry, and where the session is now."""
+        entry = session.applied_entry(key)
+        if entry is None or entry.get("result") is None:
+            raise EngineError("not found (or no longer kept)", kind="not_found")
+        self._touch(session)
+        return {"entry": entry, "turn_count": session.turn_count, "revision": session.revision,
+                "tokens": session.tokens, "kept_turns": [t.index for t in session.turns]}
+
+    def forget(self, session: Session, key: str) -> StoreStep | SessionInfo:
+        """Drop a remembered change (a deleted response): stored like any change of the session."""
+        if session.applied_entry(key) is None:
+            self.release(session)
+            raise EngineError("not found (or no longer kept)", kind="not_found")
+        session.applied = [entry for entry in session.applied if entry["key"] != key]
+        return self._stored_change(session, "it was not deleted")
 
     def export(self, session: Session) -> bytes:
         if session.busy:

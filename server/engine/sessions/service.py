@@ -46,8 +46,14 @@ class SessionService:
     def info(self, session_id: str, owner: str | None) -> Future:
         return self.command(self.registry.info, session_id, owner)
 
-    def fork(self, session_id: str, owner: str | None) -> Future:
-        return self.command(lambda source: self.registry.fork(source, owner), session_id, owner)
+    def fork(self, session_id: str, owner: str | None, at_turn: int | None = None) -> Future:
+        return self.command(lambda source: self.registry.fork(source, owner, at_turn), session_id, owner)
+
+    def kept_result(self, session_id: str, owner: str | None, key: str) -> Future:
+        return self.command(lambda session: self.registry.kept_result(session, key), session_id, owner)
+
+    def forget(self, session_id: str, owner: str | None, key: str) -> Future:
+        return self.command(lambda session: self.registry.forget(session, key), session_id, owner, claim=True)
 
     def export(self, session_id: str, owner: str | None) -> Future:
         return self.command(self.registry.export, session_id, owner)

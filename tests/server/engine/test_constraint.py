@@ -64,6 +64,25 @@ def test_the_budget_closes_an_open_string(runtime, hf_tokenizer):
     assert torch.isfinite(row).nonzero()[:, 0].tolist() == [way[0]]
 
 
+def test_where_it_could_end_it_ends_unless_going_on_still_fits(runtime, hf_tokenizer):
+    """At an accepting point a new item is begun only with room to finish it: going on can need far more than
+    closing needed a token before (a second tool call after a complete first)."""
+    grammar = runtime.compile("regex", "(<item [a-z]{3} [0-9]{4} done>)+")
+    constraint = GrammarConstraint(runtime, grammar, torch.zeros(len(hf_tokenizer)))
+    for token in hf_tokenizer.encode("<item abc 1234 done>", add_special_tokens=False):
+        constraint.accept(token)
+    going_on = constraint._closing_way(64, go_on=True)
+    assert going_on[0] != hf_tokenizer.eos_token_id and len(going_on) > 2  # another whole item
+    row = torch.zeros(len(hf_tokenizer))
+    constraint.write(row, remaining=len(going_on) + 2)  # too little room to go on: end-of-text only
+    assert torch.isfinite(row).nonzero()[:, 0].tolist() == [hf_tokenizer.eos_token_id]
+    roomy = GrammarConstraint(runtime, grammar, torch.zeros(len(hf_tokenizer)))
+    for token in hf_tokenizer.encode("<item abc 1234 done>", add_special_tokens=False):
+        roomy.accept(token)
+    roomy.write(row, remaining=60)  # room enough: another item may begin
+    assert torch.isfinite(row).sum() > 1
+
+
 def test_constrained_and_free_rows_share_batches_and_slots_balance(make_engine, runtime):
     engine = make_engine(num_slots=16)
     grammar = engine.grammars.compile("json_schema", SCHEMA)

@@ -131,3 +131,46 @@ def test_prefill_is_throttled_while_streams_decode():
     plan = scheduler.schedule()
     assert plan.decode == [("short", scheduler.active["short"].slots[0])]
     assert plan.prefill_tokens == 24
+
+
+def admitted(plan) -> list[str]:
+    return [seq_id for seq_id, _, _ in plan.prefill]
+
+
+def test_priority_admits_the_most_urgent_first_and_fcfs_keeps_arrival_order():
+    for policy, expected in (("priority", ["urgent", "normal", "patient"]), ("fcfs", ["patient", "normal", "urgent"])):
+        scheduler = Scheduler(FakeAllocator(1), max_batch_tokens=64, max_prefill_chunk=8, policy=policy)
+        for name, priority in (("patient", 5), ("normal", 0), ("urgent", -3)):
+            scheduler.add(SchedSeq(name, to_prefill=4, priority=priority))
+        order = []
+        for _ in range(3):  # one slot: one admission per finished request
+            plan = scheduler.schedule()
+            order += admitted(plan)
+            scheduler.remove(admitted(plan)[0])
+        assert order == expected
+
+
+def test_waiting_ages_a_patient_request_past_newer_urgent_ones():
+    scheduler = Scheduler(FakeAllocator(1), max_batch_tokens=64, max_prefill_chunk=8, policy="priority", aging_s=1.0)
+    scheduler.add(SchedSeq("patient", to_prefill=4, priority=3, arrival=0.0))  # waited long: 3 levels aged away
+    import time
+
+    now = time.monotonic()
+    scheduler.add(SchedSeq("urgent", to_prefill=4, priority=0, arrival=now))
+    assert now > 4.0  # the patient one has waited more than (3 - 0) × aging_s
+    assert admitted(scheduler.schedule()) == ["patient"]
+    fresh = Scheduler(FakeAllocator(1), max_batch_tokens=64, max_prefill_chunk=8, policy="priority", aging_s=60.0)
+    fresh.add(SchedSeq("patient", to_prefill=4, priority=3, arrival=now - 2))
+    fresh.add(SchedSeq("urgent", to_prefill=4, priority=0, arrival=now))
+    assert admitted(fresh.schedule()) == ["urgent"]
+
+
+def test_nothing_overtakes_the_chosen_request_when_it_finds_no_slot():
+    scheduler = Scheduler(FakeAllocator(2), max_batch_tokens=64, max_prefill_chunk=8, policy="priority")
+    scheduler.add(SchedSeq("running", to_prefill=4))
+    run_to_running(scheduler)
+    scheduler.add(SchedSeq("wide", to_prefill=4, rows=2, priority=-1))  # needs 2 slots, 1 is free
+    scheduler.add(SchedSeq("narrow", to_prefill=4, priority=0))
+    assert admitted(scheduler.schedule()) == []  # the chosen one waits; "narrow" does not jump it
+    scheduler.remove("running")
+    assert admitted(scheduler.schedule()) == ["wide"]
