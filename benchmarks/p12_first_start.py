@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import socket
 import subprocess
@@ -100,7 +99,8 @@ def cold(stream_s: float) -> dict:
     return {
         "health_s": up,
         "first_token_s": first_token_s,
-        "target_s": TARGET_FIRST_TOKEN_S,
+        "measured": first_token_s,
+        "target": f"first token <= {TARGET_FIRST_TOKEN_S} s",
         "pass": first_token_s <= TARGET_FIRST_TOKEN_S,
         "while_compiling": {"seconds": stream_s, "tokens": len(gaps) + 1,
                             "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p99_ms": 1e3 * percentile(gaps, 0.99),
@@ -119,7 +119,8 @@ def warm(cache: str | None, timeout_s: float = 300) -> dict:
         ready_s = time.perf_counter() - spawned
     step = body.get("decode_step") or {}
     all_ready = step.get("status") == "compiled" and step.get("ready") == step.get("buckets")
-    return {"ready_s": ready_s, "decode_step": step, "target_s": TARGET_WARM_READY_S,
+    return {"ready_s": ready_s, "decode_step": step, "measured": ready_s,
+            "target": f"every bucket ready <= {TARGET_WARM_READY_S} s",
             "pass": all_ready and ready_s <= TARGET_WARM_READY_S}
 
 
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"cold": cold(3.0 if args.quick else args.stream_s)}
     if not args.quick:
         result["warm"] = warm(args.warm_cache)
-    print(json.dumps({"cpu_count": os.cpu_count()}))
-    emit(result, args.out)
+    emit({"cpu_count": os.cpu_count(), "P12": result}, args.out)  # a `P12.cold: PASS|FAIL` line per target
 
 
 if __name__ == "__main__":

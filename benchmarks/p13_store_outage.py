@@ -256,9 +256,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     seconds = 2.0 if args.quick else args.seconds
+    packages = {"redis-server": "redis-server", "setpriv": "util-linux"}  # program → its Debian package
     for program in ("redis-server", *(["setpriv"] if os.geteuid() == 0 else [])):
-        if shutil.which(program) is None:
-            raise SystemExit(f"{program} is needed (Debian: redis-server, util-linux)")
+        if shutil.which(program) is None:  # before anything starts: one line naming what to install
+            raise SystemExit(f"error: {program} is needed and not on PATH (Debian: apt-get install "
+                             f"{packages[program]})")
     with tempfile.TemporaryDirectory() as work:
         results = {
             name: scenario(name, seconds, args.model, Path(work) / name)

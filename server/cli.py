@@ -49,9 +49,23 @@ def check_sampling(**values) -> None:
         raise ValueError(f"--{(error.param or '').replace('_', '-')}: {error.message}") from None
 
 
+def check_device(name: str) -> None:
+    """`cuda` on a machine without one fails here, after torch alone has loaded (about a second), before the
+    model and transformers do: one line, at once."""
+    if name == "cuda":
+        from linserve.server.preflight import check_gpu_driver
+
+        check_gpu_driver(name)  # no driver at all: at once
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but no CUDA device is available")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     # the arguments are checked before torch loads (seconds): a typo is reported at once
     check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    check_device(args.device)
     path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
     from linserve.model.generate import generate_tokens
     from linserve.model.loading import resolve_device
@@ -83,6 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    check_device(args.device)
     path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
     from linserve.model.loading import resolve_device
 
@@ -100,6 +115,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    check_device(args.device)
     import torch
 
     from linserve.model.loading import resolve_device
@@ -119,6 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    check_device(args.device)
     from tokenizers import Tokenizer
 
     from linserve.model.loading import load_model, resolve_device, resolve_dtype
@@ -181,8 +198,6 @@ class ProgressLine:
 def cmd_compile(args: argparse.Namespace) -> int:
     """Build the decode step's compile cache ahead of `serve` (images, init containers): every batch bucket
     `serve` would compile with the same settings, into the same cache directory, in the foreground."""
-
-
     from linserve.model.loading import load_model, resolve_device, resolve_dtype
     from linserve.server.app import engine_config
     from linserve.server.engine.compiled_decode import DecodeStep
@@ -190,7 +205,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from linserve.server.engine.state_pool import StatePool
     from linserve.server.settings import Settings
 
-    settings = Settings.load(args.config, **{name: getattr(args, name) for name in Settings.model_fields})
+    settings = Settings.load(args.config, **{name: getattr(args, name, None) for name in Settings.model_fields})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = resolve_device(settings.device)
     from linserve.server.engine.cpu_threads import apply_threads
@@ -229,15 +244,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os._exit(status)
 
 
-def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, generated from `Settings` (name, type, choices, description and default come
-    from there, the one place they live). Flags default to None ("not given") so that the environment and
-    the config file still apply; the help shows the effective default."""
+# what `linserve compile` reads: the decode program depends on these alone (the config file may hold the rest)
+COMPILE_SETTINGS = ("model", "device", "dtype", "num_slots", "state_memory_mb", "max_batch_tokens",
+                    "compile_cache_dir", "compile_autotune", "threads")
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """One flag per setting (or per setting in `only`), generated from `Settings` (name, type, choices,
+    description and default come from there, the one place they live). Flags default to None ("not given") so
+    that the environment and the config file still apply; the help shows the effective default."""
     import typing
 
     from linserve.server.settings import Settings
 
     for name, field in Settings.model_fields.items():
+        if only is not None and name not in only:
+            continue
         default = field.get_default(call_default_factory=True)
         shown = "none" if default in (None, []) else default
         text = f"{field.description or name.replace('_', ' ')} [default: {shown}]"
@@ -330,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = command("compile", "compile the decode step's batch buckets into the compile cache ahead of serve")
     comp.add_argument("--config", help="YAML settings file [default: configs/server.yaml if present]")
-    add_setting_flags(comp)
+    add_setting_flags(comp, COMPILE_SETTINGS)
     comp.set_defaults(func=cmd_compile)
 
     info = command("info", "print the model's config, parameter count and state bytes per session")
@@ -346,7 +368,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's own usage and error, not the top level's
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, OSError) as error:  # start-up errors: one line, not a traceback

@@ -73,6 +73,8 @@ class Metrics:
         self.pool_bytes = Gauge("linserve_state_pool_bytes", "State pool bytes (total allocated, in use).", ["kind"],
                                 registry=r)
         self.prefix_queries = Counter("linserve_prefix_cache_queries_total", "Prefix-cache lookups.", registry=r)
+        self.preemptions = Counter("linserve_preemptions_total", "Running requests parked for more urgent ones "
+                                   "(scheduling_policy priority): their states wait on the host.", registry=r)
         self.prefix_hits = Counter("linserve_prefix_cache_hits_total", "Prefix-cache lookups that found a prefix.",
                                    registry=r)
         self.store_ops = Counter("linserve_session_store_operations_total",
@@ -113,6 +115,8 @@ class Metrics:
             self._step[stats.phase].observe(stats.duration_s)
             if stats.batch_size:
                 self.batch_size.observe(stats.batch_size)
+            if stats.preempted:
+                self.preemptions.inc(stats.preempted)
             for position, seconds in stats.token_latencies:
                 self._itl[context_label(position)].observe(seconds)
         elif isinstance(stats, PoolStats):

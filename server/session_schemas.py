@@ -48,6 +48,10 @@ class RewindRequest(BaseModel):
 
 
 class TurnInfo(BaseModel):
-    turn: int
+    turn: int  # 0: text a fork or an import brought with it (before the session's own turns)
     tokens: int  # the session's length after this turn
     created: float  # unix time
+    rewindable: bool = Field(True, description="its state snapshot is kept (the newest session_turns_kept turns)")
+    prompt: str | None = Field(None, description="the turn's prompt as text, while the session keeps it "
+                               "(session_text_chars, newest turns first)")
+    completion: str | None = Field(None, description="the turn's generated text, while kept")

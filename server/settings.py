@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     max_host_sessions: int = Field(1024, ge=0, description="sessions offloaded to host memory")
     session_ttl_s: float = Field(3600.0, gt=0)
     session_turns_kept: int = Field(8, ge=0, description="turn snapshots kept per session for rewind")
+    session_text_chars: int = Field(
+        32_768, ge=0, le=1_000_000, description="characters of turn text (prompts and completions) a session keeps "
+        "for GET /v1/sessions/{id}/turns and the web page, newest turns first; stored with it, outside the fixed "
+        "state bytes (0: none)")
     session_store: str = Field(
         "dir:./data/sessions", description="'dir:PATH' (one file per session), 'redis://HOST:PORT/DB' or 'none'"
     )

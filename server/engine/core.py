@@ -41,7 +41,7 @@ from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads
 from .kv_pool import KVCachePool
 from .live import LiveRequest, Row
-from .prefix_cache import PrefixCache, scope_seed
+from .prefix_cache import PrefixCache
 from .sampling import SlotSampling
 from .scheduler import SchedSeq, Scheduler, StepPlan
 from .sessions.backends import open_store
@@ -49,6 +49,7 @@ from .sessions.records import Session
 from .sessions.registry import SessionRegistry
 from .sessions.service import SessionService
 from .sessions.worker import StoreStep, StoreWorker
+from .slots import EngineSlots
 from .state_pool import StatePool
 from .step_runner import Delivery, StepRunner
 from .types import (
@@ -106,15 +107,19 @@ class Engine:
                                                                    self._store_result)
         # a snapshot names the decode weights: they made its state's tokens
         self.registry = SessionRegistry(self.pool, self.decode_model, config.max_host_sessions, config.session_ttl_s,
-                                        self.reserved_slots, config.session_turns_kept, store, self.store_worker)
+                                        self.reserved_slots, config.session_turns_kept, store, self.store_worker,
+                                        config.session_text_chars if self.linear else 0)
         self.commands = CommandQueue()
         self.sessions = SessionService(self.registry, self.store_worker, self.commands.call, self.commands.internal,
                                        self.pool.slot_bytes, self._skipped_record,
                                        lambda: self.stats_sink(SessionLoaded()))
-        self.scheduler = Scheduler(self, config.max_batch_tokens, config.max_prefill_chunk,
+        self.live: dict[str, LiveRequest] = {}
+        self.slots = EngineSlots(self.live, self.registry, self.pool, self.sampling, self.prefix_cache,
+                                 lambda: self.grammars, self.linear)
+        self.scheduler = Scheduler(self.slots, config.max_batch_tokens, config.max_prefill_chunk,
                                    config.max_prefill_while_decoding, config.scheduling_policy,
                                    config.priority_aging_s)
-        self.live: dict[str, LiveRequest] = {}
+        self._preempted_seen = 0  # the scheduler's preemptions already reported in a step's stats
         self.on_death: list[Callable[[BaseException], None]] = []
         self._skipped_logged: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="linserve-engine", daemon=True)
@@ -222,7 +227,8 @@ class Engine:
         self.stats_sink(StepStats(duration_s=time.perf_counter() - started, phase=phase,
                                   batch_size=len(plan.decode), decode_tokens=len(plan.decode),
                                   prefill_tokens=plan.prefill_tokens, token_latencies=tuple(latencies),
-                                  program_s=program_s))
+                                  program_s=program_s, preempted=self.scheduler.preemptions - self._preempted_seen))
+        self._preempted_seen = self.scheduler.preemptions
         self._emit_pool_stats()
 
     def _deliver(self, delivery: Delivery, latencies: list) -> None:
@@ -265,50 +271,11 @@ class Engine:
             raise EngineError(f"prompt ({len(feed)} tokens) + max_tokens ({params.max_tokens}) exceeds this softmax "
                               f"model's max context of {self.config.max_context} tokens", param="max_tokens")
         live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.decoder,
-                           eos_id=self.eos_id, arrival=time.monotonic())
+                           eos_id=self.eos_id, arrival=time.monotonic(),
+                           text_chars=self.registry.text_chars if session is not None else 0)
         self.live[request.request_id] = live
         self.scheduler.add(SchedSeq(request.request_id, to_prefill=len(feed), rows=params.n,
                                     priority=params.priority))
-
-    # ---------------------------------------------------------------- slots (the scheduler's allocator)
-    def acquire(self, seq: SchedSeq) -> list[int] | None:
-        """Slots for seq, or None to wait; if this raises, nothing it took stays taken."""
-        live = self.live[seq.seq_id]
-        now = time.monotonic()
-        if live.session is not None:
-            slot = self.registry.tiers.bring_to_device(live.session)
-            if slot is not None:
-                live.assign_slots([slot], now, self.sampling, self.grammars if live.constrained else None)
-            return None if slot is None else [slot]
-        slots: list[int] = []
-        try:
-            for _ in range(seq.rows):
-                slot = self.registry.tiers.allocate_slot()
-                if slot is None:
-                    for taken in slots:
-                        self.pool.free(taken)
-                    return None
-                slots.append(slot)
-            live.prefix_digest = scope_seed(live.request.owner)
-            if live.request.params.prompt_logprobs is None:  # scoring needs the logits of every prompt token
-                hit_len, live.prefix_digest, entry = self.prefix_cache.lookup(live.feed, live.prefix_digest)
-                live.prefix_hit = entry is not None
-                if entry is not None:
-                    self.pool.load(slots[0], entry)
-                    seq.prefilled = live.consumed = hit_len
-            live.assign_slots(slots, now, self.sampling, self.grammars if live.constrained else None)
-        except BaseException:
-            for taken in slots:
-                self.pool.free(taken)
-            live.rows.clear()
-            raise
-        return slots
-
-    def release(self, seq: SchedSeq, slots: list[int]) -> None:
-        live = self.live.get(seq.seq_id)
-        for slot in slots:
-            if live is None or live.session is None or slot != live.session.slot:
-                self.pool.free(slot)
 
     # ---------------------------------------------------------------- ends of a request
     def _retire_row(self, row: Row, reason: FinishReason) -> None:

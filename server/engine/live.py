@@ -36,6 +36,8 @@ class Row:
     reason: FinishReason | None = None
     constraint: GrammarConstraint | None = None  # structured outputs: what the grammar allows next
     kept: str | None = None  # its text so far, for a session turn made with an Idempotency-Key (bounded)
+    parked: dict | None = None  # preempted: its state and sampling row, off the pool until it gets a slot again
+    said: str | None = None  # a session row's text, its last `text_chars` characters (the turn's text)
 
     @property
     def position(self) -> int:
@@ -74,6 +76,10 @@ class Row:
         self._keep(text)
         return self.live.output(self.index, token, text, logprob, reason, self.num_generated, position)
 
+    def _say(self, text: str) -> None:
+        if self.said is not None and text:
+            self.said = (self.said + text)[-self.live.text_chars:]
+
     def finish_without_token(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.finished, self.reason = True, reason
         text = self.stop.flush() if reason is not FinishReason.ERROR else ""
@@ -82,6 +88,7 @@ class Row:
 
     def _keep(self, text: str) -> None:
         """The returned text of a keyed turn, to answer a retry with; past APPLIED_TEXT_CHARS none is kept."""
+        self._say(text)
         if self.kept is not None and text:
             self.kept = self.kept + text if len(self.kept) + len(text) <= APPLIED_TEXT_CHARS else None
             self.live.text_dropped |= self.kept is None
@@ -106,6 +113,7 @@ class LiveRequest:
     held: list[RequestOutput] | None = None  # final outputs waiting for the session turn's store write
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's tokens scored so far (when asked)
     text_dropped: bool = False  # a keyed turn's text outgrew what is kept to answer a retry
+    text_chars: int = 0  # a session turn's text kept with the session, at most (session_text_chars)
 
     @property
     def base_position(self) -> int:
@@ -139,6 +147,7 @@ class LiveRequest:
             if self.session is not None:
                 row.recent = collections.deque(maxlen=TAIL_TOKENS)
                 row.kept = "" if self.request.idempotency is not None else None
+                row.said = "" if self.text_chars else None
             self.rows.append(row)
 
     def row_for_slot(self, slot: int) -> Row:
@@ -190,11 +199,21 @@ class LiveRequest:
     def turn_result(self, sampling: SlotSampling) -> TurnResult:
         """What this request did to its session, as plain values for the registry."""
         row = self.rows[0] if self.rows else None
+        text = self.turn_text(row)
         if row is None or not row.num_generated:
-            return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, applied=self.applied(row))
+            return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, applied=self.applied(row),
+                              text=text)
         return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, row.num_generated,
                           sampling.counts[row.slot].clone(), row.next_token, tuple(row.recent or ()),
-                          self.applied(row))
+                          self.applied(row), text)
+
+    def turn_text(self, row: Row | None) -> tuple[str, str] | None:
+        """(prompt, completion) as text for the session to keep: each at most its last `text_chars` characters
+        (the prompt decoded from as many tokens at most: a token is at least one character)."""
+        if not self.text_chars:
+            return None
+        prompt = self.decoder.decode(self.request.prompt_ids[-self.text_chars:])[-self.text_chars:]
+        return prompt, (row.said or "") if row is not None else ""
 
     def applied(self, row: Row | None) -> dict | None:
         """What a keyed turn answered, for its session to remember (the result None when its text was too long):

@@ -74,6 +74,17 @@ class SlotSampling:
         if prompt_ids:
             self.seen[slot, torch.tensor(prompt_ids, device=self.device)] = True
 
+    def export(self, slot: int) -> dict[str, torch.Tensor]:
+        """A slot's row, copied out (a preempted row keeps it while it waits for a slot again)."""
+        return {"floats": self.floats[:, slot].clone(), "top_k": self.top_k[slot].clone(),
+                "seed": self.seed[slot].clone(), "bias": self.bias[slot].clone(),
+                "counts": self.counts[slot].clone(), "seen": self.seen[slot].clone()}
+
+    def load(self, slot: int, row: dict[str, torch.Tensor]) -> None:
+        self.floats[:, slot] = row["floats"]
+        for name in ("top_k", "seed", "bias", "counts", "seen"):
+            getattr(self, name)[slot] = row[name]
+
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count the tokens just chosen for `slots` (B,) (penalties and a session's history)."""
         self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True)

@@ -4,7 +4,9 @@ token budget. Torch-free: it decides, the engine executes, and slots come from a
 Admission order: arrival (`fcfs`), or with `priority` the smallest `priority - waited // aging_s` first, ties by
 arrival — a request waiting `aging_s` seconds counts one level more urgent, so a steady stream of urgent work
 delays a patient request by at most (its priority - theirs) × aging_s, never forever. Admission never overtakes
-the request it chose: if that one finds no slot, nothing behind it is admitted this step."""
+the request it chose: if that one finds no slot, nothing behind it is admitted this step. Under `priority` it
+may preempt running sequences less urgent than itself: their rows' fixed-size states move to the host (the
+allocator parks them) and they wait, with their arrival time, to resume decoding where they stopped."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class SchedSeq:
     slots: list[int] = field(default_factory=list)
     priority: int = 0  # lower first (scheduling_policy "priority")
     arrival: float = field(default_factory=time.monotonic)
+    parked: bool = False  # preempted while running: it resumes decoding when it gets slots again
 
     @property
     def prefill_left(self) -> int:
@@ -43,6 +46,9 @@ class SlotAllocator(Protocol):
 
     def release(self, seq: SchedSeq, slots: list[int]) -> None:
         """Give slots back (a session keeps its own slot: the allocator knows which)."""
+
+    def preempt(self, seq: SchedSeq) -> bool:
+        """Park a running sequence's rows off their slots and free them (False: it cannot be preempted)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class Scheduler:
         if policy not in ("fcfs", "priority") or aging_s <= 0:
             raise ValueError("policy is 'fcfs' or 'priority', aging_s > 0")
         self.policy, self.aging_s = policy, aging_s
+        self.preemptions = 0  # running sequences parked for more urgent ones, so far
         self.waiting: OrderedDict[str, SchedSeq] = OrderedDict()
         self.active: OrderedDict[str, SchedSeq] = OrderedDict()  # prefilling or running, arrival order
 
@@ -128,6 +135,10 @@ class Scheduler:
             seq = self._next_waiting()
             try:
                 slots = self.allocator.acquire(seq)
+                while slots is None and (victim := self._victim(seq)) is not None:
+                    self._park(victim)
+                    decode = [(seq_id, slot) for seq_id, slot in decode if seq_id != victim.seq_id]
+                    slots = self.allocator.acquire(seq)
             except Exception as error:  # noqa: BLE001 - this sequence fails; the queue goes on
                 del self.waiting[seq.seq_id]
                 failed.append((seq.seq_id, error))
@@ -135,19 +146,43 @@ class Scheduler:
             if slots is None:
                 break  # nothing overtakes the chosen request (see the module doc)
             del self.waiting[seq.seq_id]
-            seq.slots, seq.status = slots, Status.PREFILLING
             self.active[seq.seq_id] = seq
+            if seq.parked:  # preempted while running: it decodes again from the next step
+                seq.slots, seq.status, seq.parked = slots, Status.RUNNING, False
+                budget -= len(slots)
+                continue
+            seq.slots, seq.status = slots, Status.PREFILLING
             length = self._chunk(seq, budget)
             prefill.append((seq.seq_id, seq.prefilled, length))
             budget -= max(length, 1)
         return StepPlan(decode=decode, prefill=prefill, failed=failed)
 
+    def _urgency(self, seq: SchedSeq, now: float) -> tuple[int, float]:
+        return seq.priority - int((now - seq.arrival) // self.aging_s), seq.arrival
+
+    def _victim(self, waiting: SchedSeq) -> SchedSeq | None:
+        """Under `priority`, a running sequence less urgent than the waiting one, to preempt (the least urgent,
+        the latest of equals); its rows' states go to the host, and it waits to resume where it was."""
+        if self.policy != "priority":
+            return None
+        level = self._urgency(waiting, time.monotonic())[0]
+        running = [s for s in self.active.values() if s.status is Status.RUNNING and s.priority > level]
+        for victim in sorted(running, key=lambda s: (s.priority, s.arrival), reverse=True):
+            if self.allocator.preempt(victim):
+                return victim
+        return None
+
+    def _park(self, victim: SchedSeq) -> None:
+        del self.active[victim.seq_id]
+        victim.slots, victim.status, victim.parked = [], Status.WAITING, True
+        self.waiting[victim.seq_id] = victim
+        self.preemptions += 1
+
     def _next_waiting(self) -> SchedSeq:
         if self.policy == "fcfs":
             return next(iter(self.waiting.values()))
         now = time.monotonic()
-        return min(self.waiting.values(),
-                   key=lambda s: (s.priority - int((now - s.arrival) // self.aging_s), s.arrival))
+        return min(self.waiting.values(), key=lambda s: self._urgency(s, now))
 
     def _chunk(self, seq: SchedSeq, budget: int) -> int:
         """Next prefill length: chunk ends stay on multiples of max_prefill_chunk (prefix-cache boundaries)."""

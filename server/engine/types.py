@@ -41,6 +41,7 @@ class EngineConfig:
     max_context: int  # softmax models only: KV-cache capacity per slot
     reserved_slots: int  # slots idle sessions never pin: stateless work always finds room (at least max_n)
     session_turns_kept: int
+    session_text_chars: int  # each session's turn text kept with it (prompt and completion), at most
     session_store: str  # "none", "dir:PATH" or "redis://HOST:PORT/DB": the tier below host memory
     session_store_timeout_s: float
     compile: str  # the decode step: "off" (eager), "on" or "auto" (see compiled_decode)
@@ -193,6 +194,7 @@ class StepStats:
     # happens, so no request keeps a list that grows with its length
     token_latencies: tuple[tuple[int, float], ...] = ()
     program_s: float = 0.0  # of duration_s, inside the decode program call (on CUDA only its launch: asynchronous)
+    preempted: int = 0  # running requests parked for more urgent ones when this step was planned
 
 
 @dataclass(frozen=True)

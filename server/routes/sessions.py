@@ -177,9 +177,19 @@ async def export_session(request: Request, session_id: str, owner: Owner) -> Res
 
 @router.get("/{session_id:session_id}/turns", response_model=list[TurnInfo], responses=errors(*SESSION))
 async def list_turns(request: Request, session_id: str, owner: Owner) -> list[TurnInfo]:
-    """The kept turns, oldest first: each a snapshot the session can be rewound to."""
-    turns = await engine_call(request, request.app.state.engine.sessions.turns(session_id, owner))
-    return [TurnInfo(turn=t.index, tokens=t.tokens, created=t.created) for t in turns]
+    """The session's turns, oldest first: each kept snapshot (one the session can be rewound to) and each turn
+    whose text the session keeps (`session_text_chars`: its prompt and completion; turn 0: text a fork or an
+    import brought with it)."""
+    turns, texts = await engine_call(request, request.app.state.engine.sessions.turns(session_id, owner))
+    listed = [TurnInfo(turn=t["turn"], tokens=t["tokens"], created=t["created"], prompt=t["prompt"],
+                       completion=t["completion"], rewindable=False) for t in texts]
+    by_turn = {info.turn: info for info in listed if info.turn}
+    for turn in turns:
+        if turn.index in by_turn:
+            by_turn[turn.index].rewindable = True
+        else:
+            listed.append(TurnInfo(turn=turn.index, tokens=turn.tokens, created=turn.created, rewindable=True))
+    return sorted(listed, key=lambda info: info.turn)
 
 
 @router.post("/{session_id:session_id}/rewind", response_model=SessionDetail, responses=errors(*BODY, 404, 409, 422))

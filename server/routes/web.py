@@ -17,7 +17,7 @@ from ..errors import APIError
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-               ".css": "text/css; charset=utf-8"}
+               ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
                            "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-Type-Options": "nosniff",
@@ -35,6 +35,12 @@ def web_file(name: str) -> Response:
 @router.get("/")
 async def page() -> Response:
     return web_file("index.html")
+
+
+@router.get("/favicon.ico")
+async def favicon() -> Response:
+    """The page's icon where browsers look for it first (an SVG: every current browser takes it)."""
+    return web_file("favicon.svg")
 
 
 @router.get("/web/{name}")

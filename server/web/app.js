@@ -24,16 +24,30 @@ async function failure(response) {
 }
 
 async function api(path, options = {}) {
-  const response = await fetch(path, { ...options, headers: headers(options.body !== undefined) });
+  let response = await fetch(path, { ...options, headers: headers(options.body !== undefined) });
+  if (response.status === 401 && askForKey()) {  // the server has keys: ask once, keep it for this tab
+    response = await fetch(path, { ...options, headers: headers(options.body !== undefined) });
+  }
   if (!response.ok) throw await failure(response);
   return response.status === 204 ? null : response.json();
 }
 
+// A 401: ask for the key (kept in this tab's sessionStorage, as the field is); false if none was given.
+function askForKey() {
+  const key = window.prompt("This server needs an API key:", $("api-key").value);
+  if (!key || !key.trim()) return false;
+  $("api-key").value = key.trim();
+  sessionStorage.setItem(KEY_STORE, key.trim());
+  return true;
+}
+
 // POST `body` with stream: true; `onEvent(json)` for every SSE data event until [DONE].
 async function stream(path, body, onEvent, signal) {
-  const response = await fetch(path, {
+  const send = () => fetch(path, {
     method: "POST", headers: headers(), body: JSON.stringify({ ...body, stream: true }), signal,
   });
+  let response = await send();
+  if (response.status === 401 && askForKey()) response = await send();
   if (!response.ok) throw await failure(response);
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
@@ -118,6 +132,7 @@ async function listSessions(more = false) {
   const query = new URLSearchParams({ limit: "20" });
   if (more && sessionsAfter) query.set("after", sessionsAfter);
   const page = await api("/v1/sessions?" + query);
+  $("sessions-error").hidden = true;
   const body = $("session-list").tBodies[0];
   if (!more) body.replaceChildren();
   for (const s of page.data) {
@@ -141,6 +156,8 @@ function clockTime(unixSeconds) {
   return new Date(unixSeconds * 1000).toLocaleTimeString();
 }
 
+// A session's text comes from the server (each turn's prompt and completion, as the session keeps them), so
+// what is shown under a session is that session's, whichever was opened before.
 async function showSession(id) {
   const [info, turns] = await Promise.all([api(`/v1/sessions/${id}`), api(`/v1/sessions/${id}/turns`)]);
   openSession = id;
@@ -148,16 +165,21 @@ async function showSession(id) {
   $("session-title").textContent = id;
   $("session-info").textContent = `${info.tokens} tokens · state ${info.state_bytes.toLocaleString("en")} bytes `
     + `(the same at any length) · tier ${info.tier}`;
-  const list = $("turns");
+  const list = $("turns"), output = $("session-output");
   list.replaceChildren();
+  output.replaceChildren();
+  if (turns.length && turns[0].prompt === null && turns[0].turn > 1) output.append("(earlier text not kept)\n");
   for (const t of turns) {
+    if (t.prompt !== null) output.append(t.prompt, t.completion);
     const item = document.createElement("li");
-    item.append(`turn ${t.turn}: ${t.tokens} tokens `);
-    const rewind = document.createElement("button");
-    rewind.type = "button";
-    rewind.textContent = "rewind here";
-    rewind.addEventListener("click", () => rewindTo(id, t.turn).catch(report));
-    item.append(rewind);
+    item.append(t.turn ? `turn ${t.turn}: ${t.tokens} tokens ` : `before the fork or import: ${t.tokens} tokens`);
+    if (t.rewindable) {
+      const rewind = document.createElement("button");
+      rewind.type = "button";
+      rewind.textContent = "rewind here";
+      rewind.addEventListener("click", () => rewindTo(id, t.turn).catch(report));
+      item.append(rewind);
+    }
     list.append(item);
   }
 }
@@ -177,13 +199,13 @@ async function continueSession() {
 
 async function rewindTo(id, turn) {
   await api(`/v1/sessions/${id}/rewind`, { method: "POST", body: JSON.stringify({ turn }) });
-  $("session-output").textContent = `(rewound to turn ${turn})\n`;
   await showSession(id);
   await listSessions();
 }
 
 function report(error) {
-  $("session-info").textContent = "error: " + error.message;
+  $("sessions-error").textContent = "error: " + error.message;  // shown above the list: never an empty list
+  $("sessions-error").hidden = false;
 }
 
 // ------------------------------------------------------------------ server view
@@ -269,7 +291,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("new-session").addEventListener("click", async () => {
     try {
       const made = await api("/v1/sessions", { method: "POST", body: JSON.stringify({ prompt: $("new-session-prompt").value }) });
-      $("session-output").textContent = $("new-session-prompt").value;
+      $("new-session-prompt").value = "";
       await listSessions();
       await showSession(made.id);
     } catch (error) { report(error); }
@@ -277,6 +299,11 @@ document.addEventListener("DOMContentLoaded", () => {
   $("refresh-sessions").addEventListener("click", () => listSessions().catch(report));
   $("more-sessions").addEventListener("click", () => listSessions(true).catch(report));
   $("session-continue").addEventListener("click", () => continueSession().catch(report));
+  for (const [box, send] of [["new-session-prompt", "new-session"], ["session-input", "session-continue"]]) {
+    $(box).addEventListener("keydown", (event) => {  // Ctrl+Enter sends; Enter is a new line
+      if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) { event.preventDefault(); $(send).click(); }
+    });
+  }
   $("session-fork").addEventListener("click", async () => {
     try {
       const fork = await api(`/v1/sessions/${openSession}/fork`, { method: "POST" });

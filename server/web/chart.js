@@ -10,7 +10,7 @@ const REDRAW_MS = 250, COLUMNS = 600, BLOCK = 8, BINS_PER_DECADE = 40, LOWEST_MS
 const chart = { pending: false, flushers: [] };
 
 function resetChart() {
-  Object.assign(chart, { count: 0, first: null, last: null, block: [], maxes: [], medians: [],
+  Object.assign(chart, { count: 0, first: null, last: null, block: [], maxes: [], medians: [], highest: 0,
                          histogram: new Array(8 * BINS_PER_DECADE).fill(0) });
 }
 
@@ -29,6 +29,7 @@ function histogramQuantile(q) { // the upper edge of the bin holding quantile q
 
 function addGap(ms) {
   chart.count += 1;
+  chart.highest = Math.max(chart.highest, ms);
   const bin = Math.max(0, Math.floor(BINS_PER_DECADE * Math.log10(Math.max(ms, LOWEST_MS) / LOWEST_MS)));
   chart.histogram[Math.min(bin, chart.histogram.length - 1)] += 1;
   chart.block.push(ms);
@@ -65,19 +66,29 @@ function drawChart() {
   if (!chart.count) return;
   const p50 = histogramQuantile(0.5), p99 = histogramQuantile(0.99);
   const top = Math.max(p99 * 1.5, 1e-3); // outliers above 1.5 × the p99 are drawn at the top edge
-  const [left, right, upper, lower] = [44, 632, 10, 196];
+  const [left, right, upper, lower] = [58, 632, 10, 196];
   const x = (i) => left + (right - left) * Math.min(i / Math.max(chart.count - 1, 1), 1);
   const y = (ms) => lower - (lower - upper) * Math.min(ms / top, 1);
   const line = (pairs, cls) => svg("polyline", {
     points: pairs.map(([i, v]) => `${x(i).toFixed(1)},${y(v).toFixed(1)}`).join(" "), class: cls }, box);
   svg("line", { x1: left, y1: lower, x2: right, y2: lower, class: "axis" }, box);
   svg("line", { x1: left, y1: upper, x2: left, y2: lower, class: "axis" }, box);
+  for (const share of [0, 0.5, 1]) { // the y scale, in ms
+    svg("text", { x: left - 4, y: y(top * share) + 4, class: "label tick", "text-anchor": "end" }, box)
+      .textContent = `${(top * share).toFixed(top < 10 ? 1 : 0)} ms`;
+  }
   for (const [value, name] of [[p50, "p50"], [p99, "p99"]]) {
     svg("line", { x1: left, y1: y(value), x2: right, y2: y(value), class: "guide " + name }, box);
-    svg("text", { x: 2, y: y(value) + 4, class: "label" }, box).textContent = `${name} ${value.toFixed(1)}`;
+    svg("text", { x: right - 2, y: y(value) - 3, class: "label", "text-anchor": "end" }, box)
+      .textContent = `${name} ${value.toFixed(2)} ms`;
   }
-  svg("text", { x: left, y: 214, class: "label" }, box).textContent = "token 1";
-  svg("text", { x: right - 80, y: 214, class: "label" }, box).textContent = `token ${chart.count}`;
+  if (chart.highest > top) { // said, not hidden: the scale stops at 1.5 × p99
+    svg("text", { x: left + 4, y: upper + 10, class: "label clipped" }, box).textContent =
+      `clipped: latencies above ${top.toFixed(1)} ms (1.5 × p99) are drawn at the top; highest ${chart.highest.toFixed(1)} ms`;
+  }
+  // the latency between tokens i-1 and i is token i's: the first is token 2's, the last the last token's
+  svg("text", { x: left, y: 214, class: "label" }, box).textContent = "token 2";
+  svg("text", { x: right, y: 214, class: "label", "text-anchor": "end" }, box).textContent = `token ${chart.count + 1}`;
   // thin: the largest latency of each column; thick: the median of each of ~100 windows (the median of its
   // blocks' medians) — flat when latency does not grow with the context
   const blocks = chart.maxes.length;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,8 +80,9 @@ def test_served_flatness(tmp_path):
 
 def test_first_start(tmp_path):
     """A cold cache: the server streams at once while the compiler child starts (and dies with the server)."""
-    run("p12_first_start.py", "--out", str(tmp_path / "p12.json"))
-    data = json.loads((tmp_path / "p12.json").read_text())
+    result = run("p12_first_start.py", "--out", str(tmp_path / "p12.json"))
+    assert re.search(r"^P12\.cold: (PASS|FAIL) \(measured", result.stdout, re.M), result.stdout[-500:]
+    data = json.loads((tmp_path / "p12.json").read_text())["P12"]
     assert data["cold"]["first_token_s"] > 0 and data["cold"]["while_compiling"]["tokens"] > 1
     left = []  # no compiler child outlives its server
     for entry in Path("/proc").iterdir():
@@ -182,3 +184,26 @@ def test_p14_constrained(tmp_path):
     data = json.loads((tmp_path / "p14.json").read_text())
     assert data["P14"]["valid"]["pass"], data["P14"]["valid"]  # not a timing: every constrained output validates
     assert data["P14"]["streams_1"]["constrained_itl_ms"]["p50"] > 0 and data["P14"]["streams_4"]["ratio"] > 0
+
+
+def test_p16_conversation(tmp_path):
+    run("p16_conversation.py", "--out", str(tmp_path / "p16.json"), "--port", "8796")
+    data = json.loads((tmp_path / "p16.json").read_text())
+    assert len(data["ttft_ms"]) == data["turns"] and data["P16"]["ratio"] > 0
+    # not a timing: each turn continued the previous one, so the conversation holds every turn's tokens
+    assert data["conversation_tokens"] > data["turns"] * data["input_tokens"]
+
+
+def test_priority_ttft(tmp_path):
+    run("priority_ttft.py", "--out", str(tmp_path / "priority.json"), "--port", "8797")
+    data = json.loads((tmp_path / "priority.json").read_text())["priority"]
+    assert all(len(values) == 3 for values in data["ttft_ms"].values()) and data["urgent_over_idle"] > 0
+
+
+def test_p13_names_a_missing_program_first(tmp_path):
+    """Before anything starts: one line naming the program and its Debian package."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "p13_store_outage.py"), "--quick"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PATH": str(tmp_path)})
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip() == ("error: redis-server is needed and not on PATH "
+                                     "(Debian: apt-get install redis-server)")

@@ -227,3 +227,30 @@ def test_compile_builds_the_cache_that_serve_uses(tiny_checkpoint, compile_cache
         assert (keyed / "decode-s1-b1.pt2").is_file()
         assert (keyed / "compile.log").is_file()
     assert float(result.stdout.split("(1: ")[1].split(" s)")[0]) < 10  # the second run only loaded it
+
+
+def test_each_subcommand_answers_with_its_own_usage_and_flags():
+    bogus = run_cli("serve", "--bogus-flag")
+    assert bogus.returncode == 2 and bogus.stderr.startswith("usage: linserve serve")
+    assert bogus.stderr.strip().splitlines()[-1] == "linserve serve: error: unrecognized arguments: --bogus-flag"
+    assert run_cli("generate", "x", "--port", "1").stderr.startswith("usage: linserve generate")
+    from linserve.server.cli import COMPILE_SETTINGS, build_parser
+
+    compile_flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["compile"]._actions}
+    assert compile_flags == {"help", "config", *COMPILE_SETTINGS}  # no --port, --api-key, … that it would ignore
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["info"], ["eval"]])
+def test_cuda_without_a_gpu_fails_before_the_model_loads(command):
+    """One line, before transformers and the model are imported (seconds): torch alone decides."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the message is for machines without a GPU; here --device cuda is valid")
+    probe = ("import sys; from linserve.server.cli import main; "
+             f"code = main({[*command, '--device', 'cuda']!r}); "
+             "print(code, 'transformers' in sys.modules, 'linserve.model' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["2", "False", "False"], result.stdout + result.stderr  # exit status 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "no CUDA device is available" in lines[0]

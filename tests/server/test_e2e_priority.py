@@ -1,6 +1,6 @@
 """`priority` through HTTP against a real `linserve serve`: with `scheduling_policy: priority` a saturated server
-gives the next free slot to the most urgent waiting request, whatever arrived before it; under fcfs a priority
-other than 0 is a 400 naming the field."""
+serves the most urgent request at once — preempting a less urgent running one, which resumes later — and then
+the others by priority and arrival; under fcfs a priority other than 0 is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ def test_the_most_urgent_waiting_request_gets_the_next_slot(tiny_checkpoint, tmp
         for thread in threads:
             thread.join(60)
         holder.__exit__(None, None, None)
-        # one slot turns free at a time: the urgent request takes the first, the others follow in arrival order
-        assert finished == ["first", "urgent", "low-1", "low-2", "low-3"]
+        # the urgent request preempts "first" (less urgent, running; the holder arrived earlier), which resumes
+        # once it is done — before the queued low-priority ones, which follow in arrival order
+        assert finished == ["urgent", "first", "low-1", "low-2", "low-3"]
     finally:
         server.stop()
 

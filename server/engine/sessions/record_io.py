@@ -46,6 +46,8 @@ def record_write(session: Session, head_state: dict, fingerprint: str, store, ac
              "revision": session.revision, "updated": repr(time.time())}
     if session.applied:
         extra["applied"] = json.dumps(session.applied)
+    if session.texts:
+        extra["texts"] = json.dumps(session.texts)
     session_id, revision, owner, lease = session.id, session.revision, session.owner or "", session.lease
     session.lease = None
 

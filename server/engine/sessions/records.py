@@ -42,6 +42,9 @@ class Session:
     lease: str | None = None  # token of the shared store's per-session lease it holds (one writer across replicas)
     # the newest changes made with an Idempotency-Key: [{"key", "request", "turn", "result"}] (bounded, in the record)
     applied: list[dict] = field(default_factory=list)
+    # each turn's text, newest last, at most `session_text_chars` in all (outside the fixed state bytes):
+    # [{"turn", "tokens", "created", "prompt", "completion"}]
+    texts: list[dict] = field(default_factory=list)
 
     def applied_entry(self, key: str) -> dict | None:
         return next((entry for entry in self.applied if entry["key"] == key), None)
@@ -110,3 +113,20 @@ class TurnResult:
     next_token: int | None = None  # the last sampled token (pending from now on)
     recent: tuple[int, ...] = ()  # the last few generated tokens
     applied: dict | None = None  # made with an Idempotency-Key: {"key", "request", "result"} to remember
+    text: tuple[str, str] | None = None  # (prompt, completion) as text, each at most the session's text budget
+
+
+def keep_text(texts: list[dict], entry: dict, limit: int) -> list[dict]:
+    """`texts` with `entry` added, the oldest dropped while they hold more than `limit` characters (a turn
+    longer than that alone keeps its completion and the end of its prompt)."""
+    if limit <= 0:
+        return []
+    kept = [*texts, entry]
+    while len(kept) > 1 and sum(len(t["prompt"]) + len(t["completion"]) for t in kept) > limit:
+        kept.pop(0)
+    only = kept[0]
+    if len(only["prompt"]) + len(only["completion"]) > limit:
+        completion = only["completion"][-limit:]
+        kept[0] = {**only, "completion": completion, "prompt": only["prompt"][len(only["prompt"]) - limit
+                                                                            + len(completion):]}
+    return kept

@@ -29,8 +29,17 @@ from ..types import EngineError, Idempotency
 from .failures import SessionBusy, StaleLookup, store_failure
 from .leases import LEASE_RENEW_S, Lookup, StoreAccess
 from .record_io import check_applied, record_write, session_from_record
-from .records import MAX_SESSION_TOKENS, TAIL_TOKENS, Session, SessionInfo, Turn, TurnResult, new_session_id
-from .snapshot import decode_snapshot, encode_snapshot, model_fingerprint
+from .records import (
+    MAX_SESSION_TOKENS,
+    TAIL_TOKENS,
+    Session,
+    SessionInfo,
+    Turn,
+    TurnResult,
+    keep_text,
+    new_session_id,
+)
+from .snapshot import model_fingerprint
 from .stores import OutcomeUnknown, SessionStore
 from .tiers import Tiers
 from .worker import StoreStep, StoreWorker
@@ -42,8 +51,9 @@ STORE_SWEEP_INTERVAL_S = 10.0
 class SessionRegistry:
     def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
                  reserved_slots: int = 0, turns_kept: int = 8, store: SessionStore | None = None,
-                 worker: StoreWorker | None = None) -> None:
+                 worker: StoreWorker | None = None, text_chars: int = 0) -> None:
         self.pool = pool
+        self.text_chars = text_chars  # each session's turn text, at most (session_text_chars)
         self.store, self.worker = store, worker
         self.access = None if store is None else StoreAccess(store, self._held)
         if worker is not None and self.access is not None:
@@ -107,7 +117,7 @@ class SessionRegistry:
         host tier, turns included; validated like an import, metadata too."""
         template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
         session = session_from_record(session_id, data, template, self.fingerprint, self.vocab_size)
-        self._check_capacity()
+        self.check_capacity()
         self.by_id[session_id] = session
         self.by_id.move_to_end(session_id, last=False)  # coldest: first to leave memory again
         return session
@@ -121,18 +131,18 @@ class SessionRegistry:
         """The caller's sessions in memory, described (a listing's snapshot; engine thread)."""
         return {s.id: self.info(s) for s in self.by_id.values() if s.owner == owner}
 
-    def _touch(self, session: Session) -> None:
+    def touch(self, session: Session) -> None:
         session.last_used = time.monotonic()
         self.by_id.move_to_end(session.id)
 
-    def _check_capacity(self) -> None:
+    def check_capacity(self) -> None:
         if not self.pool.supports_sessions:
             raise EngineError("sessions need a linear-attention model (this one keeps a KV cache)", param="model")
         if len(self.by_id) >= self.max_sessions:
             raise EngineError(f"session limit reached ({self.max_sessions}): delete sessions or retry later",
                               kind="capacity")
 
-    def _check_store(self) -> None:
+    def check_store(self) -> None:
         """Refuse a change at once while the store is known to be down: it could not be acknowledged."""
         if self.worker is not None and not self.worker.up:
             raise EngineError(f"the session store is unavailable ({self.worker.last_error}); retry later",
@@ -143,7 +153,7 @@ class SessionRegistry:
         """The store write of the session as it is now (see `record_write`)."""
         return record_write(session, self.tiers.state_of(session), self.fingerprint, self.store, self.access)
 
-    def _stored_change(self, session: Session, failed: str, new: bool = False) -> StoreStep | SessionInfo:
+    def stored_change(self, session: Session, failed: str, new: bool = False) -> StoreStep | SessionInfo:
         """Answer once the session's record is written; if it is not, roll back (see the module doc). A new
         session whose write may have landed (outcome unknown) is deleted from the store again: its caller was
         told it failed and never learnt its id, so nothing may be left behind."""
@@ -160,14 +170,14 @@ class SessionRegistry:
                     self.worker.submit("delete", lambda deadline: access.undo(session_id, owner), None)
                 raise store_failure(error, failed)
             session.busy, session.stored = False, True
-            self._touch(session)
+            self.touch(session)
             return self.info(session)
 
         return StoreStep("put", self._record_write(session), settle)
 
-    def _add(self, session: Session) -> StoreStep | SessionInfo:
+    def add(self, session: Session) -> StoreStep | SessionInfo:
         self.by_id[session.id] = session
-        return self._stored_change(session, "the session was not created", new=True)
+        return self.stored_change(session, "the session was not created", new=True)
 
     def discard(self, session: Session) -> None:
         """Drop the in-memory copy (and its slot), if it is still the one held."""
@@ -184,14 +194,14 @@ class SessionRegistry:
     def create(self, owner: str | None, first_prompt: bool = False) -> StoreStep | SessionInfo:
         """A new session. `first_prompt`: its record is written by its first turn (the prompt's prefill),
         not now — one write, so a create that fails half-way leaves no record behind."""
-        self._check_store()
-        self._check_capacity()
+        self.check_store()
+        self.check_capacity()
         session = Session(id=new_session_id(), owner=owner, slot=self.tiers.allocate_slot())
         if first_prompt and self.store is not None:
             session.stored = False
             self.by_id[session.id] = session
             return self.info(session)
-        return self._add(session)
+        return self.add(session)
 
     def acquire_for_request(self, session: Session, new_tokens: int, idempotency: Idempotency | None = None,
                             expected_revision: str | None = None) -> Session:
@@ -203,9 +213,9 @@ class SessionRegistry:
                               "(If-Match): it changed since you read it", kind="revision_mismatch", param="If-Match")
         if session.tokens + new_tokens > MAX_SESSION_TOKENS:  # so every record it writes can be imported back
             raise EngineError(f"the session would pass {MAX_SESSION_TOKENS} tokens", param="max_tokens")
-        self._check_store()
+        self.check_store()
         session.busy = True
-        self._touch(session)
+        self.touch(session)
         return session
 
     def release(self, session: Session) -> None:
@@ -213,7 +223,7 @@ class SessionRegistry:
         session.busy = False
         self.give_back_lease(session.id, session.lease)
         session.lease = None
-        self._touch(session)
+        self.touch(session)
 
     def give_back_lease(self, session_id: str, lease: str | None) -> None:
         """Release a shared store's lease on the store thread, after every write queued before it."""
@@ -243,6 +253,10 @@ class SessionRegistry:
         session.tokens += len(consumed_prompt) + generated
         session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + list(turn.recent))[-TAIL_TOKENS:]
         self._record_turn(session)
+        if turn.text is not None:
+            session.texts = keep_text(session.texts, {
+                "turn": session.turn_count, "tokens": session.tokens, "created": time.time(),
+                "prompt": turn.text[0], "completion": turn.text[1]}, self.text_chars)
         if turn.applied is not None:
             session.remember({**turn.applied, "turn": session.turn_count})
         if self.store is None:
@@ -289,14 +303,15 @@ class SessionRegistry:
         else:
             session.host = {name: t.clone() for name, t in turn.state.items()}
         session.turns = [t for t in session.turns if t.index <= index]
+        session.texts = [t for t in session.texts if t["turn"] <= index]
         session.turn_count = index
         if idempotency is not None:
             session.remember({"key": idempotency.key, "request": idempotency.request, "turn": index,
                               "result": {"tokens": session.tokens}})
         if self.store is None:
             session.revision = uuid.uuid4().hex
-        self._touch(session)
-        return self._stored_change(session, "the session was not rewound")
+        self.touch(session)
+        return self.stored_change(session, "the session was not rewound")
 
     def delete(self, session: Session) -> StoreStep | None:
         if self.store is None or not session.stored:  # (a session whose first turn never got stored)
@@ -358,70 +373,3 @@ class SessionRegistry:
         return sweep
 
     # ---- fork / export / import ----
-    def fork(self, source: Session, owner: str | None, at_turn: int | None = None) -> StoreStep | SessionInfo:
-        """A new session with the source's state and history — as they are, or as they were after a kept turn."""
-        if source.busy:  # mid-turn its state and history disagree
-            raise SessionBusy(source.id)
-        self._check_store()
-        if at_turn is not None and at_turn != source.turn_count:
-            turn = next((t for t in source.turns if t.index == at_turn), None)
-            if turn is None:
-                kept = [t.index for t in source.turns]
-                raise EngineError(f"turn {at_turn} of {source.id} is not kept (kept: {kept})", kind="turn_not_kept")
-            self._check_capacity()
-            child = Session(id=new_session_id(), owner=owner, **{
-                name: value.clone() if isinstance(value, torch.Tensor) else
-                (list(value) if isinstance(value, list) else value) for name, value in turn.history.items()})
-            child.host = {name: t.clone() for name, t in turn.state.items()}
-            self._touch(source)
-            return self._add(child)
-        self._check_capacity()
-        child = Session(id=new_session_id(), owner=owner, **source.copy_history())
-        slot = self.tiers.allocate_slot(keep=source) if source.slot is not None else None  # never offload the source
-        if slot is not None:
-            self.pool.copy(source.slot, slot)  # a device copy of one fixed-size state
-            child.slot = slot
-        else:
-            child.host = {name: t.clone() for name, t in self.tiers.state_of(source).items()}
-        self._touch(source)
-        return self._add(child)
-
-    def kept_result(self, session: Session, key: str) -> dict:
-        """A change this session remembers by key (a stored response): its entry, and where the session is now."""
-        entry = session.applied_entry(key)
-        if entry is None or entry.get("result") is None:
-            raise EngineError("not found (or no longer kept)", kind="not_found")
-        self._touch(session)
-        return {"entry": entry, "turn_count": session.turn_count, "revision": session.revision,
-                "tokens": session.tokens, "kept_turns": [t.index for t in session.turns]}
-
-    def forget(self, session: Session, key: str) -> StoreStep | SessionInfo:
-        """Drop a remembered change (a deleted response): stored like any change of the session."""
-        if session.applied_entry(key) is None:
-            self.release(session)
-            raise EngineError("not found (or no longer kept)", kind="not_found")
-        session.applied = [entry for entry in session.applied if entry["key"] != key]
-        return self._stored_change(session, "it was not deleted")
-
-    def export(self, session: Session) -> bytes:
-        if session.busy:
-            raise SessionBusy(session.id)
-        self._touch(session)
-        return encode_snapshot(self.tiers.state_of(session), session.copy_history(), self.fingerprint)
-
-    def import_(self, data: bytes, owner: str | None) -> StoreStep | SessionInfo:
-        self._check_store()
-        self._check_capacity()
-        template = {name: buffer[0] for name, buffer in self.pool.buffers.items()}
-        snapshot = decode_snapshot(data, template, self.fingerprint, self.model.config.vocab_size)
-        session = Session(
-            id=new_session_id(),
-            owner=owner,
-            pending=snapshot.pending,
-            logits=snapshot.logits,
-            host=snapshot.state,
-            tokens=snapshot.tokens,
-            seen=snapshot.seen,
-            tail=snapshot.tail,
-        )
-        return self._add(session)

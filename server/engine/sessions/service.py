@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from . import copies
 from .failures import SessionBusy, StaleLookup, store_failure
 from .leases import LEASE_GRACE_S, LeaseHeld, Lookup
 from .listing import list_sessions
@@ -47,22 +48,23 @@ class SessionService:
         return self.command(self.registry.info, session_id, owner)
 
     def fork(self, session_id: str, owner: str | None, at_turn: int | None = None) -> Future:
-        return self.command(lambda source: self.registry.fork(source, owner, at_turn), session_id, owner)
+        return self.command(lambda source: copies.fork(self.registry, source, owner, at_turn), session_id, owner)
 
     def kept_result(self, session_id: str, owner: str | None, key: str) -> Future:
-        return self.command(lambda session: self.registry.kept_result(session, key), session_id, owner)
+        return self.command(lambda session: copies.kept_result(self.registry, session, key), session_id, owner)
 
     def forget(self, session_id: str, owner: str | None, key: str) -> Future:
-        return self.command(lambda session: self.registry.forget(session, key), session_id, owner, claim=True)
+        return self.command(lambda session: copies.forget(self.registry, session, key), session_id, owner, claim=True)
 
     def export(self, session_id: str, owner: str | None) -> Future:
-        return self.command(self.registry.export, session_id, owner)
+        return self.command(lambda session: copies.export(self.registry, session), session_id, owner)
 
     def import_(self, data: bytes, owner: str | None) -> Future:
-        return self.command(lambda _: self.registry.import_(data, owner))
+        return self.command(lambda _: copies.import_(self.registry, data, owner))
 
     def turns(self, session_id: str, owner: str | None) -> Future:
-        return self.command(lambda session: list(session.turns), session_id, owner)
+        """(the kept turn snapshots, the kept turn texts) of a session."""
+        return self.command(lambda session: (list(session.turns), list(session.texts)), session_id, owner)
 
     def rewind(self, session_id: str, owner: str | None, turn: int, idempotency=None) -> Future:
         return self.command(lambda session: self.registry.rewind(session, turn, idempotency), session_id, owner,

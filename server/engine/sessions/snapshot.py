@@ -96,7 +96,22 @@ def record_fields(metadata: dict[str, str]) -> dict:
                                               and isinstance(e.get("request"), str) for e in applied)):
         raise _invalid("its idempotency keys are malformed")
     return {"owner": metadata.get("owner") or None, "created": created, "turn_count": turn_count,
-            "revision": metadata.get("revision"), "applied": applied}
+            "revision": metadata.get("revision"), "applied": applied, "texts": turn_texts(metadata)}
+
+
+def turn_texts(metadata: dict[str, str]) -> list[dict]:
+    """The turns' text a record or an exported snapshot carries, validated (malformed: unreadable)."""
+    try:
+        texts = json.loads(metadata.get("texts", "[]"))
+    except ValueError:
+        raise _invalid("its turn texts are not JSON") from None
+    fields = {"turn": int, "tokens": int, "created": float, "prompt": str, "completion": str}
+    if not (isinstance(texts, list) and all(
+            isinstance(t, dict) and set(t) == set(fields) and all(
+                isinstance(t[name], kind) or (kind is float and isinstance(t[name], int))
+                for name, kind in fields.items()) for t in texts)):
+        raise _invalid("its turn texts are malformed")
+    return texts
 
 
 def _invalid(message: str) -> EngineError:

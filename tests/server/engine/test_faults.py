@@ -55,14 +55,14 @@ def test_a_failed_session_turn_leaves_the_session_consistent(make_engine, poison
 
 def test_an_admission_that_raises_fails_only_that_request(make_engine, monkeypatch):
     engine = make_engine(num_slots=4)
-    real = engine.acquire
+    real = engine.slots.acquire
 
     def acquire(seq):
         if seq.seq_id == "doomed":
             raise RuntimeError("injected admission fault")
         return real(seq)
 
-    monkeypatch.setattr(engine, "acquire", acquire)
+    monkeypatch.setattr(engine.slots, "acquire", acquire)
     outputs = run(engine, prompt(5), SamplingParams(max_tokens=3, n=2, temperature=1.0), "doomed")
     assert [o.finish_reason for o in outputs] == [FinishReason.ERROR, FinishReason.ERROR]
     assert tokens_of(run(engine, prompt(5), GREEDY, "fine"))

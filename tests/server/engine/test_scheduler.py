@@ -32,6 +32,10 @@ class FakeAllocator:
         self.released.extend(slots)
         self.free.extend(slots)
 
+    def preempt(self, seq):
+        self.free.extend(seq.slots)
+        return True
+
 
 def run_to_running(scheduler: Scheduler) -> None:
     plan = scheduler.schedule()
@@ -167,10 +171,34 @@ def test_waiting_ages_a_patient_request_past_newer_urgent_ones():
 
 def test_nothing_overtakes_the_chosen_request_when_it_finds_no_slot():
     scheduler = Scheduler(FakeAllocator(2), max_batch_tokens=64, max_prefill_chunk=8, policy="priority")
-    scheduler.add(SchedSeq("running", to_prefill=4))
+    scheduler.add(SchedSeq("running", to_prefill=4, priority=-5))  # more urgent than anything waiting: kept
     run_to_running(scheduler)
     scheduler.add(SchedSeq("wide", to_prefill=4, rows=2, priority=-1))  # needs 2 slots, 1 is free
     scheduler.add(SchedSeq("narrow", to_prefill=4, priority=0))
     assert admitted(scheduler.schedule()) == []  # the chosen one waits; "narrow" does not jump it
     scheduler.remove("running")
     assert admitted(scheduler.schedule()) == ["wide"]
+
+
+def test_a_more_urgent_request_preempts_the_least_urgent_running_one_which_resumes_without_prefill():
+    allocator = FakeAllocator(2)
+    scheduler = Scheduler(allocator, max_batch_tokens=64, max_prefill_chunk=8, policy="priority")
+    scheduler.add(SchedSeq("normal", to_prefill=4, priority=0))
+    scheduler.add(SchedSeq("patient", to_prefill=4, priority=5))
+    run_to_running(scheduler)
+    scheduler.add(SchedSeq("urgent", to_prefill=4, priority=-5))
+    plan = scheduler.schedule()
+    assert admitted(plan) == ["urgent"] and [seq_id for seq_id, _ in plan.decode] == ["normal"]  # patient parked
+    assert scheduler.waiting["patient"].parked and scheduler.preemptions == 1
+    scheduler.prefilled("urgent", 4)
+    scheduler.add(SchedSeq("late", to_prefill=4, priority=9))  # less urgent than what runs: preempts nothing
+    assert admitted(scheduler.schedule()) == [] and scheduler.preemptions == 1
+    scheduler.remove("urgent")
+    plan = scheduler.schedule()  # the parked one comes back first (priority 5 < 9), straight to decoding
+    assert plan.prefill == [] and scheduler.active["patient"].status is Status.RUNNING
+    assert sorted(seq_id for seq_id, _ in scheduler.schedule().decode) == ["normal", "patient"]
+    fcfs = Scheduler(FakeAllocator(1), max_batch_tokens=64, max_prefill_chunk=8)
+    fcfs.add(SchedSeq("first", to_prefill=4, priority=5))
+    run_to_running(fcfs)
+    fcfs.add(SchedSeq("urgent", to_prefill=4, priority=-5))
+    assert admitted(fcfs.schedule()) == [] and fcfs.preemptions == 0  # fcfs never preempts

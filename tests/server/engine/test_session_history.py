@@ -48,7 +48,7 @@ def test_a_session_does_not_grow_with_its_history(make_engine):
             f"long{i}", session_id=session.id)
     assert engine.sessions.info(session.id, None).result(10).tokens > 1000
     assert session_bytes(engine, session.id) == small
-    assert len(engine.sessions.turns(session.id, None).result(10)) == 2
+    assert len(engine.sessions.turns(session.id, None).result(10)[0]) == 2
 
 
 def test_rewind_equals_never_having_had_the_dropped_turns(make_engine):
@@ -58,7 +58,7 @@ def test_rewind_equals_never_having_had_the_dropped_turns(make_engine):
     run(engine, head, SamplingParams(max_tokens=0), "t1", session_id=session.id)
     answer = tokens_of(run(engine, [7], PENALISED, "t2", session_id=session.id))
     run(engine, [8, 9], PENALISED, "t3", session_id=session.id)  # the turn to regenerate
-    turns = engine.sessions.turns(session.id, None).result(10)
+    turns = engine.sessions.turns(session.id, None).result(10)[0]
     assert [t.index for t in turns] == [1, 2, 3]
     assert [t.tokens for t in turns][:2] == [20, 20 + 1 + len(answer)]
     info = engine.sessions.rewind(session.id, None, 2).result(10)
@@ -68,7 +68,7 @@ def test_rewind_equals_never_having_had_the_dropped_turns(make_engine):
     run(engine, head, SamplingParams(max_tokens=0), "r1", session_id=reference.id)
     run(engine, [7], PENALISED, "r2", session_id=reference.id)
     assert again == tokens_of(run(engine, [8, 9], PENALISED, "r3", session_id=reference.id))
-    assert [t.index for t in engine.sessions.turns(session.id, None).result(10)] == [1, 2, 3]
+    assert [t.index for t in engine.sessions.turns(session.id, None).result(10)[0]] == [1, 2, 3]
     with pytest.raises(EngineError) as error:
         engine.sessions.rewind(session.id, None, 9).result(10)
     assert error.value.param == "turn"
@@ -86,3 +86,31 @@ def test_rewind_works_from_the_host_tier(make_engine):
     assert engine.sessions.info(a.id, None).result(10).tier == "host"
     engine.sessions.rewind(a.id, None, 1).result(10)
     assert tokens_of(run(engine, [1], GREEDY_10, "a2b", session_id=a.id)) == expected
+
+
+def test_each_session_keeps_its_own_turn_text_within_its_budget(make_engine, hf_tokenizer):
+    engine = make_engine(session_text_chars=200)
+    a, b = engine.sessions.create(None).result(10), engine.sessions.create(None).result(10)
+    said = {}
+    for sid, text in ((a.id, "ROMEO.\nBut soft"), (b.id, "JULIET.\nAy me")):
+        outputs = run(engine, hf_tokenizer.encode(text), GREEDY_10, f"first-{sid}", session_id=sid)
+        said[sid] = (text, "".join(o.text for o in outputs))
+    for sid in (a.id, b.id):
+        texts = engine.sessions.turns(sid, None).result(10)[1]
+        assert [(t["turn"], t["prompt"], t["completion"]) for t in texts] == [(1, *said[sid])]
+    for i in range(12):  # the budget drops the oldest turns' text first; it never grows past it
+        run(engine, hf_tokenizer.encode(f" and then {i}"), GREEDY_10, f"more-{i}", session_id=a.id)
+    texts = engine.sessions.turns(a.id, None).result(10)[1]
+    assert sum(len(t["prompt"]) + len(t["completion"]) for t in texts) <= 200
+    assert texts[-1]["turn"] == 13 and texts[-1]["prompt"] == " and then 11" and texts[0]["turn"] > 1
+    engine.sessions.rewind(a.id, None, 12).result(10)
+    assert engine.sessions.turns(a.id, None).result(10)[1][-1]["turn"] == 12
+    fork = engine.sessions.fork(b.id, None).result(10)
+    imported = engine.sessions.import_(engine.sessions.export(b.id, None).result(10), None).result(10)
+    for copy in (fork.id, imported.id):  # B's text comes along as history before the copy's own turns
+        assert [(t["turn"], t["prompt"]) for t in engine.sessions.turns(copy, None).result(10)[1]] == [
+            (0, "JULIET.\nAy me")]
+    silent = make_engine(session_text_chars=0)
+    quiet = silent.sessions.create(None).result(10)
+    run(silent, prompt(5, 1), GREEDY_10, "q", session_id=quiet.id)
+    assert silent.sessions.turns(quiet.id, None).result(10)[1] == []

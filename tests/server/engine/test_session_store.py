@@ -47,7 +47,7 @@ def test_a_restarted_engine_continues_every_session_exactly(store_engine, tmp_pa
         second.sessions.info(a.id, "owner-b").result(10)  # ownership travels with the record
     assert error.value.kind == "not_found"
     assert tokens_of(run(second, [7], PENALISED, "a3", session_id=a.id, owner="owner-a")) == expected_a
-    turns = second.sessions.turns(a.id, "owner-a").result(10)
+    turns = second.sessions.turns(a.id, "owner-a").result(10)[0]
     assert [t.index for t in turns] == [1, 2, 3]
     # rewind survives the restart too: back to turn 2 and ask again = the same answer
     second.sessions.rewind(a.id, "owner-a", 2).result(10)

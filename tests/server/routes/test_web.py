@@ -66,6 +66,16 @@ def status(driver) -> str:
     return driver.find_element("id", "status").text
 
 
+def alert(driver):
+    """The page's open prompt, or None."""
+    from selenium.common.exceptions import NoAlertPresentException
+
+    try:
+        return driver.switch_to.alert
+    except NoAlertPresentException:
+        return None
+
+
 def test_the_page_streams_a_completion_and_charts_every_token(browser, served):
     page = httpx.get(served.base + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -84,6 +94,16 @@ def test_the_page_streams_a_completion_and_charts_every_token(browser, served):
     points = int(browser.find_element("id", "itl-chart").get_attribute("data-points"))
     assert points == want["usage"]["completion_tokens"] - 1  # one latency between each two tokens
     assert "tokens/s" in browser.find_element("id", "itl-stats").text
+    drawn = browser.execute_script(  # read in one go: a redraw replaces the chart's nodes
+        "drawChart(); return {labels: [...document.querySelectorAll('#itl-chart text')].map("
+        "t => [t.getAttribute('class'), t.textContent]), highest: chart.highest, "
+        "top: Math.max(histogramQuantile(0.99) * 1.5, 1e-3)}")
+    ticks = [text for kind, text in drawn["labels"] if "tick" in kind]
+    assert len(ticks) == 3 and all(t.endswith(" ms") for t in ticks) and ticks[0].startswith("0")  # a y scale
+    names = [text for _, text in drawn["labels"][-2:]]
+    assert names == ["token 2", f"token {want['usage']['completion_tokens']}"]  # the last token is named
+    clipped = [text for kind, text in drawn["labels"] if "clipped" in kind]  # said whenever it happens
+    assert bool(clipped) == (drawn["highest"] > drawn["top"])
 
 
 def test_stop_aborts_the_stream_and_the_server_frees_its_slot(browser, served):
@@ -121,6 +141,37 @@ def test_sessions_are_created_continued_and_rewound_through_the_page(browser, se
     assert state in browser.find_element("id", "session-info").text
 
 
+def test_each_session_shows_its_own_text_from_the_server(browser, served):
+    """Open A, then B, then A again: each shows the text the server keeps for it, never the other's."""
+    browser.get(served.base + "/")
+    browser.find_element("css selector", "nav button[data-tab=sessions]").click()
+    made = {}
+    for name, first, second in (("A", "JULIET.\nO Romeo,", " wherefore"), ("B", "HAMLET.\nTo be,", " or not")):
+        fill(browser, "new-session-prompt", first)
+        browser.find_element("id", "new-session").click()
+        wait_for(lambda: browser.find_element("id", "session-title").text not in ("", *made.values()),  # noqa: B023
+                 what="the new session")
+        made[name] = browser.find_element("id", "session-title").text
+        fill(browser, "session-input", second)
+        fill(browser, "session-max-tokens", "4")
+        browser.find_element("id", "session-continue").click()
+        wait_for(lambda: len(browser.find_elements("css selector", "#turns li")) == 2, what="the second turn")
+    for name in ("A", "B", "A"):
+        browser.find_element("css selector", f"tr[data-id='{made[name]}'] button").click()
+        wait_for(lambda wanted=made[name]: browser.find_element("id", "session-title").text == wanted,
+                 what=f"session {name}")
+        turns = httpx.get(f"{served.base}/v1/sessions/{made[name]}/turns").json()
+        expected = "".join(t["prompt"] + t["completion"] for t in turns)
+        shown = wait_for(lambda: browser.find_element("id", "session-output").text, what="its text")
+        assert shown == expected.strip() or shown == expected, (shown, expected)
+        other = "HAMLET" if name == "A" else "JULIET"
+        assert other not in shown and ("JULIET" if name == "A" else "HAMLET") in shown
+    browser.find_element("id", "session-fork").click()  # a fork shows the text it started from
+    wait_for(lambda: browser.find_element("id", "session-title").text not in ("", *made.values()), what="the fork")
+    assert "JULIET" in wait_for(lambda: browser.find_element("id", "session-output").text, what="the fork's text")
+    assert browser.find_elements("css selector", "#turns li")  # its inherited turn is listed
+
+
 def test_with_api_keys_the_page_loads_and_its_calls_carry_the_typed_key(browser, tiny_checkpoint, tmp_path):
     keyed = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--num-slots", "2", "--api-key", "page-key")
     try:
@@ -129,11 +180,28 @@ def test_with_api_keys_the_page_loads_and_its_calls_carry_the_typed_key(browser,
         browser.get(keyed.base + "/")
         fill(browser, "max-tokens", "5")
         browser.find_element("id", "generate").click()
+        wait_for(lambda: alert(browser), what="the page asking for a key").dismiss()  # no key given: the 401 shows
         wait_for(lambda: status(browser).startswith("error"), what="the refusal")
         assert "401" in status(browser)
+        browser.find_element("css selector", "nav button[data-tab=sessions]").click()
+        asked = wait_for(lambda: alert(browser), what="the page asking for a key")
+        asked.send_keys("wrong-key")
+        asked.accept()  # a wrong key: the list shows the error, not an empty table
+        error = wait_for(lambda: browser.find_element("id", "sessions-error").text, what="the error line")
+        assert "401" in error
         fill(browser, "api-key", "page-key")
+        browser.find_element("id", "refresh-sessions").click()
+        wait_for(lambda: not browser.find_element("id", "sessions-error").is_displayed(), what="the listing")
+        browser.find_element("css selector", "nav button[data-tab=playground]").click()
         browser.find_element("id", "generate").click()
         wait_for(lambda: status(browser) == "done", what="the keyed stream")
+        assert browser.execute_script("return sessionStorage.getItem('linserve-api-key')") == "page-key"
+        browser.execute_script("sessionStorage.clear(); document.getElementById('api-key').value = ''")
+        browser.find_element("id", "generate").click()
+        asked = wait_for(lambda: alert(browser), what="the page asking again")
+        asked.send_keys("page-key")
+        asked.accept()  # the key typed into the prompt is kept for the tab and the request goes through
+        wait_for(lambda: status(browser) == "done", what="the stream after the prompt")
         assert browser.execute_script("return sessionStorage.getItem('linserve-api-key')") == "page-key"
     finally:
         keyed.stop()
@@ -194,6 +262,9 @@ def test_the_page_can_be_turned_off_and_unknown_files_are_404s(make_client):
     missing = on.get("/web/../settings.py")
     assert missing.status_code == 404 and "error" in missing.json()
     assert on.get("/web/nothing.js").json()["error"]["param"] == "name"
+    icon = on.get("/favicon.ico")  # where browsers ask first: no 404 in every page load's log
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+    assert icon.content.startswith(b"<svg") and on.get("/web/favicon.svg").content == icon.content
     off = make_client(web_ui=False)
     assert off.get("/").status_code == 404 and off.get("/web/app.js").status_code == 404
     assert off.get("/v1/models").status_code == 200  # only the page is gone
