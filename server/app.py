@@ -19,7 +19,7 @@ from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, prefill_dtype
 from .dependencies import max_token_bytes, require_key
 from .engine import Engine, EngineConfig
 from .engine.state_pool import slots_for_budget
-from .errors import RequestBody, ServerErrors, error_response, install_handlers
+from .errors import APIError, RequestBody, ServerErrors, error_response, install_handlers
 from .idempotency import RecentResults
 from .logprob_budget import LogprobBudget
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -163,9 +163,25 @@ def client_request_id(scope: Scope) -> str | None:
     return None
 
 
+DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8", "swagger-ui.css": "text/css; charset=utf-8",
+               "redoc.standalone.js": "text/javascript; charset=utf-8"}
+
+
 def add_docs(app: FastAPI, settings: Settings) -> None:
-    """/openapi.json, /docs and /redoc: behind the API key when keys are set, unless `docs_public`."""
+    """/openapi.json, /docs and /redoc: behind the API key when keys are set, unless `docs_public`. Swagger UI's
+    and ReDoc's files come from the installed `fastapi-offline` package, never a CDN: the pages work on an
+    offline machine."""
+    import fastapi_offline
+
     guard = [] if settings.docs_public else [Depends(require_key)]
+    static = Path(fastapi_offline.__file__).parent / "static"
+    assets = {name: (static / name).read_bytes() for name in DOCS_ASSETS}
+
+    @app.get("/docs/assets/{name}", include_in_schema=False)
+    async def swagger_asset(name: str) -> Response:
+        if name not in assets:
+            raise APIError(404, f"no such file: {name[:64]!r}", "name", code="not_found")
+        return Response(assets[name], media_type=DOCS_ASSETS[name], headers={"Cache-Control": "max-age=86400"})
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=guard)
     async def openapi_document() -> JSONResponse:
@@ -173,11 +189,15 @@ def add_docs(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/docs", include_in_schema=False, dependencies=guard)
     async def swagger_ui() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="linserve API")
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="linserve API",
+                                   swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/assets/swagger-ui.css", swagger_favicon_url="/favicon.ico")
 
     @app.get("/redoc", include_in_schema=False, dependencies=guard)
     async def redoc() -> HTMLResponse:
-        return get_redoc_html(openapi_url="/openapi.json", title="linserve API")
+        return get_redoc_html(openapi_url="/openapi.json", title="linserve API",
+                              redoc_js_url="/docs/assets/redoc.standalone.js", redoc_favicon_url="/favicon.ico",
+                              with_google_fonts=False)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

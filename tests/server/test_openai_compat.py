@@ -116,6 +116,20 @@ def test_docs_are_counted_under_their_own_endpoint_names(client):
         assert f'linserve_requests_total{{endpoint="{path}",status="200"}} 1.0' in text, path
 
 
+def test_the_docs_page_needs_nothing_but_this_server(client):
+    """Swagger UI's script and stylesheet come from the installed package: /docs works offline."""
+    import re
+
+    for path in ("/docs", "/redoc"):
+        page = client.get(path).text
+        links = re.findall(r"""(?:src|href|url|spec-url)\s*[:=]\s*['"]([^'"]+)['"]""", page)
+        assert links and all(link.startswith("/") for link in links), links  # no CDN, no other host
+        for link in links:
+            assert client.get(link).status_code == 200, link
+    assert client.get("/docs/assets/swagger-ui-bundle.js").text.startswith(("/*", "!function", "(function"))
+    assert client.get("/docs/assets/../app.py").status_code == 404
+
+
 def test_tokenize_detokenize_version(client):
     ids = client.post("/tokenize", json={"prompt": "ROMEO. What light"}).json()
     assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_prompt_tokens"] > 0

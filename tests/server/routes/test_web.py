@@ -268,3 +268,16 @@ def test_the_page_can_be_turned_off_and_unknown_files_are_404s(make_client):
     off = make_client(web_ui=False)
     assert off.get("/").status_code == 404 and off.get("/web/app.js").status_code == 404
     assert off.get("/v1/models").status_code == 200  # only the page is gone
+
+
+def test_the_api_docs_render_from_this_server_alone(browser, served):
+    """/docs draws Swagger UI from the files linserve serves itself (this machine reaches no CDN)."""
+    browser.get(served.base + "/docs")
+    title = wait_for(lambda: browser.find_elements("css selector", ".swagger-ui .info .title"), what="Swagger UI")
+    assert "linserve" in title[0].text
+    operations = wait_for(lambda: browser.find_elements("css selector", ".opblock-summary-path"), what="operations")
+    assert any(o.text == "/v1/responses" for o in operations)
+    browser.get(served.base + "/redoc")
+    heading = wait_for(lambda: [h for h in browser.find_elements("css selector", "h1") if "linserve" in h.text],
+                       what="ReDoc")
+    assert heading
