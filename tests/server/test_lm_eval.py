@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,33 +19,7 @@ from tests.helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-ROLLING = """task: linserve_passages
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: bits_per_byte
-    aggregation: bits_per_byte
-    higher_is_better: false
-"""
-CHOICES = """task: linserve_choices
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: context
-doc_to_choice: choices
-doc_to_target: label
-metric_list:
-  - metric: acc
-"""
+TASKS = Path(__file__).resolve().parents[2] / "configs" / "lm_eval"  # what docs/evaluation.md runs
 
 
 def passages(corpus, count: int = 20, size: int = 400) -> list[str]:
@@ -88,16 +63,17 @@ def offline():
     return loglik
 
 
-def test_lm_eval_local_completions_reports_the_offline_numbers(corpus, offline, tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT))
+def test_the_shipped_task_data_is_what_the_corpus_gives(corpus):
     texts = passages(corpus)
-    docs = choice_docs(texts)
-    (tmp_path / "passages.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    (tmp_path / "choices.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "passages.yaml").write_text(ROLLING.format(data=tmp_path / "passages.jsonl"))
-    (tasks / "choices.yaml").write_text(CHOICES.format(data=tmp_path / "choices.jsonl"))
+    assert [json.loads(line)["text"] for line in (TASKS / "passages.jsonl").read_text().splitlines()] == texts
+    assert [json.loads(line) for line in (TASKS / "choices.jsonl").read_text().splitlines()] == choice_docs(texts)
+
+
+def test_lm_eval_local_completions_reports_the_offline_numbers(offline, tmp_path):
+    """The recipe's tasks (configs/lm_eval), run from the repository root as docs/evaluation.md says."""
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT))
+    texts = [json.loads(line)["text"] for line in (TASKS / "passages.jsonl").read_text().splitlines()]
+    docs = [json.loads(line) for line in (TASKS / "choices.jsonl").read_text().splitlines()]
 
     # offline: a passage is scored after end-of-text; a choice is " " + its text after the context, its ids
     # the tail of encode(context + continuation) beyond encode(context) (how lm-eval splits a pair)
@@ -117,9 +93,9 @@ def test_lm_eval_local_completions_reports_the_offline_numbers(corpus, offline, 
         result = subprocess.run(
             [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
              f"model=linserve-shakespeare,base_url={server.base}/v1/completions,num_concurrent=2,max_retries=1",
-             "--include_path", str(tasks), "--tasks", "linserve_passages,linserve_choices",
+             "--include_path", "configs/lm_eval", "--tasks", "linserve_passages,linserve_choices",
              "--output_path", str(tmp_path / "out")],
-            capture_output=True, text=True, timeout=900, cwd=tmp_path,
+            capture_output=True, text=True, timeout=900, cwd=TASKS.parents[1],
         )
     finally:
         server.stop()
