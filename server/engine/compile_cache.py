@@ -14,7 +14,7 @@ import torch
 
 from linserve.model import LinearGPT
 
-from .program_compiler import ARTIFACT_FORMAT, CompilerProcess, load_artifact, write_model
+from .program_compiler import ARTIFACT_FORMAT, CompilerProcess, artifact_path, load_artifact, write_model
 
 
 def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, autotune: bool = True) -> str:
@@ -76,6 +76,10 @@ class ChildBuilder:
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
         self.autotune = autotune
         write_model(directory, model)
+
+    def cached(self, size: int) -> bool:
+        """Whether the bucket's program is in the cache (loaded in milliseconds, not compiled)."""
+        return os.path.exists(artifact_path(self.directory, self.num_slots, size))
 
     def __call__(self, size: int):
         """The bucket's program; None when it is not in the cache and this builder may not compile."""

@@ -89,6 +89,14 @@ def guard_tracing() -> None:
     _symbolic_trace.Tracer.trace = trace
 
 
+def remaining_s(per_bucket_s: float, elapsed_s: float, left: int) -> float:
+    """Seconds until `left` buckets (the current one, `elapsed_s` into it, included) are built at
+    `per_bucket_s` each — or, once the current one has taken longer, at the rate it shows (the machine is
+    busier than when the rate was measured): the estimate counts down, and grows only while it is exceeded."""
+    per = max(per_bucket_s, elapsed_s)
+    return max(per - elapsed_s, 0.0) + per * (left - 1)
+
+
 class DecodeStep:
     """`step(tokens, slots, positions) -> DecodeOutputs`: a decode program over the pool's slots — eager, or
     a compiled bucket (a CUDA graph on CUDA).
@@ -121,7 +129,8 @@ class DecodeStep:
         self._unavailable: set[int] = set()  # not in the cache, and no compiler here
         self.demand: dict[int, int] = {}  # bucket → decode steps run eagerly for want of it (compile order)
         self.compiling: int | None = None  # the bucket being compiled now
-        self.eta_s: float | None = None  # estimated seconds until every bucket is ready
+        self.built_seconds: list[float] = []  # buckets compiled here (not loaded): the measured rate of the ETA
+        self._bucket_started: float | None = None  # when the bucket being built now began
         self._closed = threading.Event()
         self._builder = None  # the compile thread's, while it runs (close() ends its child)
         self._thread: threading.Thread | None = None
@@ -156,7 +165,8 @@ class DecodeStep:
     def describe(self) -> dict:
         """For /ready, /version and /metrics: {"compile", "status", "buckets", "ready", "compiling", "eta_s",
         "verdict"} (the verdict: compile=auto on CPU, once made — see compile_verdict.Verdict.describe)."""
-        eta = None if self.eta_s is None else round(self.eta_s, 1)
+        eta = self.eta_s
+        eta = None if eta is None else round(eta, 1)
         verdict = self.verdict.describe() if self.verdict is not None else None
         return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes,
                 "compiling": self.compiling, "eta_s": eta, "verdict": verdict}
@@ -260,9 +270,20 @@ class DecodeStep:
             self.status = "failed"
         finally:
             self._built.set()
-            self.compiling, self.eta_s = None, None
+            self.compiling, self._bucket_started = None, None
             if getattr(build, "close", None) is not None:
                 build.close()
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds until every bucket is built, from the rate measured here: the mean time of the buckets
+        compiled so far (loaded ones take milliseconds and do not count), scaled up while the current bucket
+        takes longer than that (a busy machine). None before one bucket has compiled, and when nothing is left."""
+        if self.compiling is None or self._bucket_started is None or not self.built_seconds:
+            return None
+        left = len(self.sizes) - len(self._ready) - len(self._unavailable)  # the current bucket included
+        return remaining_s(sum(self.built_seconds) / len(self.built_seconds),
+                           time.perf_counter() - self._bucket_started, left)
 
     def _build_buckets(self, build) -> None:
         """Build or load every bucket not ready yet, in traffic order; stop where the verdict declines."""
@@ -272,13 +293,14 @@ class DecodeStep:
                 return
             if self.verdict is not None and self.verdict.decision == "declined":
                 break
-            done = list(self.compile_seconds.values())
-            left = len(self.sizes) - len(self._ready) - len(self._unavailable)
-            self.eta_s = sum(done) / len(done) * left if done else None
-            self.compiling = size
-            logger.info("decode step: compiling bucket %d of %d (batch %d)%s", len(self._ready) + 1,
-                        len(self.sizes), size, f", ~{self.eta_s:.0f} s left" if self.eta_s is not None else "")
-            started = time.perf_counter()
+            cached = bool(getattr(build, "cached", lambda _: False)(size))
+            self.compiling, self._bucket_started = size, time.perf_counter()
+            eta = self.eta_s
+            if cached or getattr(build, "can_compile", True):  # (else: not in the cache, said once at the end)
+                logger.info("decode step: %s bucket %d of %d (batch %d)%s", "loading" if cached else "compiling",
+                            len(self._ready) + 1, len(self.sizes), size,
+                            f", ~{eta:.0f} s left" if eta is not None and not cached else "")
+            started = self._bucket_started
             program = build(size)
             if self._closed.is_set():
                 return
@@ -286,6 +308,8 @@ class DecodeStep:
                 self._unavailable.add(size)
                 continue
             self.compile_seconds[size] = time.perf_counter() - started
+            if not cached:
+                self.built_seconds.append(self.compile_seconds[size])
             if self.auto_cpu and self._measured is None:
                 self._measured = size, program
                 if self.verdict is None:
@@ -293,11 +317,12 @@ class DecodeStep:
                 if self.verdict.decision == "declined":
                     break
             self._ready[size] = Bucket(size, program)
-            logger.info("decode bucket %d ready in %.1f s", size, self.compile_seconds[size])
+            logger.info("decode bucket %d %s in %.1f s", size, "loaded" if cached else "compiled",
+                        self.compile_seconds[size])
         if self._unavailable:
             logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
                         "bucket for batch %s in the cache; those batches run eagerly", sorted(self._unavailable))
-        self.compiling, self.eta_s = None, None
+        self.compiling, self._bucket_started = None, None
         self.status = "compiled" if self._ready else "declined"
 
     def _measure_verdict(self, size: int, program) -> Verdict:

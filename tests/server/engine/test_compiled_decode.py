@@ -79,7 +79,17 @@ def test_buckets_are_compiled_in_the_order_traffic_needs_them(tiny_model, device
     assert step._next_size() == 4
 
 
-def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_model, compile_cache, monkeypatch):
+def test_the_eta_counts_down_at_the_measured_rate_and_follows_a_slower_machine():
+    from linserve.server.engine.compiled_decode import remaining_s
+
+    assert remaining_s(10.0, 0.0, 3) == 30.0  # three buckets at the measured 10 s
+    assert remaining_s(10.0, 4.0, 3) == 26.0  # it counts down while the current one builds
+    assert remaining_s(10.0, 25.0, 3) == 50.0  # this one has taken 25 s: the rest will too (a busier machine)
+    assert remaining_s(10.0, 25.0, 1) == 0.0  # the last one, late: any moment
+
+
+def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_model, compile_cache, monkeypatch,
+                                                                         caplog):
     """An image or a second server with the cache built (`linserve compile`) needs no C++ compiler: with
     `compile=auto` and none on PATH, the artifacts are loaded and no compiler process starts."""
     import copy
@@ -99,9 +109,14 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
     measured = []  # compile=auto's verdict is not this test's business (test_compile_verdict): a tie, injected,
     step.measure = lambda *args, **kwargs: measured.append(1) or Measurement(1.0, 1.0, 1.0, 7, 0.0)
     step.verdicts = VerdictStore(None)  # and neither stored nor read (a kept compile cache may hold one)
+    caplog.set_level("INFO", logger="linserve.server.engine.compiled_decode")
     step.start()
     step.wait_compiled(BUILD_WAIT_S)
     assert step.status == "compiled" and step.ready_sizes == [1] and not started  # batch 2: eager, nothing compiled
+    said = [r.getMessage() for r in caplog.records if r.name.endswith("compiled_decode")]
+    assert any("loading bucket 1" in line for line in said) and any("1 loaded in" in line for line in said)
+    assert not any("compiling bucket" in line or "compiled in" in line for line in said)  # the right verb
+    assert step.built_seconds == []  # a load is no compile rate
     assert step.verdict.decision == "compiled" and len(measured) == 1
     with torch.inference_mode():
         got, want = step([3], [2], [5]), make_step(tiny_model, step.pool, cpu, "off")([3], [2], [5])
