@@ -76,6 +76,11 @@ def wait_ready(base: str, process: subprocess.Popen, timeout_s: float = 120.0) -
     raise RuntimeError("linserve serve did not become ready")
 
 
+def installed_torch(env: dict) -> str:
+    probe = "import importlib.metadata as m; print(m.version('torch'))"  # no import of torch itself: fast
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env).stdout.strip()
+
+
 def stop(process: subprocess.Popen) -> None:
     """SIGTERM to the process and everything it started (its session), then wait until all of them are gone
     (a redis-server writes its dump on the way out); SIGKILL after 30 s."""
@@ -107,6 +112,7 @@ def test_the_block_runs_as_written(where, tag, code, tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "LINSERVE_COMPILE": "off",
            "LINSERVE_SESSION_STORE": f"dir:{tmp_path / 'sessions'}"}
     before = set(os.listdir(ROOT))
+    torch_before = installed_torch(env) if "pip install" in code else None
     server = None
     if tag == "with-server":
         server = subprocess.Popen([sys.executable, "-m", "linserve.server.cli", "serve", "--port", str(PORT)],
@@ -130,3 +136,5 @@ def test_the_block_runs_as_written(where, tag, code, tmp_path):
                 else:
                     target.unlink()
     assert shell.returncode == 0, f"{where} failed ({shell.returncode}):\n{log.read_text()[-4000:]}"
+    if torch_before is not None:  # an install the docs tell a user to run keeps the torch they have
+        assert installed_torch(env) == torch_before
