@@ -17,11 +17,17 @@ _escape = json.JSONEncoder(ensure_ascii=False).encode  # str → JSON string lit
 
 
 def chunk_json(chunk) -> str:
-    """A chunk model (with logprobs, or a stream's first chunk) as JSON: fields left unset are omitted, but every
-    choice carries `finish_reason`, null until its last chunk — as the template chunks below do."""
+    """A chunk model (with logprobs, or a stream's first chunk) as JSON: fields left unset are omitted, but what
+    OpenAI's schema requires is there even when null — every choice's `finish_reason` (null until its last
+    chunk), a completion choice's `logprobs`, a chat logprobs object's `refusal` — as the template chunks below."""
     data = chunk.model_dump(exclude_none=True)
+    completion = data.get("object") == "text_completion"
     for choice in data.get("choices", []):
         choice.setdefault("finish_reason", None)
+        if completion:
+            choice.setdefault("logprobs", None)
+        elif isinstance(choice.get("logprobs"), dict):
+            choice["logprobs"].setdefault("refusal", None)
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -43,7 +49,7 @@ class CompletionChunks:
         self._head = _head(request_id, "text_completion", created, model)
 
     def __call__(self, output: RequestOutput, echo_text: str = "") -> str:
-        return (f'{self._head}{output.index},"text":{_escape(echo_text + output.text)},'
+        return (f'{self._head}{output.index},"text":{_escape(echo_text + output.text)},"logprobs":null,'
                 f'"finish_reason":{_finish(output)}}}]}}')
 
 

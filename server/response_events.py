@@ -15,7 +15,8 @@ from .tools import ToolCall, ToolCallParser, ToolSpec
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     """`cached_tokens`: the conversation's tokens already in the session's state, which this turn did not read."""
-    return {"input_tokens": cached + prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+    return {"input_tokens": cached + prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": cached + prompt_tokens + completion_tokens}
 
@@ -30,7 +31,7 @@ def status_of(finish_reason: str) -> tuple[str, dict | None]:
 
 def message_item(rid: str, text: str, status: str) -> dict:
     return {"type": "message", "id": f"msg_{rid[5:]}", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
 def call_item(rid: str, index: int, call: ToolCall, status: str) -> dict:
@@ -62,8 +63,9 @@ def base_object(rid: str, created: int, model: str, note: dict, status: str, det
             "previous_response_id": note.get("previous_response_id"), "temperature": note.get("temperature", 1.0),
             "text": note.get("text") or {"format": {"type": "text"}},
             "tool_choice": note.get("tool_choice") or ("auto" if tools else "none"), "tools": tools,
-            "top_p": note.get("top_p", 1.0), "truncation": "disabled", "usage": used,
-            "store": not rid.endswith("_0"), "metadata": note.get("metadata") or {}}
+            "top_p": note.get("top_p", 1.0), "truncation": "disabled",
+            "store": not rid.endswith("_0"), "metadata": note.get("metadata") or {},
+            **({"usage": used} if used is not None else {})}  # none yet: left out (the schema has no null)
 
 
 def response_object(rid: str, result: dict, model: str) -> dict:
@@ -170,7 +172,8 @@ class ResponseEvents:
             events.append(self.event("response.output_item.added", output_index=index,
                                      item={**self.items[-1], "content": []}))
             events.append(self.event("response.content_part.added", item_id=self.items[-1]["id"], output_index=index,
-                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                                 "logprobs": []}))
         self.items[-1]["content"][0]["text"] += text
         events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
                                  output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[]))
@@ -190,7 +193,7 @@ class ResponseEvents:
                                      content_index=0, part=part))
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                     arguments=item["arguments"]))
+                                     name=item["name"], arguments=item["arguments"]))
         events.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
         return events
 

@@ -324,6 +324,7 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = []
+    refusal: list[ChatTokenLogprob] | None = None  # never produced; OpenAI's schema requires the field
 
 
 class ChatDelta(BaseModel):
@@ -335,7 +336,8 @@ class ChatDelta(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCallItem] | None = None
+    refusal: str | None = None  # never produced; OpenAI's schema requires the field
+    tool_calls: list[ToolCallItem] | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class ChatChoice(BaseModel):

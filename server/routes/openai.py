@@ -40,6 +40,13 @@ async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> 
     return ModelList(data=[ModelCard(id=settings.served_model_name, created=request.app.state.started)])
 
 
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(*AUTH, 404))
+async def retrieve_model(request: Request, model_id: str, settings: SettingsDep, owner: Owner) -> ModelCard:
+    """The served model (`client.models.retrieve(id)`); any other id is a 404, as OpenAI answers."""
+    check_model(model_id, settings)
+    return ModelCard(id=settings.served_model_name, created=request.app.state.started)
+
+
 def completion_chunk(generation: Generation, model: str, output, echo_text: str = "",
                      logprobs: CompletionLogprobs | None = None) -> str:
     """One streamed event: the output's text (after `echo_text`, a row's echoed prompt) and the logprobs its

@@ -34,6 +34,7 @@ from ..response_events import ResponseEvents, response_object
 from ..response_schemas import RESPONSE_ID, MessageItem, ResponseCreateRequest
 from ..streaming import EventStreamResponse
 from ..structured import with_grammar
+from ..tools import EMPTY_PARAMETERS
 from .openai import check_model
 
 router = APIRouter(prefix="/v1/responses")
@@ -113,6 +114,14 @@ async def place(request: Request, owner, body: ResponseCreateRequest) -> Placeme
     return Placement(info.id, 1 if body.store else 0, None, info.tokens, previous, made=True)
 
 
+def tools_read(tools) -> list:
+    """What the prompt shows of a request's tools (request models or a kept response's dicts)."""
+    def fields(tool):
+        tool = tool if isinstance(tool, dict) else tool.model_dump()
+        return tool["name"], tool.get("description"), tool.get("parameters") or EMPTY_PARAMETERS
+    return [fields(tool) for tool in tools or ()]
+
+
 def listed_item(item) -> dict:
     """An input item as `input_items` lists it (a message's text as a content part, as OpenAI lists it)."""
     data = item.model_dump(exclude_none=True, by_alias=True)
@@ -128,7 +137,8 @@ def request_note(body: ResponseCreateRequest, tools, cached_tokens: int) -> dict
             "temperature": body.temperature, "top_p": body.top_p,
             "previous_response_id": body.previous_response_id,
             "text": body.text.model_dump(exclude_none=True, by_alias=True) if body.text else None,
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            "tools": [{**t.model_dump(exclude_none=True), "parameters": t.parameters or dict(EMPTY_PARAMETERS),
+                       "strict": True} for t in body.tools or ()],  # every call is held to its schema
             "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
             else body.tool_choice.model_dump(), "parallel_tool_calls": body.parallel_tool_calls,
             "metadata": (body.model_extra or {}).get("metadata") or {}, "cached_tokens": cached_tokens,
@@ -149,8 +159,7 @@ async def create_response(request: Request, body: ResponseCreateRequest, setting
     placement = await place(request, owner, body)
     try:
         offered = tool_fields.tool_definitions()
-        if placement.previous is not None and offered == [{"type": "function", "function": {
-                k: v for k, v in t.items() if k != "type"}} for t in placement.previous.get("tools") or ()]:
+        if placement.previous is not None and tools_read(body.tools) == tools_read(placement.previous.get("tools")):
             offered = None  # the conversation's state has read them already
         text = await chat_prompt(request, body.messages(), tokenizer, offered)
         if placement.cached_tokens and not getattr(tokenizer, "chat_template", None):
