@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", help="PNG: ITL vs position of the 8,192-token load, all three servers")
     parser.add_argument("--threads", type=int, help="linserve serve --threads [default: the server's default]")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-server -t (default 2)")
+    parser.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
+                        help="also run a second linserve with this speculative decoding default, side by side "
+                        "(reported as P9_speculative)")
     add_compile_argument(parser)
     args = parser.parse_args(argv)
     if not LLAMA_SERVER.exists():
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     long_tokens = loads[long_load][1]
     reference_before = reference_workload_ms()
     servers = {"linserve": 8901, "llama.cpp gpt2": 8902, "llama.cpp mamba": 8903}
+    if args.speculative != "off":
+        servers[f"linserve speculative {args.speculative}"] = 8904
     processes = [
         start_server(
             str(DEFAULT_CHECKPOINT),
@@ -92,6 +97,11 @@ def main(argv: list[str] | None = None) -> None:
             env={"LINSERVE_SESSION_STORE": "none"},
             compile=args.compile,
         ),
+        *([start_server(str(DEFAULT_CHECKPOINT), 8904, 64,
+                        extra=["--log-level", "warning", "--speculative", args.speculative,
+                               *(["--threads", str(args.threads)] if args.threads else [])],
+                        env={"LINSERVE_SESSION_STORE": "none"}, compile=args.compile)]
+          if args.speculative != "off" else []),
         start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64, args.llama_threads),
         start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64, args.llama_threads),
     ]
@@ -146,6 +156,15 @@ def main(argv: list[str] | None = None) -> None:
         }
     flat = table["linserve"][long_load]["late_over_early"]
     result["P9"]["itl_late_over_early"] = {"ratio": flat, "target": "<= 1.10", "pass": flat <= 1.10}
+    if args.speculative != "off":  # the same loads against a linserve speculating by default, beside the others
+        name = f"linserve speculative {args.speculative}"
+        result["P9_speculative"] = {}
+        for load in list(loads)[:2]:
+            peer = max(table["llama.cpp gpt2"][load]["tokens_per_s"], table["llama.cpp mamba"][load]["tokens_per_s"])
+            ours = table[name][load]["tokens_per_s"]
+            result["P9_speculative"][load] = {"linserve": ours, "faster_peer": peer, "ratio": ours / peer,
+                                              "over_plain_linserve": ours / table["linserve"][load]["tokens_per_s"],
+                                              "target": ">= 1.0", "pass": ours >= peer}
     emit(result, args.out)
     if args.plot:
         plot(last_summaries, Path(args.plot))

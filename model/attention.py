@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .feature_maps import FeatureMap
-from .linear_attention import chunked_forward, recurrent_step
+from .linear_attention import chunked_forward, prefix_states, recurrent_step
 from .state import KVCacheState, LinearAttentionState
 
 
@@ -64,25 +64,32 @@ class LinearAttention(_Heads):
         x: torch.Tensor,
         state: LinearAttentionState | None,
         key_mask: torch.Tensor | None = None,
+        prefixes: bool = False,
     ) -> tuple[torch.Tensor, LinearAttentionState]:
-        """x (B, T, C); key_mask (B, T) with 0 at positions that must not enter the state (padding)."""
+        """x (B, T, C); key_mask (B, T) with 0 at positions that must not enter the state (padding).
+        `prefixes`: the returned state is the one after every prefix, S (B, T, H, dk, dv), z (B, T, H, dk)."""
         if state is None:
             state = self.init_state(x.shape[0], x.device)
         q, k, v = self.split(x)  # (B, H, T, dh)
         if torch.is_autocast_enabled(x.device.type):  # the state maths stays fp32 under autocast
             with torch.autocast(device_type=x.device.type, enabled=False):
-                o, S, z = self._attend(q, k, v, state, key_mask)
+                o, S, z = self._attend(q, k, v, state, key_mask, prefixes)
         else:
-            o, S, z = self._attend(q, k, v, state, key_mask)
+            o, S, z = self._attend(q, k, v, state, key_mask, prefixes)
         return self.merge(o, x.dtype), LinearAttentionState(S=S, z=z)
 
-    def _attend(self, q, k, v, state: LinearAttentionState, key_mask: torch.Tensor | None):
+    def _attend(self, q, k, v, state: LinearAttentionState, key_mask: torch.Tensor | None, prefixes: bool = False):
         """(B, H, T, dh) projections → o (B, H, T, dv) fp32 and the new (S, z); recurrent form at T = 1."""
         phi_q = self.feature_map(q, is_query=True)  # (B, H, T, dk) fp32
         phi_k = self.feature_map(k, is_query=False)  # (B, H, T, dk) fp32
         if key_mask is not None:
             phi_k = phi_k * key_mask[:, None, :, None].float()  # (B, H, T, dk)
         v = v.float()  # (B, H, T, dv)
+        if prefixes:
+            o, _, _ = chunked_forward(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.chunk_size,
+                                      self.config.eps)  # (B, H, T, dv)
+            S, z = prefix_states(phi_k, v, state.S, state.z, self.log_decay)  # (B, T, H, dk, dv), (B, T, H, dk)
+            return o, S, z
         if q.shape[2] == 1:
             o, S, z = recurrent_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state.S, state.z, self.log_decay,
                                      self.config.eps)
@@ -107,7 +114,10 @@ class SoftmaxAttention(_Heads):
         x: torch.Tensor,
         state: KVCacheState | None,
         key_mask: torch.Tensor | None = None,
+        prefixes: bool = False,
     ) -> tuple[torch.Tensor, KVCacheState]:
+        if prefixes:
+            raise ValueError("the state after every prefix is a linear-attention form (speculative decoding)")
         if key_mask is not None and not bool(key_mask.all()):
             raise ValueError("padding masks are supported for linear attention only")
         B, T, _ = x.shape

@@ -48,3 +48,26 @@ def flat_decode_step(model: LinearGPT) -> FlatStep:
         return (logits[:, 0].float(), *flat)  # (B, V) fp32, then the state
 
     return step
+
+
+def flat_verify_step(model: LinearGPT) -> FlatStep:
+    """T tokens from the state before them, keeping the state after every prefix (speculative decoding):
+
+        step(tokens (B, T), *state) -> (logits (B, T, V) fp32, *state after every prefix (B, T, …) each)
+
+    in `state_names` order; the chunked form over the T tokens, so one pass verifies a draft."""
+    if model.config.attention != "linear":
+        raise ValueError("verifying drafts from a fixed (S, z) state needs attention 'linear'")
+    n_layers = model.config.n_layers
+    width = 3 if model.config.conv_kernel else 2  # tensors per layer
+
+    def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        blocks = tuple(
+            BlockState(attn=LinearAttentionState(S=state[width * i], z=state[width * i + 1]),
+                       conv=state[width * i + 2] if width == 3 else None)
+            for i in range(n_layers)
+        )
+        logits, prefixes = model(tokens, ModelState(blocks=blocks), prefixes=True)  # (B, T, V)
+        return (logits.float(), *prefixes.tensors().values())
+
+    return step

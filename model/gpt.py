@@ -30,7 +30,10 @@ class ShortConv(nn.Module):
     def init_state(self, batch: int, device: torch.device | str) -> torch.Tensor:
         return torch.zeros(batch, self.window, self.weight.shape[0], device=device, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, window: torch.Tensor | None,
+                prefixes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, C) → y (B, T, C) and the window after the T inputs (B, W, C) — or, with `prefixes`, the
+        window after every prefix (B, T, W, C)."""
         B, T, _ = x.shape
         if window is None:
             window = self.init_state(B, x.device)
@@ -41,6 +44,9 @@ class ShortConv(nn.Module):
         y = padded[:, : T] * taps[0]  # (B, T, C)
         for k in range(1, taps.shape[0]):
             y = y + padded[:, k : k + T] * taps[k]  # (B, T, C)
+        if prefixes:  # window after input j: padded[j+1 : j+1+W]
+            windows = padded.unfold(1, self.window, 1)[:, 1:]  # (B, T, C, W)
+            return y, windows.transpose(-1, -2).float()  # (B, T, C), (B, T, W, C)
         return y, padded[:, T:].float()  # (B, T, C), (B, W, C)
 
 
@@ -68,15 +74,15 @@ class Block(nn.Module):
         return BlockState(attn=self.attn.init_state(batch, device), conv=conv)
 
     def forward(
-        self, x: torch.Tensor, state: BlockState, key_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, state: BlockState, key_mask: torch.Tensor | None = None, prefixes: bool = False
     ) -> tuple[torch.Tensor, BlockState]:
         h = self.ln_1(x)  # (B, T, C)
         if key_mask is not None:
             h = h * key_mask[..., None].to(h.dtype)  # padding enters no window
         conv_state = state.conv
         if self.conv is not None:
-            h, conv_state = self.conv(h, state.conv)  # (B, T, C)
-        a, attn_state = self.attn(h, state.attn, key_mask)  # (B, T, C)
+            h, conv_state = self.conv(h, state.conv, prefixes)  # (B, T, C)
+        a, attn_state = self.attn(h, state.attn, key_mask, prefixes)  # (B, T, C)
         x = x + a
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
         return x, BlockState(attn=attn_state, conv=conv_state)
@@ -115,11 +121,14 @@ class LinearGPT(nn.Module):
         ids: torch.Tensor,
         state: ModelState | None = None,
         key_mask: torch.Tensor | None = None,
+        prefixes: bool = False,
     ) -> tuple[torch.Tensor, ModelState]:
         """ids (B, T) → logits (B, T, V) and the state after those tokens.
 
         `state=None` starts from the empty state. `key_mask` (B, T) marks left padding with 0: those
-        positions leave the state untouched (exact for linear attention).
+        positions leave the state untouched (exact for linear attention). `prefixes` (linear attention):
+        the returned state holds the state after every prefix — each tensor (B, T, …), index j the state
+        after tokens 0..j (`ModelState.select_prefix` picks one per row): speculative decoding's rollback.
         """
         B, T = ids.shape
         if state is None:
@@ -127,7 +136,7 @@ class LinearGPT(nn.Module):
         x = self.wte(ids)  # (B, T, C)
         new_blocks = []
         for block, block_state in zip(self.blocks, state.blocks):
-            x, block_state = block(x, block_state, key_mask)  # (B, T, C)
+            x, block_state = block(x, block_state, key_mask, prefixes)  # (B, T, C)
             new_blocks.append(block_state)
         x = self.ln_f(x)  # (B, T, C)
         logits = F.linear(x, self.wte.weight)  # (B, T, V) tied head

@@ -115,6 +115,32 @@ def chunked_forward(
     return o, state[..., :dv].contiguous(), state[..., dv].contiguous()
 
 
+def prefix_states(
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    S: torch.Tensor,
+    z: torch.Tensor,
+    log_decay: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state after every prefix of T tokens, from the state before them (speculative decoding's
+    rollback: the state after any accepted prefix comes out of the one verification pass).
+
+    phi_k (B, H, T, dk); v (B, H, T, dv); S (B, H, dk, dv); z (B, H, dk) →
+    S_all (B, T, H, dk, dv), z_all (B, T, H, dk) with S_all[:, j] = γ^(j+1)·S + Σ_{i≤j} γ^(j-i) φ(k_i) v_iᵀ,
+    which is what j + 1 recurrent steps give (within fp tolerance).
+    """
+    T = phi_k.shape[2]
+    ones = torch.ones(*v.shape[:-1], 1, device=v.device, dtype=v.dtype)
+    v_ext = torch.cat([v, ones], dim=-1)  # (B, H, T, dv+1): z rides as a column of ones
+    weights = _intra_chunk_weights(log_decay, T, phi_k)  # (H, T, T): γ^(j-i) for i ≤ j
+    outer = phi_k[..., :, None] * v_ext[..., None, :]  # (B, H, T, dk, dv+1)
+    added = torch.einsum("hji,bhixy->bjhxy", weights, outer)  # (B, T, H, dk, dv+1)
+    carry = decay_powers(log_decay, T + 1, phi_k)[:, 1:].T  # (T, H): γ^(j+1)
+    start = torch.cat([S, z[..., None]], dim=-1)  # (B, H, dk, dv+1)
+    states = added + carry[None, :, :, None, None] * start[:, None]  # (B, T, H, dk, dv+1)
+    return states[..., :-1], states[..., -1]
+
+
 def recurrent_step(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,

@@ -75,6 +75,12 @@ class ModelState:
             blocks.append(BlockState(attn=attn, conv=conv))
         return ModelState(blocks=tuple(blocks))
 
+    def select_prefix(self, kept: Tensor) -> ModelState:
+        """From a state after every prefix (each tensor (B, T, …), see `LinearGPT.forward(prefixes=True)`),
+        row b's state after its first kept[b] + 1 tokens: kept (B,) int64 in [0, T)."""
+        rows = torch.arange(kept.shape[0], device=kept.device)  # (B,)
+        return self.map(lambda t: t[rows, kept])  # (B, …) each
+
     @property
     def is_linear(self) -> bool:
         return isinstance(self.blocks[0].attn, LinearAttentionState)

@@ -14,7 +14,14 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, prefill_dtype, resolve_device, resolve_dtype
+from linserve.model.loading import (
+    DEFAULT_CHECKPOINT,
+    DRAFT_CHECKPOINT,
+    load_model,
+    prefill_dtype,
+    resolve_device,
+    resolve_dtype,
+)
 
 from .dependencies import max_token_bytes, require_key
 from .engine import Engine, EngineConfig
@@ -46,6 +53,29 @@ def engine_config(settings: Settings, model) -> EngineConfig:
     return EngineConfig.from_settings(settings, num_slots=slots)
 
 
+def load_draft(settings: Settings, path: Path, model, tokenizer, device):
+    """The draft model (fp32) for `speculative: draft`, or None: `draft_model`, else the shipped draft when the
+    shipped model is served. It must share the served model's tokenizer (same vocabulary, same ids)."""
+    from transformers import AutoTokenizer
+
+    draft_path = Path(settings.draft_model) if settings.draft_model else (
+        DRAFT_CHECKPOINT if path.resolve() == DEFAULT_CHECKPOINT.resolve() and DRAFT_CHECKPOINT.is_dir() else None)
+    if draft_path is None or model.config.attention != "linear":
+        if settings.speculative == "draft":
+            raise ValueError("speculative: draft needs a draft model (--draft-model) for a linear-attention model")
+        return None
+    import torch
+
+    draft = load_model(draft_path, device, torch.float32).model
+    if draft.config.attention != "linear" or draft.config.vocab_size != model.config.vocab_size or (
+            AutoTokenizer.from_pretrained(str(draft_path)).get_vocab() != tokenizer.get_vocab()):
+        raise ValueError(f"the draft model {draft_path} must be a linear-attention model with the served model's "
+                         "tokenizer (the same vocabulary and ids)")
+    logger.info("draft model %s: %.2f M parameters, %d state bytes per slot", draft_path,
+                draft.num_parameters() / 1e6, draft.state_bytes())
+    return draft
+
+
 def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     from transformers import AutoTokenizer
 
@@ -55,7 +85,8 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     model = load_model(path, device, prefill_dtype(dtype, device)).model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     config = engine_config(settings, model)
-    engine = Engine(model, tokenizer, config, device, metrics.observe, decode_dtype=dtype).start()
+    draft = load_draft(settings, path, model, tokenizer, device)
+    engine = Engine(model, tokenizer, config, device, metrics.observe, decode_dtype=dtype, draft_model=draft).start()
     metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)
     if engine.decode_step is not None:
         metrics.watch_decode_step(engine.decode_step.describe)
@@ -241,6 +272,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine = request.app.state.engine
         return JSONResponse({"status": "ready", "model": settings.served_model_name, "device": str(engine.device),
                              "decode_step": step.describe() if step is not None else None,
+                             "speculation": engine.describe_speculation(),
                              "session_store": engine.store_status()})
 
     @app.get("/metrics", response_class=Response,

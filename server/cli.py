@@ -197,10 +197,12 @@ class ProgressLine:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     """Build the decode step's compile cache ahead of `serve` (images, init containers): every batch bucket
-    `serve` would compile with the same settings, into the same cache directory, in the foreground."""
+    `serve` would compile with the same settings, into the same cache directory, in the foreground — and, with
+    `--speculative ngram`, the verification program's buckets for `--speculative-k` drafts too."""
     from linserve.model.loading import load_model, resolve_device, resolve_dtype
     from linserve.server.app import engine_config
     from linserve.server.engine.compiled_decode import DecodeStep
+    from linserve.server.engine.decode_program import DECODE, verify_kind
     from linserve.server.engine.sampling import SlotSampling
     from linserve.server.engine.state_pool import StatePool
     from linserve.server.settings import Settings
@@ -218,13 +220,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
     # the programs read the pool's and the samplers' buffers: compiled for the slot count `serve` would have
     slots = engine_config(settings, model).num_slots
     sampling = SlotSampling(slots, model.config.vocab_size, device)
-    step = DecodeStep(model, StatePool(model, slots, device), sampling, device, "on",
-                      min(slots, settings.max_batch_tokens), settings.compile_cache_dir, settings.compile_autotune)
-    step.start()
-    step.wait_compiled()
-    seconds = ", ".join(f"{size}: {s:.1f} s" for size, s in step.compile_seconds.items())
-    print(f"decode step {step.status}: buckets {step.ready_sizes} of {step.sizes} ({seconds}) in {step.cache_dir}")
-    return 0 if step.status == "compiled" else 1
+    pool = StatePool(model, slots, device)
+    kinds = [DECODE] + ([verify_kind(settings.speculative_k)] if settings.speculative != "off" else [])
+    statuses = []
+    for kind in kinds:
+        step = DecodeStep(model, pool, sampling, device, "on", min(slots, settings.max_batch_tokens),
+                          settings.compile_cache_dir, settings.compile_autotune, kind=kind)
+        step.start()
+        step.wait_compiled()
+        seconds = ", ".join(f"{size}: {s:.1f} s" for size, s in step.compile_seconds.items())
+        print(f"{step.label} {step.status}: buckets {step.ready_sizes} of {step.sizes} ({seconds}) in {step.cache_dir}")
+        statuses.append(step.status)
+    return 0 if all(status == "compiled" for status in statuses) else 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -246,7 +253,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # what `linserve compile` reads: the decode program depends on these alone (the config file may hold the rest)
 COMPILE_SETTINGS = ("model", "device", "dtype", "num_slots", "state_memory_mb", "max_batch_tokens",
-                    "compile_cache_dir", "compile_autotune", "threads")
+                    "compile_cache_dir", "compile_autotune", "threads", "speculative", "speculative_k")
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:

@@ -99,6 +99,10 @@ async def start_generation(
     if params.priority and state.settings.scheduling_policy != "priority":
         raise APIError(400, "priority is honoured only with scheduling_policy: priority (this server: "
                        f"{state.settings.scheduling_policy}); send 0 or leave it out", "priority")
+    wanted_k = params.speculative.k if params.speculative is not None else None
+    if wanted_k is not None and wanted_k > state.settings.speculative_k:
+        raise APIError(400, f"speculative.k must be <= {state.settings.speculative_k} (this server's speculative_k)",
+                       "speculative")
     if params.max_tokens > state.settings.max_tokens_limit:
         raise APIError(400, f"max_tokens must be <= {state.settings.max_tokens_limit}", "max_tokens")
     request_id = f"{prefix}-{uuid.uuid4().hex}"

@@ -75,6 +75,10 @@ class Metrics:
         self.prefix_queries = Counter("linserve_prefix_cache_queries_total", "Prefix-cache lookups.", registry=r)
         self.preemptions = Counter("linserve_preemptions_total", "Running requests parked for more urgent ones "
                                    "(scheduling_policy priority): their states wait on the host.", registry=r)
+        self.spec_drafted = Counter("linserve_spec_draft_tokens_total", "Speculative decoding: drafted tokens "
+                                    "verified.", registry=r)
+        self.spec_accepted = Counter("linserve_spec_accepted_tokens_total", "Speculative decoding: drafted tokens "
+                                     "accepted (emitted without a step of their own).", registry=r)
         self.prefix_hits = Counter("linserve_prefix_cache_hits_total", "Prefix-cache lookups that found a prefix.",
                                    registry=r)
         self.store_ops = Counter("linserve_session_store_operations_total",
@@ -117,6 +121,9 @@ class Metrics:
                 self.batch_size.observe(stats.batch_size)
             if stats.preempted:
                 self.preemptions.inc(stats.preempted)
+            if stats.drafted:
+                self.spec_drafted.inc(stats.drafted)
+                self.spec_accepted.inc(stats.accepted)
             for position, seconds in stats.token_latencies:
                 self._itl[context_label(position)].observe(seconds)
         elif isinstance(stats, PoolStats):

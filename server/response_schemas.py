@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from .engine.types import SEED_MAX, SEED_MIN, SamplingParams
-from .schemas import Float, Int, Text
+from .schemas import Float, Int, SpeculativeOptions, Text
 from .structured import JsonSchemaFormat, ResponseFormat, StructuredFields
 from .tools import MAX_TOOLS, NAME_PATTERN, FunctionCall, ToolCallItem, ToolFields, json_object_text
 
@@ -116,6 +116,7 @@ class ResponseCreateRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool = True
     priority: Int = Field(0, ge=-(2**31), le=2**31 - 1)
+    speculative: SpeculativeOptions | None = None
 
     @model_validator(mode="after")
     def _no_unsupported_parameters(self):
@@ -159,7 +160,8 @@ class ResponseCreateRequest(BaseModel):
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_output_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, priority=self.priority)
+                              top_p=self.top_p, seed=self.seed, priority=self.priority,
+                              speculative=self.speculative.to_engine() if self.speculative else None)
 
     def messages(self) -> list:
         """The input as chat messages (a call as an assistant's tool call, its output as a tool message)."""

@@ -17,7 +17,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
+from .engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams, Speculation
 from .structured import StructuredFields
 from .tools import MAX_TOOLS, ToolCallDelta, ToolCallItem, ToolFields
 
@@ -46,6 +46,17 @@ StopText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class SpeculativeOptions(BaseModel):
+    """`"speculative": {"method": "ngram", "k": 4}`: drafts verified k at a time (docs/engine.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["off", "ngram", "draft"]
+    k: Int | None = Field(None, ge=1, le=8, description="drafts per step at most (≤ the server's speculative_k)")
+
+    def to_engine(self) -> Speculation:
+        return Speculation(self.method, self.k)
 
 
 # accepted and ignored: they change nothing a client could observe here
@@ -83,6 +94,8 @@ class _Sampling(StructuredFields):
     logit_bias: dict[str, Float] | None = Field(None, description="token id (as a string) → bias in [-100, 100]")
     priority: Int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower is served first (scheduling_policy "
                           "priority; another value than 0 is a 400 under fcfs)")
+    speculative: SpeculativeOptions | None = Field(None, description="speculative decoding for this request "
+                                                   "(absent: the server's `speculative` setting)")
 
     @model_validator(mode="after")
     def _no_unsupported_parameters(self):
@@ -139,7 +152,7 @@ class _Sampling(StructuredFields):
             prompt_logprobs=prompt_logprobs, n=self.n,
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
             logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
-            priority=self.priority,
+            priority=self.priority, speculative=self.speculative.to_engine() if self.speculative else None,
         )
 
     @property

@@ -59,6 +59,14 @@ class Settings(BaseSettings):
         "first; ties by arrival)")
     priority_aging_s: float = Field(5.0, gt=0, description="scheduling_policy priority: every this many seconds "
                                     "waited counts as one level more urgent, so no request waits forever")
+    speculative: Literal["off", "ngram", "draft"] = Field(
+        "off", description="speculative decoding for requests that do not ask (their `speculative` field): ngram "
+        "drafts by prompt lookup, draft by the draft model; verified k at a time in one pass from the session "
+        "state, used only while it pays")
+    draft_model: str | None = Field(None, description="the draft model (a small checkpoint with the served model's "
+                                    "tokenizer); unset: the shipped draft when the shipped model is served")
+    speculative_k: int = Field(4, ge=1, le=8, description="drafts verified per step at most (the verification "
+                               "program's width; a request's speculative.k may be smaller)")
     max_context: int = Field(8192, ge=16, description="softmax models: KV-cache tokens per slot (400 beyond)")
     kv_memory_mb: float = Field(1024, gt=0, description="softmax models: slots = min(num_slots, this / slot bytes)")
     max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it")

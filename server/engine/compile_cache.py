@@ -17,7 +17,8 @@ from linserve.model import LinearGPT
 from .program_compiler import ARTIFACT_FORMAT, CompilerProcess, artifact_path, load_artifact, write_model
 
 
-def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, autotune: bool = True) -> str:
+def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, autotune: bool = True,
+                      sources: tuple[str, ...] = ()) -> str:
     """Where this model's compiled buckets live: under `base` (unset: the user's cache directory,
     `$XDG_CACHE_HOME/linserve/compile`, else `~/.cache/linserve/compile`), one subdirectory per model
     (config and weights: frozen weights are compiled in), the program's source code, how it is built
@@ -36,7 +37,7 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     digest.update(f"artifact format {ARTIFACT_FORMAT}, autotune {autotune}".encode())
-    for path in program_sources():
+    for path in program_sources(sources):
         with open(path, "rb") as source:
             digest.update(source.read())
     if device.type == "cuda":
@@ -51,14 +52,15 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
     return os.path.join(base, key)
 
 
-def program_sources() -> list[str]:
-    """The files whose code a compiled program contains: the model package and the program's own modules
-    (how it is built is program_compiler.ARTIFACT_FORMAT's business)."""
+def program_sources(extra: tuple[str, ...] = ()) -> list[str]:
+    """The files whose code a compiled program contains: the model package and the program's own modules,
+    plus `extra` of this package for a kind that has more (how it is built is program_compiler.ARTIFACT_FORMAT's
+    business)."""
     import linserve.model as model_package
 
     model_dir = os.path.dirname(os.path.abspath(model_package.__file__))
     here = os.path.dirname(os.path.abspath(__file__))
-    own = ["decode_program.py", "sampling.py"]
+    own = ["decode_program.py", "sampling.py", "verify_program.py", *extra]
     return sorted(os.path.join(model_dir, name) for name in os.listdir(model_dir) if name.endswith(".py")) + [
         os.path.join(here, name) for name in own]
 
@@ -72,23 +74,24 @@ class ChildBuilder:
     """CPU: each bucket's program is an AOTInductor artifact in the cache directory — loaded if there,
     else built by a compiler child process (started on the first miss; see program_compiler)."""
 
-    def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool, autotune: bool) -> None:
+    def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool, autotune: bool,
+                 program: str = "decode") -> None:
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
-        self.autotune = autotune
+        self.autotune, self.program = autotune, program
         write_model(directory, model)
 
     def cached(self, size: int) -> bool:
         """Whether the bucket's program is in the cache (loaded in milliseconds, not compiled)."""
-        return os.path.exists(artifact_path(self.directory, self.num_slots, size))
+        return os.path.exists(artifact_path(self.directory, self.num_slots, size, self.program))
 
     def __call__(self, size: int):
         """The bucket's program; None when it is not in the cache and this builder may not compile."""
-        program = load_artifact(self.directory, self.num_slots, size)
+        program = load_artifact(self.directory, self.num_slots, size, self.program)
         if program is None and self.can_compile:
             if self.child is None:
-                self.child = CompilerProcess(self.directory, self.num_slots, self.autotune)
+                self.child = CompilerProcess(self.directory, self.num_slots, self.autotune, self.program)
             self.child.compile(size)
-            program = load_artifact(self.directory, self.num_slots, size)
+            program = load_artifact(self.directory, self.num_slots, size, self.program)
         return program
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ from linserve.model.decode_step import state_names
 from . import compile_verdict
 from .compile_cache import ChildBuilder, compile_cache_dir, cpp_compiler_available
 from .compile_verdict import Verdict, VerdictStore, judge
-from .decode_program import DecodeOutputs, decode_program
+from .decode_program import DECODE, DecodeOutputs, ProgramKind
 from .program_compiler import quiet_compiler_warnings
 from .sampling import SlotSampling
 from .state_pool import StatePool
@@ -59,7 +59,7 @@ class Bucket:
     size: int
     step: object  # the (compiled) flat step for this batch size
     graph: torch.cuda.CUDAGraph | None = None
-    io: torch.Tensor | None = None  # (3, size) int64 on the device: tokens, slots, positions (CUDA graphs read it)
+    io: torch.Tensor | None = None  # (rows, size) int64 on the device: the program's io (CUDA graphs read it)
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
 
 
@@ -105,18 +105,27 @@ class DecodeStep:
     """
 
     def __init__(self, model: LinearGPT, pool: StatePool, sampling: SlotSampling, device: torch.device,
-                 mode: str = "off", max_rows: int = 64, cache_dir: str | None = None, autotune: bool = True) -> None:
+                 mode: str = "off", max_rows: int = 64, cache_dir: str | None = None, autotune: bool = True,
+                 kind: ProgramKind = DECODE, after: DecodeStep | None = None) -> None:
+        """`kind`: the decode step, or speculative decoding's verification (verify_program.py), which is
+        compiled after `after` (the decode step) has settled, follows its `auto` verdict, and is never
+        measured itself (the speculation policy times both)."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
         self.model, self.pool, self.sampling, self.device, self.mode = model, pool, sampling, device, mode
+        self.kind, self.after = kind, after
+        self.label = getattr(kind, "label", None) or (
+            "decode step" if kind.drafts == 0 else f"verification step (k={kind.drafts})")
         self.names = state_names(model)
         self.buffers = [pool.buffers[name] for name in self.names]  # (num_slots, …) each
-        self.eager_program = decode_program(model)
+        self.eager_program = kind.make(model)
         self.sizes = bucket_sizes(max_rows)
         self.autotune = autotune
-        self.cache_dir = compile_cache_dir(cache_dir, model, device, autotune) if mode != "off" else None
+        self.cache_dir = (compile_cache_dir(cache_dir, model, device, autotune, getattr(kind, "sources", ()))
+                          if mode != "off" else None)
         self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
-        self.auto_cpu = mode == "auto" and device.type == "cpu"  # compiled only where it is not slower
+        # compiled only where it is not slower
+        self.auto_cpu = mode == "auto" and device.type == "cpu" and after is None
         self.verdict: Verdict | None = None  # auto on CPU: compiled or declined here, with its figures
         self.verdicts = VerdictStore(self.cache_dir if self.auto_cpu else None)
         self.measure = compile_verdict.measure  # (eager, compiled, args, hold) -> Measurement; tests inject one
@@ -175,18 +184,29 @@ class DecodeStep:
     def __call__(self, tokens: list[int], slots: list[int], positions: list[int]) -> DecodeOutputs:
         """One decode program over the rows (tokens consumed, their slots, the positions of the tokens to
         choose); the state outputs are not yet scattered back (the caller commits them)."""
-        rows = len(slots)
+        outputs = self.run([tokens, slots, positions])
+        return DecodeOutputs(*outputs[:6], state=list(outputs[6:]))
+
+    def run(self, io_rows: list[list[int]]) -> list[torch.Tensor]:
+        """The program over the rows given as its io tensor's rows (`ProgramKind`), padded to the bucket and
+        unpadded again; outputs in the program's order."""
+        rows = len(io_rows[0])
         self.calls += 1
         bucket = self._bucket_for(rows)
         if bucket is None:
-            outputs = self._run(self.eager_program, rows, tokens, slots, positions)
+            outputs = self._run(self.eager_program, rows, io_rows)
         elif self.device.type == "cuda":
-            outputs = self._replay(bucket, tokens, slots, positions)
+            outputs = self._replay(bucket, io_rows)
         else:
-            outputs = self._run(bucket.step, bucket.size, tokens, slots, positions)
+            outputs = self._run(bucket.step, bucket.size, io_rows)
         if len(outputs[0]) != rows:  # padded to the bucket: the padding's outputs are dropped
             outputs = [tensor[:rows] for tensor in outputs]
-        return DecodeOutputs(*outputs[:6], state=list(outputs[6:]))
+        return list(outputs)
+
+    def bucket_ready(self, rows: int) -> int | None:
+        """The size of the compiled bucket `rows` would run in now (None: eagerly)."""
+        size = next((size for size in self.sizes if size >= rows), None)
+        return size if size in self._ready else None
 
     def _bucket_for(self, rows: int) -> Bucket | None:
         for size in self.sizes:
@@ -198,24 +218,21 @@ class DecodeStep:
         return None  # more rows than the largest bucket
 
     def _inputs(self, io: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The program's arguments from an io tensor (3, P): tokens, slots, positions."""
-        return (io[0], io[1], io[2], *self.buffers, *self.sampling.tensors())
+        """The program's arguments from its io tensor (rows, P)."""
+        return (*self.kind.arguments(io), *self.buffers, *self.sampling.tensors())
 
-    def _run(self, program, size: int, tokens: list[int], slots: list[int],
-             positions: list[int]) -> tuple[torch.Tensor, ...]:
+    def _run(self, program, size: int, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
         """`program` over the rows padded to `size` with copies of the first (eager: size = rows)."""
-        pad = size - len(slots)
-        io = torch.tensor([tokens + tokens[:1] * pad, slots + slots[:1] * pad, positions + positions[:1] * pad],
-                          dtype=torch.long, device=self.device)  # (3, P)
+        pad = size - len(io_rows[0])
+        io = torch.tensor([row + row[:1] * pad for row in io_rows], dtype=torch.long, device=self.device)  # (r, P)
         return program(*self._inputs(io))
 
-    def _replay(self, bucket: Bucket, tokens: list[int], slots: list[int],
-                positions: list[int]) -> tuple[torch.Tensor, ...]:
+    def _replay(self, bucket: Bucket, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
         if bucket.graph is None:
             self._capture(bucket)
-        rows = len(slots)
+        rows = len(io_rows[0])
         # rows beyond the batch keep earlier (valid) tokens, slots and positions: their outputs are dropped
-        bucket.io[:, :rows].copy_(torch.tensor([tokens, slots, positions], dtype=torch.long))  # (3, B) one transfer
+        bucket.io[:, :rows].copy_(torch.tensor(io_rows, dtype=torch.long))  # (r, B) one transfer
         bucket.graph.replay()
         # the outputs are read (sampled tokens, scattered state) within this engine step; the logits may outlive
         # it (a prompt-only turn keeps them), so they get their own memory
@@ -223,7 +240,7 @@ class DecodeStep:
 
     def _capture(self, bucket: Bucket) -> None:
         """Record the bucket's CUDA graph: the whole program, reading its rows through the static io tensor."""
-        bucket.io = torch.zeros(3, bucket.size, dtype=torch.long, device=self.device)  # (3, P)
+        bucket.io = torch.zeros(self.kind.io_rows, bucket.size, dtype=torch.long, device=self.device)  # (r, P)
 
         def run() -> tuple[torch.Tensor, ...]:
             return bucket.step(*self._inputs(bucket.io))
@@ -246,8 +263,17 @@ class DecodeStep:
         return max(waiting, key=lambda size: (self.demand.get(size, 0), -size)) if waiting else None
 
     def _compile_all(self) -> None:
-        self.status = "compiling"
         build = None
+        if self.after is not None:  # verification compiles once the decode step has settled (and as it decided)
+            while not self.after._built.wait(1.0):
+                if self._closed.is_set():
+                    self._built.set()
+                    return
+            if self.after.status == "declined":
+                self.status = "declined"
+                self._built.set()
+                return
+        self.status = "compiling"
         try:
             build = self._builder = self._compiler()
             if self.auto_cpu:
@@ -297,7 +323,7 @@ class DecodeStep:
             self.compiling, self._bucket_started = size, time.perf_counter()
             eta = self.eta_s
             if cached or getattr(build, "can_compile", True):  # (else: not in the cache, said once at the end)
-                logger.info("decode step: %s bucket %d of %d (batch %d)%s", "loading" if cached else "compiling",
+                logger.info("%s: %s bucket %d of %d (batch %d)%s", self.label, "loading" if cached else "compiling",
                             len(self._ready) + 1, len(self.sizes), size,
                             f", ~{eta:.0f} s left" if eta is not None and not cached else "")
             started = self._bucket_started
@@ -317,7 +343,7 @@ class DecodeStep:
                 if self.verdict.decision == "declined":
                     break
             self._ready[size] = Bucket(size, program)
-            logger.info("decode bucket %d %s in %.1f s", size, "loaded" if cached else "compiled",
+            logger.info("%s bucket %d %s in %.1f s", self.label, size, "loaded" if cached else "compiled",
                         self.compile_seconds[size])
         if self._unavailable:
             logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
@@ -361,7 +387,8 @@ class DecodeStep:
         """`build(size) -> program` for this device (with `close()` when it holds a process)."""
         if self.device.type == "cpu":
             can_compile = self.mode == "on" or cpp_compiler_available()
-            return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile, self.autotune)
+            return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile, self.autotune,
+                                self.kind.name)
         os.makedirs(self.cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.cache_dir)  # read at each use
         quiet_compiler_warnings()  # in this process on CUDA: they would reach the server's log
@@ -385,9 +412,9 @@ class DecodeStep:
 
     def _dummy(self, size: int) -> tuple[torch.Tensor, ...]:
         """A bucket's arguments: rows 0 of the pool (zeroed copies: nothing real is read or written)."""
-        io = torch.zeros(3, size, dtype=torch.long, device=self.device)  # (3, P)
+        io = torch.zeros(self.kind.io_rows, size, dtype=torch.long, device=self.device)  # (r, P)
         buffers = [torch.zeros_like(t) for t in (*self.buffers, *self.sampling.tensors())]
-        return (io[0], io[1], io[2], *buffers)
+        return (*self.kind.arguments(io), *buffers)
 
     @torch.inference_mode()
     def _warm(self, step, size: int) -> None:

@@ -39,6 +39,8 @@ from .command_queue import ENGINE_DEAD, CommandQueue
 from .compiled_decode import TRACING, DecodeStep
 from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads
+from .decode_program import verify_kind
+from .draft_model import DraftKind, DraftModel
 from .kv_pool import KVCachePool
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache
@@ -50,6 +52,7 @@ from .sessions.registry import SessionRegistry
 from .sessions.service import SessionService
 from .sessions.worker import StoreStep, StoreWorker
 from .slots import EngineSlots
+from .speculation import SpeculationPolicy
 from .state_pool import StatePool
 from .step_runner import Delivery, StepRunner
 from .types import (
@@ -75,9 +78,11 @@ STEP_FAILED = "the engine failed while serving this request (see the server log)
 
 class Engine:
     def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
-                 stats_sink: StatsSink | None = None, decode_dtype: torch.dtype | None = None) -> None:
+                 stats_sink: StatsSink | None = None, decode_dtype: torch.dtype | None = None,
+                 draft_model: LinearGPT | None = None) -> None:
         """`model` runs the chunked form (prefill, prompt scoring); the decode step runs a copy of it with
-        weights in `decode_dtype` (None: the model itself) — see `model.loading.prefill_dtype`."""
+        weights in `decode_dtype` (None: the model itself) — see `model.loading.prefill_dtype`. `draft_model`:
+        speculative decoding's draft model (same tokenizer), if the server has one."""
         # before any op runs or program is built: kernels bake the count in
         self.threads = apply_threads(config.threads, config.prefill_threads)
         self.model, self.config, self.device = model.eval(), config, device
@@ -96,10 +101,22 @@ class Engine:
         max_rows = min(config.num_slots, config.max_batch_tokens)
         self.decode_step = DecodeStep(self.decode_model, self.pool, self.sampling, device, config.compile, max_rows,
                                       config.compile_cache_dir, config.compile_autotune) if self.linear else None
+        self.verify_step = self.speculation = self.draft = None
+        if self.linear:  # speculative decoding: verification compiled once a request asks (or the default is on)
+            self.verify_step = DecodeStep(self.decode_model, self.pool, self.sampling, device, config.compile, max_rows,
+                                          config.compile_cache_dir, config.compile_autotune,
+                                          kind=verify_kind(config.speculative_k), after=self.decode_step)
+            if draft_model is not None:
+                self.draft = DraftModel(draft_model, config.num_slots, device)
+                self.draft.step = DecodeStep(draft_model, self.draft.pool, self.sampling, device, config.compile,
+                                             max_rows, config.compile_cache_dir, config.compile_autotune,
+                                             kind=DraftKind(f"draft{config.speculative_k}"), after=self.decode_step)
+            self.speculation = SpeculationPolicy(config.speculative, config.speculative_k, self.eos_id,
+                                                 self._program_bucket, self.draft)
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
                                         self.pool.slot_bytes)
         self.runner = StepRunner(model, self.pool, self.sampling, self.decode_step, self.prefix_cache, device,
-                                 self.eos_id, self.threads)
+                                 self.eos_id, self.threads, self.verify_step, self.speculation)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         store = (open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
                  if self.linear else None)
@@ -129,6 +146,8 @@ class Engine:
         self._thread.start()
         if self.decode_step is not None:
             self.decode_step.start()  # compiles in the background; eager serves meanwhile
+            if self.config.speculative != "off":
+                self._start_speculation(self.config.speculative)  # (after the decode step's buckets)
         return self
 
     @property
@@ -139,6 +158,9 @@ class Engine:
         """Abort everything in flight (finish reason `abort`), end the thread, flush the session store."""
         if self.decode_step is not None:
             self.decode_step.close()
+            self.verify_step.close()
+            if self.draft is not None:
+                self.draft.step.close()
         if self._thread.is_alive():
             self.commands.stopping.set()  # from here on new requests are refused
             self.commands.wake()
@@ -213,11 +235,12 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> None:
         """decode → deliver, then prefill → deliver the first tokens of the prompts it completed."""
-        started, latencies, program_s = time.perf_counter(), [], 0.0
+        started, latencies, program_s, decoded, drafted, accepted = time.perf_counter(), [], 0.0, 0, 0, 0
         if plan.decode:
             rows = [self.live[seq_id].row_for_slot(slot) for seq_id, slot in plan.decode]
             delivery = self.runner.decode(rows)
-            program_s = delivery.program_s
+            program_s, decoded = delivery.program_s, delivery.tokens
+            drafted, accepted = delivery.drafted, delivery.accepted
             self._deliver(delivery, latencies)
         if plan.prefill:
             self.runner.prefill([(self.live[seq_id], start, length) for seq_id, start, length in plan.prefill])
@@ -225,8 +248,9 @@ class Engine:
             self._deliver(self.runner.first_tokens(done), latencies)
         phase = "mixed" if plan.decode and plan.prefill else ("decode" if plan.decode else "prefill")
         self.stats_sink(StepStats(duration_s=time.perf_counter() - started, phase=phase,
-                                  batch_size=len(plan.decode), decode_tokens=len(plan.decode),
-                                  prefill_tokens=plan.prefill_tokens, token_latencies=tuple(latencies),
+                                  batch_size=len(plan.decode), decode_tokens=decoded, drafted=drafted,
+                                  accepted=accepted, prefill_tokens=plan.prefill_tokens,
+                                  token_latencies=tuple(latencies),
                                   program_s=program_s, preempted=self.scheduler.preemptions - self._preempted_seen))
         self._preempted_seen = self.scheduler.preemptions
         self._emit_pool_stats()
@@ -252,6 +276,11 @@ class Engine:
             raise EngineError("the request queue is full", kind="capacity")
         params = request.params
         check_request(request, self.config, self.reserved_slots, self.vocab_size)
+        if params.speculative is not None and params.speculative.method != "off" and self.verify_step is not None:
+            if params.speculative.method == "draft" and self.draft is None:
+                raise EngineError("speculative.method draft needs a draft model: this server has none (--draft-model)",
+                                  param="speculative")
+            self._start_speculation(params.speculative.method)  # compiling begins with the first request that asks
         feed = list(request.prompt_ids)
         if session is not None:  # found (404) and claimed (409) before anything about the body
             if params.n != 1:
@@ -345,6 +374,26 @@ class Engine:
                 logger.exception("on_death callback failed")
 
     # ---------------------------------------------------------------- observations
+    def _start_speculation(self, method: str) -> None:
+        self.verify_step.start()  # (idempotent)
+        if method == "draft" and self.draft is not None:
+            self.draft.step.start()
+
+    def describe_speculation(self) -> dict | None:
+        """For /ready: the default method, k, the draft model, and how far their programs are compiled."""
+        if self.speculation is None:
+            return None
+        draft = None if self.draft is None else {
+            "parameters": self.draft.model.num_parameters(), "draft_step": self.draft.step.describe()}
+        return {"default": self.config.speculative, "k": self.config.speculative_k,
+                "verify_step": self.verify_step.describe(), "draft_model": draft}
+
+    def _program_bucket(self, kind: str, rows: int) -> tuple[int, bool]:
+        """Where a program call over `rows` rows runs now: (its bucket's size, compiled or eager)."""
+        step = self.decode_step if kind == "decode" else self.verify_step
+        ready = step.bucket_ready(rows)
+        return (ready, True) if ready is not None else (next((s for s in step.sizes if s >= rows), rows), False)
+
     def _emit_pool_stats(self) -> None:
         self.stats_sink(pool_stats(self.pool, self.registry, self.scheduler))
 

@@ -30,6 +30,46 @@ class DecodeOutputs:
     state: list[torch.Tensor]  # the rows' new state tensors, in `state_names` order
 
 
+@dataclass(frozen=True)
+class ProgramKind:
+    """Which program a `DecodeStep` compiles and runs: the decode step ("decode") or speculative decoding's
+    verification of k drafts ("verify{k}", verify_program.py). Both read their integer inputs from one
+    (rows, P) io tensor — decode: tokens, slots, positions; verify: k + 1 token rows, limits, slots,
+    positions — then the pool's buffers and the SlotSampling tensors."""
+
+    name: str
+
+    @property
+    def drafts(self) -> int:
+        return 0 if self.name == "decode" else int(self.name.removeprefix("verify"))
+
+    @property
+    def io_rows(self) -> int:
+        return 3 if self.drafts == 0 else self.drafts + 4
+
+    def make(self, model: LinearGPT):
+        if self.drafts == 0:
+            return decode_program(model)
+        from .verify_program import verify_program
+
+        return verify_program(model, self.drafts)
+
+    def arguments(self, io: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The program's leading arguments from its io tensor (rows, P)."""
+        if self.drafts == 0:
+            return io[0], io[1], io[2]
+        return io[: self.drafts + 1], io[-3], io[-2], io[-1]
+
+
+DECODE = ProgramKind("decode")
+
+
+def verify_kind(k: int) -> ProgramKind:
+    if k < 1:
+        raise ValueError(f"speculative decoding verifies at least one draft, got k={k}")
+    return ProgramKind(f"verify{k}")
+
+
 def decode_program(model: LinearGPT):
     """The whole decode step as one function of tensors — what gets compiled per bucket:
 

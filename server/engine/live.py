@@ -38,6 +38,7 @@ class Row:
     kept: str | None = None  # its text so far, for a session turn made with an Idempotency-Key (bounded)
     parked: dict | None = None  # preempted: its state and sampling row, off the pool until it gets a slot again
     said: str | None = None  # a session row's text, its last `text_chars` characters (the turn's text)
+    speculation: object | None = None  # speculation.RowSpeculation: its drafter (bounded) and acceptance
 
     @property
     def position(self) -> int:
@@ -52,6 +53,8 @@ class Row:
         self.num_generated += 1
         if self.recent is not None:
             self.recent.append(token)
+        if self.speculation is not None:
+            self.speculation.drafter.push(token)
         if self.last_time is not None:
             latencies.append((position, now - self.last_time))
         elif self.live.first_token_time is None:

@@ -34,9 +34,10 @@ MODEL_FILE = "model.pt"
 ARTIFACT_FORMAT = 1  # part of the cache key: raise it whenever `build` makes different artifacts
 
 
-def artifact_path(directory: str, num_slots: int, size: int) -> str:
-    """A bucket's program; it reads the whole pool, so the slot count is compiled in (and named)."""
-    return os.path.join(directory, f"decode-s{num_slots}-b{size}.pt2")
+def artifact_path(directory: str, num_slots: int, size: int, program: str = "decode") -> str:
+    """A bucket's program ("decode" or "verify{k}"); it reads the whole pool, so the slot count is compiled
+    in (and named)."""
+    return os.path.join(directory, f"{program}-s{num_slots}-b{size}.pt2")
 
 
 def write_model(directory: str, model: LinearGPT) -> None:
@@ -54,9 +55,9 @@ def write_model(directory: str, model: LinearGPT) -> None:
     os.replace(temp, path)
 
 
-def load_artifact(directory: str, num_slots: int, size: int):
+def load_artifact(directory: str, num_slots: int, size: int, program: str = "decode"):
     """A finished bucket's program (callable with the program's arguments), or None if there is none."""
-    path = artifact_path(directory, num_slots, size)
+    path = artifact_path(directory, num_slots, size, program)
     if not os.path.exists(path):
         return None
     from .aoti_runner import load_program
@@ -68,7 +69,7 @@ class CompilerProcess:
     """The parent's handle on the child: `compile(size)` blocks (on a pipe, GIL released) until the child
     answers. The child lowers its own priority (nice +10) and logs to DIR/compile.log."""
 
-    def __init__(self, directory: str, num_slots: int, autotune: bool) -> None:
+    def __init__(self, directory: str, num_slots: int, autotune: bool, program: str = "decode") -> None:
         directory = os.path.abspath(directory)
         # the child builds for this process's intra-op thread count (Inductor bakes it into the GEMM kernels)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor"),
@@ -76,7 +77,7 @@ class CompilerProcess:
         with open(os.path.join(directory, "compile.log"), "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "linserve.server.engine.program_compiler", directory, str(num_slots),
-                 "autotune" if autotune else "plain"],
+                 "autotune" if autotune else "plain", program],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
             )
 
@@ -108,17 +109,25 @@ def _load(directory: str) -> LinearGPT:
     return model.eval()
 
 
-def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune: bool) -> None:
-    """Export and AOT-compile the decode program for `size` rows into its artifact (atomically); with
-    `autotune`, Inductor times its GEMM choices (max-autotune: C++ GEMM templates over packed weights)."""
+def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune: bool,
+          name: str = "decode") -> None:
+    """Export and AOT-compile the program `name` ("decode" or "verify{k}") for `size` rows into its artifact
+    (atomically); with `autotune`, Inductor times its GEMM choices (max-autotune: C++ GEMM templates over
+    packed weights)."""
     import torch._inductor.config as inductor_config
 
-    from .decode_program import decode_program
+    from .decode_program import ProgramKind
     from .sampling import SlotSampling
     from .state_pool import StatePool
 
     cpu = torch.device("cpu")
-    program = decode_program(model)
+    if name.startswith("draft"):
+        from .draft_model import DraftKind
+
+        kind = DraftKind(name)
+    else:
+        kind = ProgramKind(name)
+    program = kind.make(model)
 
     class Program(torch.nn.Module):  # export wants a module; the weights are its (frozen) parameters
         def __init__(self) -> None:
@@ -130,17 +139,17 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
 
     pool = StatePool(model, num_slots, cpu)
     sampling = SlotSampling(num_slots, model.config.vocab_size, cpu)
-    io = torch.zeros(3, size, dtype=torch.long)  # (3, P) tokens, slots, positions
-    args = (io[0], io[1], io[2], *pool.buffers.values(), *sampling.tensors())
+    io = torch.zeros(kind.io_rows, size, dtype=torch.long)  # (rows, P): tokens (, limits), slots, positions
+    args = (*kind.arguments(io), *pool.buffers.values(), *sampling.tensors())
     inductor_config.freezing = True  # weights become constants: the C++ GEMM template packs them
     inductor_config.autotune_num_choices_displayed = 0
     inductor_config.max_autotune_report_choices_stats = False
     with torch.no_grad():
         exported = torch.export.export(Program(), args, strict=False)
-    temp = os.path.join(directory, f".decode-s{num_slots}-b{size}.{os.getpid()}.pt2")
+    temp = os.path.join(directory, f".{name}-s{num_slots}-b{size}.{os.getpid()}.pt2")
     torch._inductor.aoti_compile_and_package(exported, package_path=temp,
                                              inductor_configs={"max_autotune": autotune, "freezing": True})
-    os.replace(temp, artifact_path(directory, num_slots, size))
+    os.replace(temp, artifact_path(directory, num_slots, size, name))
 
 
 def quiet_compiler_warnings() -> None:
@@ -167,7 +176,9 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    directory, num_slots, how = (argv if argv is not None else sys.argv[1:])[:3]
+    args = argv if argv is not None else sys.argv[1:]
+    directory, num_slots, how = args[:3]
+    name = args[3] if len(args) > 3 else "decode"
     num_slots, autotune = int(num_slots), how == "autotune"
     answers = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever the compiler prints
     os.dup2(2, 1)  # (autotuning tables, warnings) goes to the log instead
@@ -181,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         size = int(line)
         started = time.perf_counter()
         try:
-            if not os.path.exists(artifact_path(directory, num_slots, size)):
-                build(directory, model, num_slots, size, autotune)
+            if not os.path.exists(artifact_path(directory, num_slots, size, name)):
+                build(directory, model, num_slots, size, autotune, name)
             answers.write(f"ready {size} {time.perf_counter() - started:.3f}\n")
         except Exception as error:  # noqa: BLE001 - reported to the parent, which serves eagerly
             logger.exception("compiling bucket %d failed", size)

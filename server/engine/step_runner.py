@@ -24,7 +24,9 @@ from .decode_program import DecodeOutputs
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache, boundary_hashes
 from .sampling import SlotSampling, choose_tokens, sample_filtered, token_logprobs
+from .speculation import Plan, SpeculationPolicy
 from .types import FinishReason, RequestOutput, TokenLogprob
+from .verify_program import VerifyOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,9 @@ class Delivery:
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
     latencies: list[tuple[int, float]] = field(default_factory=list)  # (position, seconds since the row's last)
     program_s: float = 0.0  # time inside the decode program (the rest of a step is Python around it)
+    tokens: int = 0  # tokens decoded (a verification step emits accepted drafts too)
+    drafted: int = 0  # speculative decoding: drafts verified, and accepted
+    accepted: int = 0
 
 
 def with_prompt_logprobs(output: RequestOutput, scored: list[TokenLogprob | None] | None) -> RequestOutput:
@@ -57,8 +62,10 @@ def with_prompt_logprobs(output: RequestOutput, scored: list[TokenLogprob | None
 
 class StepRunner:
     def __init__(self, model, pool, sampling: SlotSampling, decode_step, prefix_cache: PrefixCache,
-                 device: torch.device, eos_id: int | None, threads: ThreadPlan | None = None) -> None:
+                 device: torch.device, eos_id: int | None, threads: ThreadPlan | None = None,
+                 verify_step=None, speculation: SpeculationPolicy | None = None) -> None:
         self.model, self.pool, self.sampling, self.decode_step = model, pool, sampling, decode_step
+        self.verify_step, self.speculation = verify_step, speculation
         self.prefix_cache, self.device, self.eos_id = prefix_cache, device, eos_id
         self.threads = threads if device.type == "cpu" else None  # CPU threads for the chunked form
 
@@ -69,20 +76,52 @@ class StepRunner:
         tokens = [row.next_token for row in rows]
         positions = [row.position for row in rows]
         if self.decode_step is not None:  # linear: one program (eager, a compiled bucket or a CUDA graph)
+            plan = self.speculation.plan(rows) if self.speculation is not None else None
+            if plan is not None:
+                return self.verify(rows, plan)
             started = time.perf_counter()
             out = self.decode_step(tokens, slots, positions)
             program_s = time.perf_counter() - started
             index = torch.tensor(slots, device=self.device)  # (B,)
             sampled = self._sampled(rows, out, index)
             self.pool.scatter_tensors(index, out.state)  # the step succeeded: commit the rows' state
+            if self.speculation is not None:
+                self.speculation.observe("decode", len(rows), program_s)
             delivery = self.deliver(rows, sampled)
-            delivery.program_s = program_s
+            delivery.program_s, delivery.tokens = program_s, len(rows)
             return delivery
         ids = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1) softmax baseline: a KV cache
         logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
         sampled = self.choose(rows, logits[:, 0].float())  # may raise: nothing is committed yet
         self.pool.scatter(slots, state)
         return self.deliver(rows, sampled)
+
+    def verify(self, rows: list[Row], plan: Plan) -> Delivery:
+        """Speculative decoding: every row's drafts verified in one program (verify_program.py); each row gets
+        its accepted drafts and the next token, its state rolled back to the last token it consumed."""
+        k, drafts = self.speculation.k, plan.drafts
+        limits = [len(draft) for draft in drafts]
+        ids = [[row.next_token, *draft] + [row.next_token] * (k - len(draft)) for row, draft in zip(rows, drafts)]
+        slots = [row.slot for row in rows]
+        started = time.perf_counter()
+        raw = self.verify_step.run([*map(list, zip(*ids)), limits, slots, [row.position for row in rows]])
+        program_s = time.perf_counter() - started
+        out = VerifyOutputs(*raw[:6], state=raw[6:])
+        index = torch.tensor(slots, device=self.device)  # (B,)
+        nexts = out.emitted.gather(1, out.kept[:, None])[:, 0]  # (B,) the token after the accepted drafts
+        sampled = self._sampled(rows, DecodeOutputs(nexts, None, out.finite, out.uniforms, out.processed,
+                                                    out.logits, []), index)
+        table = torch.cat([out.emitted, out.kept[:, None]], dim=1).tolist()  # (B, k+2): one transfer
+        kept = [line[-1] for line in table]
+        accepted = [line[:n] for line, n in zip(table, kept)]
+        taken = torch.arange(k, device=self.device)[None, :] < out.kept[:, None]  # (B, k)
+        self.sampling.record(index[:, None].expand(-1, k)[taken], out.emitted[:, :k][taken])  # the drafts' counts
+        self.pool.scatter_tensors(index, out.state)  # the step succeeded: the state after the accepted prefix
+        self.speculation.verified(rows, plan, limits, kept, program_s)
+        delivery = self.deliver(rows, sampled, accepted)
+        delivery.program_s, delivery.drafted, delivery.accepted = program_s, sum(limits), sum(kept)
+        delivery.tokens = len(rows) + sum(kept)
+        return delivery
 
     def prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:
         """This step's prefill chunks (request, start, length) — those of equal length as one batch (exact:
@@ -165,14 +204,23 @@ class StepRunner:
         chosen, ok = torch.stack([tokens, out.finite.long()]).tolist()  # (2, B): one transfer
         return Sampled(chosen, logprobs, [not flag for flag in ok])
 
-    def deliver(self, rows: list[Row], sampled: Sampled) -> Delivery:
-        """Record each row's token and make its output; requests with a broken row fail instead."""
+    def deliver(self, rows: list[Row], sampled: Sampled, accepted: list[list[int]] | None = None) -> Delivery:
+        """Record each row's token (after its accepted drafts, when it verified some) and make its outputs;
+        requests with a broken row fail instead. A row that ends on an accepted draft drops what follows."""
         delivery = Delivery()
         failed = {row.live.request.request_id for row, bad in zip(rows, sampled.broken) if bad}
         now = time.monotonic()
         constrained = []
-        for row, token, logprob in zip(rows, sampled.tokens, sampled.logprobs):
+        for b, (row, token, logprob) in enumerate(zip(rows, sampled.tokens, sampled.logprobs)):
             if row.live.request.request_id not in failed:
+                output = None
+                for draft in accepted[b] if accepted is not None else ():
+                    output = row.accept(draft, None, now, self.eos_id, delivery.latencies)
+                    delivery.outputs.append((row, output))
+                    if output.finished:
+                        break
+                if output is not None and output.finished:
+                    continue
                 output = row.accept(token, logprob, now, self.eos_id, delivery.latencies)
                 delivery.outputs.append((row, output))
                 if row.constraint is not None and not output.finished:

@@ -47,6 +47,8 @@ class EngineConfig:
     compile: str  # the decode step: "off" (eager), "on" or "auto" (see compiled_decode)
     compile_autotune: bool  # CPU builds: max-autotune GEMM choices (slower builds, faster programs)
     compile_cache_dir: str | None
+    speculative: str  # a request's speculative decoding when it does not say: "off", "ngram" or "draft"
+    speculative_k: int  # drafts verified per step at most (the verification program's width)
     threads: int | None  # torch intra-op CPU threads; None: derived from the CPUs this process may use
     prefill_threads: int | None  # the same while the chunked form (prefill) runs
 
@@ -64,6 +66,25 @@ class EngineError(Exception):
     def __init__(self, message: str, kind: str = "invalid", param: str | None = None) -> None:
         super().__init__(message)
         self.message, self.kind, self.param = message, kind, param
+
+
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A request's speculative decoding: drafts by `method` ("ngram": prompt lookup; "draft": the draft model),
+    at most `k` per step."""
+
+    method: str
+    k: int | None = None  # None: the server's speculative_k
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise EngineError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                              f"{self.method!r}", param="speculative")
+        if self.k is not None and self.k < 1:
+            raise EngineError(f"speculative.k must be >= 1, got {self.k}", param="speculative")
 
 
 @dataclass(frozen=True)
@@ -85,6 +106,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     grammar: object | None = None  # constraint.Grammar: only tokens it allows (structured outputs)
     priority: int = 0  # lower is served first under `scheduling_policy: priority` (vLLM's sense); else unused
+    speculative: Speculation | None = None  # None: the server's default (EngineConfig.speculative)
 
     def __post_init__(self) -> None:
         checks = [
@@ -195,6 +217,8 @@ class StepStats:
     token_latencies: tuple[tuple[int, float], ...] = ()
     program_s: float = 0.0  # of duration_s, inside the decode program call (on CUDA only its launch: asynchronous)
     preempted: int = 0  # running requests parked for more urgent ones when this step was planned
+    drafted: int = 0  # speculative decoding: drafted tokens verified this step, and those accepted
+    accepted: int = 0
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,8 @@ async function refreshServer() {
   const samples = parseMetrics(metricsText);
   const one = (name, label) => samples.find((s) => s.name === name && (!label || s.labels[label[0]] === label[1]));
   const perSession = one("linserve_state_bytes_per_session").value;
+  const drafted = one("linserve_spec_draft_tokens_total").value;
+  const accepted = one("linserve_spec_accepted_tokens_total").value;
   const facts = {
     model: models.data.map((m) => m.id).join(", "),
     device: ready.device || "?",
@@ -245,6 +247,9 @@ async function refreshServer() {
     running: one("linserve_requests_running").value,
     waiting: one("linserve_requests_waiting").value,
     sessions: ["device", "host", "store"].map((t) => `${t} ${one("linserve_sessions", ["tier", t]).value}`).join(", "),
+    "speculative acceptance": drafted
+      ? `${(100 * accepted / drafted).toFixed(1)}% (${accepted.toLocaleString("en")} of ${drafted.toLocaleString("en")} drafted tokens)`
+      : "- (nothing drafted yet)",
   };
   const list = $("server-facts");
   list.replaceChildren();

@@ -103,7 +103,7 @@ def test_memory(tmp_path):
     assert data["P8"]["session_bytes"]["tokens"] == [10, 2000] and data["P8"]["session_bytes"]["pass"] is True
 
 
-@pytest.mark.parametrize("target", [f"p{i}_" for i in range(1, 12)])
+@pytest.mark.parametrize("target", [f"p{i}_" for i in range(1, 17)])
 def test_one_entry_script_per_spec_target(target):
     (script,) = BENCHMARKS.glob(f"{target}*.py")
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
@@ -207,3 +207,12 @@ def test_p13_names_a_missing_program_first(tmp_path):
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip() == ("error: redis-server is needed and not on PATH "
                                      "(Debian: apt-get install redis-server)")
+
+
+def test_p15_speculative(tmp_path):
+    run("p15_speculative.py", "--out", str(tmp_path / "p15.json"), "--port", "8798")
+    data = json.loads((tmp_path / "p15.json").read_text())
+    # not a timing: every speculative output equals plain decoding's, and drafts were really verified
+    assert data["P15"]["identical"]["pass"], data["results"]
+    assert data["results"]["quote"]["streams_1"]["ngram"]["drafted"] > 0
+    assert set(data["results"]) == {"shakespeare", "quote"} and data["P15"]["one_stream"]["ratio"] > 0

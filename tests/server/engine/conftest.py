@@ -18,12 +18,13 @@ def tiny_model(device) -> LinearGPT:
 def make_engine(tiny_model, hf_tokenizer, device):
     engines = []
 
-    def factory(model: LinearGPT | None = None, decode_dtype: torch.dtype | None = None, **overrides) -> Engine:
+    def factory(model: LinearGPT | None = None, decode_dtype: torch.dtype | None = None,
+                draft_model: LinearGPT | None = None, **overrides) -> Engine:
         """An engine on `model` (default: the tiny one); after the test its slots must balance."""
         config = engine_config(**overrides)
         stats = []
         engine = Engine(model if model is not None else tiny_model, hf_tokenizer, config, device, stats.append,
-                        decode_dtype=decode_dtype).start()
+                        decode_dtype=decode_dtype, draft_model=draft_model).start()
         engine.test_stats = stats
         engines.append(engine)
         return engine

@@ -221,6 +221,11 @@ def test_streamed_and_typed_text_is_shown_as_text_never_run(browser, served):
 
 def test_the_server_view_reads_the_servers_own_metrics(browser, served):
     httpx.post(f"{served.base}/v1/completions", json={"prompt": "ROMEO.", "max_tokens": 20}, timeout=60)
+    httpx.post(f"{served.base}/v1/completions", json={"prompt": "a b c a b c a b c a b", "max_tokens": 24,  # drafts
+                                                      "temperature": 0, "speculative": {"method": "ngram"}}, timeout=60)
+    drafted = metric(served.base, "linserve_spec_draft_tokens_total")
+    accepted = metric(served.base, "linserve_spec_accepted_tokens_total")
+    assert drafted > 0
     browser.get(served.base + "/")
     browser.find_element("css selector", "nav button[data-tab=server]").click()
     cell = wait_for(lambda: browser.find_elements("css selector", "tr[data-context='0-1k'] td"), what="the table")
@@ -228,6 +233,8 @@ def test_the_server_view_reads_the_servers_own_metrics(browser, served):
     assert served_count >= 19 and float(cell[1].text) == served_count
     facts = {dd.get_attribute("data-fact"): dd.text for dd in browser.find_elements("css selector", "#server-facts dd")}
     assert facts["device"] == "cpu" and facts["slots in use"].endswith("of 4") and facts["running"] == "0"
+    assert facts["speculative acceptance"] == (f"{100 * accepted / drafted:.1f}% ({accepted:,.0f} of {drafted:,.0f} "
+                                               "drafted tokens)")
 
 
 def test_a_long_run_is_charted_token_by_token_and_is_the_docs_screenshot(browser, tiny_checkpoint, tmp_path):

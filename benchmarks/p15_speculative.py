@@ -1,0 +1,182 @@
+"""SPEC P15 — speculative decoding: greedy tokens/s at 1 stream ≥ 1.5× without speculation (≥ 2× on a workload
+whose drafts are accepted ≥ 70%), output identical; never below 0.97× at 8 and 32 streams.
+
+One `linserve serve` (the shipped model and its draft model, `--speculative draft` so that the verification and
+drafting programs are compiled at start, the decode step as `serve` compiles it); every request names its
+method (`speculative: {"method": "off" | "ngram" | "draft"}`), so the methods share the server, its programs and
+the machine, and run interleaved: each round runs every method once per load. Workloads, greedy:
+- `shakespeare`: generated Shakespeare — 48-token openings taken from the validation plays, 256 tokens
+  generated (128 at 8 and 32 streams);
+- `quote`: a passage of about 160 tokens followed by its own first line: the model goes on quoting it, which
+  prompt lookup drafts from the prompt (the kind of workload — editing, extraction, quoting — n-gram drafting
+  is for).
+tokens/s = completion tokens / wall time of the load (every stream starts at once); acceptance = accepted /
+drafted tokens from the server's counters over that method's loads; `identical`: every speculative output
+equals the output without speculation.
+
+    python benchmarks/p15_speculative.py [--rounds 3] [--quick] [--out benchmarks/results/p15_speculative.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+from common import add_compile_argument, emit, wait_until_up  # noqa: E402
+from serving_overhead import COMPILE_TIMEOUT_S, start_server  # noqa: E402
+
+from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
+from linserve.model.training.corpus import load_corpus  # noqa: E402
+
+METHODS = ("off", "ngram", "draft")
+ONE_STREAM, ACCEPTED_WELL, NEVER_BELOW = 1.5, 2.0, 0.97
+
+
+def settled(body: dict) -> bool:
+    """Nothing left to compile: the decode step, the verification and the draft model's step."""
+    from linserve.server.engine.compiled_decode import SETTLED
+
+    steps = [body.get("decode_step")]
+    spec = body.get("speculation") or {}
+    steps += [spec.get("verify_step"), (spec.get("draft_model") or {}).get("draft_step")]
+    return all(step is None or step["status"] in SETTLED for step in steps)
+
+
+def prompts(corpus_dir: str, client: httpx.Client, count: int, seed: int) -> dict[str, list[str]]:
+    """`count` prompts of each workload from the validation plays (never trained on)."""
+    plays = list(load_corpus(corpus_dir).validation.values())
+    rng = random.Random(seed)
+    lines = [line for play in plays for line in play.splitlines() if line.strip()]
+    out: dict[str, list[str]] = {"shakespeare": [], "quote": []}
+    while len(out["shakespeare"]) < count:
+        start = rng.randrange(len(lines) - 40)
+        text = "\n".join(lines[start : start + 40])
+        ids = client.post("/tokenize", json={"prompt": text}).json()["tokens"][:48]
+        out["shakespeare"].append(client.post("/detokenize", json={"tokens": ids}).json()["prompt"])
+    while len(out["quote"]) < count:
+        start = rng.randrange(len(lines) - 60)
+        passage = "\n".join(lines[start : start + 60])
+        ids = client.post("/tokenize", json={"prompt": passage}).json()["tokens"][:160]
+        passage = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        first = passage.split("\n")[0]
+        out["quote"].append(f"{passage}\n\n{first}\n")
+    return out
+
+
+def counters(client: httpx.Client) -> tuple[float, float]:
+    text = client.get("/metrics").text
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+    return value("linserve_spec_draft_tokens_total"), value("linserve_spec_accepted_tokens_total")
+
+
+def load(client: httpx.Client, texts: list[str], method: str, max_tokens: int) -> tuple[float, list[str], int]:
+    """Every prompt at once, one stream each: (tokens/s, texts, completion tokens)."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "speculative": {"method": method}}
+
+    def one(text: str) -> tuple[str, int]:
+        response = client.post("/v1/completions", json={**body, "prompt": text})
+        response.raise_for_status()
+        data = response.json()
+        return data["choices"][0]["text"], data["usage"]["completion_tokens"]
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        results = list(pool.map(one, texts))
+    wall = time.perf_counter() - started
+    tokens = sum(n for _, n in results)
+    return tokens / wall, [text for text, _ in results], tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--corpus-dir", default="data/corpus")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--port", type=int, default=8798)
+    parser.add_argument("--quick", action="store_true", help="1 round, 1 and 2 streams, 24 tokens, eager (tests)")
+    parser.add_argument("--out")
+    add_compile_argument(parser)
+    args = parser.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    long_tokens, short_tokens = 256, 128
+    if args.quick:
+        args.rounds, args.compile, streams, long_tokens, short_tokens = 1, "off", [1, 2], 24, 16
+    server = start_server(args.model, args.port, 64, compile=args.compile,
+                          extra=["--log-level", "warning", "--speculative", "draft", "--speculative-k", str(args.k),
+                                 "--session-store", "none"])
+    try:
+        wait_until_up(server, f"http://127.0.0.1:{args.port}/ready", "linserve serve", COMPILE_TIMEOUT_S, settled)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=1200)
+        work = prompts(args.corpus_dir, client, max(streams), seed=0)
+        load(client, work["shakespeare"][:1], "off", 8)  # warm-up
+        results: dict = {}
+        for workload, texts in work.items():
+            for n in streams:
+                max_tokens = long_tokens if n == 1 else short_tokens
+                rates = {m: [] for m in METHODS}
+                drafted = {m: [0.0, 0.0] for m in METHODS}
+                outputs: dict[str, list[str]] = {}
+                for round_number in range(args.rounds):
+                    order = METHODS if round_number % 2 == 0 else METHODS[::-1]
+                    for method in order:
+                        before = counters(client)
+                        rate, texts_out, _ = load(client, texts[:n], method, max_tokens)
+                        after = counters(client)
+                        rates[method].append(rate)
+                        drafted[method][0] += after[0] - before[0]
+                        drafted[method][1] += after[1] - before[1]
+                        outputs.setdefault(method, texts_out)
+                base = statistics.median(rates["off"])
+                entry = {"max_tokens": max_tokens,
+                         "tokens_per_s": {m: [round(r, 1) for r in rates[m]] for m in METHODS}}
+                for method in ("ngram", "draft"):
+                    tried, kept = drafted[method]
+                    entry[method] = {"ratio": statistics.median(rates[method]) / base,
+                                     "acceptance": kept / tried if tried else None,
+                                     "drafted": int(drafted[method][0]),
+                                     "identical": outputs[method] == outputs["off"]}
+                results.setdefault(workload, {})[f"streams_{n}"] = entry
+    finally:
+        server.terminate()
+        server.wait(30)
+
+    def best(workload: str, n: int) -> tuple[str, dict]:
+        entry = results[workload][f"streams_{n}"]
+        return max((("ngram", entry["ngram"]), ("draft", entry["draft"])), key=lambda item: item[1]["ratio"])
+
+    verdicts = {}
+    one = min(streams)
+    method, entry = best("shakespeare", one)
+    verdicts["one_stream"] = {"workload": "shakespeare", "method": method, "ratio": entry["ratio"],
+                              "target": f">= {ONE_STREAM}x", "pass": entry["ratio"] >= ONE_STREAM}
+    well = [(w, m, e) for w in results for m in ("ngram", "draft")
+            for e in [results[w][f"streams_{one}"][m]] if (e["acceptance"] or 0) >= 0.7]
+    if well:
+        w, m, e = max(well, key=lambda item: item[2]["ratio"])
+        verdicts["accepted_well"] = {"workload": w, "method": m, "acceptance": e["acceptance"], "ratio": e["ratio"],
+                                     "target": f">= {ACCEPTED_WELL}x where >= 70% accepted",
+                                     "pass": e["ratio"] >= ACCEPTED_WELL}
+    for n in [s for s in streams if s > one]:
+        worst = min(results[w][f"streams_{n}"][m]["ratio"] for w in results for m in ("ngram", "draft"))
+        verdicts[f"streams_{n}"] = {"ratio": worst, "target": f">= {NEVER_BELOW}x (every workload and method)",
+                                    "pass": worst >= NEVER_BELOW}
+    identical = all(results[w][s][m]["identical"] for w in results for s in results[w] for m in ("ngram", "draft"))
+    verdicts["identical"] = {"measured": identical, "target": "every output equals plain decoding's",
+                             "pass": identical}
+    emit({"compile": args.compile, "k": args.k, "rounds": args.rounds, "results": results, "P15": verdicts},
+         args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Speculative decoding's policy: which rows verify drafts this step, how many, and whether verifying pays.
+
+A verification step (verify_program.py) costs more than a decode step — k + 1 tokens per row through the
+model — and gives each row 1 + its accepted drafts. It pays when the batch's expected tokens per second of
+verification beat one token per row per second of decoding. Both costs are *measured*: each program call's
+time goes into a running mean per (program, batch bucket, compiled or eager), and a cost not measured yet
+is measured by running that program once. A row's expected tokens come from its own acceptance so far
+(accepted drafts over drafts tested, with a prior of one half, decaying so it follows the text):
+1 + a + a² + … + a^d for d drafts. A large batch makes verification cost more than it saves, so it backs off
+to plain decode steps by itself; it tries verification again every `REPROBE_STEPS` steps.
+
+Rows that verify no drafts (limit 0) still ride in a verification step and get exactly a decode step's token:
+rows with logprobs, top-k/top-p/min-p filters on sampled rows, structured output (their mask changes per
+token), a session turn with stop strings (it may end inside the drafts, and a session's state must end at
+its last token), and rows within one token of max_tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .drafting import NgramDrafter
+from .live import Row
+
+REPROBE_STEPS = 64  # decode steps chosen over verification before verification is timed again
+COST_DECAY = 0.8  # running mean of a program's time: new = DECAY·old + (1 − DECAY)·sample
+ACCEPT_DECAY = 0.9  # a row's acceptance counts fade so its estimate follows the text
+
+
+@dataclass
+class RowSpeculation:
+    """A speculating row's drafter and acceptance so far (constant size)."""
+
+    drafter: NgramDrafter
+    k: int
+    method: str = "ngram"
+    accepted: float = 1.0  # prior: one accepted of two tested
+    tested: float = 2.0
+    draft_slot: int | None = None  # method "draft": the slot and generated count its draft state is current at
+    draft_generated: int = -1
+
+    def draft_current(self, row: Row) -> bool:
+        return self.draft_slot == row.slot and self.draft_generated == row.num_generated
+
+    def draft_at(self, row: Row, generated: int) -> None:
+        self.draft_slot, self.draft_generated = row.slot, generated
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tested
+
+    def expected(self, drafts: int) -> float:
+        """Tokens a verification step is expected to emit for this row with `drafts` drafts."""
+        rate = self.rate
+        return sum(rate**i for i in range(drafts + 1))
+
+    def observe(self, limit: int, kept: int) -> None:
+        self.accepted = ACCEPT_DECAY * self.accepted + kept
+        self.tested = ACCEPT_DECAY * self.tested + kept + (1 if kept < limit else 0)
+
+
+class SpeculationPolicy:
+    def __init__(self, default_method: str, k: int, eos_id: int | None, bucket_of, draft=None) -> None:
+        """`bucket_of(kind, rows) -> (size, compiled)`: where a program call of that many rows would run;
+        `draft`: the draft model (draft_model.DraftModel) when the server has one."""
+        self.default_method, self.k, self.eos_id, self.bucket_of = default_method, k, eos_id, bucket_of
+        self.draft = draft
+        self.costs: dict[tuple[str, int, bool], float] = {}
+        self.since_verify = 0
+        self.always = False  # verify whenever a row has drafts, whatever it costs (exactness tests, benchmarks)
+
+    # ------------------------------------------------------------------ rows
+    def method(self, row: Row) -> tuple[str, int]:
+        spec = row.live.request.params.speculative
+        if spec is None:
+            return self.default_method, self.k
+        return spec.method, min(spec.k or self.k, self.k)
+
+    def limit(self, row: Row, k: int) -> int:
+        """Drafts this row may verify now (0: it takes a decode step's token)."""
+        params = row.live.request.params
+        if params.logprobs is not None or params.uses_filters or row.constraint is not None:
+            return 0
+        if row.live.session is not None and params.stop:
+            return 0
+        return max(0, min(k, params.max_tokens - row.num_generated - 1))
+
+    def speculating(self, row: Row) -> RowSpeculation | None:
+        """The row's drafter, made on its first decode step (its prompt, a session's tail, its first token)."""
+        if row.speculation is None:
+            method, k = self.method(row)
+            if method == "off":
+                return None
+            live = row.live
+            context = (live.session.tail if live.session is not None else []) + live.request.prompt_ids[-4096:]
+            row.speculation = RowSpeculation(NgramDrafter(context + [row.next_token], eos_id=self.eos_id), k, method)
+        return row.speculation
+
+    # ------------------------------------------------------------------ steps
+    def plan(self, rows: list[Row]) -> Plan | None:
+        """Each row's drafts for a verification step, or None: a plain decode step pays more (or nothing to verify).
+        Prompt-lookup drafts are looked up first (they decide whether there is anything to verify); the draft
+        model runs only once verification is chosen (its rows count as k drafts until then)."""
+        drafts, limits, expected, modelled = [], [], 0.0, []
+        for b, row in enumerate(rows):
+            spec = self.speculating(row)
+            limit = self.limit(row, spec.k) if spec is not None else 0
+            draft = []
+            if limit and spec.method == "draft" and self.draft is not None:
+                modelled.append(b)
+                draft = [0] * limit  # (placeholder: drafted below if verification is chosen)
+            elif limit:
+                draft = spec.drafter.propose(limit)
+            drafts.append(draft)
+            limits.append(limit)
+            expected += spec.expected(len(draft)) if spec is not None else 1.0
+        if not any(drafts) or not self._pays(len(rows), expected, "verify-draft" if modelled else "verify"):
+            return None
+        plan = Plan(drafts, modelled)
+        if modelled:
+            started = time.perf_counter()
+            members = [rows[b] for b in modelled]
+            self.draft.sync(members)
+            proposed, plan.draft_states = self.draft.propose(members)
+            for b, draft in zip(modelled, proposed):
+                draft = draft[: limits[b]]
+                drafts[b] = draft[: draft.index(self.eos_id)] if self.eos_id in draft else draft
+            plan.draft_s = time.perf_counter() - started
+        return plan
+
+    def _pays(self, rows: int, expected: float, kind: str) -> bool:
+        if self.always:
+            return True
+        decode_cost = self.costs.get(("decode", *self.bucket_of("decode", rows)))
+        verify_cost = self.costs.get((kind, *self.bucket_of("verify", rows)))
+        if decode_cost is None:
+            return False  # time a decode step first
+        if verify_cost is None or self.since_verify >= REPROBE_STEPS:
+            return True  # not timed yet (or a while ago): time it
+        if expected / verify_cost > rows / decode_cost:
+            return True
+        self.since_verify += 1
+        return False
+
+    def observe(self, kind: str, rows: int, seconds: float) -> None:
+        """A step's program time: kind "decode", "verify", or "verify-draft" (drafting included)."""
+        key = (kind, *self.bucket_of("decode" if kind == "decode" else "verify", rows))
+        old = self.costs.get(key)
+        self.costs[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        if kind != "decode":
+            self.since_verify = 0
+
+    def verified(self, rows: list[Row], plan: Plan, limits: list[int], kept: list[int], seconds: float) -> None:
+        """After a verification step: its cost, each row's acceptance, the draft model's states rolled back."""
+        self.observe("verify-draft" if plan.modelled else "verify", len(rows), seconds + plan.draft_s)
+        for row, limit, n in zip(rows, limits, kept):
+            if limit and row.speculation is not None:
+                row.speculation.observe(limit, n)
+        if plan.modelled:
+            self.draft.rolled_back([rows[b] for b in plan.modelled], plan.draft_states,
+                                   [kept[b] for b in plan.modelled])
+
+
+@dataclass
+class Plan:
+    """A verification step's drafts (one list per row) and, for rows drafted by the draft model, its states."""
+
+    drafts: list[list[int]]
+    modelled: list[int] = field(default_factory=list)  # rows (indices) drafted by the draft model
+    draft_states: list = field(default_factory=list)  # the draft model's states after each draft (P_d, k+1, …)
+    draft_s: float = 0.0  # time spent drafting with the draft model
