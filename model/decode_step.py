@@ -28,24 +28,22 @@ def state_names(model: LinearGPT) -> list[str]:
     return [f"blocks.{i}.{name}" for i in range(model.config.n_layers) for name in per_layer]
 
 
+def unflatten(model: LinearGPT, state: tuple[torch.Tensor, ...]) -> ModelState:
+    """Flat state tensors in `state_names` order → the model's ModelState (the inverse of its `tensors()`)."""
+    width = 3 if model.config.conv_kernel else 2  # tensors per layer
+    return ModelState(blocks=tuple(
+        BlockState(attn=LinearAttentionState(S=state[width * i], z=state[width * i + 1]),
+                   conv=state[width * i + 2] if width == 3 else None)
+        for i in range(model.config.n_layers)))
+
+
 def flat_decode_step(model: LinearGPT) -> FlatStep:
     """One recurrent step of a linear-attention model over flat tensors (see the module docstring)."""
     if model.config.attention != "linear":
         raise ValueError("the flat decode step carries a fixed (S, z) state: attention must be 'linear'")
-    n_layers = model.config.n_layers
-    width = 3 if model.config.conv_kernel else 2  # tensors per layer
-
     def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        blocks = tuple(
-            BlockState(attn=LinearAttentionState(S=state[width * i], z=state[width * i + 1]),
-                       conv=state[width * i + 2] if width == 3 else None)
-            for i in range(n_layers)
-        )
-        logits, new = model(tokens, ModelState(blocks=blocks))  # (B, 1, V)
-        flat: list[torch.Tensor] = []
-        for block in new.blocks:
-            flat += [block.attn.S, block.attn.z] + ([block.conv] if width == 3 else [])
-        return (logits[:, 0].float(), *flat)  # (B, V) fp32, then the state
+        logits, new = model(tokens, unflatten(model, state))  # (B, 1, V)
+        return (logits[:, 0].float(), *new.tensors().values())  # (B, V) fp32, then the state
 
     return step
 
@@ -58,16 +56,8 @@ def flat_verify_step(model: LinearGPT) -> FlatStep:
     in `state_names` order; the chunked form over the T tokens, so one pass verifies a draft."""
     if model.config.attention != "linear":
         raise ValueError("verifying drafts from a fixed (S, z) state needs attention 'linear'")
-    n_layers = model.config.n_layers
-    width = 3 if model.config.conv_kernel else 2  # tensors per layer
-
     def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        blocks = tuple(
-            BlockState(attn=LinearAttentionState(S=state[width * i], z=state[width * i + 1]),
-                       conv=state[width * i + 2] if width == 3 else None)
-            for i in range(n_layers)
-        )
-        logits, prefixes = model(tokens, ModelState(blocks=blocks), prefixes=True)  # (B, T, V)
+        logits, prefixes = model(tokens, unflatten(model, state), prefixes=True)  # (B, T, V)
         return (logits.float(), *prefixes.tensors().values())
 
     return step

@@ -94,7 +94,9 @@ class StepRunner:
         logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
         sampled = self.choose(rows, logits[:, 0].float())  # may raise: nothing is committed yet
         self.pool.scatter(slots, state)
-        return self.deliver(rows, sampled)
+        delivery = self.deliver(rows, sampled)
+        delivery.tokens = len(rows)
+        return delivery
 
     def verify(self, rows: list[Row], plan: Plan) -> Delivery:
         """Speculative decoding: every row's drafts verified in one program (verify_program.py); each row gets
