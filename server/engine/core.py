@@ -39,8 +39,6 @@ from .command_queue import ENGINE_DEAD, CommandQueue
 from .compiled_decode import TRACING, DecodeStep
 from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads
-from .decode_program import verify_kind
-from .draft_model import DraftKind, DraftModel
 from .kv_pool import KVCachePool
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache
@@ -52,7 +50,7 @@ from .sessions.registry import SessionRegistry
 from .sessions.service import SessionService
 from .sessions.worker import StoreStep, StoreWorker
 from .slots import EngineSlots
-from .speculation import SpeculationPolicy
+from .speculation import SpeculativeDecoding
 from .state_pool import StatePool
 from .step_runner import Delivery, StepRunner
 from .types import (
@@ -101,22 +99,14 @@ class Engine:
         max_rows = min(config.num_slots, config.max_batch_tokens)
         self.decode_step = DecodeStep(self.decode_model, self.pool, self.sampling, device, config.compile, max_rows,
                                       config.compile_cache_dir, config.compile_autotune) if self.linear else None
-        self.verify_step = self.speculation = self.draft = None
-        if self.linear:  # speculative decoding: verification compiled once a request asks (or the default is on)
-            self.verify_step = DecodeStep(self.decode_model, self.pool, self.sampling, device, config.compile, max_rows,
-                                          config.compile_cache_dir, config.compile_autotune,
-                                          kind=verify_kind(config.speculative_k), after=self.decode_step)
-            if draft_model is not None:
-                self.draft = DraftModel(draft_model, config.num_slots, device)
-                self.draft.step = DecodeStep(draft_model, self.draft.pool, self.sampling, device, config.compile,
-                                             max_rows, config.compile_cache_dir, config.compile_autotune,
-                                             kind=DraftKind(f"draft{config.speculative_k}"), after=self.decode_step)
-            self.speculation = SpeculationPolicy(config.speculative, config.speculative_k, self.eos_id,
-                                                 self._program_bucket, self.draft)
+        self.speculative = (SpeculativeDecoding(self.decode_model, self.pool, self.sampling, device, config, max_rows,
+                                                self.decode_step, self.eos_id, draft_model) if self.linear else None)
+        self.speculation = self.speculative.policy if self.speculative is not None else None
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
                                         self.pool.slot_bytes)
         self.runner = StepRunner(model, self.pool, self.sampling, self.decode_step, self.prefix_cache, device,
-                                 self.eos_id, self.threads, self.verify_step, self.speculation)
+                                 self.eos_id, self.threads, self.speculative and self.speculative.verify_step,
+                                 self.speculation)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         store = (open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
                  if self.linear else None)
@@ -146,8 +136,7 @@ class Engine:
         self._thread.start()
         if self.decode_step is not None:
             self.decode_step.start()  # compiles in the background; eager serves meanwhile
-            if self.config.speculative != "off":
-                self._start_speculation(self.config.speculative)  # (after the decode step's buckets)
+            self.speculative.start(self.config.speculative)  # (after the decode step's buckets)
         return self
 
     @property
@@ -158,9 +147,7 @@ class Engine:
         """Abort everything in flight (finish reason `abort`), end the thread, flush the session store."""
         if self.decode_step is not None:
             self.decode_step.close()
-            self.verify_step.close()
-            if self.draft is not None:
-                self.draft.step.close()
+            self.speculative.close()
         if self._thread.is_alive():
             self.commands.stopping.set()  # from here on new requests are refused
             self.commands.wake()
@@ -276,11 +263,8 @@ class Engine:
             raise EngineError("the request queue is full", kind="capacity")
         params = request.params
         check_request(request, self.config, self.reserved_slots, self.vocab_size)
-        if params.speculative is not None and params.speculative.method != "off" and self.verify_step is not None:
-            if params.speculative.method == "draft" and self.draft is None:
-                raise EngineError("speculative.method draft needs a draft model: this server has none (--draft-model)",
-                                  param="speculative")
-            self._start_speculation(params.speculative.method)  # compiling begins with the first request that asks
+        if self.speculative is not None:
+            self.speculative.admit(params)  # a draft model it lacks: 400; else its programs get compiled
         feed = list(request.prompt_ids)
         if session is not None:  # found (404) and claimed (409) before anything about the body
             if params.n != 1:
@@ -374,25 +358,9 @@ class Engine:
                 logger.exception("on_death callback failed")
 
     # ---------------------------------------------------------------- observations
-    def _start_speculation(self, method: str) -> None:
-        self.verify_step.start()  # (idempotent)
-        if method == "draft" and self.draft is not None:
-            self.draft.step.start()
-
     def describe_speculation(self) -> dict | None:
-        """For /ready: the default method, k, the draft model, and how far their programs are compiled."""
-        if self.speculation is None:
-            return None
-        draft = None if self.draft is None else {
-            "parameters": self.draft.model.num_parameters(), "draft_step": self.draft.step.describe()}
-        return {"default": self.config.speculative, "k": self.config.speculative_k,
-                "verify_step": self.verify_step.describe(), "draft_model": draft}
-
-    def _program_bucket(self, kind: str, rows: int) -> tuple[int, bool]:
-        """Where a program call over `rows` rows runs now: (its bucket's size, compiled or eager)."""
-        step = self.decode_step if kind == "decode" else self.verify_step
-        ready = step.bucket_ready(rows)
-        return (ready, True) if ready is not None else (next((s for s in step.sizes if s >= rows), rows), False)
+        """For /ready (speculation.SpeculativeDecoding.describe); None for a softmax model."""
+        return self.speculative.describe() if self.speculative is not None else None
 
     def _emit_pool_stats(self) -> None:
         self.stats_sink(pool_stats(self.pool, self.registry, self.scheduler))

@@ -20,8 +20,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .compiled_decode import DecodeStep
+from .decode_program import verify_kind
+from .draft_model import DraftKind, DraftModel
 from .drafting import NgramDrafter
 from .live import Row
+from .types import EngineConfig, EngineError, SamplingParams
 
 REPROBE_STEPS = 64  # decode steps chosen over verification before verification is timed again
 COST_DECAY = 0.8  # running mean of a program's time: new = DECAY·old + (1 − DECAY)·sample
@@ -170,3 +174,56 @@ class Plan:
     modelled: list[int] = field(default_factory=list)  # rows (indices) drafted by the draft model
     draft_states: list = field(default_factory=list)  # the draft model's states after each draft (P_d, k+1, …)
     draft_s: float = 0.0  # time spent drafting with the draft model
+
+
+class SpeculativeDecoding:
+    """Speculative decoding's parts, composed once by the engine: the verification step (compiled after the
+    decode step, once a request asks or the server's default is on), the draft model with its drafting step
+    (when the server has one) and the policy."""
+
+    def __init__(self, model, pool, sampling, device, config: EngineConfig, max_rows: int, decode_step: DecodeStep,
+                 eos_id: int | None, draft_model=None) -> None:
+        self.config, self.decode_step = config, decode_step
+        self.verify_step = DecodeStep(model, pool, sampling, device, config.compile, max_rows,
+                                      config.compile_cache_dir, config.compile_autotune,
+                                      kind=verify_kind(config.speculative_k), after=decode_step)
+        self.draft = None
+        if draft_model is not None:
+            self.draft = DraftModel(draft_model, config.num_slots, device)
+            self.draft.step = DecodeStep(draft_model, self.draft.pool, sampling, device, config.compile, max_rows,
+                                         config.compile_cache_dir, config.compile_autotune,
+                                         kind=DraftKind(f"draft{config.speculative_k}"), after=decode_step)
+        self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_id, self.bucket_of, self.draft)
+
+    def start(self, method: str) -> None:
+        """Get the programs `method` needs compiled (each once; in the background, after the decode step)."""
+        if method != "off":
+            self.verify_step.start()
+        if method == "draft" and self.draft is not None:
+            self.draft.step.start()
+
+    def admit(self, params: SamplingParams) -> None:
+        """A request's `speculative`: refused (EngineError) when it asks for a draft model this server lacks."""
+        method = params.speculative.method if params.speculative is not None else "off"
+        if method == "draft" and self.draft is None:
+            raise EngineError("speculative.method draft needs a draft model: this server has none (--draft-model)",
+                              param="speculative")
+        self.start(method)
+
+    def close(self) -> None:
+        self.verify_step.close()
+        if self.draft is not None:
+            self.draft.step.close()
+
+    def describe(self) -> dict:
+        """For /ready: the default method, k, the draft model, and how far their programs are compiled."""
+        draft = None if self.draft is None else {
+            "parameters": self.draft.model.num_parameters(), "draft_step": self.draft.step.describe()}
+        return {"default": self.config.speculative, "k": self.config.speculative_k,
+                "verify_step": self.verify_step.describe(), "draft_model": draft}
+
+    def bucket_of(self, kind: str, rows: int) -> tuple[int, bool]:
+        """Where a program call over `rows` rows runs now: (its bucket's size, compiled or eager)."""
+        step = self.decode_step if kind == "decode" else self.verify_step
+        ready = step.bucket_ready(rows)
+        return (ready, True) if ready is not None else (next((s for s in step.sizes if s >= rows), rows), False)
