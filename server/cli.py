@@ -198,9 +198,10 @@ class ProgressLine:
 def cmd_compile(args: argparse.Namespace) -> int:
     """Build the decode step's compile cache ahead of `serve` (images, init containers): every batch bucket
     `serve` would compile with the same settings, into the same cache directory, in the foreground — and, with
-    `--speculative ngram`, the verification program's buckets for `--speculative-k` drafts too."""
+    `--speculative ngram|draft`, the verification program's buckets for `--speculative-k` drafts too (with
+    `draft`, also the draft model's drafting program)."""
     from linserve.model.loading import load_model, resolve_device, resolve_dtype
-    from linserve.server.app import engine_config
+    from linserve.server.app import engine_config, load_draft
     from linserve.server.engine.compiled_decode import DecodeStep
     from linserve.server.engine.decode_program import DECODE, verify_kind
     from linserve.server.engine.sampling import SlotSampling
@@ -221,10 +222,20 @@ def cmd_compile(args: argparse.Namespace) -> int:
     slots = engine_config(settings, model).num_slots
     sampling = SlotSampling(slots, model.config.vocab_size, device)
     pool = StatePool(model, slots, device)
-    kinds = [DECODE] + ([verify_kind(settings.speculative_k)] if settings.speculative != "off" else [])
+    programs = [(model, pool, DECODE)]
+    if settings.speculative != "off":
+        programs.append((model, pool, verify_kind(settings.speculative_k)))
+    if settings.speculative == "draft":
+        from transformers import AutoTokenizer
+
+        from linserve.server.engine.draft_model import DraftKind
+
+        path = checkpoint_dir(settings.model)
+        draft = load_draft(settings, Path(path), model, AutoTokenizer.from_pretrained(str(path)), device)
+        programs.append((draft, StatePool(draft, slots, device), DraftKind(f"draft{settings.speculative_k}")))
     statuses = []
-    for kind in kinds:
-        step = DecodeStep(model, pool, sampling, device, "on", min(slots, settings.max_batch_tokens),
+    for program_model, program_pool, kind in programs:
+        step = DecodeStep(program_model, program_pool, sampling, device, "on", min(slots, settings.max_batch_tokens),
                           settings.compile_cache_dir, settings.compile_autotune, kind=kind)
         step.start()
         step.wait_compiled()
@@ -253,7 +264,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # what `linserve compile` reads: the decode program depends on these alone (the config file may hold the rest)
 COMPILE_SETTINGS = ("model", "device", "dtype", "num_slots", "state_memory_mb", "max_batch_tokens",
-                    "compile_cache_dir", "compile_autotune", "threads", "speculative", "speculative_k")
+                    "compile_cache_dir", "compile_autotune", "threads", "speculative", "speculative_k",
+                    "draft_model")
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:

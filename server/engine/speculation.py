@@ -104,22 +104,22 @@ class SpeculationPolicy:
     # ------------------------------------------------------------------ steps
     def plan(self, rows: list[Row]) -> Plan | None:
         """Each row's drafts for a verification step, or None: a plain decode step pays more (or nothing to verify).
-        Prompt-lookup drafts are looked up first (they decide whether there is anything to verify); the draft
-        model runs only once verification is chosen (its rows count as k drafts until then)."""
-        drafts, limits, expected, modelled = [], [], 0.0, []
-        for b, row in enumerate(rows):
-            spec = self.speculating(row)
-            limit = self.limit(row, spec.k) if spec is not None else 0
-            draft = []
-            if limit and spec.method == "draft" and self.draft is not None:
-                modelled.append(b)
-                draft = [0] * limit  # (placeholder: drafted below if verification is chosen)
-            elif limit:
-                draft = spec.drafter.propose(limit)
-            drafts.append(draft)
-            limits.append(limit)
-            expected += spec.expected(len(draft)) if spec is not None else 1.0
-        if not any(drafts) or not self._pays(len(rows), expected, "verify-draft" if modelled else "verify"):
+        First a bound — every speculating row with all the drafts it may verify: if even that does not pay, no
+        draft is looked up (a backed-off batch costs next to nothing). Then prompt-lookup drafts are looked up
+        (they decide whether there is anything to verify); the draft model runs only once verification is
+        chosen (its rows count as full drafts)."""
+        specs = [self.speculating(row) for row in rows]
+        limits = [self.limit(row, spec.k) if spec is not None else 0 for row, spec in zip(rows, specs)]
+        modelled = [b for b, (spec, limit) in enumerate(zip(specs, limits))
+                    if limit and spec.method == "draft" and self.draft is not None]
+        kind = "verify-draft" if modelled else "verify"
+        bound = sum(spec.expected(limit) if spec is not None else 1.0 for spec, limit in zip(specs, limits))
+        if not any(limits) or not self._pays(len(rows), bound, kind):
+            return None
+        drafts = [[0] * limit if b in modelled else spec.drafter.propose(limit) if limit else []
+                  for b, (spec, limit) in enumerate(zip(specs, limits))]  # (draft-model rows: drafted below)
+        expected = sum(spec.expected(len(draft)) if spec is not None else 1.0 for spec, draft in zip(specs, drafts))
+        if not any(drafts) or not self._pays(len(rows), expected, kind):
             return None
         plan = Plan(drafts, modelled)
         if modelled:
@@ -134,6 +134,8 @@ class SpeculationPolicy:
         return plan
 
     def _pays(self, rows: int, expected: float, kind: str) -> bool:
+        """Whether verifying `rows` rows expected to emit `expected` tokens beats decoding them (measured costs);
+        an unmeasured verification pays (it gets measured). A refusal counts towards the next re-measurement."""
         if self.always:
             return True
         decode_cost = self.costs.get(("decode", *self.bucket_of("decode", rows)))
