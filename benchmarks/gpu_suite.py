@@ -27,7 +27,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-GPU_PARTS = ("tests", "p1p6", "p5", "served")
+GPU_PARTS = ("tests", "p1p6", "p5", "served", "p15")
 CPU_PARTS = ("threads",)
 PART_TIMEOUT_S = {"tests": 1800, "p1p6": 900, "p5": 900, "served": 1200, "threads": 1800}
 SERVED_STREAMS = (1, 32, 128)
@@ -76,6 +76,8 @@ def part_commands(name: str, out: Path, quick: bool) -> list[str]:
     if name == "served":
         return [py, "benchmarks/served_load.py", "--device", "cuda", *q, "--streams",
                 *(str(n) for n in SERVED_STREAMS), "--out", str(out / "served.json")]
+    if name == "p15":
+        return [py, "benchmarks/p15_speculative.py", "--device", "cuda", *q, "--out", str(out / "p15.json")]
     if name == "threads":
         return [py, "benchmarks/threads.py", *q, "--out", str(out / "threads.json")]
     raise ValueError(name)
@@ -107,6 +109,12 @@ def rows(results: dict) -> list[str]:
         for key, entry in served.get("P11", {}).items():
             lines.append(f"| P11 {key} ({where}) | {entry['measured']:.4g} | {entry['target']} | "
                          f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['served']['command']}` |")
+    p15 = parts.get("p15", {}).get("result")
+    if p15:
+        for key, entry in p15.get("P15", {}).items():
+            measured = entry.get("ratio", entry.get("measured"))
+            lines.append(f"| P15 {key} ({where}) | {measured} | {entry['target']} | "
+                         f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['p15']['command']}` |")
     threads = parts.get("threads", {}).get("result")
     if threads:
         best = threads.get("best", {})

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from common import add_compile_argument, emit, wait_until_up  # noqa: E402
+from common import add_compile_argument, add_device_argument, emit, wait_until_up  # noqa: E402
 from serving_overhead import COMPILE_TIMEOUT_S, start_server  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
@@ -107,12 +107,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 1 and 2 streams, 24 tokens, eager (tests)")
     parser.add_argument("--out")
     add_compile_argument(parser)
+    add_device_argument(parser)
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     long_tokens, short_tokens = 256, 128
     if args.quick:
         args.rounds, args.compile, streams, long_tokens, short_tokens = 1, "off", [1, 2], 24, 16
-    server = start_server(args.model, args.port, 64, compile=args.compile,
+    server = start_server(args.model, args.port, 64, compile=args.compile, device=args.device,
                           extra=["--log-level", "warning", "--speculative", "draft", "--speculative-k", str(args.k),
                                  "--session-store", "none"])
     try:

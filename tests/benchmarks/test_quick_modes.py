@@ -142,7 +142,7 @@ def test_gpu_suite_without_a_gpu_says_so_and_runs_the_cpu_parts(tmp_path):
                             capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                             cwd=BENCHMARKS.parent)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "no CUDA device on this machine: GPU parts skipped (tests, p1p6, p5, served)" in result.stdout
+    assert "no CUDA device on this machine: GPU parts skipped (tests, p1p6, p5, served, p15)" in result.stdout
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert data["machine"]["gpu"] is None and data["machine"]["cpus_usable"] >= 1
     assert set(data["parts"]) == {"threads"} and data["parts"]["threads"]["status"] == 0
