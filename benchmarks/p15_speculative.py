@@ -47,7 +47,7 @@ def settled(body: dict) -> bool:
 
     steps = [body.get("decode_step")]
     spec = body.get("speculation") or {}
-    steps += [spec.get("verify_step"), (spec.get("draft_model") or {}).get("draft_step")]
+    steps += [*(spec.get("verify_steps") or {}).values(), (spec.get("draft_model") or {}).get("draft_step")]
     return all(step is None or step["status"] in SETTLED for step in steps)
 
 

@@ -205,6 +205,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from linserve.server.engine.compiled_decode import DecodeStep
     from linserve.server.engine.decode_program import DECODE, verify_kind
     from linserve.server.engine.sampling import SlotSampling
+    from linserve.server.engine.speculation import verify_widths
     from linserve.server.engine.state_pool import StatePool
     from linserve.server.settings import Settings
 
@@ -224,7 +225,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     pool = StatePool(model, slots, device)
     programs = [(model, pool, DECODE)]
     if settings.speculative != "off":
-        programs.append((model, pool, verify_kind(settings.speculative_k)))
+        programs += [(model, pool, verify_kind(width)) for width in sorted(verify_widths(settings.speculative_k),
+                                                                            reverse=True)]
     if settings.speculative == "draft":
         from transformers import AutoTokenizer
 

@@ -105,7 +105,7 @@ class Engine:
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
                                         self.pool.slot_bytes)
         self.runner = StepRunner(model, self.pool, self.sampling, self.decode_step, self.prefix_cache, device,
-                                 self.eos_id, self.threads, self.speculative and self.speculative.verify_step,
+                                 self.eos_id, self.threads, self.speculative and self.speculative.verify_steps,
                                  self.speculation)
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         store = (open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)

@@ -64,14 +64,23 @@ class RowSpeculation:
         self.tested = ACCEPT_DECAY * self.tested + kept + (1 if kept < limit else 0)
 
 
+def verify_widths(k: int) -> list[int]:
+    """The verification programs compiled for at most k drafts: k, and 2 and 4 below it (a smaller width costs
+    less per step: the policy picks the width that pays best — "backs off to a smaller k")."""
+    return sorted({w for w in (2, 4) if w < k} | {k})
+
+
 class SpeculationPolicy:
-    def __init__(self, default_method: str, k: int, eos_id: int | None, bucket_of, draft=None) -> None:
-        """`bucket_of(kind, rows) -> (size, compiled)`: where a program call of that many rows would run;
-        `draft`: the draft model (draft_model.DraftModel) when the server has one."""
+    def __init__(self, default_method: str, k: int, eos_id: int | None, bucket_of, draft=None,
+                 widths: list[int] | None = None) -> None:
+        """`bucket_of(kind, rows) -> (size, compiled)`: where a program call of that many rows would run (kind
+        "decode" or "verify{w}"); `draft`: the draft model (draft_model.DraftModel) when the server has one;
+        `widths`: the verification programs there are (drafts per step), at most k."""
         self.default_method, self.k, self.eos_id, self.bucket_of = default_method, k, eos_id, bucket_of
-        self.draft = draft
+        self.draft, self.widths = draft, widths or [k]
         self.costs: dict[tuple[str, int, bool], float] = {}
         self.since_verify = 0
+        self.reprobes = 0  # re-measurements so far: they take the widths in turn
         self.always = False  # verify whenever a row has drafts, whatever it costs (exactness tests, benchmarks)
 
     # ------------------------------------------------------------------ rows
@@ -103,25 +112,29 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------------ steps
     def plan(self, rows: list[Row]) -> Plan | None:
-        """Each row's drafts for a verification step, or None: a plain decode step pays more (or nothing to verify).
-        First a bound — every speculating row with all the drafts it may verify: if even that does not pay, no
-        draft is looked up (a backed-off batch costs next to nothing). Then prompt-lookup drafts are looked up
-        (they decide whether there is anything to verify); the draft model runs only once verification is
-        chosen (its rows count as full drafts)."""
+        """Each row's drafts for a verification step (and the program width), or None: a plain decode step pays
+        more, or there is nothing to verify. First a bound — every speculating row with all the drafts it may
+        verify at each width: the width with the best expected tokens per second is chosen, and if even that
+        does not beat decoding, no draft is looked up (a backed-off batch costs next to nothing). Then prompt-
+        lookup drafts are looked up (they decide whether there is anything to verify); the draft model runs only
+        once verification is chosen (its rows count as full drafts)."""
         specs = [self.speculating(row) for row in rows]
         limits = [self.limit(row, spec.k) if spec is not None else 0 for row, spec in zip(rows, specs)]
+        if not any(limits):
+            return None
         modelled = [b for b, (spec, limit) in enumerate(zip(specs, limits))
                     if limit and spec.method == "draft" and self.draft is not None]
-        kind = "verify-draft" if modelled else "verify"
-        bound = sum(spec.expected(limit) if spec is not None else 1.0 for spec, limit in zip(specs, limits))
-        if not any(limits) or not self._pays(len(rows), bound, kind):
+        suffix = "-draft" if modelled else ""
+        bounds = {w: self._expected(specs, [min(limit, w) for limit in limits]) for w in self.widths}
+        width = self._width(len(rows), bounds, suffix)
+        if width is None:
             return None
+        limits = [min(limit, width) for limit in limits]
         drafts = [[0] * limit if b in modelled else spec.drafter.propose(limit) if limit else []
                   for b, (spec, limit) in enumerate(zip(specs, limits))]  # (draft-model rows: drafted below)
-        expected = sum(spec.expected(len(draft)) if spec is not None else 1.0 for spec, draft in zip(specs, drafts))
-        if not any(drafts) or not self._pays(len(rows), expected, kind):
+        if not any(drafts) or not self._worth(len(rows), width, self._expected(specs, map(len, drafts)), suffix):
             return None
-        plan = Plan(drafts, modelled)
+        plan = Plan(drafts, width, modelled)
         if modelled:
             started = time.perf_counter()
             members = [rows[b] for b in modelled]
@@ -133,25 +146,46 @@ class SpeculationPolicy:
             plan.draft_s = time.perf_counter() - started
         return plan
 
-    def _pays(self, rows: int, expected: float, kind: str) -> bool:
-        """Whether verifying `rows` rows expected to emit `expected` tokens beats decoding them (measured costs);
-        an unmeasured verification pays (it gets measured). A refusal counts towards the next re-measurement."""
+    @staticmethod
+    def _expected(specs, drafts) -> float:
+        return sum(spec.expected(n) if spec is not None else 1.0 for spec, n in zip(specs, drafts))
+
+    def _cost(self, kind: str, rows: int) -> float | None:
+        return self.costs.get((kind, *self.bucket_of(kind.removesuffix("-draft"), rows)))
+
+    def _width(self, rows: int, bounds: dict[int, float], suffix: str) -> int | None:
+        """The width whose expected tokens per second (its bound) are best, if they beat decoding's; an
+        unmeasured width is chosen to be measured; every REPROBE_STEPS refusals one width is measured again."""
         if self.always:
-            return True
-        decode_cost = self.costs.get(("decode", *self.bucket_of("decode", rows)))
-        verify_cost = self.costs.get((kind, *self.bucket_of("verify", rows)))
+            return self.widths[-1]
+        decode_cost = self._cost("decode", rows)
         if decode_cost is None:
-            return False  # time a decode step first
-        if verify_cost is None or self.since_verify >= REPROBE_STEPS:
-            return True  # not timed yet (or a while ago): time it
-        if expected / verify_cost > rows / decode_cost:
+            return None  # time a decode step first
+        unmeasured = [w for w in self.widths if self._cost(f"verify{w}{suffix}", rows) is None]
+        if unmeasured:
+            return unmeasured[-1]
+        if self.since_verify >= REPROBE_STEPS:
+            self.reprobes += 1
+            return self.widths[self.reprobes % len(self.widths)]
+        best = max(self.widths, key=lambda w: bounds[w] / self._cost(f"verify{w}{suffix}", rows))
+        if bounds[best] / self._cost(f"verify{best}{suffix}", rows) > rows / decode_cost:
+            return best
+        self.since_verify += 1
+        return None
+
+    def _worth(self, rows: int, width: int, expected: float, suffix: str) -> bool:
+        """With the drafts found: still worth it (always, while being measured)."""
+        cost = self._cost(f"verify{width}{suffix}", rows)
+        if self.always or cost is None or self.since_verify >= REPROBE_STEPS:
+            return True
+        if expected / cost > rows / self._cost("decode", rows):
             return True
         self.since_verify += 1
         return False
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
-        """A step's program time: kind "decode", "verify", or "verify-draft" (drafting included)."""
-        key = (kind, *self.bucket_of("decode" if kind == "decode" else "verify", rows))
+        """A step's program time: kind "decode", or "verify{w}" / "verify{w}-draft" (drafting included)."""
+        key = (kind, *self.bucket_of(kind.removesuffix("-draft"), rows))
         old = self.costs.get(key)
         self.costs[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
         if kind != "decode":
@@ -159,7 +193,7 @@ class SpeculationPolicy:
 
     def verified(self, rows: list[Row], plan: Plan, limits: list[int], kept: list[int], seconds: float) -> None:
         """After a verification step: its cost, each row's acceptance, the draft model's states rolled back."""
-        self.observe("verify-draft" if plan.modelled else "verify", len(rows), seconds + plan.draft_s)
+        self.observe(f"verify{plan.width}{'-draft' if plan.modelled else ''}", len(rows), seconds + plan.draft_s)
         for row, limit, n in zip(rows, limits, kept):
             if limit and row.speculation is not None:
                 row.speculation.observe(limit, n)
@@ -173,6 +207,7 @@ class Plan:
     """A verification step's drafts (one list per row) and, for rows drafted by the draft model, its states."""
 
     drafts: list[list[int]]
+    width: int  # the verification program's drafts per row
     modelled: list[int] = field(default_factory=list)  # rows (indices) drafted by the draft model
     draft_states: list = field(default_factory=list)  # the draft model's states after each draft (P_d, k+1, …)
     draft_s: float = 0.0  # time spent drafting with the draft model
@@ -186,21 +221,26 @@ class SpeculativeDecoding:
     def __init__(self, model, pool, sampling, device, config: EngineConfig, max_rows: int, decode_step: DecodeStep,
                  eos_id: int | None, draft_model=None) -> None:
         self.config, self.decode_step = config, decode_step
-        self.verify_step = DecodeStep(model, pool, sampling, device, config.compile, max_rows,
-                                      config.compile_cache_dir, config.compile_autotune,
-                                      kind=verify_kind(config.speculative_k), after=decode_step)
+        self.verify_steps: dict[int, DecodeStep] = {}
+        after = decode_step
+        for width in sorted(verify_widths(config.speculative_k), reverse=True):  # compiled one after another
+            after = self.verify_steps[width] = DecodeStep(model, pool, sampling, device, config.compile, max_rows,
+                                                          config.compile_cache_dir, config.compile_autotune,
+                                                          kind=verify_kind(width), after=after)
         self.draft = None
         if draft_model is not None:
             self.draft = DraftModel(draft_model, config.num_slots, device)
             self.draft.step = DecodeStep(draft_model, self.draft.pool, sampling, device, config.compile, max_rows,
                                          config.compile_cache_dir, config.compile_autotune,
                                          kind=DraftKind(f"draft{config.speculative_k}"), after=decode_step)
-        self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_id, self.bucket_of, self.draft)
+        self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_id, self.bucket_of, self.draft,
+                                        sorted(self.verify_steps))
 
     def start(self, method: str) -> None:
         """Get the programs `method` needs compiled (each once; in the background, after the decode step)."""
         if method != "off":
-            self.verify_step.start()
+            for step in self.verify_steps.values():
+                step.start()
         if method == "draft" and self.draft is not None:
             self.draft.step.start()
 
@@ -213,7 +253,8 @@ class SpeculativeDecoding:
         self.start(method)
 
     def close(self) -> None:
-        self.verify_step.close()
+        for step in self.verify_steps.values():
+            step.close()
         if self.draft is not None:
             self.draft.step.close()
 
@@ -222,10 +263,11 @@ class SpeculativeDecoding:
         draft = None if self.draft is None else {
             "parameters": self.draft.model.num_parameters(), "draft_step": self.draft.step.describe()}
         return {"default": self.config.speculative, "k": self.config.speculative_k,
-                "verify_step": self.verify_step.describe(), "draft_model": draft}
+                "verify_steps": {str(w): step.describe() for w, step in self.verify_steps.items()},
+                "draft_model": draft}
 
     def bucket_of(self, kind: str, rows: int) -> tuple[int, bool]:
         """Where a program call over `rows` rows runs now: (its bucket's size, compiled or eager)."""
-        step = self.decode_step if kind == "decode" else self.verify_step
+        step = self.decode_step if kind == "decode" else self.verify_steps[int(kind.removeprefix("verify"))]
         ready = step.bucket_ready(rows)
         return (ready, True) if ready is not None else (next((s for s in step.sizes if s >= rows), rows), False)

@@ -63,9 +63,9 @@ def with_prompt_logprobs(output: RequestOutput, scored: list[TokenLogprob | None
 class StepRunner:
     def __init__(self, model, pool, sampling: SlotSampling, decode_step, prefix_cache: PrefixCache,
                  device: torch.device, eos_id: int | None, threads: ThreadPlan | None = None,
-                 verify_step=None, speculation: SpeculationPolicy | None = None) -> None:
+                 verify_steps: dict | None = None, speculation: SpeculationPolicy | None = None) -> None:
         self.model, self.pool, self.sampling, self.decode_step = model, pool, sampling, decode_step
-        self.verify_step, self.speculation = verify_step, speculation
+        self.verify_steps, self.speculation = verify_steps, speculation  # width → verification DecodeStep
         self.prefix_cache, self.device, self.eos_id = prefix_cache, device, eos_id
         self.threads = threads if device.type == "cpu" else None  # CPU threads for the chunked form
 
@@ -101,12 +101,12 @@ class StepRunner:
     def verify(self, rows: list[Row], plan: Plan) -> Delivery:
         """Speculative decoding: every row's drafts verified in one program (verify_program.py); each row gets
         its accepted drafts and the next token, its state rolled back to the last token it consumed."""
-        k, drafts = self.speculation.k, plan.drafts
+        k, drafts = plan.width, plan.drafts
         limits = [len(draft) for draft in drafts]
         ids = [[row.next_token, *draft] + [row.next_token] * (k - len(draft)) for row, draft in zip(rows, drafts)]
         slots = [row.slot for row in rows]
         started = time.perf_counter()
-        raw = self.verify_step.run([*map(list, zip(*ids)), limits, slots, [row.position for row in rows]])
+        raw = self.verify_steps[k].run([*map(list, zip(*ids)), limits, slots, [row.position for row in rows]])
         program_s = time.perf_counter() - started
         out = VerifyOutputs(*raw[:6], state=raw[6:])
         index = torch.tensor(slots, device=self.device)  # (B,)

@@ -251,8 +251,9 @@ def test_fork_rewind_export_and_import_with_speculation_on(make_engine, monkeypa
 
 
 def test_the_policy_verifies_only_while_it_pays():
-    """Measured costs decide (injected here: the decision, not a timing, is under test): verification is
-    timed once, chosen while expected tokens per second beat decoding's, and timed again every REPROBE_STEPS."""
+    """Measured costs decide (injected here: the decision, not a timing, is under test): each width is timed
+    once, the one with the best expected tokens per second is chosen while it beats decoding, a smaller width
+    once the larger costs too much, and verification is timed again after REPROBE_STEPS refusals."""
     from types import SimpleNamespace
 
     from linserve.server.engine.drafting import NgramDrafter
@@ -264,19 +265,26 @@ def test_the_policy_verifies_only_while_it_pays():
         return SimpleNamespace(live=SimpleNamespace(request=SimpleNamespace(params=params), session=None),
                                constraint=None, num_generated=1, slot=slot, next_token=2, speculation=spec)
 
-    policy = SpeculationPolicy("off", 4, 0, lambda kind, rows: (rows, True))
+    policy = SpeculationPolicy("off", 4, 0, lambda kind, rows: (rows, True), widths=[2, 4])
     rows = [row(s) for s in range(4)]
     assert policy.plan(rows) is None  # no decode step timed yet
     policy.observe("decode", 4, 0.010)
     plan = policy.plan(rows)
-    assert plan is not None and plan.drafts == [[3, 4, 1, 2]] * 4  # verification not timed yet: timed now
-    policy.observe("verify", 4, 0.030)  # 3x a decode step: 4 rows x ~1.94 expected tokens do not pay
-    assert policy.plan(rows) is None
+    assert plan.width == 4 and plan.drafts == [[3, 4, 1, 2]] * 4  # not timed yet: timed now
+    policy.observe("verify4", 4, 0.030)  # 3x a decode step: 4 rows x ~1.94 expected tokens do not pay
+    plan = policy.plan(rows)
+    assert plan.width == 2 and plan.drafts == [[3, 4]] * 4  # the other width, not timed yet
+    policy.observe("verify2", 4, 0.030)
+    assert policy.plan(rows) is None  # neither pays
     for spec in (r.speculation for r in rows):  # the rows' drafts turn out to be accepted all the time
         for _ in range(20):
             spec.observe(4, 4)
-    assert policy.plan(rows) is not None  # 4 x ~5 tokens per 30 ms beat 4 per 10 ms
-    policy.observe("verify", 4, 0.030)  # (the step ran)
-    policy.costs[("verify", 4, True)] = 1.0  # far too slow now: back off...
+    assert policy.plan(rows).width == 4  # 4 x ~5 tokens per 30 ms beat 4 per 10 ms (and 4 x ~3 at width 2)
+    policy.observe("verify4", 4, 0.030)  # (the step ran)
+    policy.costs[("verify4", 4, True)] = 0.2  # the wide one far too slow now, the narrow one at 20 ms:
+    policy.costs[("verify2", 4, True)] = 0.02
+    assert policy.plan(rows).width == 2  # 4 x ~3 tokens per 20 ms beat 4 per 10 ms
+    policy.observe("verify2", 4, 0.030)
+    policy.costs[("verify2", 4, True)] = 1.0  # and now nothing pays: back off...
     assert all(policy.plan(rows) is None for _ in range(REPROBE_STEPS))
-    assert policy.plan(rows) is not None  # ...and time it again after REPROBE_STEPS decode steps
+    assert policy.plan(rows) is not None  # ...and time one width again after REPROBE_STEPS refusals
