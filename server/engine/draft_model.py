@@ -103,10 +103,11 @@ class DraftModel:
         return out[0].tolist(), out[1:]
 
     def rolled_back(self, rows, states: list[torch.Tensor], kept: list[int]) -> None:
-        """Each row's draft state after its accepted drafts — current once the row has taken its kept + 1 tokens."""
+        """Each row's draft state after its accepted drafts: current for the row as it is now (its new tokens
+        delivered, the last one pending)."""
         index = torch.tensor([row.slot for row in rows], device=self.device)  # (P,)
         at = torch.tensor(kept, device=self.device)  # (P,)
         rows_index = torch.arange(len(rows), device=self.device)  # (P,)
         self.pool.scatter_tensors(index, [state[rows_index, at] for state in states])
-        for row, n in zip(rows, kept):
-            row.speculation.draft_at(row, row.num_generated + n + 1)
+        for row in rows:
+            row.speculation.draft_at(row, row.num_generated)

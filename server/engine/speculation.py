@@ -17,7 +17,6 @@ its last token), and rows within one token of max_tokens.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from .compiled_decode import DecodeStep
@@ -136,14 +135,12 @@ class SpeculationPolicy:
             return None
         plan = Plan(drafts, width, modelled)
         if modelled:
-            started = time.perf_counter()
             members = [rows[b] for b in modelled]
             self.draft.sync(members)
             proposed, plan.draft_states = self.draft.propose(members)
             for b, draft in zip(modelled, proposed):
                 draft = draft[: limits[b]]
                 drafts[b] = draft[: draft.index(self.eos_id)] if self.eos_id in draft else draft
-            plan.draft_s = time.perf_counter() - started
         return plan
 
     @staticmethod
@@ -192,8 +189,9 @@ class SpeculationPolicy:
             self.since_verify = 0
 
     def verified(self, rows: list[Row], plan: Plan, limits: list[int], kept: list[int], seconds: float) -> None:
-        """After a verification step: its cost, each row's acceptance, the draft model's states rolled back."""
-        self.observe(f"verify{plan.width}{'-draft' if plan.modelled else ''}", len(rows), seconds + plan.draft_s)
+        """After a verification step (delivered: the rows hold their new tokens): its whole time, each row's
+        acceptance, the draft model's states rolled back."""
+        self.observe(f"verify{plan.width}{'-draft' if plan.modelled else ''}", len(rows), seconds)
         for row, limit, n in zip(rows, limits, kept):
             if limit and row.speculation is not None:
                 row.speculation.observe(limit, n)
@@ -210,7 +208,6 @@ class Plan:
     width: int  # the verification program's drafts per row
     modelled: list[int] = field(default_factory=list)  # rows (indices) drafted by the draft model
     draft_states: list = field(default_factory=list)  # the draft model's states after each draft (P_d, k+1, …)
-    draft_s: float = 0.0  # time spent drafting with the draft model
 
 
 class SpeculativeDecoding:

@@ -76,19 +76,20 @@ class StepRunner:
         tokens = [row.next_token for row in rows]
         positions = [row.position for row in rows]
         if self.decode_step is not None:  # linear: one program (eager, a compiled bucket or a CUDA graph)
+            step_started = time.perf_counter()  # (the policy compares whole steps: planning and delivery count)
             plan = self.speculation.plan(rows) if self.speculation is not None else None
             if plan is not None:
-                return self.verify(rows, plan)
+                return self.verify(rows, plan, step_started)
             started = time.perf_counter()
             out = self.decode_step(tokens, slots, positions)
             program_s = time.perf_counter() - started
             index = torch.tensor(slots, device=self.device)  # (B,)
             sampled = self._sampled(rows, out, index)
             self.pool.scatter_tensors(index, out.state)  # the step succeeded: commit the rows' state
-            if self.speculation is not None:
-                self.speculation.observe("decode", len(rows), program_s)
             delivery = self.deliver(rows, sampled)
             delivery.program_s, delivery.tokens = program_s, len(rows)
+            if self.speculation is not None:
+                self.speculation.observe("decode", len(rows), time.perf_counter() - step_started)
             return delivery
         ids = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1) softmax baseline: a KV cache
         logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
@@ -98,7 +99,7 @@ class StepRunner:
         delivery.tokens = len(rows)
         return delivery
 
-    def verify(self, rows: list[Row], plan: Plan) -> Delivery:
+    def verify(self, rows: list[Row], plan: Plan, step_started: float) -> Delivery:
         """Speculative decoding: every row's drafts verified in one program (verify_program.py); each row gets
         its accepted drafts and the next token, its state rolled back to the last token it consumed."""
         k, drafts = plan.width, plan.drafts
@@ -119,10 +120,10 @@ class StepRunner:
         taken = torch.arange(k, device=self.device)[None, :] < out.kept[:, None]  # (B, k)
         self.sampling.record(index[:, None].expand(-1, k)[taken], out.emitted[:, :k][taken])  # the drafts' counts
         self.pool.scatter_tensors(index, out.state)  # the step succeeded: the state after the accepted prefix
-        self.speculation.verified(rows, plan, limits, kept, program_s)
         delivery = self.deliver(rows, sampled, accepted)
         delivery.program_s, delivery.drafted, delivery.accepted = program_s, sum(limits), sum(kept)
         delivery.tokens = len(rows) + sum(kept)
+        self.speculation.verified(rows, plan, limits, kept, time.perf_counter() - step_started)
         return delivery
 
     def prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:
