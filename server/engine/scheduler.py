@@ -165,8 +165,13 @@ class Scheduler:
         the latest of equals); its rows' states go to the host, and it waits to resume where it was."""
         if self.policy != "priority":
             return None
-        level = self._urgency(waiting, time.monotonic())[0]
-        running = [s for s in self.active.values() if s.status is Status.RUNNING and s.priority > level]
+        now = time.monotonic()
+        level = self._urgency(waiting, now)[0]
+        # both sides aged by the same clock: comparing the waiter's aged level with a running one's raw priority
+        # let two equally patient requests preempt each other every step, forever (the level gap of any two
+        # sequences only alternates between two adjacent values, so with both aged no pair can ever swap back)
+        running = [s for s in self.active.values()
+                   if s.status is Status.RUNNING and self._urgency(s, now)[0] > level]
         for victim in sorted(running, key=lambda s: (s.priority, s.arrival), reverse=True):
             if self.allocator.preempt(victim):
                 return victim

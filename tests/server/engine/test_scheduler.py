@@ -202,3 +202,27 @@ def test_a_more_urgent_request_preempts_the_least_urgent_running_one_which_resum
     run_to_running(fcfs)
     fcfs.add(SchedSeq("urgent", to_prefill=4, priority=-5))
     assert admitted(fcfs.schedule()) == [] and fcfs.preemptions == 0  # fcfs never preempts
+
+
+def test_equally_patient_requests_never_preempt_each_other():
+    """Regression: a waiting request's *aged* level was compared with a running one's raw priority, so two
+    priority-5 requests that had both waited past an aging step parked each other on every step, forever."""
+    import time
+
+    now = time.monotonic()
+    scheduler = Scheduler(FakeAllocator(1), max_batch_tokens=64, max_prefill_chunk=8, policy="priority", aging_s=5.0)
+    scheduler.add(SchedSeq("low-1", to_prefill=4, priority=5, arrival=now - 12))  # aged 2 levels: 3
+    run_to_running(scheduler)
+    scheduler.add(SchedSeq("low-2", to_prefill=4, priority=5, arrival=now - 11))  # aged 2 levels: 3
+    for _ in range(5):
+        plan = scheduler.schedule()
+        assert admitted(plan) == [] and [seq_id for seq_id, _ in plan.decode] == ["low-1"]
+    assert scheduler.preemptions == 0
+    # an aged waiter still preempts what is less urgent than it after aging both: a fresh priority-4 runner
+    aged = Scheduler(FakeAllocator(1), max_batch_tokens=64, max_prefill_chunk=8, policy="priority", aging_s=5.0)
+    aged.add(SchedSeq("fresh", to_prefill=4, priority=4, arrival=now))
+    run_to_running(aged)
+    aged.add(SchedSeq("patient", to_prefill=4, priority=5, arrival=now - 12))  # level 3 < 4
+    assert admitted(aged.schedule()) == ["patient"] and aged.preemptions == 1
+    plan = aged.schedule()  # the parked one (level 4) does not take the slot back from the patient one (level 3)
+    assert aged.preemptions == 1 and "fresh" in aged.waiting
