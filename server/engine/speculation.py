@@ -7,7 +7,9 @@ time goes into a running mean per (program, batch bucket, compiled or eager), an
 is measured by running that program once. A row's expected tokens come from its own acceptance so far
 (accepted drafts over drafts tested, with a prior of one half, decaying so it follows the text):
 1 + a + a² + … + a^d for d drafts. A large batch makes verification cost more than it saves, so it backs off
-to plain decode steps by itself; it tries verification again every `REPROBE_STEPS` steps.
+to plain decode steps by itself; it times verification again after `REPROBE_STEPS` refusals, and after twice
+as many each time that finds it still does not pay (up to `REPROBE_MAX`): a batch that stays too large for
+speculation spends ever less on asking. Verification chosen on its merits starts the count over.
 
 Rows that verify no drafts (limit 0) still ride in a verification step and get exactly a decode step's token:
 rows with logprobs, top-k/top-p/min-p filters on sampled rows, structured output (their mask changes per
@@ -26,7 +28,8 @@ from .drafting import NgramDrafter
 from .live import Row
 from .types import EngineConfig, EngineError, SamplingParams
 
-REPROBE_STEPS = 64  # decode steps chosen over verification before verification is timed again
+REPROBE_STEPS = 64  # decode steps chosen over verification before verification is timed again...
+REPROBE_MAX = 2048  # ...doubling (to this) each time the new timing finds it still does not pay
 COST_DECAY = 0.8  # running mean of a program's time: new = DECAY·old + (1 − DECAY)·sample
 ACCEPT_DECAY = 0.9  # a row's acceptance counts fade so its estimate follows the text
 
@@ -79,7 +82,9 @@ class SpeculationPolicy:
         self.draft, self.widths = draft, widths or [k]
         self.costs: dict[tuple[str, int, bool], float] = {}
         self.since_verify = 0
+        self.reprobe_after = REPROBE_STEPS  # refusals before verification is timed again
         self.reprobes = 0  # re-measurements so far: they take the widths in turn
+        self.probing = False  # this step's width was chosen to be timed, not on its merits
         self.always = False  # verify whenever a row has drafts, whatever it costs (exactness tests, benchmarks)
 
     # ------------------------------------------------------------------ rows
@@ -152,7 +157,8 @@ class SpeculationPolicy:
 
     def _width(self, rows: int, bounds: dict[int, float], suffix: str) -> int | None:
         """The width whose expected tokens per second (its bound) are best, if they beat decoding's; an
-        unmeasured width is chosen to be measured; every REPROBE_STEPS refusals one width is measured again."""
+        unmeasured width is chosen to be measured; after `reprobe_after` refusals one width is measured again."""
+        self.probing = False
         if self.always:
             return self.widths[-1]
         decode_cost = self._cost("decode", rows)
@@ -160,21 +166,25 @@ class SpeculationPolicy:
             return None  # time a decode step first
         unmeasured = [w for w in self.widths if self._cost(f"verify{w}{suffix}", rows) is None]
         if unmeasured:
+            self.probing = True
             return unmeasured[-1]
-        if self.since_verify >= REPROBE_STEPS:
+        if self.since_verify >= self.reprobe_after:
             self.reprobes += 1
+            self.reprobe_after = min(2 * self.reprobe_after, REPROBE_MAX)  # (reset if it turns out to pay)
+            self.probing = True
             return self.widths[self.reprobes % len(self.widths)]
         best = max(self.widths, key=lambda w: bounds[w] / self._cost(f"verify{w}{suffix}", rows))
         if bounds[best] / self._cost(f"verify{best}{suffix}", rows) > rows / decode_cost:
+            self.reprobe_after = REPROBE_STEPS
             return best
         self.since_verify += 1
         return None
 
     def _worth(self, rows: int, width: int, expected: float, suffix: str) -> bool:
         """With the drafts found: still worth it (always, while being measured)."""
-        cost = self._cost(f"verify{width}{suffix}", rows)
-        if self.always or cost is None or self.since_verify >= REPROBE_STEPS:
+        if self.always or self.probing:
             return True
+        cost = self._cost(f"verify{width}{suffix}", rows)
         if expected / cost > rows / self._cost("decode", rows):
             return True
         self.since_verify += 1

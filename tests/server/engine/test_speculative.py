@@ -287,4 +287,12 @@ def test_the_policy_verifies_only_while_it_pays():
     policy.observe("verify2", 4, 0.030)
     policy.costs[("verify2", 4, True)] = 1.0  # and now nothing pays: back off...
     assert all(policy.plan(rows) is None for _ in range(REPROBE_STEPS))
-    assert policy.plan(rows) is not None  # ...and time one width again after REPROBE_STEPS refusals
+    plan = policy.plan(rows)  # ...and time one width again after REPROBE_STEPS refusals
+    policy.observe(f"verify{plan.width}", 4, 1.0)  # still far too slow: the next timing waits twice as long
+    assert all(policy.plan(rows) is None for _ in range(2 * REPROBE_STEPS))
+    plan = policy.plan(rows)
+    policy.observe(f"verify{plan.width}", 4, 1.0)
+    assert all(policy.plan(rows) is None for _ in range(4 * REPROBE_STEPS))
+    policy.observe(f"verify{policy.plan(rows).width}", 4, 1.0)
+    policy.costs[("verify4", 4, True)] = policy.costs[("verify2", 4, True)] = 0.02  # verifying pays again...
+    assert policy.plan(rows) is not None and policy.reprobe_after == REPROBE_STEPS  # ...and the count starts over
