@@ -225,7 +225,8 @@ class Engine:
         started, latencies, program_s, decoded, drafted, accepted = time.perf_counter(), [], 0.0, 0, 0, 0
         if plan.decode:
             rows = [self.live[seq_id].row_for_slot(slot) for seq_id, slot in plan.decode]
-            delivery = self.runner.decode(rows)
+            # no speculation in a step that also prefills: a longer step would delay every prompt in it
+            delivery = self.runner.decode(rows, speculate=not plan.prefill)
             program_s, decoded = delivery.program_s, delivery.tokens
             drafted, accepted = delivery.drafted, delivery.accepted
             self._deliver(delivery, latencies)

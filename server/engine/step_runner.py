@@ -70,14 +70,15 @@ class StepRunner:
         self.threads = threads if device.type == "cpu" else None  # CPU threads for the chunked form
 
     # ------------------------------------------------------------------ phases
-    def decode(self, rows: list[Row]) -> Delivery:
-        """One token for every running row."""
+    def decode(self, rows: list[Row], speculate: bool = True) -> Delivery:
+        """One token for every running row (more where a verification step accepts drafts: only when
+        `speculate`, which the core clears while prompts are prefilled in the same step)."""
         slots = [row.slot for row in rows]
         tokens = [row.next_token for row in rows]
         positions = [row.position for row in rows]
         if self.decode_step is not None:  # linear: one program (eager, a compiled bucket or a CUDA graph)
             step_started = time.perf_counter()  # (the policy compares whole steps: planning and delivery count)
-            plan = self.speculation.plan(rows) if self.speculation is not None else None
+            plan = self.speculation.plan(rows) if self.speculation is not None and speculate else None
             if plan is not None:
                 return self.verify(rows, plan, step_started)
             started = time.perf_counter()

@@ -296,3 +296,24 @@ def test_the_policy_verifies_only_while_it_pays():
     policy.observe(f"verify{policy.plan(rows).width}", 4, 1.0)
     policy.costs[("verify4", 4, True)] = policy.costs[("verify2", 4, True)] = 0.02  # verifying pays again...
     assert policy.plan(rows) is not None and policy.reprobe_after == REPROBE_STEPS  # ...and the count starts over
+
+
+def test_a_step_that_also_prefills_does_not_speculate(make_engine):
+    """While a prompt is prefilled beside decoding rows, those rows take plain decode steps (a longer
+    verification step would delay that prompt's first token); before and after, they verify drafts."""
+    from linserve.server.engine.types import EngineRequest
+    from tests.helpers import Collector
+
+    engine = make_engine(speculative="ngram")
+    engine.speculation.always = True
+    sinks = [Collector(), Collector()]
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    engine.submit(EngineRequest("decoding", looping_prompt(24, 6, seed=1), params), sinks[0]).result(10)
+    engine.submit(EngineRequest("long-prompt", prompt(400, seed=2), SamplingParams(max_tokens=4)), sinks[1]).result(10)
+    for sink in sinks:
+        sink.wait(1, timeout=120)
+    steps = [s for s in engine.test_stats if hasattr(s, "phase")]
+    mixed = [s for s in steps if s.phase == "mixed"]
+    assert len(mixed) >= 10  # 400 prompt tokens, 16 a step while a row decodes
+    assert all(s.drafted == 0 for s in mixed), [s.drafted for s in mixed]
+    assert sum(s.drafted for s in steps if s.phase == "decode") > 0
