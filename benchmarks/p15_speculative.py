@@ -1,10 +1,12 @@
 """SPEC P15 — speculative decoding: greedy tokens/s at 1 stream ≥ 1.5× without speculation (≥ 2× on a workload
 whose drafts are accepted ≥ 70%), output identical; never below 0.97× at 8 and 32 streams.
 
-One `linserve serve` (the shipped model and its draft model, `--speculative draft` so that the verification and
-drafting programs are compiled at start, the decode step as `serve` compiles it); every request names its
-method (`speculative: {"method": "off" | "ngram" | "draft"}`), so the methods share the server, its programs and
-the machine, and run interleaved: each round runs every method once per load. Workloads, greedy:
+One `linserve serve` (the shipped model; `--speculative ngram`, or `draft` with `--draft-model DIR`, so that the
+verification (and drafting) programs are compiled at start, the decode step as `serve` compiles it); every
+request names its method (`speculative: {"method": "off" | "ngram" | "draft"}`), so the methods share the server,
+its programs and the machine, and run interleaved: each round runs every method once per load. No draft model
+is shipped: `draft` is measured only with `--draft-model` (e.g. `configs/train/draft.yaml`'s, `runs/draft/final`).
+Workloads, greedy:
 - `shakespeare`: generated Shakespeare — 48-token openings taken from the validation plays, 256 tokens
   generated (128 at 8 and 32 streams);
 - `quote`: a passage of about 160 tokens followed by its own first line: the model goes on quoting it, which
@@ -19,7 +21,7 @@ drift falls on both); acceptance = accepted /
 drafted tokens from the server's counters over that method's loads; `identical`: every speculative output
 equals the output without speculation.
 
-    python benchmarks/p15_speculative.py [--rounds 3] [--quick] [--out benchmarks/results/p15_speculative.json]
+    python benchmarks/p15_speculative.py [--rounds 3] [--draft-model DIR] [--quick] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from serving_overhead import COMPILE_TIMEOUT_S, start_server  # noqa: E402
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
 from linserve.model.training.corpus import load_corpus  # noqa: E402
 
-METHODS = ("off", "ngram", "draft")
+ALL_METHODS = ("off", "ngram", "draft")
 ONE_STREAM, ACCEPTED_WELL, NEVER_BELOW = 1.5, 2.0, 0.97
 
 
@@ -109,6 +111,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--draft-model", help="a draft model's checkpoint: measure `draft` too")
     parser.add_argument("--port", type=int, default=8798)
     parser.add_argument("--quick", action="store_true", help="1 round, 1 and 2 streams, 24 tokens, eager (tests)")
     parser.add_argument("--out")
@@ -116,12 +119,15 @@ def main() -> None:
     add_device_argument(parser)
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
+    methods = ALL_METHODS if args.draft_model else ALL_METHODS[:2]
+    speculative = methods[1:]
     long_tokens, short_tokens, longest_tokens = 256, 128, 1024
     if args.quick:
         args.rounds, args.compile, streams, long_tokens, short_tokens, longest_tokens = 1, "off", [1, 2], 24, 16, 32
     server = start_server(args.model, args.port, 64, compile=args.compile, device=args.device,
-                          extra=["--log-level", "warning", "--speculative", "draft", "--speculative-k", str(args.k),
-                                 "--session-store", "none"])
+                          extra=["--log-level", "warning", "--speculative-k", str(args.k), "--session-store", "none",
+                                 *(["--speculative", "draft", "--draft-model", args.draft_model] if args.draft_model
+                                   else ["--speculative", "ngram"])])
     try:
         wait_until_up(server, f"http://127.0.0.1:{args.port}/ready", "linserve serve", COMPILE_TIMEOUT_S, settled)
         client = httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=1200)
@@ -132,11 +138,11 @@ def main() -> None:
             for n in streams if workload != "shakespeare-long" else [min(streams)]:
                 max_tokens = (longest_tokens if workload == "shakespeare-long"
                               else long_tokens if n == 1 else short_tokens)
-                rates = {m: [] for m in METHODS}
-                drafted = {m: [0.0, 0.0] for m in METHODS}
+                rates = {m: [] for m in methods}
+                drafted = {m: [0.0, 0.0] for m in methods}
                 outputs: dict[str, list[str]] = {}
                 for round_number in range(args.rounds):
-                    order = METHODS if round_number % 2 == 0 else METHODS[::-1]
+                    order = methods if round_number % 2 == 0 else methods[::-1]
                     for method in order:
                         before = counters(client)
                         rate, texts_out, _ = load(client, texts[:n], method, max_tokens)
@@ -146,8 +152,8 @@ def main() -> None:
                         drafted[method][1] += after[1] - before[1]
                         outputs.setdefault(method, texts_out)
                 entry = {"max_tokens": max_tokens,
-                         "tokens_per_s": {m: [round(r, 1) for r in rates[m]] for m in METHODS}}
-                for method in ("ngram", "draft"):
+                         "tokens_per_s": {m: [round(r, 1) for r in rates[m]] for m in methods}}
+                for method in speculative:
                     tried, kept = drafted[method]
                     paired = [r / o for r, o in zip(rates[method], rates["off"])]  # each round's own ratio
                     entry[method] = {"ratio": statistics.median(paired),
@@ -161,14 +167,14 @@ def main() -> None:
 
     def best(workload: str, n: int) -> tuple[str, dict]:
         entry = results[workload][f"streams_{n}"]
-        return max((("ngram", entry["ngram"]), ("draft", entry["draft"])), key=lambda item: item[1]["ratio"])
+        return max(((m, entry[m]) for m in speculative), key=lambda item: item[1]["ratio"])
 
     verdicts = {}
     one = min(streams)
     method, entry = best("shakespeare", one)
     verdicts["one_stream"] = {"workload": "shakespeare", "method": method, "ratio": entry["ratio"],
                               "target": f">= {ONE_STREAM}x", "pass": entry["ratio"] >= ONE_STREAM}
-    well = [(w, m, e) for w in results for m in ("ngram", "draft")
+    well = [(w, m, e) for w in results for m in speculative
             for e in [results[w][f"streams_{one}"][m]] if (e["acceptance"] or 0) >= 0.7]
     if well:
         w, m, e = max(well, key=lambda item: item[2]["ratio"])
@@ -177,14 +183,14 @@ def main() -> None:
                                      "pass": e["ratio"] >= ACCEPTED_WELL}
     for n in [s for s in streams if s > one]:
         worst = min(results[w][f"streams_{n}"][m]["ratio"] for w in results if f"streams_{n}" in results[w]
-                    for m in ("ngram", "draft"))
+                    for m in speculative)
         verdicts[f"streams_{n}"] = {"ratio": worst, "target": f">= {NEVER_BELOW}x (every workload and method)",
                                     "pass": worst >= NEVER_BELOW}
-    identical = all(results[w][s][m]["identical"] for w in results for s in results[w] for m in ("ngram", "draft"))
+    identical = all(results[w][s][m]["identical"] for w in results for s in results[w] for m in speculative)
     verdicts["identical"] = {"measured": identical, "target": "every output equals plain decoding's",
                              "pass": identical}
-    emit({"compile": args.compile, "k": args.k, "rounds": args.rounds, "results": results, "P15": verdicts},
-         args.out)
+    emit({"compile": args.compile, "k": args.k, "rounds": args.rounds, "draft_model": args.draft_model,
+          "results": results, "P15": verdicts}, args.out)
 
 
 if __name__ == "__main__":

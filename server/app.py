@@ -16,7 +16,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from linserve.model.loading import (
     DEFAULT_CHECKPOINT,
-    DRAFT_CHECKPOINT,
     load_model,
     prefill_dtype,
     resolve_device,
@@ -53,13 +52,12 @@ def engine_config(settings: Settings, model) -> EngineConfig:
     return EngineConfig.from_settings(settings, num_slots=slots)
 
 
-def load_draft(settings: Settings, path: Path, model, tokenizer, device):
-    """The draft model (fp32) for `speculative: draft`, or None: `draft_model`, else the shipped draft when the
-    shipped model is served. It must share the served model's tokenizer (same vocabulary, same ids)."""
+def load_draft(settings: Settings, model, tokenizer, device):
+    """The draft model (fp32) for `speculative: draft`: `draft_model`, or None when unset (none is shipped: on a
+    CPU the shipped model is too small for a draft model to pay). It must share the served model's tokenizer."""
     from transformers import AutoTokenizer
 
-    draft_path = Path(settings.draft_model) if settings.draft_model else (
-        DRAFT_CHECKPOINT if path.resolve() == DEFAULT_CHECKPOINT.resolve() and DRAFT_CHECKPOINT.is_dir() else None)
+    draft_path = Path(settings.draft_model) if settings.draft_model else None
     if draft_path is None or model.config.attention != "linear":
         if settings.speculative == "draft":
             raise ValueError("speculative: draft needs a draft model (--draft-model) for a linear-attention model")
@@ -85,7 +83,7 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     model = load_model(path, device, prefill_dtype(dtype, device)).model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     config = engine_config(settings, model)
-    draft = load_draft(settings, path, model, tokenizer, device)
+    draft = load_draft(settings, model, tokenizer, device)
     engine = Engine(model, tokenizer, config, device, metrics.observe, decode_dtype=dtype, draft_model=draft).start()
     metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)
     if engine.decode_step is not None:

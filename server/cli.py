@@ -233,7 +233,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         from linserve.server.engine.draft_model import DraftKind
 
         path = checkpoint_dir(settings.model)
-        draft = load_draft(settings, Path(path), model, AutoTokenizer.from_pretrained(str(path)), device)
+        draft = load_draft(settings, model, AutoTokenizer.from_pretrained(str(path)), device)
         programs.append((draft, StatePool(draft, slots, device), DraftKind(f"draft{settings.speculative_k}")))
     statuses = []
     for program_model, program_pool, kind in programs:

@@ -64,7 +64,8 @@ class Settings(BaseSettings):
         "drafts by prompt lookup, draft by the draft model; verified k at a time in one pass from the session "
         "state, used only while it pays")
     draft_model: str | None = Field(None, description="the draft model (a small checkpoint with the served model's "
-                                    "tokenizer); unset: the shipped draft when the shipped model is served")
+                                    "tokenizer, e.g. from `linserve train --config configs/train/draft.yaml`); "
+                                    "unset: none")
     speculative_k: int = Field(4, ge=1, le=8, description="drafts verified per step at most (the verification "
                                "program's width; a request's speculative.k may be smaller)")
     max_context: int = Field(8192, ge=16, description="softmax models: KV-cache tokens per slot (400 beyond)")

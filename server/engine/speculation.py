@@ -9,7 +9,8 @@ is measured by running that program once. A row's expected tokens come from its 
 1 + a + a² + … + a^d for d drafts. A large batch makes verification cost more than it saves, so it backs off
 to plain decode steps by itself; it times verification again after `REPROBE_STEPS` refusals, and after twice
 as many each time that finds it still does not pay (up to `REPROBE_MAX`): a batch that stays too large for
-speculation spends ever less on asking. Verification chosen on its merits starts the count over.
+speculation spends ever less on asking. Verification chosen on its merits starts the count over. The counts are
+kept per batch bucket: that verification pays for 2 rows says nothing of 32.
 
 Rows that verify no drafts (limit 0) still ride in a verification step and get exactly a decode step's token:
 rows with logprobs, top-k/top-p/min-p filters on sampled rows, structured output (their mask changes per
@@ -81,8 +82,9 @@ class SpeculationPolicy:
         self.default_method, self.k, self.eos_id, self.bucket_of = default_method, k, eos_id, bucket_of
         self.draft, self.widths = draft, widths or [k]
         self.costs: dict[tuple[str, int, bool], float] = {}
-        self.since_verify = 0
-        self.reprobe_after = REPROBE_STEPS  # refusals before verification is timed again
+        # per batch bucket (a batch size where verification does not pay says nothing of another):
+        self.since_verify: dict[int, int] = {}  # refusals since verification last ran
+        self.reprobe_after: dict[int, int] = {}  # refusals before it is timed again (absent: REPROBE_STEPS)
         self.reprobes = 0  # re-measurements so far: they take the widths in turn
         self.probing = False  # this step's width was chosen to be timed, not on its merits
         self.always = False  # verify whenever a row has drafts, whatever it costs (exactness tests, benchmarks)
@@ -168,16 +170,18 @@ class SpeculationPolicy:
         if unmeasured:
             self.probing = True
             return unmeasured[-1]
-        if self.since_verify >= self.reprobe_after:
+        bucket = self.bucket_of("decode", rows)[0]
+        after = self.reprobe_after.get(bucket, REPROBE_STEPS)
+        if self.since_verify.get(bucket, 0) >= after:
             self.reprobes += 1
-            self.reprobe_after = min(2 * self.reprobe_after, REPROBE_MAX)  # (reset if it turns out to pay)
+            self.reprobe_after[bucket] = min(2 * after, REPROBE_MAX)  # (reset if it turns out to pay)
             self.probing = True
             return self.widths[self.reprobes % len(self.widths)]
         best = max(self.widths, key=lambda w: bounds[w] / self._cost(f"verify{w}{suffix}", rows))
         if bounds[best] / self._cost(f"verify{best}{suffix}", rows) > rows / decode_cost:
-            self.reprobe_after = REPROBE_STEPS
+            self.reprobe_after.pop(bucket, None)
             return best
-        self.since_verify += 1
+        self._refused(rows)
         return None
 
     def _worth(self, rows: int, width: int, expected: float, suffix: str) -> bool:
@@ -187,8 +191,12 @@ class SpeculationPolicy:
         cost = self._cost(f"verify{width}{suffix}", rows)
         if expected / cost > rows / self._cost("decode", rows):
             return True
-        self.since_verify += 1
+        self._refused(rows)
         return False
+
+    def _refused(self, rows: int) -> None:
+        bucket = self.bucket_of("decode", rows)[0]
+        self.since_verify[bucket] = self.since_verify.get(bucket, 0) + 1
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
         """A step's program time: kind "decode", or "verify{w}" / "verify{w}-draft" (drafting included)."""
@@ -196,7 +204,7 @@ class SpeculationPolicy:
         old = self.costs.get(key)
         self.costs[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
         if kind != "decode":
-            self.since_verify = 0
+            self.since_verify[self.bucket_of("decode", rows)[0]] = 0
 
     def verified(self, rows: list[Row], plan: Plan, limits: list[int], kept: list[int], seconds: float) -> None:
         """After a verification step (delivered: the rows hold their new tokens): its whole time, each row's

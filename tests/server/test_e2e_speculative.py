@@ -55,7 +55,8 @@ def test_speculative_requests_return_what_plain_ones_do(tmp_path):
         assert r.status_code == 200, r.text
 
         for wrong, param in (({"method": "ngram", "k": 5}, "speculative"), ({"method": "medusa"}, "speculative"),
-                             ({"k": 2}, "speculative"), ({"method": "ngram", "k": 0}, "speculative")):
+                             ({"k": 2}, "speculative"), ({"method": "ngram", "k": 0}, "speculative"),
+                             ({"method": "draft"}, "speculative")):  # no draft model is shipped or given
             response = httpx.post(f"{base}/v1/completions", json={**body, "speculative": wrong}, timeout=30)
             assert response.status_code == 400, (wrong, response.text)
             assert response.json()["error"]["param"].startswith(param), response.json()
