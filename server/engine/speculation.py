@@ -31,6 +31,7 @@ from .types import EngineConfig, EngineError, SamplingParams
 
 REPROBE_STEPS = 64  # decode steps chosen over verification before verification is timed again...
 REPROBE_MAX = 2048  # ...doubling (to this) each time the new timing finds it still does not pay
+QUIET_STEPS = 8  # after a refusal, steps of that batch bucket decoded without weighing verification again
 COST_DECAY = 0.8  # running mean of a program's time: new = DECAY·old + (1 − DECAY)·sample
 ACCEPT_DECAY = 0.9  # a row's acceptance counts fade so its estimate follows the text
 
@@ -87,6 +88,8 @@ class SpeculationPolicy:
         self.reprobe_after: dict[int, int] = {}  # refusals before it is timed again (absent: REPROBE_STEPS)
         self.reprobes = 0  # re-measurements so far: they take the widths in turn
         self.probing = False  # this step's width was chosen to be timed, not on its merits
+        self.steps = 0  # plan() calls so far
+        self.quiet_until: dict[int, int] = {}  # per batch bucket: no weighing before this step (after a refusal)
         self.always = False  # verify whenever a row has drafts, whatever it costs (exactness tests, benchmarks)
 
     # ------------------------------------------------------------------ rows
@@ -124,7 +127,12 @@ class SpeculationPolicy:
         does not beat decoding, no draft is looked up (a backed-off batch costs next to nothing). Then prompt-
         lookup drafts are looked up (they decide whether there is anything to verify); the draft model runs only
         once verification is chosen (its rows count as full drafts)."""
-        specs = [self.speculating(row) for row in rows]
+        specs = [self.speculating(row) for row in rows]  # (every row's drafter from its first step on)
+        self.steps += 1
+        bucket = self.bucket_of("decode", len(rows))[0]
+        if self.steps < self.quiet_until.get(bucket, 0):  # refused a moment ago: a backed-off batch costs
+            self.since_verify[bucket] = self.since_verify.get(bucket, 0) + 1  # one lookup per step
+            return None
         limits = [self.limit(row, spec.k) if spec is not None else 0 for row, spec in zip(rows, specs)]
         if not any(limits):
             return None
@@ -197,6 +205,7 @@ class SpeculationPolicy:
     def _refused(self, rows: int) -> None:
         bucket = self.bucket_of("decode", rows)[0]
         self.since_verify[bucket] = self.since_verify.get(bucket, 0) + 1
+        self.quiet_until[bucket] = self.steps + QUIET_STEPS
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
         """A step's program time: kind "decode", or "verify{w}" / "verify{w}-draft" (drafting included)."""

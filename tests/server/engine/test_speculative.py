@@ -253,11 +253,12 @@ def test_fork_rewind_export_and_import_with_speculation_on(make_engine, monkeypa
 def test_the_policy_verifies_only_while_it_pays():
     """Measured costs decide (injected here: the decision, not a timing, is under test): each width is timed
     once, the one with the best expected tokens per second is chosen while it beats decoding, a smaller width
-    once the larger costs too much, and verification is timed again after REPROBE_STEPS refusals."""
+    once the larger costs too much, and verification is timed again after REPROBE_STEPS refusals (then 2x, 4x...);
+    after a refusal the next QUIET_STEPS - 1 steps of that batch size are not weighed at all."""
     from types import SimpleNamespace
 
     from linserve.server.engine.drafting import NgramDrafter
-    from linserve.server.engine.speculation import REPROBE_STEPS, RowSpeculation, SpeculationPolicy
+    from linserve.server.engine.speculation import QUIET_STEPS, REPROBE_STEPS, RowSpeculation, SpeculationPolicy
 
     def row(slot):
         params = SamplingParams(max_tokens=100, temperature=0, speculative=NGRAM)
@@ -279,7 +280,9 @@ def test_the_policy_verifies_only_while_it_pays():
     for spec in (r.speculation for r in rows):  # the rows' drafts turn out to be accepted all the time
         for _ in range(20):
             spec.observe(4, 4)
-    assert policy.plan(rows).width == 4  # 4 x ~5 tokens per 30 ms beat 4 per 10 ms (and 4 x ~3 at width 2)
+    # refused a moment ago: for a few steps of this batch size it is not weighed again (one lookup a step)...
+    assert all(policy.plan(rows) is None for _ in range(QUIET_STEPS - 1))
+    assert policy.plan(rows).width == 4  # ...then: 4 x ~5 tokens per 30 ms beat 4 per 10 ms (and 4 x ~3 at width 2)
     policy.observe("verify4", 4, 0.030)  # (the step ran)
     policy.costs[("verify4", 4, True)] = 0.2  # the wide one far too slow now, the narrow one at 20 ms:
     policy.costs[("verify2", 4, True)] = 0.02
