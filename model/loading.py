@@ -13,7 +13,6 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # weights; the recurrent state is fp32 whatever this is
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPUs that compute bf16 dot products in hardware
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"  # ships inside the package
-DRAFT_CHECKPOINT = DEFAULT_CHECKPOINT.parent / "draft"  # its draft model for speculative decoding (same tokenizer)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
