@@ -63,7 +63,7 @@ def prompts(corpus_dir: str, client: httpx.Client, count: int, seed: int) -> dic
     plays = list(load_corpus(corpus_dir).validation.values())
     rng = random.Random(seed)
     lines = [line for play in plays for line in play.splitlines() if line.strip()]
-    out: dict[str, list[str]] = {"shakespeare": [], "quote": [], "shakespeare-long": []}
+    out: dict[str, list[str]] = {"shakespeare": [], "quote": []}
     while len(out["shakespeare"]) < count:
         start = rng.randrange(len(lines) - 40)
         text = "\n".join(lines[start : start + 40])

@@ -20,6 +20,7 @@ its last token), and rows within one token of max_tokens.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .compiled_decode import DecodeStep
@@ -84,12 +85,9 @@ class SpeculationPolicy:
         self.draft, self.widths = draft, widths or [k]
         self.costs: dict[tuple[str, int, bool], float] = {}
         # per batch bucket (a batch size where verification does not pay says nothing of another):
-        self.since_verify: dict[int, int] = {}  # refusals since verification last ran
+        self.since_verify: defaultdict[int, int] = defaultdict(int)  # steps refused since verification last ran
         self.reprobe_after: dict[int, int] = {}  # refusals before it is timed again (absent: REPROBE_STEPS)
         self.reprobes = 0  # re-measurements so far: they take the widths in turn
-        self.probing = False  # this step's width was chosen to be timed, not on its merits
-        self.steps = 0  # plan() calls so far
-        self.quiet_until: dict[int, int] = {}  # per batch bucket: no weighing before this step (after a refusal)
         self.always = False  # verify whenever a row has drafts, whatever it costs (exactness tests, benchmarks)
 
     # ------------------------------------------------------------------ rows
@@ -128,10 +126,9 @@ class SpeculationPolicy:
         lookup drafts are looked up (they decide whether there is anything to verify); the draft model runs only
         once verification is chosen (its rows count as full drafts)."""
         specs = [self.speculating(row) for row in rows]  # (every row's drafter from its first step on)
-        self.steps += 1
         bucket = self.bucket_of("decode", len(rows))[0]
-        if self.steps < self.quiet_until.get(bucket, 0):  # refused a moment ago: a backed-off batch costs
-            self.since_verify[bucket] = self.since_verify.get(bucket, 0) + 1  # one lookup per step
+        if self.since_verify[bucket] % QUIET_STEPS:  # refused a moment ago: a backed-off batch costs one lookup
+            self.since_verify[bucket] += 1  # a step; it weighs again every QUIET_STEPS refused steps
             return None
         limits = [self.limit(row, spec.k) if spec is not None else 0 for row, spec in zip(rows, specs)]
         if not any(limits):
@@ -140,13 +137,14 @@ class SpeculationPolicy:
                     if limit and spec.method == "draft" and self.draft is not None]
         suffix = "-draft" if modelled else ""
         bounds = {w: self._expected(specs, [min(limit, w) for limit in limits]) for w in self.widths}
-        width = self._width(len(rows), bounds, suffix)
+        width, probing = self._width(len(rows), bucket, bounds, suffix)
         if width is None:
             return None
         limits = [min(limit, width) for limit in limits]
         drafts = [[0] * limit if b in modelled else spec.drafter.propose(limit) if limit else []
                   for b, (spec, limit) in enumerate(zip(specs, limits))]  # (draft-model rows: drafted below)
-        if not any(drafts) or not self._worth(len(rows), width, self._expected(specs, map(len, drafts)), suffix):
+        if not any(drafts) or not (probing or self._worth(len(rows), bucket, width,
+                                                          self._expected(specs, map(len, drafts)), suffix)):
             return None
         plan = Plan(drafts, width, modelled)
         if modelled:
@@ -165,47 +163,36 @@ class SpeculationPolicy:
     def _cost(self, kind: str, rows: int) -> float | None:
         return self.costs.get((kind, *self.bucket_of(kind.removesuffix("-draft"), rows)))
 
-    def _width(self, rows: int, bounds: dict[int, float], suffix: str) -> int | None:
-        """The width whose expected tokens per second (its bound) are best, if they beat decoding's; an
-        unmeasured width is chosen to be measured; after `reprobe_after` refusals one width is measured again."""
-        self.probing = False
+    def _width(self, rows: int, bucket: int, bounds: dict[int, float], suffix: str) -> tuple[int | None, bool]:
+        """(width, probing): the width whose expected tokens per second (its bound) are best, if they beat
+        decoding's; or, probing, an unmeasured width, or after `reprobe_after` refusals one width again, to be
+        measured (whatever the drafts found)."""
         if self.always:
-            return self.widths[-1]
+            return self.widths[-1], True
         decode_cost = self._cost("decode", rows)
         if decode_cost is None:
-            return None  # time a decode step first
+            return None, False  # time a decode step first
         unmeasured = [w for w in self.widths if self._cost(f"verify{w}{suffix}", rows) is None]
         if unmeasured:
-            self.probing = True
-            return unmeasured[-1]
-        bucket = self.bucket_of("decode", rows)[0]
+            return unmeasured[-1], True
         after = self.reprobe_after.get(bucket, REPROBE_STEPS)
-        if self.since_verify.get(bucket, 0) >= after:
+        if self.since_verify[bucket] >= after:
             self.reprobes += 1
             self.reprobe_after[bucket] = min(2 * after, REPROBE_MAX)  # (reset if it turns out to pay)
-            self.probing = True
-            return self.widths[self.reprobes % len(self.widths)]
+            return self.widths[self.reprobes % len(self.widths)], True
         best = max(self.widths, key=lambda w: bounds[w] / self._cost(f"verify{w}{suffix}", rows))
         if bounds[best] / self._cost(f"verify{best}{suffix}", rows) > rows / decode_cost:
             self.reprobe_after.pop(bucket, None)
-            return best
-        self._refused(rows)
-        return None
+            return best, False
+        self.since_verify[bucket] += 1
+        return None, False
 
-    def _worth(self, rows: int, width: int, expected: float, suffix: str) -> bool:
-        """With the drafts found: still worth it (always, while being measured)."""
-        if self.always or self.probing:
+    def _worth(self, rows: int, bucket: int, width: int, expected: float, suffix: str) -> bool:
+        """With the drafts found: still worth it."""
+        if expected / self._cost(f"verify{width}{suffix}", rows) > rows / self._cost("decode", rows):
             return True
-        cost = self._cost(f"verify{width}{suffix}", rows)
-        if expected / cost > rows / self._cost("decode", rows):
-            return True
-        self._refused(rows)
+        self.since_verify[bucket] += 1
         return False
-
-    def _refused(self, rows: int) -> None:
-        bucket = self.bucket_of("decode", rows)[0]
-        self.since_verify[bucket] = self.since_verify.get(bucket, 0) + 1
-        self.quiet_until[bucket] = self.steps + QUIET_STEPS
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
         """A step's program time: kind "decode", or "verify{w}" / "verify{w}-draft" (drafting included)."""
