@@ -1,9 +1,9 @@
 """The GPU suite in one command (`bash benchmarks/gpu.sh`): on a machine with CUDA, the test suite on CUDA,
 P1 and P6 (the decode step against context and against one read of the weights), P5 (HTTP vs in-engine), a
-served load at 1/32/128 streams (P11), and the CPU thread sweep of this larger machine; one results file and
-the rows for docs/benchmarks.md's GPU table, with the machine named.
+served load at 1/32/128 streams (P11), P15 (speculative decoding), and the CPU thread sweep of this larger
+machine; one results file and the rows for docs/benchmarks.md's GPU table, with the machine named.
 
-    bash benchmarks/gpu.sh [--parts tests,p1p6,p5,served,threads] [--quick] [--out-dir DIR]
+    bash benchmarks/gpu.sh [--parts tests,p1p6,p5,served,p15,threads] [--quick] [--out-dir DIR]
 
 Without CUDA it says so, runs the CPU-only parts (the thread sweep) and exits 0: CI runs it that way. Each
 part is a separate child process with its own deadline; a part that fails is recorded as failed and the rest
