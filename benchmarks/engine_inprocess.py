@@ -29,7 +29,7 @@ from common import (
     synchronize,
 )
 
-from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, prefill_dtype, resolve_dtype
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype
 from linserve.server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from linserve.server.settings import Settings  # noqa: E402
 
@@ -255,19 +255,19 @@ def main(argv: list[str] | None = None) -> None:
     results_threads = apply_threads(args.threads, args.prefill_threads)
     from transformers import AutoTokenizer
 
-    decode_dtype = resolve_dtype(args.dtype, device)  # as serve: the chunked form runs in prefill_dtype
-    lm = load_model(args.model, device, prefill_dtype(decode_dtype, device))
+    dtype = resolve_dtype(args.dtype, device)  # as serve: every form in this dtype
+    lm = load_model(args.model, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = lm.model
     quick = args.quick
     results = {**describe(device), "threads": results_threads.describe(), "model": args.model,
-               "dtype": str(decode_dtype), "prefill_dtype": str(next(model.parameters()).dtype)}
+               "dtype": str(dtype)}
     config = EngineConfig.from_settings(
         Settings(compile="off", session_store="none", num_slots=64, max_prefill_chunk=args.max_prefill_chunk,
                  threads=args.threads, prefill_threads=args.prefill_threads)
     )
     totals = DecodeTotals()
-    engine = Engine(model, tokenizer, config, device, totals, decode_dtype=decode_dtype).start()
+    engine = Engine(model, tokenizer, config, device, totals, dtype=dtype).start()
     try:
         if "P4" in args.targets:
             results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3, totals=totals)

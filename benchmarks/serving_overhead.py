@@ -32,7 +32,7 @@ from common import (  # noqa: E402
 )
 from engine_inprocess import DecodeTotals, run_streams  # noqa: E402
 
-from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, prefill_dtype, resolve_dtype  # noqa: E402
+from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype  # noqa: E402
 from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
 from linserve.server.engine import Engine, EngineConfig  # noqa: E402
 from linserve.server.settings import Settings  # noqa: E402
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     sizes = (1, 32)
-    decode_dtype = resolve_dtype(args.dtype, device)  # as serve: the chunked form runs in prefill_dtype
-    model = load_model(args.model, device, prefill_dtype(decode_dtype, device)).model
+    dtype = resolve_dtype(args.dtype, device)  # as serve: every form in this dtype
+    model = load_model(args.model, device, dtype).model
     config = EngineConfig.from_settings(
         # the server's settings, compile cache and thread count too
         Settings(session_store="none", num_slots=64, compile=args.compile, threads=args.threads,
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     totals = DecodeTotals()  # the engine thread's Python around the decode program, per row
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device, totals,
-                    decode_dtype=decode_dtype).start()
+                    dtype=dtype).start()
     engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm
     extra = ["--log-level", "warning", "--dtype", args.dtype,
              *(["--threads", str(args.threads)] if args.threads else []),
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         server.terminate()
         server.wait(30)
-    result = {**describe(device), "threads": engine.threads.describe(), "dtype": str(decode_dtype),
-              "prefill_dtype": str(next(model.parameters()).dtype), "tokens_per_stream": args.tokens, "reps": args.reps}
+    result = {**describe(device), "threads": engine.threads.describe(), "dtype": str(dtype),
+              "tokens_per_stream": args.tokens, "reps": args.reps}
     targets = {1: 0.9, 32: 0.9}  # SPEC P5: 0.9 at both
     for n in sizes:
         engine_rate = statistics.median(rates[("engine", n)])

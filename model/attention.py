@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import numerics
 from .config import ModelConfig
 from .feature_maps import FeatureMap
-from .linear_attention import chunked_forward, prefix_states, recurrent_step
+from .linear_attention import chunked_forward, recurrent_step, scan
 from .state import KVCacheState, LinearAttentionState
 
 
@@ -36,13 +37,13 @@ class _Heads(nn.Module):
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
         H, dh = self.config.n_heads, self.config.d_head
-        qkv = self.qkv(x).view(B, T, 3, H, dh)  # (B, T, 3, H, dh)
+        qkv = numerics.project(self.qkv, x).view(B, T, 3, H, dh)  # (B, T, 3, H, dh)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, dh)
         return q, k, v
 
     def merge(self, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         B, H, T, dh = o.shape
-        return self.proj(o.transpose(1, 2).reshape(B, T, H * dh).to(dtype))  # (B, T, C)
+        return numerics.project(self.proj, o.transpose(1, 2).reshape(B, T, H * dh).to(dtype))  # (B, T, C)
 
 
 class LinearAttention(_Heads):
@@ -79,21 +80,21 @@ class LinearAttention(_Heads):
         return self.merge(o, x.dtype), LinearAttentionState(S=S, z=z)
 
     def _attend(self, q, k, v, state: LinearAttentionState, key_mask: torch.Tensor | None, prefixes: bool = False):
-        """(B, H, T, dh) projections → o (B, H, T, dv) fp32 and the new (S, z); recurrent form at T = 1."""
+        """(B, H, T, dh) projections → o (B, H, T, dv) fp32 and the new (S, z): `recurrent_step` at T = 1; the
+        state after every prefix (speculative decoding) and bf16 inference (`numerics.exact_inference`) by
+        `scan` — the recurrence's own bits, however the sequence was split or batched; else (training, fp32)
+        the parallel chunked form."""
         phi_q = self.feature_map(q, is_query=True)  # (B, H, T, dk) fp32
         phi_k = self.feature_map(k, is_query=False)  # (B, H, T, dk) fp32
         if key_mask is not None:
             phi_k = phi_k * key_mask[:, None, :, None].float()  # (B, H, T, dk)
         v = v.float()  # (B, H, T, dv)
-        if prefixes:
-            o, _, _ = chunked_forward(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.chunk_size,
-                                      self.config.eps)  # (B, H, T, dv)
-            S, z = prefix_states(phi_k, v, state.S, state.z, self.log_decay)  # (B, T, H, dk, dv), (B, T, H, dk)
-            return o, S, z
-        if q.shape[2] == 1:
+        if q.shape[2] == 1 and not prefixes:
             o, S, z = recurrent_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state.S, state.z, self.log_decay,
                                      self.config.eps)
             return o[:, :, None], S, z  # (B, H, 1, dv)
+        if prefixes or numerics.exact_inference(q):  # prefixes: S (B, T, H, dk, dv), z (B, T, H, dk)
+            return scan(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.eps, prefixes)
         return chunked_forward(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.chunk_size,
                                self.config.eps)
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import numerics
 from .attention import build_attention
 from .config import ModelConfig
 from .state import BlockState, ModelState
@@ -57,7 +58,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(config.d_mlp, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x), approximate="tanh"))  # (B, T, C)
+        return numerics.project(self.down, numerics.gelu(numerics.project(self.up, x)))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -76,7 +77,7 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, state: BlockState, key_mask: torch.Tensor | None = None, prefixes: bool = False
     ) -> tuple[torch.Tensor, BlockState]:
-        h = self.ln_1(x)  # (B, T, C)
+        h = numerics.normalize(self.ln_1, x)  # (B, T, C)
         if key_mask is not None:
             h = h * key_mask[..., None].to(h.dtype)  # padding enters no window
         conv_state = state.conv
@@ -84,7 +85,7 @@ class Block(nn.Module):
             h, conv_state = self.conv(h, state.conv, prefixes)  # (B, T, C)
         a, attn_state = self.attn(h, state.attn, key_mask, prefixes)  # (B, T, C)
         x = x + a
-        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        x = x + self.mlp(numerics.normalize(self.ln_2, x))  # (B, T, C)
         return x, BlockState(attn=attn_state, conv=conv_state)
 
 
@@ -138,6 +139,7 @@ class LinearGPT(nn.Module):
         for block, block_state in zip(self.blocks, state.blocks):
             x, block_state = block(x, block_state, key_mask, prefixes)  # (B, T, C)
             new_blocks.append(block_state)
-        x = self.ln_f(x)  # (B, T, C)
-        logits = F.linear(x, self.wte.weight)  # (B, T, V) tied head
+        x = numerics.normalize(self.ln_f, x)  # (B, T, C)
+        head = numerics.linear if numerics.exact_inference(x) else F.linear
+        logits = head(x, self.wte.weight)  # (B, T, V) tied head
         return logits, ModelState(blocks=tuple(new_blocks))

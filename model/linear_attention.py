@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from . import numerics
+
 
 def decay_powers(log_decay: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
     """γ_h^i for i in [0, n): (H, n), in `like`'s dtype and device. All ones without decay."""
@@ -115,30 +117,28 @@ def chunked_forward(
     return o, state[..., :dv].contiguous(), state[..., dv].contiguous()
 
 
-def prefix_states(
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    S: torch.Tensor,
-    z: torch.Tensor,
-    log_decay: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state after every prefix of T tokens, from the state before them (speculative decoding's
-    rollback: the state after any accepted prefix comes out of the one verification pass).
+def decay_factors(log_decay: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """γ_h = exp(log γ_h) (H,) in fp32 through `numerics.exp` (the same bits eager and compiled); None: no decay."""
+    return None if log_decay is None else numerics.exp(log_decay.to(like.dtype))
 
-    phi_k (B, H, T, dk); v (B, H, T, dv); S (B, H, dk, dv); z (B, H, dk) →
-    S_all (B, T, H, dk, dv), z_all (B, T, H, dk) with S_all[:, j] = γ^(j+1)·S + Σ_{i≤j} γ^(j-i) φ(k_i) v_iᵀ,
-    which is what j + 1 recurrent steps give (within fp tolerance).
-    """
-    T = phi_k.shape[2]
-    ones = torch.ones(*v.shape[:-1], 1, device=v.device, dtype=v.dtype)
-    v_ext = torch.cat([v, ones], dim=-1)  # (B, H, T, dv+1): z rides as a column of ones
-    weights = _intra_chunk_weights(log_decay, T, phi_k)  # (H, T, T): γ^(j-i) for i ≤ j
-    outer = phi_k[..., :, None] * v_ext[..., None, :]  # (B, H, T, dk, dv+1)
-    added = torch.einsum("hji,bhixy->bjhxy", weights, outer)  # (B, T, H, dk, dv+1)
-    carry = decay_powers(log_decay, T + 1, phi_k)[:, 1:].T  # (T, H): γ^(j+1)
-    start = torch.cat([S, z[..., None]], dim=-1)  # (B, H, dk, dv+1)
-    states = added + carry[None, :, :, None, None] * start[:, None]  # (B, T, H, dk, dv+1)
-    return states[..., :-1], states[..., -1]
+
+def advance(S: torch.Tensor, z: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+            gamma: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token into the state: S ← γ·S + φ(k) vᵀ, z ← γ·z + φ(k), each element with exactly these roundings
+    (product, then sum). phi_k (..., dk); v (..., dv); S (..., dk, dv); z (..., dk), leading dims (B, H)."""
+    outer = phi_k[..., :, None] * v[..., None, :]  # (B, H, dk, dv)
+    if gamma is not None:
+        S = S * gamma[:, None, None]  # (B, H, dk, dv)
+        z = z * gamma[:, None]  # (B, H, dk)
+    return S + outer, z + phi_k
+
+
+def read_out(phi_q: torch.Tensor, S: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+    """o = φ(q)ᵀS / (φ(q)ᵀz + eps) with both contractions over d_k as `tree_sum`s (a fixed order).
+    phi_q (..., dk); S (..., dk, dv); z (..., dk) → (..., dv)."""
+    num = numerics.tree_sum(phi_q[..., :, None] * S, -2)  # (..., dv)
+    den = numerics.tree_sum(phi_q * z, -1)  # (...)
+    return num / (den[..., None] + eps)
 
 
 def recurrent_step(
@@ -151,17 +151,54 @@ def recurrent_step(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recurrent form for one token. phi_q, phi_k (B, H, dk); v (B, H, dv); S (B, H, dk, dv); z (B, H, dk).
+    The inputs are never modified; `scan` gives the same bits for every token of a sequence."""
+    S, z = advance(S, z, phi_k, v, decay_factors(log_decay, S))  # (B, H, dk, dv), (B, H, dk)
+    return read_out(phi_q, S, z, eps), S, z
 
-    Written as few full-state passes as possible (decode is bound by them at large batch): one
-    multiply-add builds the new S, one the new z; the inputs are never modified.
+
+SCAN_BLOCK = 64  # tokens whose states a scan holds at once: (B, H, 64, dk, dv + 1) fp32, whatever T is
+
+
+def scan(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    S: torch.Tensor,
+    z: torch.Tensor,
+    log_decay: torch.Tensor | None,
+    eps: float,
+    prefixes: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """T tokens through the recurrence, bit for bit what T `recurrent_step`s give, whatever T and wherever a
+    sequence is split: every state element follows its own sequential chain of the same roundings (z rides
+    as an extra value column of ones: γ·z + φ(k)·1 is `advance`'s z), and the outputs are read from the
+    stored states with `read_out`'s tree sums in one batched pass per block of tokens.
+
+    phi_q, phi_k (B, H, T, dk); v (B, H, T, dv); S (B, H, dk, dv); z (B, H, dk) → o (B, H, T, dv) and the state
+    after the T tokens — or, with `prefixes`, the state after every prefix: S (B, T, H, dk, dv), z (B, T, H, dk).
     """
-    if log_decay is not None:
-        gamma = torch.exp(log_decay.to(S.dtype))  # (H,)
-        S = torch.addcmul(gamma[:, None, None] * S, phi_k[..., :, None], v[..., None, :])  # (B, H, dk, dv)
-        z = torch.addcmul(phi_k, gamma[:, None], z)  # (B, H, dk)
-    else:
-        S = torch.addcmul(S, phi_k[..., :, None], v[..., None, :])  # (B, H, dk, dv)
-        z = z + phi_k  # (B, H, dk)
-    num = (phi_q[..., None, :] @ S).squeeze(-2)  # (B, H, dv)
-    den = (phi_q * z).sum(dim=-1, keepdim=True)  # (B, H, 1)
-    return num / (den + eps), S, z
+    B, H, T, dk = phi_q.shape
+    dv = v.shape[-1]
+    if T == 0:
+        return v.new_zeros(B, H, 0, dv), S, z
+    gamma = decay_factors(log_decay, S)  # (H,) or None
+    state = torch.cat([S, z[..., None]], dim=-1)  # (B, H, dk, dv+1)
+    decay = None if gamma is None else gamma[:, None, None].expand_as(state)  # (B, H, dk, dv+1)
+    keys = phi_k.permute(2, 0, 1, 3)  # (T, B, H, dk): time outermost, so a token's state is one slab
+    queries = phi_q.permute(2, 0, 1, 3)  # (T, B, H, dk)
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).permute(2, 0, 1, 3)  # (T, B, H, dv+1)
+    outs, blocks = [], []
+    for start in range(0, T, SCAN_BLOCK):
+        block = keys[start : start + SCAN_BLOCK, ..., None] * values[start : start + SCAN_BLOCK, ..., None, :]
+        for slab in block.unbind(0):  # (t, B, H, dk, dv+1) φ(k)vᵀ, in place: each slab becomes its token's state
+            slab.add_(state if decay is None else state * decay)  # γ·S + φ(k)vᵀ (+ is commutative)
+            state = slab  # (B, H, dk, dv+1)
+        ext = numerics.tree_sum(queries[start : start + SCAN_BLOCK, ..., None] * block, -2)  # (t, B, H, dv+1)
+        outs.append(ext[..., :dv] / (ext[..., dv:] + eps))  # (t, B, H, dv): read_out's sums and division
+        if prefixes:
+            blocks.append(block)
+    o = (torch.cat(outs) if len(outs) > 1 else outs[0]).permute(1, 2, 0, 3)  # (B, H, T, dv)
+    if prefixes:
+        every = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).transpose(0, 1)  # (B, T, H, dk, dv+1)
+        return o, every[..., :dv], every[..., dv]
+    return o, state[..., :dv].contiguous(), state[..., dv].contiguous()

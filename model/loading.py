@@ -47,14 +47,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def prefill_dtype(decode_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The weights' dtype for the chunked form (prefill, prompt scoring) beside a decode step in `decode_dtype`:
-    float32 on a CPU whatever the decode step's — there bf16's eager GEMMs at prefill sizes run 1.5-1.7x slower
-    than fp32's (a 256-token chunk of the shipped model: 62 vs 39 ms, 1 thread), while the decode step gains
-    from bf16's halved weight bytes — and the decode dtype elsewhere."""
-    return torch.float32 if device.type == "cpu" else decode_dtype
-
-
 def in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`model` itself when its weights are in `dtype` already, else a copy (eval mode) whose parameters are in
     `dtype` and whose buffers are not cast — as `from_pretrained(dtype=…)` loads them: a head's decay stays

@@ -17,7 +17,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from linserve.model.loading import (
     DEFAULT_CHECKPOINT,
     load_model,
-    prefill_dtype,
     resolve_device,
     resolve_dtype,
 )
@@ -79,19 +78,17 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
 
     path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
     device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)  # the decode step's; prefill's may differ (prefill_dtype)
-    model = load_model(path, device, prefill_dtype(dtype, device)).model
+    dtype = resolve_dtype(settings.dtype, device)  # every form's: prefill, decode steps and verification
+    model = load_model(path, device, dtype).model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     config = engine_config(settings, model)
     draft = load_draft(settings, model, tokenizer, device)
-    engine = Engine(model, tokenizer, config, device, metrics.observe, decode_dtype=dtype, draft_model=draft).start()
+    engine = Engine(model, tokenizer, config, device, metrics.observe, draft_model=draft).start()
     metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)
     if engine.decode_step is not None:
         metrics.watch_decode_step(engine.decode_step.describe)
     plan = engine.threads
     weights = str(dtype).removeprefix("torch.") + (" (auto)" if settings.dtype == "auto" else "")
-    if engine.decode_model is not engine.model:
-        weights += f" decode, {str(next(model.parameters()).dtype).removeprefix('torch.')} prefill"
     logger.info("loaded %s on %s (%s weights; %d intra-op CPU threads, %s: %g CPUs usable, OMP_WAIT_POLICY %s): "
                 "%d slots x %d state bytes", path, device, weights, plan.threads, plan.source,
                 plan.usable_cpus, plan.omp_wait_policy, config.num_slots, engine.pool.slot_bytes)

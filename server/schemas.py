@@ -285,10 +285,8 @@ class VersionInfo(BaseModel):
                          "built for this count)")
     cpu_threads: dict | None = Field(None, description="how the thread count was chosen: threads, usable_cpus "
                                      "(affinity mask and cgroup quota), source (setting or default), omp_wait_policy")
-    dtype: str | None = Field(None, description="the decode step's weights' dtype (the (S, z) state is fp32 "
-                              "whatever it is)")
-    prefill_dtype: str | None = Field(None, description="the weights' dtype of the chunked form (prefill, prompt "
-                                      "scoring): float32 on CPU, else the decode step's")
+    dtype: str | None = Field(None, description="the weights' dtype of every form — prefill, decode steps, "
+                              "verification (the (S, z) state is fp32 whatever it is)")
     decode_step: dict | None = Field(None, description="compile setting, status, buckets ready and compile=auto's "
                                      "verdict (decision, gain, quartiles, rounds, contention, provisional, source)")
 

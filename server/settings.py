@@ -98,8 +98,9 @@ class Settings(BaseSettings):
         "child process; CUDA: graphs); auto: where it pays"
     )
     compile_autotune: bool = Field(
-        True, description="CPU: Inductor times its GEMM choices while building each bucket (max-autotune): "
-        "faster programs, builds about twice as long; part of the cache key")
+        False, description="CPU: Inductor's own GEMM templates, timed per bucket (max-autotune): faster programs, "
+        "but a row's result then depends on its bucket and differs from prefill's — outputs are no longer "
+        "batch-invariant (docs/engine.md, 'Same request, same tokens'); part of the cache key")
     compile_cache_dir: str | None = Field(
         None, description="the compiled programs, one subdirectory per model, program source, dtype, torch version "
         "and device; unset: "

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from linserve.model import LinearGPT
+from linserve.model import LinearGPT, numerics
 from linserve.model.decode_step import state_names
 
 from . import compile_verdict
@@ -118,6 +118,7 @@ class DecodeStep:
             "decode step" if kind.drafts == 0 else f"verification step (k={kind.drafts})")
         self.names = state_names(model)
         self.buffers = [pool.buffers[name] for name in self.names]  # (num_slots, …) each
+        numerics.prepare_tables(device)  # the lookup tables exist before any compiler traces the program
         self.eager_program = kind.make(model)
         self.sizes = bucket_sizes(max_rows)
         self.autotune = autotune

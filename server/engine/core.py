@@ -76,16 +76,17 @@ STEP_FAILED = "the engine failed while serving this request (see the server log)
 
 class Engine:
     def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
-                 stats_sink: StatsSink | None = None, decode_dtype: torch.dtype | None = None,
+                 stats_sink: StatsSink | None = None, dtype: torch.dtype | None = None,
                  draft_model: LinearGPT | None = None) -> None:
-        """`model` runs the chunked form (prefill, prompt scoring); the decode step runs a copy of it with
-        weights in `decode_dtype` (None: the model itself) — see `model.loading.prefill_dtype`. `draft_model`:
+        """`model` serves every form — prefill, prompt scoring, decode steps, verification — with its weights in
+        `dtype` (None: as they are; else a copy): one function for every token, so a token's logits and state
+        never depend on which form computed it (docs/engine.md, "Same request, same tokens"). `draft_model`:
         speculative decoding's draft model (same tokenizer), if the server has one."""
         # before any op runs or program is built: kernels bake the count in
         self.threads = apply_threads(config.threads, config.prefill_threads)
-        self.model, self.config, self.device = model.eval(), config, device
+        self.model = model = (in_dtype(model, dtype) if dtype else model).eval()  # (every use below: this copy)
+        self.config, self.device = config, device
         self.linear = model.config.attention == "linear"
-        self.decode_model = in_dtype(self.model, decode_dtype) if decode_dtype and self.linear else self.model
         # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
         self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.tokenizer = tokenizer
@@ -97,9 +98,9 @@ class Engine:
                      else KVCachePool(model, config.num_slots, config.max_context, device))
         self.sampling = SlotSampling(config.num_slots, self.vocab_size, device)
         max_rows = min(config.num_slots, config.max_batch_tokens)
-        self.decode_step = DecodeStep(self.decode_model, self.pool, self.sampling, device, config.compile, max_rows,
+        self.decode_step = DecodeStep(self.model, self.pool, self.sampling, device, config.compile, max_rows,
                                       config.compile_cache_dir, config.compile_autotune) if self.linear else None
-        self.speculative = (SpeculativeDecoding(self.decode_model, self.pool, self.sampling, device, config, max_rows,
+        self.speculative = (SpeculativeDecoding(self.model, self.pool, self.sampling, device, config, max_rows,
                                                 self.decode_step, self.eos_id, draft_model) if self.linear else None)
         self.speculation = self.speculative.policy if self.speculative is not None else None
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
@@ -113,7 +114,7 @@ class Engine:
         self.store_worker = None if store is None else StoreWorker(store, config.session_store_timeout_s,
                                                                    self._store_result)
         # a snapshot names the decode weights: they made its state's tokens
-        self.registry = SessionRegistry(self.pool, self.decode_model, config.max_host_sessions, config.session_ttl_s,
+        self.registry = SessionRegistry(self.pool, self.model, config.max_host_sessions, config.session_ttl_s,
                                         self.reserved_slots, config.session_turns_kept, store, self.store_worker,
                                         config.session_text_chars if self.linear else 0)
         self.commands = CommandQueue()

@@ -31,7 +31,7 @@ from linserve.model import LinearGPT, ModelConfig
 logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.pt"
-ARTIFACT_FORMAT = 1  # part of the cache key: raise it whenever `build` makes different artifacts
+ARTIFACT_FORMAT = 2  # part of the cache key: raise it whenever `build` makes different artifacts
 
 
 def artifact_path(directory: str, num_slots: int, size: int, program: str = "decode") -> str:
@@ -103,10 +103,14 @@ class CompilerProcess:
 
 # ---------------------------------------------------------------------------------------------- the child
 def _load(directory: str) -> LinearGPT:
+    """The served model as the parent has it: parameters in its dtype, buffers as saved (a head's decay stays
+    fp32 — `in_dtype`, as `from_pretrained` loads it; cast to bf16 it would decay another state)."""
+    from linserve.model.loading import in_dtype
+
     payload = torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
-    model = LinearGPT(ModelConfig.from_dict(payload["config"])).to(getattr(torch, payload["dtype"]))
-    model.load_state_dict(payload["state_dict"])
-    return model.eval()
+    model = LinearGPT(ModelConfig.from_dict(payload["config"]))
+    model.load_state_dict(payload["state_dict"], assign=True)  # each tensor in its saved dtype
+    return in_dtype(model, getattr(torch, payload["dtype"])).eval()
 
 
 def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune: bool,
@@ -141,15 +145,37 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
     sampling = SlotSampling(num_slots, model.config.vocab_size, cpu)
     io = torch.zeros(kind.io_rows, size, dtype=torch.long)  # (rows, P): tokens (, limits), slots, positions
     args = (*kind.arguments(io), *pool.buffers.values(), *sampling.tensors())
-    inductor_config.freezing = True  # weights become constants: the C++ GEMM template packs them
+    inductor_config.freezing = True  # weights become constants
     inductor_config.autotune_num_choices_displayed = 0
     inductor_config.max_autotune_report_choices_stats = False
     with torch.no_grad():
         exported = torch.export.export(Program(), args, strict=False)
     temp = os.path.join(directory, f".{name}-s{num_slots}-b{size}.{os.getpid()}.pt2")
     torch._inductor.aoti_compile_and_package(exported, package_path=temp,
-                                             inductor_configs={"max_autotune": autotune, "freezing": True})
+                                             inductor_configs={**same_bits_as_eager(model), "max_autotune": autotune})
     os.replace(temp, artifact_path(directory, num_slots, size, name))
+
+
+def same_bits_as_eager(model: LinearGPT) -> dict:
+    """Inductor settings under which a program computes what the eager model does, bit for bit
+    (model/numerics.py): bf16 roundings where eager rounds (`emulate_precision_casts`: a fused kernel would
+    otherwise keep fp32 between ops), bf16 weights packed by oneDNN for one row — as `numerics.packed` packs
+    them eagerly, whose rows do not depend on the batch — and fp32 weights left to the BLAS call eager makes
+    (no prepacking: oneDNN's fp32 kernel rounds differently from MKL's). Max-autotune's own GEMM templates are
+    off for the same reason: their rows are not eager's."""
+    from torch._inductor.fx_passes import mkldnn_fusion
+
+    device_op = mkldnn_fusion.CpuMkldnnDeviceOp
+    if not getattr(device_op.pack_linear_weight, "packs_for_one_row", False):
+        original = device_op.pack_linear_weight
+
+        def pack_for_one_row(self, graph, is_lp_weight, transpose_weight_node, batch_size):
+            return original(self, graph, is_lp_weight, transpose_weight_node, 1 if is_lp_weight else batch_size)
+
+        pack_for_one_row.packs_for_one_row = True
+        device_op.pack_linear_weight = pack_for_one_row
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    return {"freezing": True, "emulate_precision_casts": True, "cpp.weight_prepack": bf16}
 
 
 def quiet_compiler_warnings() -> None:

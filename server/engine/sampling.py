@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from linserve.model import numerics
+
 from .types import SamplingParams, TokenLogprob
 
 MASK32 = 0xFFFFFFFF
@@ -126,9 +128,13 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _tempered(processed: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax (B,), softmax(logits / T) (B, V)); rows with temperature 0 get T = 1 (their argmax is used)."""
+    """(argmax (B,), softmax(logits / T) (B, V) in float64); rows with temperature 0 get T = 1 (their argmax is
+    used). The exponentials are float64 (the eager and the compiled program's exp differ in fp32's last bit,
+    enough to move an inverse-CDF draw across a boundary; in float64 the difference is ~1e-16)."""
     scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # (B,)
-    return processed.argmax(dim=-1), torch.softmax(processed / scale[:, None], dim=-1)
+    scaled = processed / scale[:, None]  # (B, V)
+    weights = torch.exp((scaled - scaled.amax(dim=-1, keepdim=True)).double())  # (B, V) float64, max 1
+    return processed.argmax(dim=-1), weights / weights.sum(dim=-1, keepdim=True)
 
 
 def sample_plain(processed: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -172,8 +178,15 @@ def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Te
                                seen.index_select(0, slots))  # (B, V)
     uniforms = counter_uniforms(seed.index_select(0, slots), positions)  # (B,)
     tokens = sample_plain(processed, row_floats[0], uniforms)  # (B,)
-    logprob = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]  # (B,)
-    return tokens, logprob, finite, uniforms, processed
+    return tokens, chosen_logprob(logits, tokens), finite, uniforms, processed
+
+
+def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] (B,) fp32 — its sum a fixed tree and its exp/log in float64, so the eager
+    and the compiled program report the same bits (model/numerics.py)."""
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # (B, V) exact
+    total = numerics.tree_sum(torch.exp(shifted.double()), -1)  # (B,) float64
+    return (shifted.gather(1, tokens[:, None])[:, 0].double() - torch.log(total)).float()  # (B,)
 
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (almost) no mass

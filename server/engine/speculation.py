@@ -31,7 +31,7 @@ from .live import Row
 from .types import EngineConfig, EngineError, SamplingParams
 
 REPROBE_STEPS = 64  # decode steps chosen over verification before verification is timed again...
-REPROBE_MAX = 2048  # ...doubling (to this) each time the new timing finds it still does not pay
+REPROBE_MAX = 256  # ...doubling (to this) each time it still does not pay: a long generation keeps asking
 QUIET_STEPS = 8  # after a refusal, steps of that batch bucket decoded without weighing verification again
 COST_DECAY = 0.8  # running mean of a program's time: new = DECAY·old + (1 − DECAY)·sample
 ACCEPT_DECAY = 0.9  # a row's acceptance counts fade so its estimate follows the text

@@ -70,8 +70,7 @@ async def version(request: Request) -> VersionInfo:
                        device=str(engine.device) if engine is not None else None,
                        threads=engine.threads.threads if engine is not None else torch.get_num_threads(),
                        cpu_threads=engine.threads.describe() if engine is not None else None,
-                       dtype=weights_dtype(engine.decode_model) if engine else None,
-                       prefill_dtype=weights_dtype(engine.model) if engine else None,
+                       dtype=weights_dtype(engine.model) if engine else None,
                        decode_step=step.describe() if step is not None else None)
 
 

@@ -10,7 +10,6 @@ from linserve.model.loading import (
     cpu_computes_bf16,
     in_dtype,
     load_model,
-    prefill_dtype,
     resolve_dtype,
 )
 
@@ -42,12 +41,6 @@ def test_resolve_dtype():
     assert resolve_dtype("auto", torch.device("cuda")) is torch.float32  # resolved without touching a GPU
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("float16", cpu)
-
-
-def test_prefill_dtype_is_fp32_on_cpu_and_the_decode_dtype_elsewhere():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert prefill_dtype(torch.bfloat16, cpu) is torch.float32 and prefill_dtype(torch.float32, cpu) is torch.float32
-    assert prefill_dtype(torch.bfloat16, cuda) is torch.bfloat16 and prefill_dtype(torch.float32, cuda) is torch.float32
 
 
 def test_in_dtype_casts_a_copys_parameters_not_its_buffers_as_from_pretrained_loads():

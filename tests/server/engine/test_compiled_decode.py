@@ -187,17 +187,16 @@ def decode_through(step: DecodeStep, model, prompt: list[int], count: int, force
 
 
 def test_shipped_model_compiled_over_512_tokens_and_bf16(device, compile_cache):
-    """fp32 compiled == fp32 eager, token for token over 512 greedy tokens, logits within 1e-4.
+    """The default configuration — the shipped model in bf16 — compiled == eager bit for bit: the same 512
+    greedy tokens and identical logits (model/numerics.py; on CUDA within 1e-4: cuBLAS is not batch-invariant).
 
-    bf16 weights (state fp32), eager, fed fp32's 512 tokens: logits within 0.3 of fp32's and the same top-1
-    token at ≥ 97% of positions. (Its own greedy run follows fp32's until a near tie — the 84th token with
-    the shipped model — flips; after that the text differs, as with any bf16 model.) The compiled bf16
-    program is the same program with other weights; building it too would cost this suite minutes."""
+    Against fp32 weights, fed fp32's tokens: logits within 0.3 and the same top-1 token at ≥ 97% of positions
+    (its own greedy run follows fp32's until a near tie flips, as with any bf16 model)."""
     from transformers import AutoTokenizer
 
     prompt = AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT)).encode("ROMEO:\nBut soft, what light")
     steps = {}
-    for dtype, modes in ((torch.float32, ("off", "on")), (torch.bfloat16, ("off",))):
+    for dtype, modes in ((torch.bfloat16, ("off", "on")), (torch.float32, ("off",))):
         model = load_model(DEFAULT_CHECKPOINT, device, dtype).model
         for mode in modes:
             step = make_step(model, StatePool(model, 2, device), device, mode, cache_dir=compile_cache)
@@ -205,12 +204,14 @@ def test_shipped_model_compiled_over_512_tokens_and_bf16(device, compile_cache):
             step.start()
             assert step.wait_compiled(BUILD_WAIT_S) or mode == "off", step.status
             steps[dtype, mode] = step, model
+    eager_tokens, eager_logits = decode_through(*steps[torch.bfloat16, "off"], prompt, 512)
+    compiled_tokens, compiled_logits = decode_through(*steps[torch.bfloat16, "on"], prompt, 512)
+    assert compiled_tokens == eager_tokens
+    if device.type == "cpu":
+        assert torch.equal(compiled_logits, eager_logits)
+    else:
+        torch.testing.assert_close(compiled_logits, eager_logits, rtol=0, atol=1e-4)
     fp32_tokens, fp32_logits = decode_through(*steps[torch.float32, "off"], prompt, 512)
-    compiled_tokens, compiled_logits = decode_through(*steps[torch.float32, "on"], prompt, 512)
-    assert compiled_tokens == fp32_tokens
-    torch.testing.assert_close(compiled_logits, fp32_logits, rtol=0, atol=1e-4)
-    greedy, _ = decode_through(*steps[torch.bfloat16, "off"], prompt, 64)
-    assert greedy == fp32_tokens[:64]
     _, logits = decode_through(*steps[torch.bfloat16, "off"], prompt, 512, forced=fp32_tokens)
     assert (logits - fp32_logits).abs().max() < 0.3
     assert (logits.argmax(-1) == fp32_logits.argmax(-1)).float().mean() >= 0.97

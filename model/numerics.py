@@ -1,0 +1,156 @@
+"""Batch-invariant numerics: bf16 inference on a CPU whose every rounding is fixed by the code.
+
+A served token must not depend on what else is computed beside it — the batch, the bucket, how a prompt was
+chunked, speculation, a session's turns — nor on which backend evaluates the step (torch's eager kernels or
+the program Inductor compiles from the same code). Library kernels do not promise that: a reduction's order
+is the kernel's choice (eager LayerNorm and Inductor's disagree in ~30% of fp32 outputs), eager `exp`/`tanh`
+(MKL's VML) and Inductor's (SLEEF) differ in the last bit, a GEMM picks its kernel by the shape. In bf16,
+where one rounding moves a value by 2⁻⁸, such a difference reaches the logits and flips near ties. So where
+`exact_inference` holds — no autograd, bf16 activations on a CPU with oneDNN — the model computes only with:
+
+- elementwise IEEE operations (+, -, ×, ÷, sqrt, comparisons, casts): correctly rounded, the same bits on
+  every backend (Inductor's C++ is built without floating-point contraction, so a·b + c stays two roundings);
+- reductions as `tree_sum`: a fixed pairwise tree of elementwise adds over slices — the code's order;
+- functions of one bf16 value (GELU, ELU+1) as lookups in a 65,536-entry table of the float64 value,
+  rounded once (`bf16_table`); `exp` of fp32 values in float64 (any two faithful float64 implementations
+  round to the same float32 unless the exact value lies within ~2⁻²⁹ of a rounding boundary);
+- matrix products through oneDNN's bf16 inner product over weights packed for one row (`linear`): its rows
+  do not depend on how many rows share the call (a plain bf16 GEMM switches kernels above 32 rows once
+  K > 256) — checked for every projection shape by tests/model/test_numerics.py;
+- linear attention's recurrence for every token in every form (linear_attention.scan).
+
+Elsewhere (training, fp32 weights, CUDA) the model keeps torch's fused kernels and the chunked form: the same
+function to rounding, not to the bit (fp32's rounding is 2⁻²⁴: measured outputs agree token for token, but
+nothing guarantees it — docs/engine.md, "Same request, same tokens").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+def exact_inference(x: torch.Tensor) -> bool:
+    """Whether the model computes `x`'s layer with this module's functions: inference (no autograd) with bf16
+    weights and activations on a CPU with oneDNN."""
+    return (not torch.is_grad_enabled() and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and torch._C._has_mkldnn and not torch.is_autocast_enabled("cpu"))  # (autocast: fp32 weights)
+
+
+def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Σ over `dim` as a fixed pairwise tree: halves added elementwise (an odd last element rides along to
+    the next level), so every backend adds in the same order. The dimension is removed."""
+    dim = dim % x.dim()
+    while x.shape[dim] > 1:
+        size = x.shape[dim]
+        half = size // 2
+        summed = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+        x = torch.cat([summed, x.narrow(dim, 2 * half, 1)], dim) if size % 2 else summed
+    return x.squeeze(dim)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear through oneDNN's bf16 inner product over `packed` weights: every row the same bits whatever
+    else is in x. x (..., K) bf16; weight (N, K) bf16 → (..., N). A compiled program traces a plain F.linear,
+    which Inductor's freezing packs the same way (program_compiler.same_bits_as_eager)."""
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
+
+
+_PACKED = WeakIdKeyDictionary()  # weight → (its version when packed, the packed weight)
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (N, K) in oneDNN's blocked layout for a batch of one: made once per weight (again if the
+    weight is written in place), dropped with it."""
+    hit = _PACKED.get(weight)
+    if hit is None or hit[0] != weight._version:
+        hit = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        _PACKED[weight] = hit
+    return hit[1]
+
+
+_TABLES: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def bf16_table(name: str, fn, out_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """fn of every bfloat16 value, evaluated in float64 and rounded once to out_dtype: (65536,) indexed by the
+    input's bit pattern. A function of a bf16 tensor is then one lookup, the same bits on every backend.
+    Made once per device, with real tensors even while a compiler traces (the table is a constant to it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (name, device, out_dtype)
+    if key not in _TABLES:
+        if torch.compiler.is_dynamo_compiling():
+            raise RuntimeError(f"the {name} table for {device} must exist before Dynamo traces the model: "
+                               "call linserve.model.numerics.prepare_tables(device) first")
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)  # every pattern, in index order
+            values = bits.view(torch.bfloat16).double()  # (65536,)
+            table = fn(values).to(out_dtype)  # (65536,)
+            _TABLES[key] = table.roll(-32768).to(device)  # index i holds the value whose pattern is i (unsigned)
+    return _TABLES[key]
+
+
+def prepare_tables(device: torch.device | str) -> None:
+    """Make every lookup table the model uses at inference on `device` (before a compiler traces it)."""
+    from .feature_maps import elu1
+
+    bf16_table("elu1", elu1, torch.float32, device)
+    bf16_table("gelu_tanh", _gelu_tanh64, torch.bfloat16, device)
+
+
+def lookup(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """table (65536,) at x's bf16 bit patterns: (...) in the table's dtype."""
+    index = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # (...) unsigned pattern
+    return table.index_select(0, index.reshape(-1)).view(x.shape)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """exp in float64, rounded to x's dtype (float32 or wider): the same bits from any backend."""
+    return torch.exp(x.double()).to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension, computed in fp32 with tree sums and returned in x's dtype."""
+    h = x.float()  # (..., C)
+    n = h.shape[-1]
+    mean = tree_sum(h, -1)[..., None] / n  # (..., 1)
+    centred = h - mean  # (..., C)
+    var = tree_sum(centred * centred, -1)[..., None] / n  # (..., 1)
+    y = centred / torch.sqrt(var + eps) * weight.float()  # (..., C)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_tanh64(h: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation, 0.5·h·(1 + tanh(√(2/π)·(h + 0.044715·h³))), of float64 values."""
+    return 0.5 * h * (1.0 + torch.tanh((h + 0.044715 * (h * h * h)) * GELU_SCALE))
+
+
+def project(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A Linear module's function: `linear` where `exact_inference`, else the module itself."""
+    return linear(x, layer.weight, layer.bias) if exact_inference(x) else layer(x)
+
+
+def normalize(layer: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """A LayerNorm module's function: `layer_norm` where `exact_inference`, else torch's kernel."""
+    return layer_norm(x, layer.weight, layer.bias, layer.eps) if exact_inference(x) else layer(x)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation): a `bf16_table` lookup where `exact_inference`, else torch's kernel."""
+    if exact_inference(x):
+        return lookup(bf16_table("gelu_tanh", _gelu_tanh64, torch.bfloat16, x.device), x)
+    return F.gelu(x, approximate="tanh")
