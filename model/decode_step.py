@@ -53,7 +53,7 @@ def flat_verify_step(model: LinearGPT) -> FlatStep:
 
         step(tokens (B, T), *state) -> (logits (B, T, V) fp32, *state after every prefix (B, T, …) each)
 
-    in `state_names` order; the chunked form over the T tokens, so one pass verifies a draft."""
+    in `state_names` order; the recurrence's scan over the T tokens, so one pass verifies a draft."""
     if model.config.attention != "linear":
         raise ValueError("verifying drafts from a fixed (S, z) state needs attention 'linear'")
     def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:

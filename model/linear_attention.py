@@ -1,4 +1,4 @@
-"""The maths of causal linear attention, in its two forms.
+"""The maths of causal linear attention, in its forms.
 
 Per head, with features φ(q_t), φ(k_t) (d_k) and values v_t (d_v), optional decay γ (1 without):
 
@@ -9,7 +9,9 @@ Per head, with features φ(q_t), φ(k_t) (d_k) and values v_t (d_v), optional de
 `recurrent_step` is that recurrence for one token. `chunked_forward` computes the same function for
 T tokens at once: inside a chunk of C tokens a masked (C, C) product, across chunks the state carried
 forward, so memory is O(C² + d_k·d_v) per head and chunk, never O(T²). z rides along as an extra
-value column of ones, so numerator and denominator come out of the same products.
+value column of ones, so numerator and denominator come out of the same products. `scan` runs T tokens
+through the recurrence itself — the same bits as T `recurrent_step`s, however a sequence is split (inference
+in bf16, and speculative decoding's state after every prefix: model/numerics.py).
 
 Every tensor here is fp32 (callers cast); states are returned, never mutated in place.
 """

@@ -67,9 +67,10 @@ _PACKED = WeakIdKeyDictionary()  # weight → (its version when packed, the pack
 def packed(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (N, K) in oneDNN's blocked layout for a batch of one: made once per weight (again if the
     weight is written in place), dropped with it."""
+    version = 0 if weight.is_inference() else weight._version  # (an inference tensor keeps no version count)
     hit = _PACKED.get(weight)
-    if hit is None or hit[0] != weight._version:
-        hit = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+    if hit is None or hit[0] != version:
+        hit = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
         _PACKED[weight] = hit
     return hit[1]
 

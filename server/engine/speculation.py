@@ -2,9 +2,9 @@
 
 A verification step (verify_program.py) costs more than a decode step — k + 1 tokens per row through the
 model — and gives each row 1 + its accepted drafts. It pays when the batch's expected tokens per second of
-verification beat one token per row per second of decoding. Both costs are *measured*: each program call's
-time goes into a running mean per (program, batch bucket, compiled or eager), and a cost not measured yet
-is measured by running that program once. A row's expected tokens come from its own acceptance so far
+verification beat one token per row per second of decoding. Both costs are *measured*: a program's cost per
+(program, batch bucket, compiled or eager) is the least of its last 8 timings, and a width is timed twice before
+it is weighed (its first call pays for one-off set-up). A row's expected tokens come from its own acceptance so far
 (accepted drafts over drafts tested, with a prior of one half, decaying so it follows the text):
 1 + a + a² + … + a^d for d drafts. A large batch makes verification cost more than it saves, so it backs off
 to plain decode steps by itself; it times verification again after `REPROBE_STEPS` refusals, and after twice
@@ -20,7 +20,7 @@ its last token), and rows within one token of max_tokens.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from .compiled_decode import DecodeStep
@@ -33,7 +33,9 @@ from .types import EngineConfig, EngineError, SamplingParams
 REPROBE_STEPS = 64  # decode steps chosen over verification before verification is timed again...
 REPROBE_MAX = 256  # ...doubling (to this) each time it still does not pay: a long generation keeps asking
 QUIET_STEPS = 8  # after a refusal, steps of that batch bucket decoded without weighing verification again
-COST_DECAY = 0.8  # running mean of a program's time: new = DECAY·old + (1 − DECAY)·sample
+COST_SAMPLES = 8  # a program's cost: the least of its last 8 timings (noise only adds time: an interrupted step,
+# a first call's one-off set-up — a running mean let one slow first timing refuse verification for the whole run)
+TIMINGS_TO_TRUST = 2  # a width is weighed once timed twice (its first call pays for set-up)
 ACCEPT_DECAY = 0.9  # a row's acceptance counts fade so its estimate follows the text
 
 
@@ -83,7 +85,8 @@ class SpeculationPolicy:
         `widths`: the verification programs there are (drafts per step), at most k."""
         self.default_method, self.k, self.eos_id, self.bucket_of = default_method, k, eos_id, bucket_of
         self.draft, self.widths = draft, widths or [k]
-        self.costs: dict[tuple[str, int, bool], float] = {}
+        self.costs: dict[tuple[str, int, bool], float] = {}  # (kind, bucket, compiled) → seconds
+        self.timings: dict[tuple[str, int, bool], deque[float]] = {}  # the recent timings behind each cost
         # per batch bucket (a batch size where verification does not pay says nothing of another):
         self.since_verify: defaultdict[int, int] = defaultdict(int)  # steps refused since verification last ran
         self.reprobe_after: dict[int, int] = {}  # refusals before it is timed again (absent: REPROBE_STEPS)
@@ -172,7 +175,7 @@ class SpeculationPolicy:
         decode_cost = self._cost("decode", rows)
         if decode_cost is None:
             return None, False  # time a decode step first
-        unmeasured = [w for w in self.widths if self._cost(f"verify{w}{suffix}", rows) is None]
+        unmeasured = [w for w in self.widths if not self._trusted(f"verify{w}{suffix}", rows)]
         if unmeasured:
             return unmeasured[-1], True
         after = self.reprobe_after.get(bucket, REPROBE_STEPS)
@@ -187,6 +190,10 @@ class SpeculationPolicy:
         self.since_verify[bucket] += 1
         return None, False
 
+    def _trusted(self, kind: str, rows: int) -> bool:
+        key = (kind, *self.bucket_of(kind.removesuffix("-draft"), rows))
+        return key in self.costs and len(self.timings.get(key, ())) != 1  # (a cost set without timings: given)
+
     def _worth(self, rows: int, bucket: int, width: int, expected: float, suffix: str) -> bool:
         """With the drafts found: still worth it."""
         if expected / self._cost(f"verify{width}{suffix}", rows) > rows / self._cost("decode", rows):
@@ -197,8 +204,9 @@ class SpeculationPolicy:
     def observe(self, kind: str, rows: int, seconds: float) -> None:
         """A step's program time: kind "decode", or "verify{w}" / "verify{w}-draft" (drafting included)."""
         key = (kind, *self.bucket_of(kind.removesuffix("-draft"), rows))
-        old = self.costs.get(key)
-        self.costs[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        timings = self.timings.setdefault(key, deque(maxlen=COST_SAMPLES))
+        timings.append(seconds)
+        self.costs[key] = min(timings)
         if kind != "decode":
             self.since_verify[self.bucket_of("decode", rows)[0]] = 0
 

@@ -1,8 +1,9 @@
 """Speculative decoding's verification step as one program: k drafted tokens for every row checked in one
-chunked pass from the rows' (S, z), and the state rolled back to the last accepted token — exactly.
+pass from the rows' (S, z), and the state rolled back to the last accepted token — exactly.
 
 A row feeds [pending, d1 … dk]: its pending token (chosen last step, not yet in the state) and its drafts.
-The model runs the chunked form over those k + 1 tokens from the row's state and keeps the state after
+The model runs those k + 1 tokens from the row's state (the projections over all of them at once, the
+recurrence token by token: `linear_attention.scan`) and keeps the state after
 every prefix (`LinearGPT.forward(prefixes=True)`), so position j's logits are what a plain decode step
 would see after d1 … dj, and the state after any accepted prefix is already there: rolling back is
 picking it (`ModelState.select_prefix`), never recomputing.
@@ -11,8 +12,9 @@ Acceptance (`accept_drafts`), per row, position by position while j < the row's 
 has; 0 = a plain decode step): position j's token is chosen exactly as a plain decode step would choose it
 — the argmax for greedy rows, for sampled ones the inverse-CDF draw with the uniform of (seed, absolute
 position) — and d(j+1) is accepted while it equals that token. The emitted tokens are therefore the tokens
-non-speculative decoding emits, greedy or sampled, whatever was drafted (within fp tolerance of the
-chunked form): a session continued, a batch shared or a draft changed never changes the output. For a
+non-speculative decoding emits, greedy or sampled, whatever was drafted (bit for bit in bf16 on a CPU,
+model/numerics.py; to fp32 rounding elsewhere): a session continued, a batch shared or a draft changed never
+changes the output. For a
 sampled row this is the standard accept/resample rule for a point-mass proposal, realised with shared
 uniforms: d is accepted with probability p_j(d), and a rejected position's token is distributed as p_j
 without d — so every emitted token is distributed as p, and reproducible under a seed.

@@ -272,10 +272,15 @@ def test_the_policy_verifies_only_while_it_pays():
     policy.observe("decode", 4, 0.010)
     plan = policy.plan(rows)
     assert plan.width == 4 and plan.drafts == [[3, 4, 1, 2]] * 4  # not timed yet: timed now
+    policy.observe("verify4", 4, 0.300)  # a first call (one-off set-up: 30x a decode step)...
+    assert policy.plan(rows).width == 4  # ...is timed again before it is weighed
     policy.observe("verify4", 4, 0.030)  # 3x a decode step: 4 rows x ~1.94 expected tokens do not pay
     plan = policy.plan(rows)
     assert plan.width == 2 and plan.drafts == [[3, 4]] * 4  # the other width, not timed yet
     policy.observe("verify2", 4, 0.030)
+    assert policy.plan(rows).width == 2
+    policy.observe("verify2", 4, 0.030)
+    assert policy.costs[("verify4", 4, True)] == 0.030  # the least recent timing wins: the first no longer weighs
     assert policy.plan(rows) is None  # neither pays
     for spec in (r.speculation for r in rows):  # the rows' drafts turn out to be accepted all the time
         for _ in range(20):
@@ -284,21 +289,28 @@ def test_the_policy_verifies_only_while_it_pays():
     assert all(policy.plan(rows) is None for _ in range(QUIET_STEPS - 1))
     assert policy.plan(rows).width == 4  # ...then: 4 x ~5 tokens per 30 ms beat 4 per 10 ms (and 4 x ~3 at width 2)
     policy.observe("verify4", 4, 0.030)  # (the step ran)
-    policy.costs[("verify4", 4, True)] = 0.2  # the wide one far too slow now, the narrow one at 20 ms:
-    policy.costs[("verify2", 4, True)] = 0.02
+    timed(policy, "verify4", 0.2)  # the wide one far too slow now, the narrow one at 20 ms:
+    timed(policy, "verify2", 0.02)
     assert policy.plan(rows).width == 2  # 4 x ~3 tokens per 20 ms beat 4 per 10 ms
     policy.observe("verify2", 4, 0.030)
-    policy.costs[("verify2", 4, True)] = 1.0  # and now nothing pays: back off...
+    timed(policy, "verify2", 1.0)  # and now nothing pays: back off...
     assert all(policy.plan(rows) is None for _ in range(REPROBE_STEPS))
     plan = policy.plan(rows)  # ...and time one width again after REPROBE_STEPS refusals
-    policy.observe(f"verify{plan.width}", 4, 1.0)  # still far too slow: the next timing waits twice as long
+    timed(policy, f"verify{plan.width}", 1.0)  # still far too slow: the next timing waits twice as long
     assert all(policy.plan(rows) is None for _ in range(2 * REPROBE_STEPS))
     plan = policy.plan(rows)
-    policy.observe(f"verify{plan.width}", 4, 1.0)
+    timed(policy, f"verify{plan.width}", 1.0)
     assert all(policy.plan(rows) is None for _ in range(4 * REPROBE_STEPS))
-    policy.observe(f"verify{policy.plan(rows).width}", 4, 1.0)
-    policy.costs[("verify4", 4, True)] = policy.costs[("verify2", 4, True)] = 0.02  # verifying pays again...
+    timed(policy, f"verify{policy.plan(rows).width}", 1.0)
+    timed(policy, "verify4", 0.02)  # verifying pays again...
+    timed(policy, "verify2", 0.02)
     assert policy.plan(rows) is not None and 4 not in policy.reprobe_after  # ...and the count starts over
+
+
+def timed(policy, kind: str, seconds: float) -> None:
+    """A program that now takes `seconds` every time (its whole window of recent timings)."""
+    for _ in range(8):
+        policy.observe(kind, 4, seconds)
 
 
 def test_a_step_that_also_prefills_does_not_speculate(make_engine):
