@@ -280,7 +280,7 @@ def test_the_policy_verifies_only_while_it_pays():
     policy.observe("verify2", 4, 0.030)
     assert policy.plan(rows).width == 2
     policy.observe("verify2", 4, 0.030)
-    assert policy.costs[("verify4", 4, True)] == 0.030  # the least recent timing wins: the first no longer weighs
+    assert policy.costs[("verify4", 4, True)] == 0.030  # the smallest recent timing: the first no longer weighs
     assert policy.plan(rows) is None  # neither pays
     for spec in (r.speculation for r in rows):  # the rows' drafts turn out to be accepted all the time
         for _ in range(20):
