@@ -80,6 +80,9 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)  # every form's: prefill, decode steps and verification
     model = load_model(path, device, dtype).model
+    if model.config.attention != "linear":  # the softmax baseline stays fp32: its KV cache is sized in it
+        model = model.float()
+        dtype = next(model.parameters()).dtype
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     config = engine_config(settings, model)
     draft = load_draft(settings, model, tokenizer, device)
