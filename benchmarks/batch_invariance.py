@@ -21,7 +21,6 @@ For each, two things:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import statistics
 import sys
@@ -33,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 from common import emit, machine_check, reference_workload_ms  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
+from threads import interleaved_rates  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
 from linserve.model.training.corpus import load_corpus  # noqa: E402
-from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
 
 SERVERS = {
     "exact": ([], {}),
@@ -78,14 +77,6 @@ def invariance(port: int, batch: list[list[int]], generate: int) -> dict:
     return counts
 
 
-def rate(port: int, streams: int, tokens: int) -> float:
-    spec = LoadSpec(url=f"http://127.0.0.1:{port}", concurrency=streams, requests=streams, warmup=0,
-                    prompt_tokens=32, max_tokens=tokens, ignore_eos=True, temperature=0.8)
-    _, records, wall = asyncio.run(run_load(spec))
-    assert all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
-    return sum(r.completion_tokens for r in records) / wall
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT))
@@ -112,13 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         batch = prompts(args.corpus_dir, 8, args.prompt_tokens)
         identical = {name: invariance(port, batch, args.generate) for name, (port, _) in servers.items()}
         loads = {"1_stream": (1, args.tokens), "8_streams": (8, max(args.tokens // 2, 1))}
-        rates = {(name, load): [] for name in servers for load in loads}
-        for port, _ in servers.values():
-            rate(port, 1, 8)  # warm-up
-        for _ in range(args.reps):
-            for load, (streams, tokens) in loads.items():
-                for name, (port, _) in servers.items():
-                    rates[(name, load)].append(rate(port, streams, tokens))
+        rates = interleaved_rates({name: port for name, (port, _) in servers.items()}, loads, args.reps)
     finally:
         for _, process in servers.values():
             process.terminate()

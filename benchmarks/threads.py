@@ -46,6 +46,19 @@ def rate(port: int, streams: int, tokens: int) -> float:
     return sum(r.completion_tokens for r in records) / wall
 
 
+def interleaved_rates(ports: dict, loads: dict[str, tuple[int, int]], reps: int) -> dict:
+    """{(server, load): [tokens/s per repetition]}: a warm-up each, then every load on every server in turn
+    within each repetition, so the machine's drift falls on all of them."""
+    rates = {(key, load): [] for key in ports for load in loads}
+    for port in ports.values():
+        rate(port, 1, 8)  # warm-up
+    for _ in range(reps):
+        for load, (streams, tokens) in loads.items():
+            for key, port in ports.items():
+                rates[(key, load)].append(rate(port, streams, tokens))
+    return rates
+
+
 def candidate_threads() -> list[int]:
     usable = int(usable_cpus())
     counts = {1, 2, 4, 8, usable - 1, usable, default_threads(usable_cpus())}
@@ -80,13 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                 env=env, compile=args.compile))
         versions = {key: httpx.get(f"http://127.0.0.1:{port}/version", timeout=10).json()
                     for key, (port, _) in servers.items()}
-        rates = {(key, load): [] for key in servers for load in loads}
-        for port, _ in servers.values():
-            rate(port, 1, 8)  # warm-up
-        for _ in range(args.reps):
-            for load, (streams, tokens) in loads.items():
-                for key, (port, _) in servers.items():
-                    rates[(key, load)].append(rate(port, streams, tokens))
+        rates = interleaved_rates({key: port for key, (port, _) in servers.items()}, loads, args.reps)
     finally:
         for _, process in servers.values():
             process.terminate()
