@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from linserve.server.version import package_version
 
@@ -244,7 +245,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         seconds = ", ".join(f"{size}: {s:.1f} s" for size, s in step.compile_seconds.items())
         print(f"{step.label} {step.status}: buckets {step.ready_sizes} of {step.sizes} ({seconds}) in {step.cache_dir}")
         statuses.append(step.status)
-    return 0 if all(status == "compiled" for status in statuses) else 1
+        step.close(wait=True)
+    exit_now(0 if all(status == "compiled" for status in statuses) else 1)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -257,7 +259,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from linserve.server.serve import serve
 
     status = serve(settings)  # the lifespan has stopped the engine and flushed every session by now
-    # skip tearing down the interpreter's heap (torch, transformers: 2-3 s of garbage collection at exit)
+    exit_now(status)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process once its output is flushed, without tearing down the interpreter: that teardown costs
+    2-3 s of garbage collection (torch, transformers) and runs native destructors (a loaded AOTInductor
+    program's, torch's thread pools) in an order that can abort the process with "terminate called without
+    an active exception" after its work succeeded."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

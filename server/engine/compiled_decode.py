@@ -154,12 +154,16 @@ class DecodeStep:
         self._thread = threading.Thread(target=self._compile_all, name="linserve-compile", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop compiling (a compiler child is killed at once); eager and ready buckets keep working."""
+    def close(self, wait: bool = False) -> None:
+        """Stop compiling (a compiler child is killed at once); eager and ready buckets keep working. With
+        `wait`, return only once the compile thread has ended (a process about to exit: nothing of it runs on
+        while the interpreter tears down the native libraries under it)."""
         self._closed.set()
         builder = self._builder
         if getattr(builder, "close", None) is not None:
             builder.close()
+        if wait and self._thread is not None:
+            self._thread.join()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until every bucket has been built, loaded or given up on (tests, benchmarks) — not for a
