@@ -106,6 +106,51 @@ def prepare_tables(device: torch.device | str) -> None:
 
     bf16_table("elu1", elu1, torch.float32, device)
     bf16_table("gelu_tanh", _gelu_tanh64, torch.bfloat16, device)
+    for name, fn in ACTIVATIONS64.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            bf16_table(name, fn, dtype, device)
+
+
+ACTIVATIONS64 = {  # functions of one value, as float64 (the tables' source) — fla's ACT2FN names
+    "silu": lambda h: h * torch.sigmoid(h),
+    "sigmoid": torch.sigmoid,
+    "logsigmoid": F.logsigmoid,
+    "relu": torch.relu,
+    "sqrelu": lambda h: torch.relu(h) ** 2,
+    "gelu": lambda h: _gelu_tanh64(h),
+}
+ACTIVATIONS64["swish"] = ACTIVATIONS64["silu"]
+
+
+def activation(name: str, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An ACTIVATIONS64 function of x: a `bf16_table` lookup where `exact_inference` (rounded once to
+    `out_dtype`, x's dtype by default), else computed by torch in x's dtype and then cast."""
+    out_dtype = out_dtype or x.dtype
+    if exact_inference(x):
+        return lookup(bf16_table(name, ACTIVATIONS64[name], out_dtype, x.device), x)
+    if name in ("silu", "swish"):
+        y = F.silu(x)
+    elif name == "gelu":
+        y = F.gelu(x, approximate="tanh")
+    else:
+        y = ACTIVATIONS64[name](x)
+    return y.to(out_dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bool,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension in fp32 — x·(mean(x²) + eps)^-½·w — with a tree sum and a correctly
+    rounded sqrt when `exact` (the layer's input was `exact_inference`), else torch's kernels; returned in
+    `out_dtype` (x's by default)."""
+    h = x.float()  # (..., C)
+    if exact:
+        mean_square = tree_sum(h * h, -1)[..., None] / h.shape[-1]  # (..., 1)
+        y = h / torch.sqrt(mean_square + eps)  # (..., C)
+    else:
+        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., C)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(out_dtype or x.dtype)
 
 
 def lookup(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,56 @@
+"""Model families: one module per `model_type` a checkpoint's config.json may name.
+
+Every family gives the server the same interface (see fla_base.FlaCausalLM and gpt.LinearGPT):
+`config` (attention, n_layers, vocab_size, to_dict(), state_bytes()), `init_state(B, device)`,
+`state_from_tensors(name → tensor)`, `forward(ids, state, key_mask, prefixes) -> (logits, state)`.
+`build(config_dict)` makes a family's model (random weights) from its config.json; checkpoint.py loads one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from .fla_base import FlaCausalLM, RecurrentState, UnsupportedCheckpoint
+
+LINEAR_GPT = "linear_gpt"
+
+
+def _linear_attn(raw: dict) -> nn.Module:
+    from .linear_attn import build
+
+    return build(raw)
+
+
+def _gla(raw: dict) -> nn.Module:
+    from .gla import build
+
+    return build(raw)
+
+
+def _retnet(raw: dict) -> nn.Module:
+    from .retnet import build
+
+    return build(raw)
+
+
+FLA_FAMILIES: dict[str, Callable[[dict], nn.Module]] = {"linear_attn": _linear_attn, "gla": _gla, "retnet": _retnet}
+MODEL_TYPES = (LINEAR_GPT, *FLA_FAMILIES)
+
+
+def build(raw: dict) -> nn.Module:
+    """The served model of a config.json's fields (random weights): linear_gpt's LinearGPT or an fla family's
+    FlaCausalLM. Raises UnsupportedCheckpoint naming the field for anything not served."""
+    model_type = raw.get("model_type")
+    if model_type == LINEAR_GPT:
+        from ..config import ModelConfig
+        from ..gpt import LinearGPT
+
+        return LinearGPT(ModelConfig.from_dict(raw))
+    if model_type not in FLA_FAMILIES:
+        raise UnsupportedCheckpoint("model_type", model_type, f"served model types: {', '.join(MODEL_TYPES)}")
+    return FLA_FAMILIES[model_type](raw)
+
+
+__all__ = ["FlaCausalLM", "RecurrentState", "UnsupportedCheckpoint", "build", "MODEL_TYPES", "FLA_FAMILIES"]

@@ -1,0 +1,94 @@
+"""fla's own models as the reference, in a process of their own:
+
+    python tests/model/families/fla_reference.py SPEC.json
+
+SPEC.json lists checkpoints to make: {"dir", "model_type", "config": {...}, "prompt": [ids], "greedy": n,
+"seed"}. For each, fla's config and causal-LM classes make a model (seeded random weights, every parameter
+perturbed so no norm or map sits at its identity init), `save_pretrained` writes it to "dir" with the
+shipped tokenizer beside it, and fla computes (fp32) the prompt's log-probabilities, the final recurrent state
+of every layer and `greedy` tokens of cached decoding — written to dir/reference.pt.
+
+fla's Triton kernels need a GPU driver; on a CPU they run under Triton's interpreter (TRITON_INTERPRET=1,
+set before triton is imported — hence a process of its own) with the autotuner's benchmark replaced by a
+constant (it times configurations on a GPU). With a GPU (LINSERVE_FLA_GPU=1), the real kernels run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ON_GPU = os.environ.get("LINSERVE_FLA_GPU") == "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.runtime.autotuner as autotuner
+
+    autotuner.Autotuner._bench = lambda self, *args, **kwargs: [1.0, 1.0, 1.0]
+
+import fla.models as fla_models  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+CLASSES = {
+    "linear_attn": (fla_models.LinearAttentionConfig, fla_models.LinearAttentionForCausalLM),
+    "retnet": (fla_models.RetNetConfig, fla_models.RetNetForCausalLM),
+    "gla": (fla_models.GLAConfig, fla_models.GLAForCausalLM),
+}
+for name, config_cls, model_cls in (("delta_net", "DeltaNetConfig", "DeltaNetForCausalLM"),
+                                    ("gated_deltanet", "GatedDeltaNetConfig", "GatedDeltaNetForCausalLM")):
+    if hasattr(fla_models, config_cls):
+        CLASSES[name] = (getattr(fla_models, config_cls), getattr(fla_models, model_cls))
+
+
+def layer_states(cache, n_layers: int) -> dict[str, torch.Tensor]:
+    """fla's cache → name → tensor (batch row 0 dropped): recurrent_state, and z when normalising."""
+    out = {}
+    for i in range(n_layers):
+        layer = cache[i]
+        state = layer["recurrent_state"]
+        if isinstance(state, tuple):  # (kv, z) with norm_feature_map
+            out[f"layers.{i}.S"], out[f"layers.{i}.z"] = state[0][0].float(), state[1][0, 0].float()
+        else:
+            out[f"layers.{i}.S"] = state[0].float()
+    return out
+
+
+def make(spec: dict, tokenizer_dir: str) -> None:
+    config_cls, model_cls = CLASSES[spec["model_type"]]
+    torch.manual_seed(spec.get("seed", 0))
+    options = dict(fuse_cross_entropy=False, **spec["config"])
+    config = config_cls(**options)
+    model = model_cls(config).float()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * spec.get("noise", 0.05))
+    model.eval()
+    device = "cuda" if ON_GPU else "cpu"
+    model.save_pretrained(spec["dir"])
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(spec["dir"])
+    model.to(device)
+    ids = torch.tensor([spec["prompt"]], device=device)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        logprobs = out.logits.float().log_softmax(-1)[0]  # (T, V)
+        cache = out.past_key_values
+        states = layer_states(cache, config.num_hidden_layers)
+        tokens, token = [], out.logits[0, -1].argmax()
+        for _ in range(spec.get("greedy", 0)):
+            tokens.append(int(token))
+            step = model(token.view(1, 1), past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            token = step.logits[0, -1].argmax()
+    torch.save({"logprobs": logprobs.cpu(), "states": {k: v.cpu() for k, v in states.items()},
+                "greedy": tokens}, os.path.join(spec["dir"], "reference.pt"))
+
+
+def main() -> None:
+    specs = json.loads(open(sys.argv[1]).read())
+    for spec in specs:
+        make(spec, spec["tokenizer"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Every served fla family and option against fla's own model (tests/model/families/fla_reference.py: fla's
+config and model classes, seeded random weights, `save_pretrained`, fla's kernels under Triton's interpreter):
+the prompt's log-probabilities, every layer's final state and 64 greedy tokens of cached decoding (fp32, 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.model.families.reference import compare_with_fla, make_references
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    # linear_attn: every feature map, then the options
+    "linear_attn-elu": ("linear_attn", {"feature_map": "elu"}),
+    "linear_attn-relu": ("linear_attn", {"feature_map": "relu", "tie_feature_map_qk": True}),
+    "linear_attn-identity": ("linear_attn", {"feature_map": "identity"}),
+    "linear_attn-hedgehog": ("linear_attn", {"feature_map": "hedgehog"}),
+    "linear_attn-t2r": ("linear_attn", {"feature_map": "t2r"}),
+    "linear_attn-dpfp": ("linear_attn", {"feature_map": "dpfp"}),
+    "linear_attn-elementwise_product": ("linear_attn", {}),  # fla's default map
+    "linear_attn-normalised": ("linear_attn", {"feature_map": "elu", "norm_q": True, "norm_k": True,
+                                               "norm_feature_map": True}),
+    "linear_attn-grouped-expanded": ("linear_attn", {"feature_map": "t2r", "num_kv_heads": 2, "expand_k": 2.0,
+                                                     "expand_v": 0.5}),
+    "linear_attn-tied-plain-norms": ("linear_attn", {"feature_map": "hedgehog", "tie_word_embeddings": True,
+                                                     "elementwise_affine": False, "intermediate_size": 96,
+                                                     "fuse_norm": False}),
+    # gla
+    "gla": ("gla", {}),
+    "gla-conv-grouped-clamped": ("gla", {"use_short_conv": True, "conv_size": 3, "num_kv_heads": 2,
+                                         "clamp_min": -0.05, "feature_map": "relu"}),
+    "gla-ungated-unfused": ("gla", {"use_output_gate": False, "fuse_norm": False, "expand_k": 1.0,
+                                    "expand_v": 2.0, "tie_word_embeddings": True}),
+    # retnet
+    "retnet": ("retnet", {}),
+    "retnet-grouped-mapped-ungated": ("retnet", {"num_kv_heads": 2, "feature_map": "swish",
+                                                 "use_output_gate": False, "hidden_ratio": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return make_references(tmp_path_factory.mktemp("fla"), CASES)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_linserve_computes_what_fla_computes(references, case):
+    compare_with_fla(references[case])
