@@ -45,13 +45,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     CheckpointError naming it."""
     from safetensors.torch import load_file
 
-    if (path / WEIGHTS_INDEX).is_file():
-        index = json.loads((path / WEIGHTS_INDEX).read_text())
-        files = sorted(set(index.get("weight_map", {}).values()))
-    elif (path / WEIGHTS).is_file():
-        files = [WEIGHTS]
-    else:
-        raise CheckpointError(f"{path} has no weights ({WEIGHTS} or {WEIGHTS_INDEX})")
+    files = weight_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         try:
@@ -61,14 +55,40 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path, model_type: str) -> None:
+def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """name → shape of every tensor in the directory's safetensors file(s), from their headers (no data read);
+    a file shorter than its header says, or otherwise unreadable, is a CheckpointError naming it."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in weight_files(path):
+        try:
+            with safe_open(str(path / name), "pt") as handle:
+                shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for every damage
+            raise CheckpointError(f"{path / name} cannot be read (truncated or corrupt?): {error}") from None
+    return shapes
+
+
+def weight_files(path: Path) -> list[str]:
+    if (path / WEIGHTS_INDEX).is_file():
+        try:
+            return sorted(set(json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as error:
+            raise CheckpointError(f"{path / WEIGHTS_INDEX} is not a safetensors index: {error}") from None
+    if (path / WEIGHTS).is_file():
+        return [WEIGHTS]
+    raise CheckpointError(f"{path} has no weights ({WEIGHTS} or {WEIGHTS_INDEX})")
+
+
+def check_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], path: Path, model_type: str) -> None:
     """The checkpoint's tensors against the model's, by name and shape (a tied head may be absent)."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = sorted(set(expected) - set(tensors) - tied)
-    unexpected = sorted(set(tensors) - set(expected))
-    misshapen = sorted(f"{name} {tuple(tensors[name].shape)} (the config makes {expected[name]})"
-                       for name in set(expected) & set(tensors) if tuple(tensors[name].shape) != expected[name])
+    missing = sorted(set(expected) - set(shapes) - tied)
+    unexpected = sorted(set(shapes) - set(expected))
+    misshapen = sorted(f"{name} {shapes[name]} (the config makes {expected[name]})"
+                       for name in set(expected) & set(shapes) if shapes[name] != expected[name])
     problems = []
     for label, names in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
         if names:
@@ -79,18 +99,47 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path
                               + "; ".join(problems))
 
 
+def skeleton(raw: dict) -> nn.Module:
+    """The module a config.json describes, on the meta device (no memory, no init): linear_gpt's HF class (its
+    checkpoints are saved from it), an fla family's FlaCausalLM. UnsupportedCheckpoint for what is not served."""
+    with torch.device("meta"):
+        if raw.get("model_type") == families.LINEAR_GPT:
+            from .hf import LinearGPTConfig, LinearGPTForCausalLM
+
+            try:
+                return LinearGPTForCausalLM(LinearGPTConfig.from_dict(raw))
+            except (TypeError, ValueError) as error:
+                raise CheckpointError(f"config.json does not describe a linear_gpt model: {error}") from None
+        try:
+            return families.build(raw)
+        except (KeyError, TypeError) as error:
+            raise CheckpointError(f"config.json lacks or mistypes a field of {raw.get('model_type')}: "
+                                  f"{error}") from None
+
+
+def validate(path: str | Path, tokenizer=None) -> dict:
+    """Everything `load_checkpoint` would refuse, from config.json and the weights' headers alone (cheap:
+    `serve` calls it before it binds its port): raises CheckpointError / UnsupportedCheckpoint. With a
+    tokenizer, its size too. Returns the config's fields."""
+    path = Path(path)
+    raw = read_config(path)
+    model = skeleton(raw)
+    check_weights(model, weight_shapes(path), path, raw.get("model_type"))
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, model.config.vocab_size, path)
+    return raw
+
+
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The served model of a checkpoint directory, in eval mode, parameters in `dtype` (buffers as saved)."""
     path = Path(path)
-    raw = read_config(path)
+    raw = validate(path)
     if raw.get("model_type") == families.LINEAR_GPT:
         from .loading import load_model
 
-        return load_model(path, device, dtype).model  # checked by load_model (the HF class, strictly)
-    with torch.device("meta"):
-        model = families.build(raw)  # raises UnsupportedCheckpoint for a type or option not served
+        return load_model(path, device, dtype).model
+    model = skeleton(raw)
     tensors = read_weights(path)
-    check_weights(model, tensors, path, raw["model_type"])
     model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embeddings.weight

@@ -17,32 +17,29 @@ from collections.abc import Callable
 import torch
 
 from .gpt import LinearGPT
-from .state import BlockState, LinearAttentionState, ModelState
+from .state import ModelState
 
 FlatStep = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def state_names(model: LinearGPT) -> list[str]:
-    """The flat order of a linear model's state tensors (that of `ModelState.tensors()`)."""
-    per_layer = ["S", "z"] + (["conv"] if model.config.conv_kernel else [])
-    return [f"blocks.{i}.{name}" for i in range(model.config.n_layers) for name in per_layer]
+    """The flat order of a linear model's state tensors (that of its state's `tensors()`), any family."""
+    return list(model.init_state(1, "meta").tensors())
 
 
-def unflatten(model: LinearGPT, state: tuple[torch.Tensor, ...]) -> ModelState:
-    """Flat state tensors in `state_names` order → the model's ModelState (the inverse of its `tensors()`)."""
-    width = 3 if model.config.conv_kernel else 2  # tensors per layer
-    return ModelState(blocks=tuple(
-        BlockState(attn=LinearAttentionState(S=state[width * i], z=state[width * i + 1]),
-                   conv=state[width * i + 2] if width == 3 else None)
-        for i in range(model.config.n_layers)))
+def unflatten(model: LinearGPT, state: tuple[torch.Tensor, ...], names: list[str] | None = None) -> ModelState:
+    """Flat state tensors in `state_names` order → the model's state (the inverse of its `tensors()`)."""
+    return model.state_from_tensors(dict(zip(names if names is not None else state_names(model), state)))
 
 
 def flat_decode_step(model: LinearGPT) -> FlatStep:
     """One recurrent step of a linear-attention model over flat tensors (see the module docstring)."""
     if model.config.attention != "linear":
         raise ValueError("the flat decode step carries a fixed (S, z) state: attention must be 'linear'")
+    names = state_names(model)  # outside the traced function
+
     def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, new = model(tokens, unflatten(model, state))  # (B, 1, V)
+        logits, new = model(tokens, unflatten(model, state, names))  # (B, 1, V)
         return (logits[:, 0].float(), *new.tensors().values())  # (B, V) fp32, then the state
 
     return step
@@ -56,8 +53,10 @@ def flat_verify_step(model: LinearGPT) -> FlatStep:
     in `state_names` order; the recurrence's scan over the T tokens, so one pass verifies a draft."""
     if model.config.attention != "linear":
         raise ValueError("verifying drafts from a fixed (S, z) state needs attention 'linear'")
+    names = state_names(model)  # outside the traced function
+
     def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, prefixes = model(tokens, unflatten(model, state), prefixes=True)  # (B, T, V)
+        logits, prefixes = model(tokens, unflatten(model, state, names), prefixes=True)  # (B, T, V)
         return (logits.float(), *prefixes.tensors().values())
 
     return step

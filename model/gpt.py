@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from . import numerics
 from .attention import build_attention
 from .config import ModelConfig
-from .state import BlockState, ModelState
+from .state import BlockState, LinearAttentionState, ModelState
 
 
 class ShortConv(nn.Module):
@@ -109,6 +109,15 @@ class LinearGPT(nn.Module):
     def init_state(self, batch: int, device: torch.device | str | None = None) -> ModelState:
         device = device if device is not None else self.wte.weight.device
         return ModelState(blocks=tuple(block.init_state(batch, device) for block in self.blocks))
+
+    def state_from_tensors(self, tensors: dict[str, torch.Tensor]) -> ModelState:
+        """The inverse of `ModelState.tensors()` (the model interface: families/__init__.py); for a linear model
+        built field by field (a compiler traces it: no `dataclasses.fields`)."""
+        if self.config.attention != "linear":
+            return ModelState.from_tensors(tensors, self.config.n_layers, self.config.attention)
+        return ModelState(blocks=tuple(
+            BlockState(attn=LinearAttentionState(S=tensors[f"blocks.{i}.S"], z=tensors[f"blocks.{i}.z"]),
+                       conv=tensors.get(f"blocks.{i}.conv")) for i in range(self.config.n_layers)))
 
     def state_bytes(self, context_len: int = 0) -> int:
         """Bytes of one session's state, computed from the config (see ModelConfig.state_bytes)."""

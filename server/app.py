@@ -14,6 +14,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from linserve.model.checkpoint import check_tokenizer, load_checkpoint
 from linserve.model.loading import (
     DEFAULT_CHECKPOINT,
     load_model,
@@ -79,11 +80,12 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)  # every form's: prefill, decode steps and verification
-    model = load_model(path, device, dtype).model
+    model = load_checkpoint(path, device, dtype)  # any served family, strictly (model/checkpoint.py)
     if model.config.attention != "linear":  # the softmax baseline stays fp32: its KV cache is sized in it
         model = model.float()
         dtype = next(model.parameters()).dtype
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    check_tokenizer(tokenizer, model.config.vocab_size, path)
     config = engine_config(settings, model)
     draft = load_draft(settings, model, tokenizer, device)
     engine = Engine(model, tokenizer, config, device, metrics.observe, draft_model=draft).start()

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from linserve.model import LinearGPT, ModelConfig
+from linserve.model import LinearGPT, families
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ def write_model(directory: str, model: LinearGPT) -> None:
         return
     os.makedirs(directory, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    payload = {"config": model.config.to_dict(), "dtype": dtype,
+    payload = {"config": model.config.to_dict(), "model_type": getattr(model.config, "model_type", "linear_gpt"),
+               "dtype": dtype,
                "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
     temp = f"{path}.{os.getpid()}.tmp"
     torch.save(payload, temp)
@@ -108,7 +109,7 @@ def _load(directory: str) -> LinearGPT:
     from linserve.model.loading import in_dtype
 
     payload = torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
-    model = LinearGPT(ModelConfig.from_dict(payload["config"]))
+    model = families.build({**payload["config"], "model_type": payload.get("model_type", "linear_gpt")})
     model.load_state_dict(payload["state_dict"], assign=True)  # each tensor in its saved dtype
     return in_dtype(model, getattr(torch, payload["dtype"])).eval()
 

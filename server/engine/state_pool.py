@@ -85,6 +85,7 @@ class StatePool(SlotPool):
             name: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device) for name, t in template.items()
         }
         super().__init__(buffers, num_slots, model.config.n_layers, device)
+        self.model = model
         if self.slot_bytes != model.state_bytes():
             raise AssertionError(
                 f"state bytes {self.slot_bytes} differ from the config's formula {model.state_bytes()}"
@@ -93,7 +94,7 @@ class StatePool(SlotPool):
     def gather(self, slots: list[int]) -> ModelState:
         index = self._index(slots)
         tensors = {name: buffer.index_select(0, index) for name, buffer in self.buffers.items()}  # (B, …)
-        return ModelState.from_tensors(tensors, self.n_layers, "linear")
+        return self.model.state_from_tensors(tensors)
 
     def scatter(self, slots: list[int], state: ModelState) -> None:
         self.scatter_tensors(self._index(slots), list(state.tensors().values()))
