@@ -28,7 +28,8 @@ def write_checkpoint(directory: Path, fields: dict, seed: int = 0) -> Path:
     model = families.build(raw)
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.copy_(torch.randn_like(parameter) * 0.3 if parameter.dim() > 1 else 1 + 0.1 * torch.randn_like(parameter))
+            noise = torch.randn_like(parameter)
+            parameter.copy_(noise * 0.3 if parameter.dim() > 1 else 1 + 0.1 * noise)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.contiguous() for name, t in model.state_dict().items()
                if not (name == "lm_head.weight" and raw.get("tie_word_embeddings"))}
