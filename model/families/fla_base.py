@@ -285,7 +285,7 @@ class FlaCausalLM(nn.Module):
         layers = []
         for block, layer_state in zip(self.model.layers, state.layers):
             x, layer_state = block(x, layer_state, prefixes)  # (B, T, C)
-            layers.append(layer_state)
+            layers.append({name: layer_state[name] for name in self.config.state_shapes})  # the pool's order
         x = self.model.norm(x, numerics.exact_inference(x))  # (B, T, C)
         head = numerics.linear if numerics.exact_inference(x) else F.linear
         return head(x, self.lm_head.weight), RecurrentState(layers=tuple(layers))  # (B, T, V)
