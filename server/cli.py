@@ -201,7 +201,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     `serve` would compile with the same settings, into the same cache directory, in the foreground — and, with
     `--speculative ngram|draft`, the verification program's buckets for `--speculative-k` drafts too (with
     `draft`, also the draft model's drafting program)."""
-    from linserve.model.loading import load_model, resolve_device, resolve_dtype
+    from linserve.model.checkpoint import load_checkpoint
+    from linserve.model.loading import resolve_device, resolve_dtype
     from linserve.server.app import engine_config, load_draft
     from linserve.server.engine.compiled_decode import DecodeStep
     from linserve.server.engine.decode_program import DECODE, verify_kind
@@ -216,7 +217,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from linserve.server.engine.cpu_threads import apply_threads
 
     apply_threads(settings.threads)  # the count `serve` will run with: Inductor builds it into the kernels
-    model = load_model(checkpoint_dir(settings.model), device, resolve_dtype(settings.dtype, device)).model
+    model = load_checkpoint(checkpoint_dir(settings.model), device, resolve_dtype(settings.dtype, device))
     if model.config.attention != "linear":
         print("error: only linear-attention models have a compiled decode step", file=sys.stderr)
         return 2

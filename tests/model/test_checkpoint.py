@@ -1,0 +1,86 @@
+"""A directory that is not a complete, consistent checkpoint of a served family is refused — one error naming
+the field or the tensors — and `linserve serve` exits 2 before it binds (nothing served with random weights)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from linserve.model.checkpoint import CheckpointError, UnsupportedCheckpoint, validate
+from linserve.model.loading import DEFAULT_CHECKPOINT
+from tests.model.families.checkpoints import write_checkpoint
+
+
+@pytest.fixture
+def shipped(tmp_path):
+    return shutil.copytree(DEFAULT_CHECKPOINT, tmp_path / "shipped")
+
+
+def edit_config(directory, **fields):
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def test_the_shipped_checkpoint_and_each_family_validate(shipped, tmp_path):
+    validate(shipped, AutoTokenizer.from_pretrained(str(shipped)))
+    for fields in ({"model_type": "linear_attn", "feature_map": "relu"}, {"model_type": "gla"},
+                   {"model_type": "retnet"}):
+        directory = write_checkpoint(tmp_path / fields["model_type"], fields)
+        validate(directory, AutoTokenizer.from_pretrained(str(directory)))
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"model_type": "mamba2"}, "model_type='mamba2'"),
+    ({"model_type": "linear_attn", "feature_map": "favor"}, "feature_map='favor'"),
+    ({"model_type": "gla", "attn": {"layers": [1], "num_heads": 4}}, "attn="),
+    ({"model_type": "retnet", "hidden_act": "powlu"}, "hidden_act='powlu'"),
+    ({"model_type": "linear_attn", "num_kv_heads": 3}, "num_kv_heads=3"),
+    ({"model_type": "gla", "attnres_block_size": 2}, "attnres_block_size=2"),
+], ids=["unknown-type", "feature-map", "softmax-hybrid", "mlp-activation", "kv-heads", "attnres"])
+def test_a_type_or_option_not_served_names_the_field(tmp_path, fields, named):
+    directory = write_checkpoint(tmp_path / "ok", {"model_type": "linear_attn"})
+    edit_config(directory, **fields)
+    with pytest.raises(UnsupportedCheckpoint, match=f"config.json: {named}"):
+        validate(directory)
+
+
+def test_weights_that_do_not_match_the_config_are_named(shipped, tmp_path):
+    edit_config(shipped, n_layers=8)  # the config says 8 layers, the file holds 6
+    with pytest.raises(CheckpointError, match=r"missing: model\.blocks\.6\."):
+        validate(shipped)
+    directory = write_checkpoint(tmp_path / "gla", {"model_type": "gla"})
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors["model.layers.0.attn.extra.weight"] = tensors["model.norm.weight"].clone()
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:10].clone()
+    save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(CheckpointError) as error:
+        validate(directory)
+    assert "1 unexpected: model.layers.0.attn.extra.weight" in str(error.value)
+    assert "1 misshapen: model.norm.weight (10,) (the config makes (64,))" in str(error.value)
+
+
+def test_a_truncated_weights_file_is_refused(shipped):
+    data = (shipped / "model.safetensors").read_bytes()
+    (shipped / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        validate(shipped)
+
+
+def test_a_tokenizer_of_another_size_is_refused(tmp_path):
+    directory = write_checkpoint(tmp_path / "small", {"model_type": "linear_attn", "vocab_size": 4000})
+    with pytest.raises(CheckpointError, match="tokenizer has 4096 tokens but the model's vocab_size is 4000"):
+        validate(directory, AutoTokenizer.from_pretrained(str(directory)))
+
+
+def test_serve_exits_2_with_one_line_before_it_binds(shipped):
+    edit_config(shipped, n_layers=8)
+    result = subprocess.run([sys.executable, "-m", "linserve.server.cli", "serve", "--model", str(shipped),
+                             "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "missing" in result.stderr and "Traceback" not in result.stderr
