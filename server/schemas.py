@@ -388,6 +388,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "linserve"
+    root: str | None = Field(None, description="the checkpoint directory served")
+    model_type: str | None = Field(None, description="the checkpoint's family: linear_gpt, linear_attn, gla, retnet")
+    state_bytes: int | None = Field(None, description="bytes of one session's state, whatever its length")
 
 
 class ModelList(BaseModel):

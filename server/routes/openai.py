@@ -6,6 +6,8 @@ from fastapi import APIRouter, BackgroundTasks, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
+from linserve.model.loading import DEFAULT_CHECKPOINT
+
 from ..chunks import CompletionChunks, chunk_json
 from ..dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..engine.types import AlreadyApplied, Idempotency, RequestOutput
@@ -37,14 +39,23 @@ router = APIRouter()
 
 @router.get("/v1/models", response_model=ModelList, responses=errors(*AUTH))
 async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> ModelList:
-    return ModelList(data=[ModelCard(id=settings.served_model_name, created=request.app.state.started)])
+    return ModelList(data=[model_card(request, settings)])
+
+
+def model_card(request: Request, settings) -> ModelCard:
+    """The served model: its id, the checkpoint directory, its family and one session's state bytes."""
+    model = request.app.state.engine.model
+    return ModelCard(id=settings.served_model_name, created=request.app.state.started,
+                     root=str(settings.model or DEFAULT_CHECKPOINT),
+                     model_type=getattr(model.config, "model_type", "linear_gpt"),
+                     state_bytes=model.state_bytes() if model.config.attention == "linear" else None)
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(*AUTH, 404))
 async def retrieve_model(request: Request, model_id: str, settings: SettingsDep, owner: Owner) -> ModelCard:
     """The served model (`client.models.retrieve(id)`); any other id is a 404, as OpenAI answers."""
     check_model(model_id, settings)
-    return ModelCard(id=settings.served_model_name, created=request.app.state.started)
+    return model_card(request, settings)
 
 
 def completion_chunk(generation: Generation, model: str, output, echo_text: str = "",

@@ -53,7 +53,9 @@ def counter(base: str, name: str) -> float:
 def test_served_text_is_the_family_models_own(served):
     family, checkpoint, base = served
     models = httpx.get(f"{base}/v1/models").json()["data"]
-    assert len(models) == 1
+    model = load_checkpoint(checkpoint, torch.device("cpu"), torch.float32)
+    assert len(models) == 1 and models[0]["model_type"] == family and models[0]["root"] == str(checkpoint)
+    assert models[0]["state_bytes"] == model.state_bytes() == model.config.state_bytes()
     reply = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, **GREEDY,
                                                        "speculative": {"method": "off"}}, timeout=60)
     assert reply.status_code == 200, reply.text
