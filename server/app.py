@@ -22,7 +22,7 @@ from linserve.model.loading import (
     resolve_dtype,
 )
 
-from .dependencies import max_token_bytes, require_key
+from .dependencies import max_token_bytes, prompt_prefix, require_key
 from .engine import Engine, EngineConfig
 from .engine.state_pool import slots_for_budget
 from .errors import APIError, RequestBody, ServerErrors, error_response, install_handlers
@@ -105,6 +105,7 @@ async def lifespan(app: FastAPI):
     state = app.state
     state.engine, state.tokenizer = await asyncio.to_thread(load_engine, state.settings, state.metrics)
     state.max_token_bytes = max_token_bytes(state.tokenizer)
+    state.prompt_prefix = prompt_prefix(state.tokenizer)  # [bos] where the tokenizer starts a text with it
     loop = asyncio.get_running_loop()
     state.engine.on_death.append(lambda error: loop.call_soon_threadsafe(engine_died, app))
     state.ready = True

@@ -61,10 +61,20 @@ def max_token_bytes(tokenizer) -> int:
     return max(len(tokenizer.decode([i]).encode()) for i in range(len(tokenizer)))
 
 
-async def encode_prompt(request: Request, prompt: str | list[int], allow_empty: bool) -> list[int]:
+def prompt_prefix(tokenizer) -> list[int]:
+    """The ids a tokenizer puts before a text that starts a sequence: [bos] where it adds one (Llama-style
+    `add_bos_token`, as most fla checkpoints' tokenizers do), else none (the shipped byte-level BPE)."""
+    ids = tokenizer("", add_special_tokens=True)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ids[:1] if ids and bos is not None and ids[0] == bos else []
+
+
+async def encode_prompt(request: Request, prompt: str | list[int], allow_empty: bool,
+                        starts: bool = False) -> list[int]:
     """Token ids of a prompt, within `max_prompt_tokens` (400 beyond: a text too long to be within the
-    limit is refused by its byte length, before tokenizing). An empty stateless prompt starts from
-    end-of-text, as every training work did."""
+    limit is refused by its byte length, before tokenizing). A text that `starts` a sequence (not a session's
+    continuation) gets the tokenizer's `prompt_prefix` (its bos) unless it begins with it already; token ids
+    are taken as given. An empty stateless prompt starts from end-of-text, as every training work did."""
     state = request.app.state
     tokenizer, limit = state.tokenizer, state.settings.max_prompt_tokens
     too_long = f"the prompt is longer than max_prompt_tokens ({limit} tokens)"
@@ -77,6 +87,9 @@ async def encode_prompt(request: Request, prompt: str | list[int], allow_empty: 
             ids = tokenize(tokenizer, prompt)
         else:
             ids = await asyncio.to_thread(tokenize, tokenizer, prompt)
+        prefix = state.prompt_prefix if starts else []
+        if prefix and ids[:len(prefix)] != prefix:
+            ids = prefix + ids
     if len(ids) > limit:
         raise APIError(400, f"{too_long}: it has {len(ids)}", "prompt", "prompt_too_long")
     if not ids and not allow_empty:

@@ -236,7 +236,9 @@ class TokenizeRequest(BaseModel):
     prompt: Text = ""
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     model: Text | None = None
-    add_special_tokens: StrictBool = Field(True, description="vLLM's field: this tokenizer adds none either way")
+    add_special_tokens: StrictBool = Field(True, description="vLLM's field: the tokenizer's bos before the text "
+                                                              "(where it adds one), as a request starting a "
+                                                              "sequence gets it")
 
     @model_validator(mode="after")
     def _one_of(self):

@@ -40,7 +40,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, settin
         raise APIError(400, f"max_completion_tokens must be <= {limit}", "max_completion_tokens")
     tools = body.tool_spec()
     text = await chat_prompt(request, body.messages, tokenizer, body.tool_definitions())
-    prompt_ids = await encode_prompt(request, text, allow_empty=False)
+    prompt_ids = await encode_prompt(request, text, allow_empty=False, starts=True)
     params = await with_grammar(request, body, body.to_sampling_params(settings.max_tokens_default), tools)
     reservation = reserve_logprobs(request, [prompt_ids], params, body.stream, background)
     try:

@@ -89,7 +89,8 @@ async def encode_prompts(
             f", got {len(prompts)}",
             "prompt",
         )
-    return [await encode_prompt(request, prompt, allow_empty=session_id is not None) for prompt in prompts]
+    return [await encode_prompt(request, prompt, allow_empty=session_id is not None, starts=session_id is None)
+            for prompt in prompts]
 
 
 async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,

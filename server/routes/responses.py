@@ -164,7 +164,7 @@ async def create_response(request: Request, body: ResponseCreateRequest, setting
         text = await chat_prompt(request, body.messages(), tokenizer, offered)
         if placement.cached_tokens and not getattr(tokenizer, "chat_template", None):
             text = "\n\n" + text  # the turns of a conversation are separated as one rendering would
-        prompt_ids = await encode_prompt(request, text, allow_empty=False)
+        prompt_ids = await encode_prompt(request, text, allow_empty=False, starts=not placement.cached_tokens)
         rid = response_id(placement.session_id if placement.turn else None, placement.turn)
         note = request_note(body, tools, placement.cached_tokens)
         key = Idempotency(KEY_PREFIX + rid, rid, int(time.time()), note) if placement.turn else None

@@ -91,7 +91,7 @@ async def create_session(request: Request, owner: Owner, idempotency: Idempotenc
 
 async def _create(request: Request, owner: Owner, body: SessionCreateRequest | None) -> SessionCreated | None:
     engine = request.app.state.engine
-    prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True) if body else []
+    prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True, starts=True) if body else []
     # with a prompt, one write: the prompt's turn stores the new session (a failed prefill or write leaves none)
     info = await engine_call(request, engine.sessions.create(owner, first_prompt=bool(prompt_ids)))
     if not prompt_ids:

@@ -27,7 +27,7 @@ INLINE_DETOKENIZE = 4096  # ids decoded on the event loop; more go to a worker t
 async def tokenize(request: Request, body: TokenizeRequest, tokenizer: TokenizerDep, owner: Owner) -> TokenizeResponse:
     """A prompt's token ids (as `/v1/completions` would see them), or a chat's after its template."""
     text = await chat_prompt(request, body.messages, tokenizer) if body.messages is not None else body.prompt
-    ids = await encode_prompt(request, text, allow_empty=True)
+    ids = await encode_prompt(request, text, allow_empty=True, starts=body.add_special_tokens)
     return TokenizeResponse(tokens=ids, count=len(ids), max_prompt_tokens=request.app.state.settings.max_prompt_tokens)
 
 

@@ -22,7 +22,8 @@ FAMILY_CASES = {  # one checkpoint per family, with its state-shaping options on
 }
 
 
-def write_checkpoint(directory: Path, fields: dict, seed: int = 0) -> Path:
+def write_checkpoint(directory: Path, fields: dict, seed: int = 0, tokenizer=None) -> Path:
+    """`tokenizer(directory)` writes the tokenizer's files (default: the shipped tokenizer's are copied)."""
     raw = {**BASE, **fields}
     torch.manual_seed(seed)
     model = families.build(raw)
@@ -35,6 +36,9 @@ def write_checkpoint(directory: Path, fields: dict, seed: int = 0) -> Path:
                if not (name == "lm_head.weight" and raw.get("tie_word_embeddings"))}
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(raw))
+    if tokenizer is not None:
+        tokenizer(directory)
+        return directory
     for source in DEFAULT_CHECKPOINT.iterdir():
         if source.name not in ("config.json", "model.safetensors"):
             shutil.copy(source, directory / source.name)
