@@ -53,7 +53,7 @@ def generate_tokens(
     """Yield new token ids one by one; stops at EOS (not yielded) or after max_new_tokens."""
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
-    device = model.wte.weight.device
+    device = next(model.parameters()).device  # any family (the model interface)
     generator = torch.Generator(device=device).manual_seed(seed)
     logits, state = prefill(model, torch.tensor([prompt_ids], device=device))
     for _ in range(max_new_tokens):

@@ -35,9 +35,9 @@ def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",))
 def _load_for_generation(path: Path, device):
     from transformers import AutoTokenizer
 
-    from linserve.model.loading import load_model
+    from linserve.model.checkpoint import load_checkpoint
 
-    return load_model(path, device).model, AutoTokenizer.from_pretrained(path)
+    return load_checkpoint(path, device), AutoTokenizer.from_pretrained(path)
 
 
 def check_sampling(**values) -> None:
@@ -105,11 +105,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, _ = _load_for_generation(path, device)
     config = model.config
-    print(
-        f"attention={config.attention} feature_map={config.feature_map} decay={config.decay} "
-        f"conv_kernel={config.conv_kernel}"
-    )
-    print(f"layers={config.n_layers} d_model={config.d_model} heads={config.n_heads} vocab={config.vocab_size}")
+    if hasattr(config, "raw"):  # an fla family: its type and the fields that shape it
+        print(f"model_type={config.model_type} attention={config.attention}")
+        print(f"layers={config.n_layers} hidden_size={config.hidden_size} heads={config.num_heads} "
+              f"kv_heads={config.num_kv_heads} key_dim={config.key_dim} value_dim={config.value_dim} "
+              f"vocab={config.vocab_size}")
+    else:
+        print(
+            f"attention={config.attention} feature_map={config.feature_map} decay={config.decay} "
+            f"conv_kernel={config.conv_kernel}"
+        )
+        print(f"layers={config.n_layers} d_model={config.d_model} heads={config.n_heads} vocab={config.vocab_size}")
     print(f"parameters={model.num_parameters()}")
     print(f"state_bytes_per_session={model.state_bytes()}")
     return 0

@@ -1,9 +1,10 @@
 """The llama.cpp peers' models: GPT-2 (6 × 256, 8 heads, MLP 4×, 16,384 positions) and Mamba (12 × 256,
-inner 512, state 16), random weights, linserve's tokenizer, saved with transformers and converted to
-GGUF F32 by llama.cpp's own `convert_hf_to_gguf.py` (from the sdist `build_llama_server.sh` unpacked).
-Cached under data/peers/models/; nothing is downloaded.
+inner 512, state 16) for P9, GGUF F32; and for P17 a Mamba of fla's 340M class (mamba-370m's shape: 48 ×
+1,024, inner 2,048, state 16), GGUF BF16 (the dtype linserve serves it beside). Random weights, linserve's
+tokenizer, saved with transformers and converted by llama.cpp's own `convert_hf_to_gguf.py` (from the sdist
+`build_llama_server.sh` unpacked). Cached under data/peers/models/; nothing is downloaded.
 
-    python benchmarks/peers/make_models.py        → data/peers/models/{gpt2,mamba}.gguf
+    python benchmarks/peers/make_models.py [NAME …]   → data/peers/models/{gpt2,mamba,mamba-370m}.gguf
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
+SHAPES = {"mamba": (256, 12), "mamba-370m": (1024, 48)}  # hidden, layers
+OUTTYPE = {"mamba-370m": "bf16"}
+
+
 def vocab_size() -> int:
     from tokenizers import Tokenizer
 
@@ -58,15 +63,16 @@ def build(name: str) -> Path:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=16384, n_embd=256, n_layer=6, n_head=8,
                                            n_inner=1024, bos_token_id=0, eos_token_id=0))
     else:
-        model = MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=256, num_hidden_layers=12,
-                                             intermediate_size=512, state_size=16, bos_token_id=0, eos_token_id=0,
-                                             pad_token_id=0))
+        hidden, layers = SHAPES[name]
+        model = MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                             intermediate_size=2 * hidden, state_size=16, bos_token_id=0,
+                                             eos_token_id=0, pad_token_id=0))
     hf_dir = PEERS / "models" / f"{name}-hf"
     save(model.eval(), hf_dir)
     if name == "gpt2":  # the converter reads GPT-2's context from `n_ctx`, which transformers 5 no longer writes
         config = json.loads((hf_dir / "config.json").read_text())
         (hf_dir / "config.json").write_text(json.dumps({**config, "n_ctx": config["n_positions"]}, indent=2))
-    subprocess.run([sys.executable, "-c", CONVERT, str(CONVERTER), str(hf_dir), "--outtype", "f32",
+    subprocess.run([sys.executable, "-c", CONVERT, str(CONVERTER), str(hf_dir), "--outtype", OUTTYPE.get(name, "f32"),
                     "--outfile", str(out)], check=True)
     return out
 
@@ -74,5 +80,5 @@ def build(name: str) -> Path:
 if __name__ == "__main__":
     if not CONVERTER.exists():
         raise SystemExit("run benchmarks/peers/build_llama_server.sh first (it unpacks llama.cpp's converter)")
-    for peer in ("gpt2", "mamba"):
+    for peer in sys.argv[1:] or ("gpt2", "mamba"):
         print(build(peer))

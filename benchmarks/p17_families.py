@@ -1,0 +1,182 @@
+"""SPEC P17 — fla's 340M shapes served with linserve's defaults on this machine: `linear_attn` (ELU+1 feature
+map) and `gla`, 24 layers × 1,024 (fla's defaults otherwise; linserve's 4,096-token tokenizer), random weights
+made here, against llama.cpp's `llama-server` serving a Mamba of the same class (mamba-370m's shape, GGUF BF16).
+
+    bash benchmarks/peers/build_llama_server.sh && python benchmarks/peers/make_models.py mamba-370m   # once
+    python benchmarks/p17_families.py [--reps 2] [--quick] [--out FILE]
+
+Measured, side by side in one run:
+- ITL flat: 1 stream × 8,192 tokens, ITL p50 of the last 1,024 tokens / the first 1,024 (≤ 1.10);
+- the engine's batch-1 decode step (compiled, bf16) against one read of the weights at the DRAM read
+  bandwidth measured in the same run (≤ 1.5×; benchmarks/decode_vs_context.py's definition);
+- tokens/s at 1 stream × 512 and 8 streams × 256 against llama-server's (≥ 1.0×), servers in turn per load;
+- memory: state bytes per session (the family's formula, /v1/models) and each server's RSS after the loads.
+Servers: `linserve serve --model DIR --num-slots 8` (every other setting its default: dtype auto, compile auto,
+threads) and `llama-server -np 8 -cb -t 2`. --quick: 2-layer × 64 models, short loads, no peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from common import emit, machine_check, reference_workload_ms  # noqa: E402
+from decode_vs_context import bandwidths, median_step  # noqa: E402
+from p9_peers import LLAMA_SERVER, PEERS, itl_p50_ms, one_load, start_llama  # noqa: E402
+from serving_overhead import start_server  # noqa: E402
+
+from linserve.model import families  # noqa: E402
+from linserve.model.checkpoint import load_checkpoint  # noqa: E402
+from linserve.model.loading import DEFAULT_CHECKPOINT, resolve_dtype  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=1024, num_hidden_layers=24, vocab_size=4096)
+QUICK_SHAPE = dict(hidden_size=64, num_hidden_layers=2, vocab_size=4096)
+FAMILIES = {"linear_attn": {"model_type": "linear_attn", "feature_map": "elu"}, "gla": {"model_type": "gla"}}
+
+
+def make_checkpoint(name: str, quick: bool) -> Path:
+    """data/p17/NAME: the family at the 340M shape, fla-style init (normal 0.02, norms 1), seeded; cached."""
+    from safetensors.torch import save_file
+
+    directory = REPO / "data" / "p17" / (f"{name}-quick" if quick else name)
+    if (directory / "model.safetensors").exists():
+        return directory
+    raw = {**(QUICK_SHAPE if quick else SHAPE), **FAMILIES[name]}
+    torch.manual_seed(0)
+    model = families.build(raw)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.02 if parameter.dim() > 1 else torch.ones_like(parameter))
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    for source in DEFAULT_CHECKPOINT.iterdir():
+        if source.name not in ("config.json", "model.safetensors"):
+            shutil.copy(source, directory / source.name)
+    return directory
+
+
+def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile_mode: str) -> dict:
+    """The engine's batch-1 decode step (gather, model, sampling, scatter) in the default dtype, compiled."""
+    from linserve.server.engine.compiled_decode import DecodeStep
+    from linserve.server.engine.sampling import SlotSampling
+    from linserve.server.engine.state_pool import StatePool
+
+    device = torch.device("cpu")
+    torch.set_num_threads(1)  # the server's decode thread count on this machine (cpu_threads.py)
+    model = load_checkpoint(directory, device, resolve_dtype("auto", device))
+    pool = StatePool(model, 2, device)
+    sampling = SlotSampling(pool.num_slots, model.config.vocab_size, device)
+    step = DecodeStep(model, pool, sampling, device, compile_mode, max_rows=1,
+                      cache_dir=str(REPO / "data" / "p17" / "compile"))
+    step.start()
+    step.wait_compiled()
+    index = torch.tensor([0])
+    times = [median_step(lambda: pool.scatter_tensors(index, step([1], [0], [0]).state), steps, device)
+             for _ in range(3)]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    read_ms = weight_bytes / (bandwidth["dram_gb_s"] * 1e9) * 1e3
+    step_ms = 1e3 * statistics.median(times)
+    step.close(wait=True)
+    return {"dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "compiled": step.status,
+            "weight_bytes": weight_bytes, "weight_read_ms": read_ms, "step_ms": step_ms, "ratio": step_ms / read_ms,
+            "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5}
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=30, help="decode steps per timing of the in-process step")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--llama-threads", type=int, default=2)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    loads = {"1x512": (1, 512), "8x256": (8, 256), "1x8192": (1, 8192)}
+    if args.quick:
+        args.reps, args.steps, loads = 1, 5, {"1x32": (1, 32), "8x16": (8, 16), "1x128": (1, 128)}
+    window = 1024 if not args.quick else 32
+    with_peer = not args.quick
+    if with_peer and not (LLAMA_SERVER.exists() and (PEERS / "models" / "mamba-370m.gguf").exists()):
+        raise SystemExit("build the peer first: bash benchmarks/peers/build_llama_server.sh && "
+                         "python benchmarks/peers/make_models.py mamba-370m")
+    checkpoints = {name: make_checkpoint(name, args.quick) for name in FAMILIES}
+    reference_before = reference_workload_ms()
+    weight_bytes = max(sum(p.numel() for p in load_checkpoint(d, torch.device("cpu")).parameters()) * 2
+                       for d in checkpoints.values())
+    bandwidth = bandwidths(torch.device("cpu"), weight_bytes, args.quick)
+    steps = {name: decode_step_vs_weights(d, bandwidth, args.steps, "off" if args.quick else args.compile)
+             for name, d in checkpoints.items()}
+    servers = {f"linserve {name}": 8971 + i for i, name in enumerate(checkpoints)}
+    processes = {}
+    for (label, port), directory in zip(servers.items(), checkpoints.values()):
+        processes[label] = start_server(str(directory), port, 8, extra=["--log-level", "warning"],
+                                        env={"LINSERVE_SESSION_STORE": "none"},
+                                        compile="off" if args.quick else args.compile)
+    if with_peer:
+        servers["llama.cpp mamba-370m"] = 8979
+        processes["llama.cpp mamba-370m"] = start_llama(PEERS / "models" / "mamba-370m.gguf", 8979,
+                                                        loads["1x8192"][1] + 64, args.llama_threads)
+    rates = {(s, load): [] for s in servers for load in loads}
+    flat = {s: [] for s in servers}
+    try:
+        cards = {label: httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]
+                 for label, port in servers.items() if label.startswith("linserve")}
+        for port in servers.values():
+            one_load(port, 1, 8)  # warm-up
+        long_load = list(loads)[-1]
+        for _ in range(args.reps):
+            for load, (streams, tokens) in loads.items():
+                if load == long_load and _ > 0:
+                    continue  # the 8,192-token load once per server: minutes each at this size
+                for name, port in servers.items():
+                    summary, records = one_load(port, streams, tokens)
+                    rates[(name, load)].append(summary["token_throughput_per_s"])
+                    if load == long_load:
+                        flat[name].append(itl_p50_ms(records, tokens - window, tokens) / itl_p50_ms(records, 0, window))
+        rss = {label: rss_bytes(process.pid) for label, process in processes.items()}
+    finally:
+        for process in processes.values():
+            process.terminate()
+        for process in processes.values():
+            process.wait(60)
+    table = {name: {load: statistics.median(rates[(name, load)]) for load in loads} for name in servers}
+    result = {"loads": loads, "reps": args.reps, "bandwidth": bandwidth,
+              "machine": machine_check(reference_before, reference_workload_ms()), "tokens_per_s": table,
+              "rss_bytes": rss, "P17": {}}
+    for name in checkpoints:
+        label = f"linserve {name}"
+        card = cards[label]
+        entry = {"state_bytes_per_session": card["state_bytes"], "rss_bytes": rss[label],
+                 "decode_step": steps[name],
+                 "itl_late_over_early": {"ratio": flat[label][0], "target": "<= 1.10", "pass": flat[label][0] <= 1.10}}
+        if with_peer:
+            for load in list(loads)[:2]:
+                peer = table["llama.cpp mamba-370m"][load]
+                entry[load] = {"linserve": table[label][load], "peer": peer, "ratio": table[label][load] / peer,
+                               "target": ">= 1.0", "pass": table[label][load] >= peer}
+        result["P17"][name] = entry
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"# {time.time() - t0:.0f} s", file=sys.stderr)

@@ -1,0 +1,73 @@
+"""This tree's `linserve serve` against another installation's (a baseline: another commit in its own
+virtual environment), P9's loads on the shipped model, servers in turn within every load, one run:
+
+    git worktree add /tmp/base COMMIT && python3 -m venv /tmp/base/.venv && \\
+      /tmp/base/.venv/bin/pip install -c /tmp/base/configs/constraints.txt -e /tmp/base
+    python benchmarks/side_by_side.py --baseline-python /tmp/base/.venv/bin/python [--reps 3] [--out FILE]
+
+Reports tokens/s per load (median of the repetitions) and this tree / baseline. Both servers run with their
+defaults on the same model directory, compile settled before the first load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import compile_settled, emit, machine_check, reference_workload_ms, wait_until_up  # noqa: E402
+from p9_peers import one_load  # noqa: E402
+from serving_overhead import COMPILE_TIMEOUT_S  # noqa: E402
+
+from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
+
+
+def start(python: str, port: int, compile_mode: str) -> subprocess.Popen:
+    command = [python, "-m", "linserve.server.cli", "serve", "--model", str(DEFAULT_CHECKPOINT), "--port", str(port),
+               "--compile", compile_mode, "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "LINSERVE_SESSION_STORE": "none"})
+    return wait_until_up(process, f"http://127.0.0.1:{port}/ready", "linserve serve", COMPILE_TIMEOUT_S,
+                         compile_settled)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-python", required=True, help="the python of the baseline's environment")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    loads = {"1x512": (1, 512), "8x256": (8, 256)} if not args.quick else {"1x32": (1, 32), "8x16": (8, 16)}
+    reference_before = reference_workload_ms()
+    servers = {"this tree": (sys.executable, 8961), "baseline": (args.baseline_python, 8962)}
+    processes = [start(python, port, args.compile) for python, port in servers.values()]
+    rates = {(name, load): [] for name in servers for load in loads}
+    try:
+        for _, port in servers.values():
+            one_load(port, 1, 8)  # warm-up
+        for _ in range(args.reps):
+            for load, (streams, tokens) in loads.items():
+                for name, (_, port) in servers.items():
+                    rates[(name, load)].append(one_load(port, streams, tokens)[0]["token_throughput_per_s"])
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(30)
+    table = {load: {name: statistics.median(rates[(name, load)]) for name in servers} for load in loads}
+    for load, row in table.items():
+        row["ratio"] = row["this tree"] / row["baseline"]
+        row["spread"] = {name: [min(rates[(name, load)]), max(rates[(name, load)])] for name in servers}
+    emit({"reps": args.reps, "baseline_python": args.baseline_python, "tokens_per_s": table,
+          "machine": machine_check(reference_before, reference_workload_ms())}, args.out)
+
+
+if __name__ == "__main__":
+    main()
