@@ -7,12 +7,14 @@ made here, against llama.cpp's `llama-server` serving a Mamba of the same class 
 
 Measured, side by side in one run:
 - ITL flat: 1 stream × 8,192 tokens, ITL p50 of the last 1,024 tokens / the first 1,024 (≤ 1.10);
-- the engine's batch-1 decode step (compiled, bf16) against one read of the weights at the DRAM read
-  bandwidth measured in the same run (≤ 1.5×; benchmarks/decode_vs_context.py's definition);
+- the engine's batch-1 decode step (compiled, bf16, 1 thread: the server's decode thread here) against one
+  read of the weights at the DRAM read bandwidth measured in the same run (≤ 1.5×; decode_vs_context.py's
+  definition);
 - tokens/s at 1 stream × 512 and 8 streams × 256 against llama-server's (≥ 1.0×), servers in turn per load;
 - memory: state bytes per session (the family's formula, /v1/models) and each server's RSS after the loads.
 Servers: `linserve serve --model DIR --num-slots 8` (every other setting its default: dtype auto, compile auto,
-threads) and `llama-server -np 8 -cb -t 2`. --quick: 2-layer × 64 models, short loads, no peer.
+threads; `linserve compile` builds their buckets first) and `llama-server -np 8 -cb -t 2`. --quick: 2-layer ×
+64 models, short loads, eager, no peer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,8 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     weight_bytes = max(sum(p.numel() for p in load_checkpoint(d, torch.device("cpu")).parameters()) * 2
                        for d in checkpoints.values())
     bandwidth = bandwidths(torch.device("cpu"), weight_bytes, args.quick)
-    steps = {name: decode_step_vs_weights(d, bandwidth, args.steps, "off" if args.quick else args.compile)
+    steps = {name: decode_step_vs_weights(d, bandwidth, args.steps, "off" if args.quick else "on")
              for name, d in checkpoints.items()}
+    if not args.quick and args.compile != "off":  # every bucket `serve --num-slots 8` uses, into serve's cache
+        for directory in checkpoints.values():
+            subprocess.run([sys.executable, "-m", "linserve.server.cli", "compile", "--model", str(directory),
+                            "--num-slots", "8"], check=True, stdout=subprocess.DEVNULL)
     servers = {f"linserve {name}": 8971 + i for i, name in enumerate(checkpoints)}
     processes = {}
     for (label, port), directory in zip(servers.items(), checkpoints.values()):
