@@ -117,10 +117,7 @@ class LinearGPTForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         **kwargs,
     ) -> dict:
-        if state is not None:
-            # the state already holds the prefix: feed only the newest token, no padding in it
-            return {"input_ids": input_ids[:, -1:], "state": state, "use_cache": use_cache}
-        return {"input_ids": input_ids, "state": None, "attention_mask": attention_mask, "use_cache": use_cache}
+        return stateful_inputs(input_ids, state, attention_mask, use_cache)
 
     def _update_model_kwargs_for_generation(self, outputs: LinearGPTOutput, model_kwargs: dict, *args,
                                             **kwargs) -> dict:
@@ -129,6 +126,15 @@ class LinearGPTForCausalLM(PreTrainedModel, GenerationMixin):
         model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
         model_kwargs["state"] = outputs.state
         return model_kwargs
+
+
+def stateful_inputs(input_ids: torch.LongTensor, state, attention_mask: torch.Tensor | None,
+                    use_cache: bool | None) -> dict:
+    """`prepare_inputs_for_generation` of a model whose cache is its fixed-size state (any family): once the
+    state holds the prefix, only the newest token is fed, with no padding in it."""
+    if state is not None:
+        return {"input_ids": input_ids[:, -1:], "state": state, "use_cache": use_cache}
+    return {"input_ids": input_ids, "state": None, "attention_mask": attention_mask, "use_cache": use_cache}
 
 
 AutoConfig.register(MODEL_TYPE, LinearGPTConfig, exist_ok=True)
