@@ -40,6 +40,7 @@ from serving_overhead import start_server  # noqa: E402
 from linserve.model import families  # noqa: E402
 from linserve.model.checkpoint import load_checkpoint  # noqa: E402
 from linserve.model.loading import DEFAULT_CHECKPOINT, resolve_dtype  # noqa: E402
+from linserve.server.settings import Settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=1024, num_hidden_layers=24, vocab_size=4096)
@@ -80,8 +81,8 @@ def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile
     model = load_checkpoint(directory, device, resolve_dtype("auto", device))
     pool = StatePool(model, 2, device)
     sampling = SlotSampling(pool.num_slots, model.config.vocab_size, device)
-    step = DecodeStep(model, pool, sampling, device, compile_mode, max_rows=1,
-                      cache_dir=str(REPO / "data" / "p17" / "compile"))
+    step = DecodeStep(model, pool, sampling, device, compile_mode, max_rows=1,  # serve's defaults: not autotuned
+                      cache_dir=str(REPO / "data" / "p17" / "compile"), autotune=Settings().compile_autotune)
     step.start()
     step.wait_compiled()
     index = torch.tensor([0])

@@ -120,6 +120,11 @@ ACTIVATIONS64 = {  # functions of one value, as float64 (the tables' source) —
     "gelu": lambda h: _gelu_tanh64(h),
 }
 ACTIVATIONS64["swish"] = ACTIVATIONS64["silu"]
+POWLU_POWER = 3.0  # fla's GatedMLP default (not a config field)
+# fla's PowGLU gate: x^(p / (√x + 1))·σ(x) above 0, SiLU below
+ACTIVATIONS64["powlu"] = lambda h: torch.where(
+    h > 0, torch.where(h > 0, h, 1.0) ** (POWLU_POWER / (torch.where(h > 0, h, 1.0).sqrt() + 1)) * torch.sigmoid(h),
+    h * torch.sigmoid(h))
 
 
 def activation(name: str, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -130,6 +135,8 @@ def activation(name: str, x: torch.Tensor, out_dtype: torch.dtype | None = None)
         return lookup(bf16_table(name, ACTIVATIONS64[name], out_dtype, x.device), x)
     if name in ("silu", "swish"):
         y = F.silu(x)
+    elif name == "powlu":
+        y = ACTIVATIONS64["powlu"](x.float())
     elif name == "gelu":
         y = F.gelu(x, approximate="tanh")
     else:

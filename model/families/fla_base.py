@@ -29,6 +29,9 @@ class UnsupportedCheckpoint(ValueError):
         self.field_name, self.value = field_name, value
 
 
+MLP_ACTIVATIONS = ("swish", "powlu")  # what fla's GatedMLP computes (SwiGLU, PowGLU)
+
+
 # ---------------------------------------------------------------------------------------------- config
 @dataclass
 class FlaConfig:
@@ -49,6 +52,7 @@ class FlaConfig:
     elementwise_affine: bool
     intermediate_size: int
     tie_word_embeddings: bool
+    hidden_act: str
     state_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per layer: name → shape at batch 1
     attention: str = "linear"
     max_context: int | None = None  # no limit: the state does not grow
@@ -90,8 +94,8 @@ def read_shared(raw: dict, defaults: dict) -> dict:
     if get("attnres_block_size") is not None:
         raise UnsupportedCheckpoint("attnres_block_size", get("attnres_block_size"),
                                     "attention residuals (AttnRes) are not served; null is")
-    if get("hidden_act") not in ("swish", "silu"):
-        raise UnsupportedCheckpoint("hidden_act", get("hidden_act"), "the gated MLP is served with 'swish'")
+    if get("hidden_act") not in MLP_ACTIVATIONS:
+        raise UnsupportedCheckpoint("hidden_act", get("hidden_act"), f"fla's gated MLP: {' or '.join(MLP_ACTIVATIONS)}")
     hidden, heads = int(get("hidden_size")), int(get("num_heads"))
     kv_heads = int(get("num_kv_heads") or heads)
     if heads % kv_heads:
@@ -110,7 +114,8 @@ def read_shared(raw: dict, defaults: dict) -> dict:
                 vocab_size=int(get("vocab_size")), num_heads=heads, num_kv_heads=kv_heads, key_dim=key_dim,
                 value_dim=value_dim, norm_eps=float(get("norm_eps")),
                 elementwise_affine=bool(get("elementwise_affine") if get("elementwise_affine") is not None else True),
-                intermediate_size=int(intermediate), tie_word_embeddings=bool(get("tie_word_embeddings")))
+                intermediate_size=int(intermediate), tie_word_embeddings=bool(get("tie_word_embeddings")),
+                hidden_act=get("hidden_act"))
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -166,16 +171,17 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """fla's GatedMLP with 'swish': down(silu(gate(x)) · up(x))."""
+    """fla's GatedMLP: down(act(gate(x)) · up(x)), act SiLU ('swish') or PowGLU's gate ('powlu')."""
 
     def __init__(self, config: FlaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = "silu" if config.hidden_act == "swish" else config.hidden_act
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = numerics.activation("silu", numerics.project(self.gate_proj, x))  # (B, T, I)
+        gate = numerics.activation(self.act, numerics.project(self.gate_proj, x))  # (B, T, I)
         return numerics.project(self.down_proj, gate * numerics.project(self.up_proj, x))  # (B, T, C)
 
 

@@ -26,6 +26,10 @@ def read_gated(config: FlaConfig, raw: dict, defaults: dict) -> None:
         raise UnsupportedCheckpoint("feature_map", config.feature_map, f"null or one of {', '.join(ACTIVATIONS)}")
     config.use_output_gate = bool(get("use_output_gate"))
     config.gate_fn = get("hidden_act")
+    if config.use_output_gate and config.gate_fn not in ACTIVATIONS:  # fla's layer takes ACT2FN[hidden_act]
+        raise UnsupportedCheckpoint("hidden_act", config.gate_fn,
+                                    f"with use_output_gate, one of {', '.join(ACTIVATIONS)} (fla's output gate "
+                                    "takes hidden_act; fla has no powlu gate)")
     config.fuse_norm = bool(get("fuse_norm"))
     config.use_short_conv = bool(get("use_short_conv"))
     config.conv_size = int(get("conv_size"))

@@ -23,6 +23,7 @@ CASES = {
                                                "norm_feature_map": True}),
     "linear_attn-grouped-expanded": ("linear_attn", {"feature_map": "t2r", "num_kv_heads": 2, "expand_k": 2.0,
                                                      "expand_v": 0.5}),
+    "linear_attn-powlu": ("linear_attn", {"feature_map": "relu", "hidden_act": "powlu"}),
     "linear_attn-tied-plain-norms": ("linear_attn", {"feature_map": "hedgehog", "tie_word_embeddings": True,
                                                      "elementwise_affine": False, "intermediate_size": 96,
                                                      "fuse_norm": False}),
