@@ -61,7 +61,8 @@ def program_sources(extra: tuple[str, ...] = ()) -> list[str]:
     model_dir = os.path.dirname(os.path.abspath(model_package.__file__))
     here = os.path.dirname(os.path.abspath(__file__))
     own = ["decode_program.py", "sampling.py", "verify_program.py", *extra]
-    return sorted(os.path.join(model_dir, name) for name in os.listdir(model_dir) if name.endswith(".py")) + [
+    return sorted(os.path.join(directory, name) for directory in (model_dir, os.path.join(model_dir, "families"))
+                  for name in os.listdir(directory) if name.endswith(".py")) + [
         os.path.join(here, name) for name in own]
 
 

@@ -342,3 +342,12 @@ def test_a_process_without_a_cpp_compiler_keys_its_cache_and_serves(tiny_checkpo
     assert result.returncode == 0, result.stderr[-2000:]
     available, where = result.stdout.split()
     assert available == "False" and where.startswith(("x86_64-", "aarch64-")), where
+
+
+def test_every_model_family_module_keys_the_compile_cache():
+    """A compiled program contains its family's code: an fla family's module, changed, must miss the cache."""
+    from linserve.server.engine.compile_cache import program_sources
+
+    keyed = {"/".join(Path(path).parts[-2:]) for path in program_sources()}
+    assert {"model/gpt.py", "model/recurrence.py", "model/numerics.py", "families/fla_base.py", "families/gla.py",
+            "families/retnet.py", "families/linear_attn.py", "families/gated.py"} <= keyed
