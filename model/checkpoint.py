@@ -121,24 +121,27 @@ def validate(path: str | Path, tokenizer=None) -> dict:
     """Everything `load_checkpoint` would refuse, from config.json and the weights' headers alone (cheap:
     `serve` calls it before it binds its port): raises CheckpointError / UnsupportedCheckpoint. With a
     tokenizer, its size too. Returns the config's fields."""
-    path = Path(path)
+    return _validated(Path(path), tokenizer)[0]
+
+
+def _validated(path: Path, tokenizer=None) -> tuple[dict, nn.Module]:
+    """`validate`'s checks; the config's fields and the skeleton they were checked against."""
     raw = read_config(path)
     model = skeleton(raw)
     check_weights(model, weight_shapes(path), path, raw.get("model_type"))
     if tokenizer is not None:
         check_tokenizer(tokenizer, model.config.vocab_size, path)
-    return raw
+    return raw, model
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The served model of a checkpoint directory, in eval mode, parameters in `dtype` (buffers as saved)."""
     path = Path(path)
-    raw = validate(path)
+    raw, model = _validated(path)
     if raw.get("model_type") == families.LINEAR_GPT:
         from .loading import load_model
 
         return load_model(path, device, dtype).model
-    model = skeleton(raw)
     tensors = read_weights(path)
     model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):

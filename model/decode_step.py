@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 
 from .gpt import LinearGPT
-from .state import ModelState
 
 FlatStep = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -27,11 +26,6 @@ def state_names(model: LinearGPT) -> list[str]:
     return list(model.init_state(1, "meta").tensors())
 
 
-def unflatten(model: LinearGPT, state: tuple[torch.Tensor, ...], names: list[str] | None = None) -> ModelState:
-    """Flat state tensors in `state_names` order → the model's state (the inverse of its `tensors()`)."""
-    return model.state_from_tensors(dict(zip(names if names is not None else state_names(model), state)))
-
-
 def flat_decode_step(model: LinearGPT) -> FlatStep:
     """One recurrent step of a linear-attention model over flat tensors (see the module docstring)."""
     if model.config.attention != "linear":
@@ -39,7 +33,7 @@ def flat_decode_step(model: LinearGPT) -> FlatStep:
     names = state_names(model)  # outside the traced function
 
     def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, new = model(tokens, unflatten(model, state, names))  # (B, 1, V)
+        logits, new = model(tokens, model.state_from_tensors(dict(zip(names, state))))  # (B, 1, V)
         return (logits[:, 0].float(), *new.tensors().values())  # (B, V) fp32, then the state
 
     return step
@@ -56,7 +50,7 @@ def flat_verify_step(model: LinearGPT) -> FlatStep:
     names = state_names(model)  # outside the traced function
 
     def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, prefixes = model(tokens, unflatten(model, state, names), prefixes=True)  # (B, T, V)
+        logits, prefixes = model(tokens, model.state_from_tensors(dict(zip(names, state))), prefixes=True)  # (B, T, V)
         return (logits.float(), *prefixes.tensors().values())
 
     return step

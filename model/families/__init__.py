@@ -12,30 +12,12 @@ from typing import Callable
 
 from torch import nn
 
+from . import gla, linear_attn, retnet
 from .fla_base import FlaCausalLM, RecurrentState, UnsupportedCheckpoint
 
 LINEAR_GPT = "linear_gpt"
-
-
-def _linear_attn(raw: dict) -> nn.Module:
-    from .linear_attn import build
-
-    return build(raw)
-
-
-def _gla(raw: dict) -> nn.Module:
-    from .gla import build
-
-    return build(raw)
-
-
-def _retnet(raw: dict) -> nn.Module:
-    from .retnet import build
-
-    return build(raw)
-
-
-FLA_FAMILIES: dict[str, Callable[[dict], nn.Module]] = {"linear_attn": _linear_attn, "gla": _gla, "retnet": _retnet}
+FLA_FAMILIES: dict[str, Callable[[dict], nn.Module]] = {"linear_attn": linear_attn.build, "gla": gla.build,
+                                                       "retnet": retnet.build}
 MODEL_TYPES = (LINEAR_GPT, *FLA_FAMILIES)
 
 

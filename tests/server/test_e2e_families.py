@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -109,7 +110,7 @@ def test_the_compiled_decode_program_streams_the_same_text(tmp_path, compile_cac
     try:
         deadline = 600
         while deadline > 0 and httpx.get(f"{server.base}/version").json()["decode_step"]["status"] != "compiled":
-            __import__("time").sleep(2)
+            time.sleep(2)
             deadline -= 2
         assert httpx.get(f"{server.base}/version").json()["decode_step"]["status"] == "compiled"
         reply = httpx.post(f"{server.base}/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=60)

@@ -33,6 +33,12 @@ def split_run(model, ids: torch.Tensor, split: int):
     return torch.cat(steps, dim=1), state
 
 
+def assert_states_close(got, want) -> None:
+    """Every state tensor of `got` equals `want`'s to fp32 rounding (the chunkwise form vs the recurrence)."""
+    for name, tensor in want.tensors().items():
+        torch.testing.assert_close(got.tensors()[name], tensor, atol=2e-4, rtol=1e-4, msg=name)
+
+
 @torch.no_grad()
 def test_chunked_and_recurrent_forms_are_one_function_at_any_split(checkpoint):
     model = load_checkpoint(checkpoint, torch.device("cpu"), torch.float32)
@@ -41,8 +47,7 @@ def test_chunked_and_recurrent_forms_are_one_function_at_any_split(checkpoint):
     for split in (1, 17, 33, T - 1):
         logits, other = split_run(model, ids, split)
         torch.testing.assert_close(logits, whole, atol=2e-4, rtol=1e-4)
-        for name, tensor in state.tensors().items():
-            torch.testing.assert_close(other.tensors()[name], tensor, atol=2e-4, rtol=1e-4, msg=name)
+        assert_states_close(other, state)
 
 
 @torch.no_grad()
@@ -53,9 +58,7 @@ def test_the_state_after_every_prefix_is_that_prefixs_state(checkpoint):
     _, every = model(ids, start, prefixes=True)
     for j in (0, 4, 8):
         _, prefix = model(ids[:, :j + 1], start)
-        chosen = every.select_prefix(torch.tensor([j, j]))
-        for name, tensor in prefix.tensors().items():
-            torch.testing.assert_close(chosen.tensors()[name], tensor, atol=2e-4, rtol=1e-4, msg=name)
+        assert_states_close(every.select_prefix(torch.tensor([j, j])), prefix)
 
 
 @torch.no_grad()
