@@ -3,7 +3,8 @@ P1 and P6 (the decode step against context and against one read of the weights),
 served load at 1/32/128 streams (P11), P15 (speculative decoding), and the CPU thread sweep of this larger
 machine; one results file and the rows for docs/benchmarks.md's GPU table, with the machine named.
 
-    bash benchmarks/gpu.sh [--parts tests,p1p6,p5,served,p15,threads] [--quick] [--out-dir DIR]
+    bash benchmarks/gpu.sh [--parts tests,fla,p1p6,p5,served,p15,families,threads] [--quick] [--out-dir DIR]
+        [--tests 'PYTEST ARGS'] [--workers N] [--timeout PART=SECONDS ...]
 
 Without CUDA it says so, runs the CPU-only parts (the thread sweep) and exits 0: CI runs it that way. Each
 part is a separate child process with its own deadline; a part that fails is recorded as failed and the rest
@@ -18,8 +19,11 @@ import datetime
 import json
 import os
 import platform
+import shlex
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,9 +31,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-GPU_PARTS = ("tests", "p1p6", "p5", "served", "p15")
+GPU_PARTS = ("tests", "fla", "p1p6", "p5", "served", "p15", "families")
 CPU_PARTS = ("threads",)
-PART_TIMEOUT_S = {"tests": 1800, "p1p6": 900, "p5": 900, "served": 1200, "threads": 1800}
+PART_TIMEOUT_S = {"tests": 1800, "fla": 900, "p1p6": 900, "p5": 900, "served": 1200, "p15": 1200,
+                  "families": 1200, "threads": 1800}
+# the part whose reference is fla's real kernels on the GPU (tests/model/families/fla_reference.py)
+PART_ENV = {"fla": {"LINSERVE_FLA_GPU": "1"}}
 SERVED_STREAMS = (1, 32, 128)
 
 
@@ -43,16 +50,25 @@ def machine() -> dict:
 
 
 def run_part(name: str, command: list[str], timeout_s: float) -> dict:
-    print(f"== {name}: {' '.join(command)}", flush=True)
+    env = PART_ENV.get(name, {})
+    shown = " ".join([*(f"{k}={v}" for k, v in env.items()), *command])
+    print(f"== {name}: {shown}", flush=True)
     started = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        status, tail = done.returncode, (done.stdout + done.stderr)[-3000:]
-    except subprocess.TimeoutExpired as expired:
-        status, tail = "timeout", ((expired.stdout or b"").decode(errors="replace"))[-3000:]
+    with tempfile.TemporaryFile() as log:  # kept on a timeout too (subprocess.run drops it there)
+        child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                                 start_new_session=True)  # its own group: a timeout ends its helpers as well
+        try:
+            status = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            status = "timeout"
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-3000:]
     seconds = time.monotonic() - started
     print(f"   {name}: status {status} in {seconds:.0f} s", flush=True)
-    return {"command": " ".join(command), "status": status, "seconds": round(seconds, 1), "output_tail": tail}
+    return {"command": shown, "status": status, "seconds": round(seconds, 1), "output_tail": tail}
 
 
 def load_json(path: Path) -> dict | None:
@@ -62,12 +78,19 @@ def load_json(path: Path) -> dict | None:
         return None
 
 
-def part_commands(name: str, out: Path, quick: bool) -> list[str]:
+def part_commands(name: str, out: Path, quick: bool, tests: list[str] | None = None, workers: int = 0) -> list[str]:
     py = sys.executable
     q = ["--quick"] if quick else []
     if name == "tests":
         return [py, "-m", "pytest", "-q", "--device", "cuda", "-p", "no:cacheprovider",
-                *(["tests/model/test_decode_step.py"] if quick else ["tests"])]
+                *(["-n", str(workers)] if workers else []),
+                *(tests or (["tests/model/test_decode_step.py"] if quick else ["tests"]))]
+    if name == "fla":
+        return [py, "-m", "pytest", "-q", "--device", "cuda", "-p", "no:cacheprovider",
+                "tests/model/families/test_against_fla.py"]
+    if name == "families":
+        return [py, "benchmarks/families_served.py", "--device", "cuda", *q, "--compile", "off",
+                "--out", str(out / "families.json")]
     if name == "p1p6":
         return [py, "benchmarks/decode_vs_context.py", "--device", "cuda", *q, "--out", str(out / "p1_p6.json"),
                 "--plot", str(out / "p1_decode_vs_context.png")]
@@ -88,10 +111,11 @@ def rows(results: dict) -> list[str]:
     m = results.get("machine", {})
     where = f"{m.get('gpu') or 'no GPU'}, {m.get('cpus_usable')} CPUs, torch {m.get('torch')}, {m.get('date')}"
     parts, lines = results.get("parts", {}), []
-    if "tests" in parts:
-        tail = parts["tests"]["output_tail"].strip().splitlines()
-        lines.append(f"| test suite on CUDA ({where}) | {tail[-1] if tail else parts['tests']['status']} | all pass | "
-                     f"{'PASS' if parts['tests']['status'] == 0 else 'FAIL'} | `{parts['tests']['command']}` |")
+    for name, what in (("tests", "test suite on CUDA"), ("fla", "fla families against fla's GPU kernels")):
+        if name in parts:
+            tail = parts[name]["output_tail"].strip().splitlines()
+            lines.append(f"| {what} ({where}) | {tail[-1] if tail else parts[name]['status']} | all pass | "
+                         f"{'PASS' if parts[name]['status'] == 0 else 'FAIL'} | `{parts[name]['command']}` |")
     p1p6 = parts.get("p1p6", {}).get("result")
     if p1p6:
         for key in ("P1", "P6"):
@@ -115,6 +139,12 @@ def rows(results: dict) -> list[str]:
             measured = entry.get("ratio", entry.get("measured"))
             lines.append(f"| P15 {key} ({where}) | {measured} | {entry['target']} | "
                          f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['p15']['command']}` |")
+    families = parts.get("families", {}).get("result")
+    for key, entry in (families or {}).get("models", {}).items():
+        rates = ", ".join(f"{k.split('_')[1]}: {v['tokens_per_s']:.0f}" for k, v in entry["loads"].items())
+        lines.append(f"| {key} served, tokens/s by streams ({where}) | {rates}; state {entry['state_bytes']} B, "
+                     f"{entry.get('sessions_in_free_memory')} sessions in free memory | — | — | "
+                     f"`{parts['families']['command']}` |")
     threads = parts.get("threads", {}).get("result")
     if threads:
         best = threads.get("best", {})
@@ -127,7 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(GPU_PARTS + CPU_PARTS))
     parser.add_argument("--quick", action="store_true", help="short versions of every part (tests of this script)")
     parser.add_argument("--out-dir", default=str(HERE / "results" / "gpu"))
+    parser.add_argument("--tests", type=shlex.split, help="the tests part's pytest arguments, one string "
+                        "(default: the whole suite), e.g. --tests 'tests/server/engine -m \"not slow\"'")
+    parser.add_argument("--workers", type=int, default=0, help="the tests part's pytest-xdist workers (-n)")
+    parser.add_argument("--timeout", nargs="+", default=[], metavar="PART=SECONDS",
+                        help="a part's deadline instead of its default")
     args = parser.parse_args(argv)
+    deadlines = {**PART_TIMEOUT_S, **{k: float(v) for k, v in (t.split("=", 1) for t in args.timeout)}}
     wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(wanted) - set(GPU_PARTS + CPU_PARTS)
     if unknown:
@@ -144,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
               "running the CPU-only parts", flush=True)
         wanted = [p for p in wanted if p in CPU_PARTS]
     for name in wanted:
-        command = part_commands(name, out, args.quick)
-        record = run_part(name, command, PART_TIMEOUT_S[name])
+        command = part_commands(name, out, args.quick, args.tests, args.workers)
+        record = run_part(name, command, deadlines[name])
         json_out = next((Path(a) for a in command if a.endswith(".json")), None)
         record["result"] = load_json(json_out) if json_out and record["status"] == 0 else None
         results.setdefault("parts", {})[name] = record

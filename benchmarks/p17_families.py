@@ -43,19 +43,24 @@ from linserve.model.loading import DEFAULT_CHECKPOINT, resolve_dtype  # noqa: E4
 from linserve.server.settings import Settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPE = dict(hidden_size=1024, num_hidden_layers=24, vocab_size=4096)
-QUICK_SHAPE = dict(hidden_size=64, num_hidden_layers=2, vocab_size=4096)
-FAMILIES = {"linear_attn": {"model_type": "linear_attn", "feature_map": "elu"}, "gla": {"model_type": "gla"}}
+# fla's model sizes (hidden, layers); the vocabulary is the shipped tokenizer's (random weights need no other)
+SHAPES = {"340M": dict(hidden_size=1024, num_hidden_layers=24, vocab_size=4096),
+          "1.3B": dict(hidden_size=2048, num_hidden_layers=24, vocab_size=4096),
+          "quick": dict(hidden_size=64, num_hidden_layers=2, vocab_size=4096)}
+FAMILIES = {"linear_attn": {"model_type": "linear_attn", "feature_map": "elu"}, "gla": {"model_type": "gla"},
+            "retnet": {"model_type": "retnet"}}
+P17_FAMILIES = ("linear_attn", "gla")
 
 
-def make_checkpoint(name: str, quick: bool) -> Path:
-    """data/p17/NAME: the family at the 340M shape, fla-style init (normal 0.02, norms 1), seeded; cached."""
+def make_checkpoint(name: str, shape: str = "340M") -> Path:
+    """data/p17/NAME[-SHAPE]: the family at one of fla's shapes, fla-style init (normal 0.02, norms 1), seeded;
+    cached."""
     from safetensors.torch import save_file
 
-    directory = REPO / "data" / "p17" / (f"{name}-quick" if quick else name)
+    directory = REPO / "data" / "p17" / (name if shape == "340M" else f"{name}-{shape}")
     if (directory / "model.safetensors").exists():
         return directory
-    raw = {**(QUICK_SHAPE if quick else SHAPE), **FAMILIES[name]}
+    raw = {**SHAPES[shape], **FAMILIES[name]}
     torch.manual_seed(0)
     model = families.build(raw)
     with torch.no_grad():
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     if with_peer and not (LLAMA_SERVER.exists() and (PEERS / "models" / "mamba-370m.gguf").exists()):
         raise SystemExit("build the peer first: bash benchmarks/peers/build_llama_server.sh && "
                          "python benchmarks/peers/make_models.py mamba-370m")
-    checkpoints = {name: make_checkpoint(name, args.quick) for name in FAMILIES}
+    checkpoints = {name: make_checkpoint(name, "quick" if args.quick else "340M") for name in P17_FAMILIES}
     reference_before = reference_workload_ms()
     weight_bytes = max(sum(p.numel() for p in load_checkpoint(d, torch.device("cpu")).parameters()) * 2
                        for d in checkpoints.values())

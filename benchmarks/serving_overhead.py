@@ -47,7 +47,9 @@ def start_server(model: str, port: int, slots: int, extra: list[str] | None = No
     command = [sys.executable, "-m", "linserve.server.cli", "serve", "--model", model, "--port", str(port),
                "--device", device, "--num-slots", str(slots), "--compile", compile,
                *(extra or ["--log-level", "warning"])]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    log = os.environ.get("LINSERVE_BENCH_SERVER_LOG")  # a file for the server's output (else discarded)
+    output = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
+    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
                                env={**os.environ, **(env or {})})
     return wait_until_up(
         process, f"http://127.0.0.1:{port}/ready", "linserve serve", COMPILE_TIMEOUT_S, compile_settled

@@ -40,6 +40,20 @@ def read_config(path: Path) -> dict:
     return raw
 
 
+def load_tokenizer(path: str | Path):
+    """The checkpoint's own tokenizer (`AutoTokenizer`). An fla model_type is unknown to transformers, so its
+    config.json is not read as a model config there (the tokenizer's own files say which class it is)."""
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    config = Path(path) / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    bare = {"config": PreTrainedConfig()} if model_type in families.FLA_FAMILIES else {}
+    return AutoTokenizer.from_pretrained(str(path), **bare)
+
+
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors file(s), on the CPU; a truncated or corrupt file is a
     CheckpointError naming it."""

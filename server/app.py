@@ -14,7 +14,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from linserve.model.checkpoint import check_tokenizer, load_checkpoint
+from linserve.model.checkpoint import check_tokenizer, load_checkpoint, load_tokenizer
 from linserve.model.loading import (
     DEFAULT_CHECKPOINT,
     load_model,
@@ -55,8 +55,6 @@ def engine_config(settings: Settings, model) -> EngineConfig:
 def load_draft(settings: Settings, model, tokenizer, device):
     """The draft model (fp32) for `speculative: draft`: `draft_model`, or None when unset (none is shipped: on a
     CPU the shipped model is too small for a draft model to pay). It must share the served model's tokenizer."""
-    from transformers import AutoTokenizer
-
     draft_path = Path(settings.draft_model) if settings.draft_model else None
     if draft_path is None or model.config.attention != "linear":
         if settings.speculative == "draft":
@@ -66,7 +64,7 @@ def load_draft(settings: Settings, model, tokenizer, device):
 
     draft = load_model(draft_path, device, torch.float32).model
     if draft.config.attention != "linear" or draft.config.vocab_size != model.config.vocab_size or (
-            AutoTokenizer.from_pretrained(str(draft_path)).get_vocab() != tokenizer.get_vocab()):
+            load_tokenizer(draft_path).get_vocab() != tokenizer.get_vocab()):
         raise ValueError(f"the draft model {draft_path} must be a linear-attention model with the served model's "
                          "tokenizer (the same vocabulary and ids)")
     logger.info("draft model %s: %.2f M parameters, %d state bytes per slot", draft_path,
@@ -75,8 +73,6 @@ def load_draft(settings: Settings, model, tokenizer, device):
 
 
 def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
-    from transformers import AutoTokenizer
-
     path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)  # every form's: prefill, decode steps and verification
@@ -84,7 +80,7 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     if model.config.attention != "linear":  # the softmax baseline stays fp32: its KV cache is sized in it
         model = model.float()
         dtype = next(model.parameters()).dtype
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path)
     check_tokenizer(tokenizer, model.config.vocab_size, path)
     config = engine_config(settings, model)
     draft = load_draft(settings, model, tokenizer, device)

@@ -33,11 +33,9 @@ def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",))
 
 
 def _load_for_generation(path: Path, device):
-    from transformers import AutoTokenizer
+    from linserve.model.checkpoint import load_checkpoint, load_tokenizer
 
-    from linserve.model.checkpoint import load_checkpoint
-
-    return load_checkpoint(path, device), AutoTokenizer.from_pretrained(path)
+    return load_checkpoint(path, device), load_tokenizer(path)
 
 
 def check_sampling(**values) -> None:
@@ -236,12 +234,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
         programs += [(model, pool, verify_kind(width)) for width in sorted(verify_widths(settings.speculative_k),
                                                                             reverse=True)]
     if settings.speculative == "draft":
-        from transformers import AutoTokenizer
-
+        from linserve.model.checkpoint import load_tokenizer
         from linserve.server.engine.draft_model import DraftKind
 
         path = checkpoint_dir(settings.model)
-        draft = load_draft(settings, model, AutoTokenizer.from_pretrained(str(path)), device)
+        draft = load_draft(settings, model, load_tokenizer(path), device)
         programs.append((draft, StatePool(draft, slots, device), DraftKind(f"draft{settings.speculative_k}")))
     statuses = []
     for program_model, program_pool, kind in programs:

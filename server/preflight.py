@@ -72,14 +72,12 @@ def check_model(model: str | None) -> None:
     """The directory is a complete, consistent checkpoint of a served family — config.json's type and every
     option, every weight by name and shape, a readable file, a tokenizer of the model's vocabulary — or a
     ValueError naming what is not (model/checkpoint.py): nothing starts with random or missing weights."""
-    from transformers import AutoTokenizer
-
-    from linserve.model.checkpoint import validate
+    from linserve.model.checkpoint import load_tokenizer, validate
     from linserve.model.loading import DEFAULT_CHECKPOINT
 
     path = Path(model) if model is not None else DEFAULT_CHECKPOINT
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = load_tokenizer(path)
     except Exception as error:  # noqa: BLE001 - transformers raises many kinds for a broken tokenizer
         raise ValueError(f"--model {path}: the tokenizer cannot be loaded: {error}") from None
     validate(path, tokenizer)

@@ -136,6 +136,25 @@ def test_served_load(tmp_path):
     assert ("P11" in data) == (device_name_under_test() == "cuda")
 
 
+def test_families_served(tmp_path):
+    """fla families served (issue 48's figures on a GPU): each checkpoint's load, and its state bytes as the
+    server's /v1/models reports them — the family's own formula."""
+    run("families_served.py", "--families", "gla", "retnet", "--streams", "1", "2", "--port", "8796",
+        "--out", str(tmp_path / "f.json"))
+    sys.path.insert(0, str(BENCHMARKS))
+    from p17_families import make_checkpoint
+
+    from linserve.model.checkpoint import load_checkpoint
+
+    models = json.loads((tmp_path / "f.json").read_text())["models"]
+    assert set(models) == {"gla-quick", "retnet-quick"}
+    for key, entry in models.items():
+        formula = load_checkpoint(make_checkpoint(key.split("-")[0], "quick"), "cpu").config.state_bytes()
+        assert entry["model_type"] == key.split("-")[0] and entry["state_bytes"] == formula
+        assert set(entry["loads"]) == {"streams_1", "streams_2"}
+        assert all(load["tokens_per_s"] > 0 for load in entry["loads"].values())
+
+
 def test_gpu_suite_without_a_gpu_says_so_and_runs_the_cpu_parts(tmp_path):
     """What CI runs of `bash benchmarks/gpu.sh`: no CUDA (hidden even where there is one), so the GPU parts are
     skipped, the thread sweep runs, and one results file plus the table rows are written; exit status 0."""
@@ -143,7 +162,8 @@ def test_gpu_suite_without_a_gpu_says_so_and_runs_the_cpu_parts(tmp_path):
                             capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                             cwd=BENCHMARKS.parent)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "no CUDA device on this machine: GPU parts skipped (tests, p1p6, p5, served, p15)" in result.stdout
+    skipped = "GPU parts skipped (tests, fla, p1p6, p5, served, p15, families)"
+    assert f"no CUDA device on this machine: {skipped}" in result.stdout
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert data["machine"]["gpu"] is None and data["machine"]["cpus_usable"] >= 1
     assert set(data["parts"]) == {"threads"} and data["parts"]["threads"]["status"] == 0

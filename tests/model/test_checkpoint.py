@@ -11,8 +11,9 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
-from linserve.model.checkpoint import CheckpointError, UnsupportedCheckpoint, validate
+from linserve.model.checkpoint import CheckpointError, UnsupportedCheckpoint, load_tokenizer, validate
 from linserve.model.loading import DEFAULT_CHECKPOINT
 from tests.model.families.checkpoints import write_checkpoint
 
@@ -27,12 +28,22 @@ def edit_config(directory, **fields):
     (directory / "config.json").write_text(json.dumps({**config, **fields}))
 
 
-def test_the_shipped_checkpoint_and_each_family_validate(shipped, tmp_path):
-    validate(shipped, AutoTokenizer.from_pretrained(str(shipped)))
-    for fields in ({"model_type": "linear_attn", "feature_map": "relu"}, {"model_type": "gla"},
-                   {"model_type": "retnet"}):
-        directory = write_checkpoint(tmp_path / fields["model_type"], fields)
-        validate(directory, AutoTokenizer.from_pretrained(str(directory)))
+def test_the_shipped_checkpoint_and_each_family_validate(shipped, tmp_path, caplog):
+    validate(shipped, load_tokenizer(shipped))
+    transformers_logging.enable_propagation()
+    try:
+        for fields in ({"model_type": "linear_attn", "feature_map": "relu"}, {"model_type": "gla"},
+                       {"model_type": "retnet"}):
+            directory = write_checkpoint(tmp_path / fields["model_type"], fields)
+            caplog.clear()
+            with caplog.at_level("WARNING"):
+                tokenizer = load_tokenizer(directory)
+            # an fla model_type is not read as a transformers config (no "model of type `gla`" warning at start)
+            assert not [r for r in caplog.records if "to instantiate a model of type" in r.getMessage()], caplog.text
+            assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(str(directory)).get_vocab()
+            validate(directory, tokenizer)
+    finally:
+        transformers_logging.disable_propagation()
 
 
 @pytest.mark.parametrize("fields, named", [

@@ -10,7 +10,8 @@ of every layer and `greedy` tokens of cached decoding — written to dir/referen
 
 fla's Triton kernels need a GPU driver; on a CPU they run under Triton's interpreter (TRITON_INTERPRET=1,
 set before triton is imported — hence a process of its own) with the autotuner's benchmark replaced by a
-constant (it times configurations on a GPU). With a GPU (LINSERVE_FLA_GPU=1), the real kernels run.
+constant (it times configurations on a GPU). With a GPU (LINSERVE_FLA_GPU=1), the real kernels run — still
+without the autotuner's timing: every configuration computes the same, and compiling each would take minutes.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import sys
 ON_GPU = os.environ.get("LINSERVE_FLA_GPU") == "1"
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
-    import triton.runtime.autotuner as autotuner
+import triton.runtime.autotuner as autotuner  # noqa: E402
 
-    autotuner.Autotuner._bench = lambda self, *args, **kwargs: [1.0, 1.0, 1.0]
+autotuner.Autotuner._bench = lambda self, *args, **kwargs: [1.0, 1.0, 1.0]
 
 import fla.models as fla_models  # noqa: E402
 import torch  # noqa: E402
@@ -41,8 +42,12 @@ for name, config_cls, model_cls in (("delta_net", "DeltaNetConfig", "DeltaNetFor
         CLASSES[name] = (getattr(fla_models, config_cls), getattr(fla_models, model_cls))
 
 
-def layer_states(cache, n_layers: int) -> dict[str, torch.Tensor]:
-    """fla's cache → name → tensor (batch row 0 dropped): recurrent_state, and z when normalising."""
+VALUE_FIRST = ("gated_deltanet",)  # fla keeps these states (H, dv, dk); linserve (H, dk, dv)
+
+
+def layer_states(cache, n_layers: int, model_type: str) -> dict[str, torch.Tensor]:
+    """fla's cache → name → tensor (batch row 0 dropped), in linserve's layout: recurrent_state, and z when
+    normalising."""
     out = {}
     for i in range(n_layers):
         layer = cache[i]
@@ -50,7 +55,8 @@ def layer_states(cache, n_layers: int) -> dict[str, torch.Tensor]:
         if isinstance(state, tuple):  # (kv, z) with norm_feature_map
             out[f"layers.{i}.S"], out[f"layers.{i}.z"] = state[0][0].float(), state[1][0, 0].float()
         else:
-            out[f"layers.{i}.S"] = state[0].float()
+            S = state[0].float()
+            out[f"layers.{i}.S"] = S.transpose(-1, -2) if model_type in VALUE_FIRST else S
     return out
 
 
@@ -73,7 +79,7 @@ def make(spec: dict, tokenizer_dir: str) -> None:
         out = model(ids, use_cache=True)
         logprobs = out.logits.float().log_softmax(-1)[0]  # (T, V)
         cache = out.past_key_values
-        states = layer_states(cache, config.num_hidden_layers)
+        states = layer_states(cache, config.num_hidden_layers, spec["model_type"])
         tokens, token = [], out.logits[0, -1].argmax()
         for _ in range(spec.get("greedy", 0)):
             tokens.append(int(token))
