@@ -118,6 +118,7 @@ ACTIVATIONS64 = {  # functions of one value, as float64 (the tables' source) —
     "relu": torch.relu,
     "sqrelu": lambda h: torch.relu(h) ** 2,
     "gelu": lambda h: _gelu_tanh64(h),
+    "elu1": lambda h: torch.where(h > 0, h + 1.0, torch.exp(torch.clamp(h, max=0.0))),  # DeltaNet's elu_p1
 }
 ACTIVATIONS64["swish"] = ACTIVATIONS64["silu"]
 POWLU_POWER = 3.0  # fla's GatedMLP default (not a config field)

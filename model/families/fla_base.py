@@ -84,9 +84,10 @@ def expanded_dim(raw: dict, hidden: int, name: str, default: float) -> int:
     return round(dim)
 
 
-def read_shared(raw: dict, defaults: dict) -> dict:
+def read_shared(raw: dict, defaults: dict, dims: tuple[int, int] | None = None) -> dict:
     """The fields every fla family has, with fla 0.6.0's defaults for the family (`defaults`), refusing what
-    would not keep a fixed-size state or what linserve does not compute."""
+    would not keep a fixed-size state or what linserve does not compute. `dims`: the family's own (key_dim,
+    value_dim) where it does not size them by expand_k / expand_v."""
     get = lambda name: raw.get(name, defaults.get(name))  # noqa: E731 - fla's default when the field is absent
     if get("attn") is not None:
         raise UnsupportedCheckpoint("attn", get("attn"), "a hybrid with softmax attention layers keeps a KV cache "
@@ -100,11 +101,15 @@ def read_shared(raw: dict, defaults: dict) -> dict:
     kv_heads = int(get("num_kv_heads") or heads)
     if heads % kv_heads:
         raise UnsupportedCheckpoint("num_kv_heads", kv_heads, f"a divisor of num_heads ({heads})")
-    key_dim = expanded_dim(raw, hidden, "expand_k", defaults["expand_k"])
-    value_dim = expanded_dim(raw, hidden, "expand_v", defaults["expand_v"])
-    for name, dim in (("expand_k", key_dim), ("expand_v", value_dim)):
-        if dim % heads:
-            raise UnsupportedCheckpoint(name, raw.get(name), f"hidden_size × {name} divisible by num_heads ({heads})")
+    if dims is None:
+        key_dim = expanded_dim(raw, hidden, "expand_k", defaults["expand_k"])
+        value_dim = expanded_dim(raw, hidden, "expand_v", defaults["expand_v"])
+        for name, dim in (("expand_k", key_dim), ("expand_v", value_dim)):
+            if dim % heads:
+                raise UnsupportedCheckpoint(name, raw.get(name),
+                                            f"hidden_size × {name} divisible by num_heads ({heads})")
+    else:
+        key_dim, value_dim = dims
     intermediate = get("intermediate_size")
     if intermediate is None:  # fla's GatedMLP: 2/3 · hidden · ratio, rounded up to a multiple of 256
         ratio = get("hidden_ratio") or 4
@@ -186,14 +191,15 @@ class GatedMLP(nn.Module):
 
 
 class ShortConvolution(nn.Module):
-    """fla's ShortConvolution (a depthwise causal Conv1d, then SiLU): parameters `weight` (D, 1, W) and an
-    optional `bias` (D,). Its state is the last W - 1 inputs, (B, W - 1, D) fp32."""
+    """fla's ShortConvolution (a depthwise causal Conv1d, then SiLU or no activation): parameters `weight`
+    (D, 1, W) and an optional `bias` (D,). Its state is the last W - 1 inputs, (B, W - 1, D) fp32."""
 
-    def __init__(self, size: int, kernel: int, bias: bool) -> None:
+    def __init__(self, size: int, kernel: int, bias: bool, activation: str | None = "silu") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size, 1, kernel))
         self.bias = nn.Parameter(torch.zeros(size)) if bias else None
         self.window = kernel - 1
+        self.activation = activation
 
     def forward(self, x: Tensor, window: Tensor, prefixes: bool = False) -> tuple[Tensor, Tensor]:
         """x (B, T, D) → silu(conv(x)) (B, T, D) and the window after (B, W-1, D), or after every prefix
@@ -206,7 +212,8 @@ class ShortConvolution(nn.Module):
             y = y + padded[:, j:j + T] * taps[j]  # (B, T, D)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        y = numerics.activation("silu", y)  # (B, T, D)
+        if self.activation is not None:
+            y = numerics.activation(self.activation, y)  # (B, T, D)
         if prefixes:
             windows = padded.unfold(1, self.window, 1)[:, 1:]  # (B, T, D, W-1)
             return y, windows.transpose(-1, -2).float()  # (B, T, W-1, D)

@@ -19,6 +19,8 @@ FAMILY_CASES = {  # one checkpoint per family, with its state-shaping options on
     "linear_attn": {"model_type": "linear_attn", "feature_map": "elu", "norm_feature_map": True, "num_kv_heads": 2},
     "gla": {"model_type": "gla", "use_short_conv": True, "num_kv_heads": 2},
     "retnet": {"model_type": "retnet"},
+    "delta_net": {"model_type": "delta_net", "use_gate": True},
+    "gated_deltanet": {"model_type": "gated_deltanet", "head_dim": 16, "num_heads": 2, "num_v_heads": 4},
 }
 
 

@@ -37,6 +37,21 @@ CASES = {
     "retnet": ("retnet", {}),
     "retnet-grouped-mapped-ungated": ("retnet", {"num_kv_heads": 2, "feature_map": "swish",
                                                  "use_output_gate": False, "hidden_ratio": 3}),
+    # delta_net
+    "delta_net": ("delta_net", {}),
+    "delta_net-gated-relu-sum": ("delta_net", {"use_gate": True, "qk_activation": "relu", "qk_norm": "sum"}),
+    "delta_net-unconvolved-elu-no_beta-negative": ("delta_net", {"use_short_conv": False, "qk_activation": "elu",
+                                                                  "use_beta": False, "allow_neg_eigval": True}),
+    "delta_net-identity-expanded-conv3": ("delta_net", {"qk_activation": "identity", "expand_k": 0.5,
+                                                        "expand_v": 2.0, "conv_size": 3, "tie_word_embeddings": True}),
+    "delta_net-unconvolved-silu-gated": ("delta_net", {"use_short_conv": False, "use_gate": True}),
+    # gated_deltanet
+    "gated_deltanet": ("gated_deltanet", {"head_dim": 16}),
+    "gated_deltanet-grouped_values-sigmoid-negative": ("gated_deltanet", {
+        "head_dim": 16, "num_heads": 2, "num_v_heads": 4, "output_gate_activation": "sigmoid",
+        "allow_neg_eigval": True}),
+    "gated_deltanet-ungated-unconvolved-square": ("gated_deltanet", {"head_dim": 16, "use_gate": False,
+                                                                     "use_short_conv": False, "expand_v": 1.0}),
 }
 
 
