@@ -54,17 +54,25 @@ class FlaConfig:
     tie_word_embeddings: bool
     hidden_act: str
     state_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per layer: name → shape at batch 1
+    attn_layers: dict[int, dict] = field(default_factory=dict)  # a hybrid's sliding-window softmax layers
     attention: str = "linear"
     max_context: int | None = None  # no limit: the state does not grow
 
     def to_dict(self) -> dict:
         return dict(self.raw)
 
+    def layer_state_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
+        """Layer `index`'s state: the family's, or a sliding-window layer's keys, values and position."""
+        if index in self.attn_layers:
+            from .window_attention import window_state_shapes
+
+            return window_state_shapes(self, self.attn_layers[index])
+        return self.state_shapes
+
     def state_bytes(self, context_len: int = 0) -> int:
         """Bytes of one session's state — from the config alone, whatever `context_len` is."""
-        per_layer = sum(math.prod(shape) * (8 if name == "position" else 4)
-                        for name, shape in self.state_shapes.items())
-        return self.n_layers * per_layer
+        return sum(math.prod(shape) * (8 if name == "position" else 4)
+                   for index in range(self.n_layers) for name, shape in self.layer_state_shapes(index).items())
 
     @property
     def head_k_dim(self) -> int:
@@ -88,10 +96,9 @@ def read_shared(raw: dict, defaults: dict, dims: tuple[int, int] | None = None) 
     """The fields every fla family has, with fla 0.6.0's defaults for the family (`defaults`), refusing what
     would not keep a fixed-size state or what linserve does not compute. `dims`: the family's own (key_dim,
     value_dim) where it does not size them by expand_k / expand_v."""
+    from .window_attention import read_window_layers
+
     get = lambda name: raw.get(name, defaults.get(name))  # noqa: E731 - fla's default when the field is absent
-    if get("attn") is not None:
-        raise UnsupportedCheckpoint("attn", get("attn"), "a hybrid with softmax attention layers keeps a KV cache "
-                                    "that grows with the context; only the family's own linear layers are served")
     if get("attnres_block_size") is not None:
         raise UnsupportedCheckpoint("attnres_block_size", get("attnres_block_size"),
                                     "attention residuals (AttnRes) are not served; null is")
@@ -115,7 +122,9 @@ def read_shared(raw: dict, defaults: dict, dims: tuple[int, int] | None = None) 
         ratio = get("hidden_ratio") or 4
         intermediate = int(hidden * ratio * 2 / 3)
         intermediate = 256 * ((intermediate + 255) // 256)
-    return dict(raw=raw, model_type=raw["model_type"], hidden_size=hidden, n_layers=int(get("num_hidden_layers")),
+    n_layers = int(get("num_hidden_layers"))
+    return dict(raw=raw, model_type=raw["model_type"], hidden_size=hidden, n_layers=n_layers,
+                attn_layers=read_window_layers(get("attn"), n_layers, hidden),
                 vocab_size=int(get("vocab_size")), num_heads=heads, num_kv_heads=kv_heads, key_dim=key_dim,
                 value_dim=value_dim, norm_eps=float(get("norm_eps")),
                 elementwise_affine=bool(get("elementwise_affine") if get("elementwise_affine") is not None else True),
@@ -220,6 +229,21 @@ class ShortConvolution(nn.Module):
         return y, padded[:, T:].float()  # (B, W-1, D)
 
 
+def rope_cos_sin(positions: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """fla's RotaryEmbedding angles at absolute `positions` (B, T): cos and sin (B, T, 1, dim/2), computed in
+    float64 and rounded once to `dtype`."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = (positions.float()[..., None] * inv_freq).double()  # (B, T, dim/2)
+    return angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the two halves of x's last dimension (GPT-NeoX layout): [x₁cos − x₂sin, x₂cos + x₁sin]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def repeat_groups(x: Tensor, heads: int, dim: int) -> Tensor:
     """(B, T, kv·dim) → (B, T, heads, dim): each kv head repeated heads/kv times in place (fla's
     '... (h d) -> ... (h g) d')."""
@@ -250,7 +274,11 @@ class Backbone(nn.Module):
     def __init__(self, config: FlaConfig, make_mixer: Callable[[FlaConfig, int], nn.Module]) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, make_mixer(config, i)) for i in range(config.n_layers))
+        from .window_attention import SlidingWindowAttention
+
+        self.layers = nn.ModuleList(
+            Block(config, SlidingWindowAttention(config, config.attn_layers[i]) if i in config.attn_layers
+                  else make_mixer(config, i)) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
@@ -275,8 +303,8 @@ class FlaCausalLM(nn.Module):
         return RecurrentState(layers=tuple(
             {name: torch.zeros((batch, *shape), device=device,
                                dtype=torch.int64 if name == "position" else torch.float32)
-             for name, shape in self.config.state_shapes.items()}
-            for _ in range(self.config.n_layers)))
+             for name, shape in self.config.layer_state_shapes(index).items()}
+            for index in range(self.config.n_layers)))
 
     def state_from_tensors(self, tensors: dict[str, Tensor]) -> RecurrentState:
         return RecurrentState.from_tensors(tensors, self.config.n_layers)
@@ -296,9 +324,9 @@ class FlaCausalLM(nn.Module):
             state = self.init_state(B, ids.device)
         x = self.model.embeddings(ids).to(self.lm_head.weight.dtype)  # (B, T, C)
         layers = []
-        for block, layer_state in zip(self.model.layers, state.layers):
+        for index, (block, layer_state) in enumerate(zip(self.model.layers, state.layers)):
             x, layer_state = block(x, layer_state, prefixes)  # (B, T, C)
-            layers.append({name: layer_state[name] for name in self.config.state_shapes})  # the pool's order
+            layers.append({name: layer_state[name] for name in self.config.layer_state_shapes(index)})  # pool order
         x = self.model.norm(x, numerics.exact_inference(x))  # (B, T, C)
         head = numerics.linear if numerics.exact_inference(x) else F.linear
         return head(x, self.lm_head.weight), RecurrentState(layers=tuple(layers))  # (B, T, V)

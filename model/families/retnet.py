@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .fla_base import FlaCausalLM, FlaConfig, read_shared
+from .fla_base import FlaCausalLM, FlaConfig, read_shared, rope_cos_sin, rotate
 from .gated import GatedMixer, read_gated
 
 DEFAULTS = dict(expand_k=1.0, expand_v=2.0, hidden_ratio=2, intermediate_size=None, num_hidden_layers=24,
@@ -45,19 +45,9 @@ class MultiScaleRetention(GatedMixer):
         B, T, _, dk = q.shape
         start = state["position"]  # (B,) int64
         steps = torch.arange(T, device=q.device)  # (T,)
-        positions = (start[:, None] + steps).float()  # (B, T)
-        inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, dk, 2, device=q.device, dtype=torch.float32) / dk))
-        angles = (positions[..., None] * inv_freq).double()  # (B, T, dk/2): float64 cos/sin, rounded once
-        cos, sin = angles.cos().to(q.dtype)[:, :, None], angles.sin().to(q.dtype)[:, :, None]  # (B, T, 1, dk/2)
+        cos, sin = rope_cos_sin(start[:, None] + steps, dk, ROPE_BASE, q.dtype)  # (B, T, 1, dk/2) each
         new["position"] = start[:, None] + steps + 1 if prefixes else start + T  # (B, T) or (B,)
         return rotate(q, cos, sin), rotate(k, cos, sin)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of x's last dimension (GPT-NeoX layout): [x₁cos − x₂sin, x₂cos + x₁sin]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def build(raw: dict) -> FlaCausalLM:

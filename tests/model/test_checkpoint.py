@@ -49,13 +49,16 @@ def test_the_shipped_checkpoint_and_each_family_validate(shipped, tmp_path, capl
 @pytest.mark.parametrize("fields, named", [
     ({"model_type": "mamba2"}, "model_type='mamba2'"),
     ({"model_type": "linear_attn", "feature_map": "favor"}, "feature_map='favor'"),
-    ({"model_type": "gla", "attn": {"layers": [1], "num_heads": 4}}, "attn="),
+    ({"model_type": "gla", "attn": {"layers": [1], "num_heads": 4}}, "attn.window_size=None"),  # full softmax
+    ({"model_type": "gla", "attn": {"layers": [1], "num_heads": 4, "window_size": 0}}, "attn.window_size=0"),
+    ({"model_type": "gla", "attn": {"layers": [5], "num_heads": 4, "window_size": 8}}, r"attn.layers=\[5\]"),
+    ({"model_type": "gla", "attn": {"layers": [1], "num_heads": 5, "window_size": 8}}, "attn.num_heads=5"),
     ({"model_type": "retnet", "hidden_act": "powlu"}, "hidden_act='powlu'"),  # fla's gate has no powlu
     ({"model_type": "linear_attn", "hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"model_type": "linear_attn", "num_kv_heads": 3}, "num_kv_heads=3"),
     ({"model_type": "gla", "attnres_block_size": 2}, "attnres_block_size=2"),
-], ids=["unknown-type", "feature-map", "softmax-hybrid", "gate-activation", "mlp-activation", "kv-heads",
-        "attnres"])
+], ids=["unknown-type", "feature-map", "softmax-hybrid", "zero-window", "layer-out-of-range", "window-heads",
+        "gate-activation", "mlp-activation", "kv-heads", "attnres"])
 def test_a_type_or_option_not_served_names_the_field(tmp_path, fields, named):
     directory = write_checkpoint(tmp_path / "ok", {"model_type": "linear_attn"})
     edit_config(directory, **fields)

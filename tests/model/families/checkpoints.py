@@ -21,6 +21,8 @@ FAMILY_CASES = {  # one checkpoint per family, with its state-shaping options on
     "retnet": {"model_type": "retnet"},
     "delta_net": {"model_type": "delta_net", "use_gate": True},
     "gated_deltanet": {"model_type": "gated_deltanet", "head_dim": 16, "num_heads": 2, "num_v_heads": 4},
+    "hybrid": {"model_type": "gated_deltanet", "head_dim": 16, "attn": {"layers": [1], "num_heads": 4,
+                                                                       "num_kv_heads": 2, "window_size": 8}},
 }
 
 

@@ -27,6 +27,49 @@ import triton.runtime.autotuner as autotuner  # noqa: E402
 
 autotuner.Autotuner._bench = lambda self, *args, **kwargs: [1.0, 1.0, 1.0]
 
+
+
+def install_flash_attn_stand_in() -> None:
+    """fla's softmax layers call flash-attn (a CUDA library, not fla, absent on a CPU and on the GPU machine
+    here): where it is missing, its `flash_attn_func` is plain PyTorch maths — softmax(q·kᵀ·scale) over the
+    keys flash-attn would read (bottom-right causal alignment, window (left, right), grouped kv heads)."""
+    try:
+        import flash_attn  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import importlib.machinery
+    import types
+
+    import torch
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **_):
+        B, Tq, H, D = q.shape
+        Tk, KV = k.shape[1], k.shape[2]
+        k, v = k.repeat_interleave(H // KV, dim=2).float(), v.repeat_interleave(H // KV, dim=2).float()
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * (softmax_scale or D ** -0.5)
+        query = torch.arange(Tq, device=q.device)[:, None] + (Tk - Tq)  # (Tq, 1): its position among the keys
+        key = torch.arange(Tk, device=q.device)[None]  # (1, Tk)
+        allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
+        if causal:
+            allowed &= key <= query
+        if window_size[0] >= 0:
+            allowed &= key >= query - window_size[0]
+        if window_size[1] >= 0:
+            allowed &= key <= query + window_size[1]
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        return torch.einsum("bhqk,bkhd->bqhd", weights, v).to(q.dtype)
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        raise NotImplementedError("the reference runs unpadded, unpacked rows only")
+
+    module = types.ModuleType("flash_attn")
+    module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    module.flash_attn_func, module.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    sys.modules["flash_attn"] = module
+
+
+install_flash_attn_stand_in()
 import fla.models as fla_models  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
@@ -52,7 +95,9 @@ def layer_states(cache, n_layers: int, model_type: str) -> dict[str, torch.Tenso
     for i in range(n_layers):
         layer = cache[i]
         state = layer["recurrent_state"]
-        if isinstance(state, tuple):  # (kv, z) with norm_feature_map
+        if state is None:  # a sliding-window softmax layer: its last (up to W) keys and values, oldest first
+            out[f"layers.{i}.keys"], out[f"layers.{i}.values"] = (t[0].float() for t in layer["attn_state"])
+        elif isinstance(state, tuple):  # (kv, z) with norm_feature_map
             out[f"layers.{i}.S"], out[f"layers.{i}.z"] = state[0][0].float(), state[1][0, 0].float()
         else:
             S = state[0].float()

@@ -52,6 +52,12 @@ CASES = {
         "allow_neg_eigval": True}),
     "gated_deltanet-ungated-unconvolved-square": ("gated_deltanet", {"head_dim": 16, "use_gate": False,
                                                                      "use_short_conv": False, "expand_v": 1.0}),
+    # hybrids: sliding-window softmax layers (windows shorter than the prompt, and one filled while decoding)
+    "gated_deltanet-window-hybrid": ("gated_deltanet", {"head_dim": 16, "attn": {
+        "layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 16}}),
+    "gla-window-hybrid-biased": ("gla", {"attn": {"layers": [0], "num_heads": 2, "window_size": 8,
+                                                  "qkv_bias": True, "rope_theta": 500.0}}),
+    "delta_net-window-hybrid-filling": ("delta_net", {"attn": [{"layers": [0], "num_heads": 4, "window_size": 100}]}),
 }
 
 
