@@ -29,7 +29,8 @@ from common import (
     synchronize,
 )
 
-from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype
+from linserve.model.checkpoint import load_checkpoint, load_tokenizer
+from linserve.model.loading import DEFAULT_CHECKPOINT, resolve_dtype
 from linserve.server.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from linserve.server.settings import Settings  # noqa: E402
 
@@ -37,8 +38,10 @@ from linserve.server.settings import Settings  # noqa: E402
 def p3_prefill(model, n_tokens: int, reps: int, threads=None, chunk: int | None = None) -> dict:
     """The chunked form on the engine's prefill thread count, in the engine's prefill chunks (`chunk` tokens a
     forward, as `max_prefill_chunk`; None: one forward), against token by token on its decode count."""
+    from linserve.model import numerics
     from linserve.server.engine.cpu_threads import prefill_threads
 
+    numerics.flush_subnormals()  # as the engine's thread does
     device = next(model.parameters()).device
     on_cpu = threads is not None and device.type == "cpu"
     ids = torch.randint(0, model.config.vocab_size, (1, n_tokens), device=device)
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prefill-chunk", type=int, default=Settings.model_fields["max_prefill_chunk"].default)
     parser.add_argument("--out")
     parser.add_argument("--targets", nargs="+", default=["P3", "P4", "P7"], choices=["P3", "P4", "P7"])
+    parser.add_argument("--reps", type=int, help="repetitions of each measurement (default 3; 1 with --quick)")
     add_device_argument(parser)
     add_threads_argument(parser)
     add_dtype_argument(parser)
@@ -253,13 +257,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # P3 runs on this thread: the server's counts, set first
     results_threads = apply_threads(args.threads, args.prefill_threads)
-    from transformers import AutoTokenizer
-
     dtype = resolve_dtype(args.dtype, device)  # as serve: every form in this dtype
-    lm = load_model(args.model, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = lm.model
+    model = load_checkpoint(args.model, device, dtype)  # any served family
+    tokenizer = load_tokenizer(args.model)
     quick = args.quick
+    reps = args.reps or (1 if quick else 3)
     results = {**describe(device), "threads": results_threads.describe(), "model": args.model,
                "dtype": str(dtype)}
     config = EngineConfig.from_settings(
@@ -270,14 +272,14 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(model, tokenizer, config, device, totals, dtype=dtype).start()
     try:
         if "P4" in args.targets:
-            results["P4"] = p4_batching(engine, 16 if quick else 64, 1 if quick else 3, totals=totals)
+            results["P4"] = p4_batching(engine, 16 if quick else 64, reps, totals=totals)
         if "P7" in args.targets:
-            results["P7"] = p7_mixed(engine, 512 if quick else 8192, 8, 120 if quick else 400, 1 if quick else 3)
+            results["P7"] = p7_mixed(engine, 512 if quick else 8192, 8, 120 if quick else 400, reps)
     finally:
         engine.stop()
     if "P3" in args.targets:  # last: the pool of OpenMP workers its two-thread run leaves on this thread slowed
         # the engine thread's steps measured after it (P7 ratio 3.66 vs 1.97 on 2 cores)
-        results["P3"] = p3_prefill(model, 512 if quick else 8192, 1 if quick else 3, results_threads,
+        results["P3"] = p3_prefill(model, 512 if quick else 8192, reps, results_threads,
                                    args.max_prefill_chunk)
     emit(results, args.out)
 

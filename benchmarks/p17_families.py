@@ -3,7 +3,9 @@ map) and `gla`, 24 layers × 1,024 (fla's defaults otherwise; linserve's 4,096-t
 made here, against llama.cpp's `llama-server` serving a Mamba of the same class (mamba-370m's shape, GGUF BF16).
 
     bash benchmarks/peers/build_llama_server.sh && python benchmarks/peers/make_models.py mamba-370m   # once
-    python benchmarks/p17_families.py [--reps 2] [--quick] [--out FILE]
+    python benchmarks/p17_families.py [--reps 2] [--families linear_attn gla] [--quick] [--out FILE]
+
+`--families gated_deltanet`: fla's Gated DeltaNet 340M config (21 layers × 1,024, 6 heads of 256).
 
 Measured, side by side in one run:
 - ITL flat: 1 stream × 8,192 tokens, ITL p50 of the last 1,024 tokens / the first 1,024 (≤ 1.10);
@@ -48,7 +50,10 @@ SHAPES = {"340M": dict(hidden_size=1024, num_hidden_layers=24, vocab_size=4096),
           "1.3B": dict(hidden_size=2048, num_hidden_layers=24, vocab_size=4096),
           "quick": dict(hidden_size=64, num_hidden_layers=2, vocab_size=4096)}
 FAMILIES = {"linear_attn": {"model_type": "linear_attn", "feature_map": "elu"}, "gla": {"model_type": "gla"},
-            "retnet": {"model_type": "retnet"}}
+            "retnet": {"model_type": "retnet"},
+            # fla's Gated DeltaNet 340M / 1.3B configs: 6 heads of 256 (values 512), 21 layers
+            "gated_deltanet": {"model_type": "gated_deltanet", "num_heads": 6, "head_dim": 256, "expand_v": 2,
+                               "num_hidden_layers": 21}}
 P17_FAMILIES = ("linear_attn", "gla")
 
 
@@ -77,10 +82,12 @@ def make_checkpoint(name: str, shape: str = "340M") -> Path:
 
 def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile_mode: str) -> dict:
     """The engine's batch-1 decode step (gather, model, sampling, scatter) in the default dtype, compiled."""
+    from linserve.model import numerics
     from linserve.server.engine.compiled_decode import DecodeStep
     from linserve.server.engine.sampling import SlotSampling
     from linserve.server.engine.state_pool import StatePool
 
+    numerics.flush_subnormals()  # as the engine's thread does
     device = torch.device("cpu")
     torch.set_num_threads(1)  # the server's decode thread count on this machine (cpu_threads.py)
     model = load_checkpoint(directory, device, resolve_dtype("auto", device))
@@ -116,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30, help="decode steps per timing of the in-process step")
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--llama-threads", type=int, default=2)
+    parser.add_argument("--families", nargs="+", default=list(P17_FAMILIES), choices=list(FAMILIES),
+                        help="fla families at their 340M shape (default: linear_attn gla)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     loads = {"1x512": (1, 512), "8x256": (8, 256), "1x8192": (1, 8192)}
@@ -126,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     if with_peer and not (LLAMA_SERVER.exists() and (PEERS / "models" / "mamba-370m.gguf").exists()):
         raise SystemExit("build the peer first: bash benchmarks/peers/build_llama_server.sh && "
                          "python benchmarks/peers/make_models.py mamba-370m")
-    checkpoints = {name: make_checkpoint(name, "quick" if args.quick else "340M") for name in P17_FAMILIES}
+    checkpoints = {name: make_checkpoint(name, "quick" if args.quick else "340M") for name in args.families}
     reference_before = reference_workload_ms()
     weight_bytes = max(sum(p.numel() for p in load_checkpoint(d, torch.device("cpu")).parameters()) * 2
                        for d in checkpoints.values())

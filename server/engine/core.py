@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from linserve.model import LinearGPT
+from linserve.model import LinearGPT, numerics
 from linserve.model.loading import in_dtype
 
 from . import heap
@@ -188,6 +188,7 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop (engine thread)
     def _run(self) -> None:
+        numerics.flush_subnormals()
         try:
             failures = 0
             while not self.commands.stopping.is_set():

@@ -33,6 +33,21 @@ def test_chunked_form_equals_the_scan(T, gated, beta_max):
         torch.testing.assert_close(S_chunk, S_scan, atol=2e-5, rtol=1e-4)
 
 
+def test_strongly_forgetting_heads_flush_to_zero_not_to_subnormals():
+    """Decays far below e^-60 within a chunk: the chunkwise form still equals the scan, and its chunk
+    matrices hold no subnormal number (which CPUs multiply ~10× slower)."""
+    q, k, v, beta, _, S = inputs(70, False)
+    g = torch.full_like(beta, -5.0)  # e^-5 a token: e^-315 across a chunk
+    o_scan, S_scan = delta_rule.scan(q, k, v, beta, g, S)
+    o_chunk, S_chunk = delta_rule.chunked(q, k, v, beta, g, S)
+    torch.testing.assert_close(o_chunk, o_scan, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(S_chunk, S_scan, atol=2e-5, rtol=1e-4)
+    G = g[:, :, :64].cumsum(-1)
+    decay = delta_rule._decay(G[..., :, None] - G[..., None, :])
+    tiny = torch.finfo(torch.float32).tiny
+    assert not ((decay != 0) & (decay.abs() < tiny)).any()
+
+
 def test_one_write_replaces_what_a_key_stored():
     """The rule itself: with β = 1 and a unit key, reading that key right after writing gives the value."""
     q, k, v, beta, g, S = inputs(1, False)
