@@ -139,7 +139,7 @@ def test_served_load(tmp_path):
 def test_families_served(tmp_path):
     """fla families served (issue 48's figures on a GPU): each checkpoint's load, and its state bytes as the
     server's /v1/models reports them — the family's own formula."""
-    run("families_served.py", "--families", "gla", "retnet", "--streams", "1", "2", "--port", "8796",
+    run("families_served.py", "--families", "gla", "retnet", "--streams", "1", "2", "--port", "8792",
         "--out", str(tmp_path / "f.json"))
     sys.path.insert(0, str(BENCHMARKS))
     from p17_families import make_checkpoint
