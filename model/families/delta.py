@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .. import delta_rule, numerics
-from .fla_base import FlaConfig, RMSNorm, ShortConvolution, UnsupportedCheckpoint
+from .fla_base import FlaConfig, RMSNorm, ShortConvolution, UnsupportedCheckpoint, project_qkv
 
 OUTPUT_GATES = {"swish": "silu", "silu": "silu", "sigmoid": "sigmoid"}  # fla's FusedRMSNormGated activations
 
@@ -43,12 +43,12 @@ class DeltaMixer(nn.Module):
     """Subclasses give `qk(q, k, exact)` (activation and normalisation, fp32 out), `beta(x)` (B, T, HV) and
     `gate(x)` (B, T, HV) log decay or None."""
 
-    qk_conv_activation: str | None = "silu"
     output_gate = "silu"
 
-    def __init__(self, config: FlaConfig) -> None:
+    def __init__(self, config: FlaConfig, qk_conv_activation: str | None = "silu") -> None:
         super().__init__()
         self.config = config
+        self.qk_conv_activation = qk_conv_activation  # q's and k's SiLU (in the convolution when there is one)
         C = config.hidden_size
         self.q_proj = nn.Linear(C, config.key_dim, bias=False)
         self.k_proj = nn.Linear(C, config.key_dim, bias=False)
@@ -63,12 +63,8 @@ class DeltaMixer(nn.Module):
         self.o_proj = nn.Linear(config.value_dim, C, bias=False)
 
     def projections(self, x: torch.Tensor, state: dict, prefixes: bool, new: dict):
-        q, k, v = (numerics.project(layer, x) for layer in (self.q_proj, self.k_proj, self.v_proj))
-        if self.config.use_short_conv:
-            q, new["conv_q"] = self.q_conv1d(q, state["conv_q"], prefixes)
-            k, new["conv_k"] = self.k_conv1d(k, state["conv_k"], prefixes)
-            v, new["conv_v"] = self.v_conv1d(v, state["conv_v"], prefixes)
-        else:
+        q, k, v = project_qkv(self, x, state, prefixes, new)
+        if not self.config.use_short_conv:
             q, k = (self.unconvolved(t) for t in (q, k))
             v = numerics.activation("silu", v)
         return q, k, v  # (B, T, ·) each

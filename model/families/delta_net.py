@@ -52,8 +52,7 @@ def sum_normalize(x: torch.Tensor, exact: bool, eps: float = 1e-6) -> torch.Tens
 
 class DeltaNet(DeltaMixer):
     def __init__(self, config: DeltaNetConfig, layer_index: int) -> None:
-        self.qk_conv_activation = "silu" if config.qk_activation == "silu" else None
-        super().__init__(config)
+        super().__init__(config, "silu" if config.qk_activation == "silu" else None)
         if config.use_beta:
             self.b_proj = nn.Linear(config.hidden_size, config.num_heads, bias=False)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -63,11 +64,15 @@ class FlaConfig:
 
     def layer_state_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
         """Layer `index`'s state: the family's, or a sliding-window layer's keys, values and position."""
-        if index in self.attn_layers:
-            from .window_attention import window_state_shapes
+        return self._layer_shapes[index]
 
-            return window_state_shapes(self, self.attn_layers[index])
-        return self.state_shapes
+    @cached_property
+    def _layer_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
+        """Every layer's state shapes, made once (after the family's reader set `state_shapes`)."""
+        from .window_attention import window_state_shapes
+
+        return tuple(window_state_shapes(self, self.attn_layers[i]) if i in self.attn_layers else self.state_shapes
+                     for i in range(self.n_layers))
 
     def state_bytes(self, context_len: int = 0) -> int:
         """Bytes of one session's state — from the config alone, whatever `context_len` is."""
@@ -227,6 +232,17 @@ class ShortConvolution(nn.Module):
             windows = padded.unfold(1, self.window, 1)[:, 1:]  # (B, T, D, W-1)
             return y, windows.transpose(-1, -2).float()  # (B, T, W-1, D)
         return y, padded[:, T:].float()  # (B, W-1, D)
+
+
+def project_qkv(mixer: nn.Module, x: Tensor, state: dict, prefixes: bool, new: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """A mixer's q/k/v projections (`q_proj`, `k_proj`, `v_proj`), each through its short convolution
+    (`q_conv1d`, …) when `mixer.config.use_short_conv`, whose windows go into `new`. (B, T, ·) each."""
+    q, k, v = (numerics.project(layer, x) for layer in (mixer.q_proj, mixer.k_proj, mixer.v_proj))
+    if mixer.config.use_short_conv:
+        q, new["conv_q"] = mixer.q_conv1d(q, state["conv_q"], prefixes)
+        k, new["conv_k"] = mixer.k_conv1d(k, state["conv_k"], prefixes)
+        v, new["conv_v"] = mixer.v_conv1d(v, state["conv_v"], prefixes)
+    return q, k, v
 
 
 def rope_cos_sin(positions: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

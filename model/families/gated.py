@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .. import numerics, recurrence
-from .fla_base import FlaConfig, RMSNorm, ShortConvolution, UnsupportedCheckpoint, repeat_groups
+from .fla_base import FlaConfig, RMSNorm, ShortConvolution, UnsupportedCheckpoint, project_qkv, repeat_groups
 
 ACTIVATIONS = ("swish", "silu", "relu", "sigmoid", "logsigmoid", "sqrelu", "gelu")  # fla's ACT2FN, served
 
@@ -68,14 +68,6 @@ class GatedMixer(nn.Module):
         self.norm_name = "g_norm_swish_gate" if fused else "g_norm"
         self.add_module(self.norm_name, RMSNorm(config.head_v_dim, config.norm_eps, config.elementwise_affine))
 
-    def projections(self, x: torch.Tensor, state: dict, prefixes: bool, new: dict):
-        q, k, v = (numerics.project(layer, x) for layer in (self.q_proj, self.k_proj, self.v_proj))
-        if self.config.use_short_conv:
-            q, new["conv_q"] = self.q_conv1d(q, state["conv_q"], prefixes)
-            k, new["conv_k"] = self.k_conv1d(k, state["conv_k"], prefixes)
-            v, new["conv_v"] = self.v_conv1d(v, state["conv_v"], prefixes)
-        return q, k, v  # (B, T, ·) each
-
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.config.feature_map is None else numerics.activation(self.config.feature_map, x)
 
@@ -84,7 +76,7 @@ class GatedMixer(nn.Module):
         c = self.config
         B, T, _ = x.shape
         new: dict[str, torch.Tensor] = {}
-        q, k, v = self.projections(x, state, prefixes, new)
+        q, k, v = project_qkv(self, x, state, prefixes, new)  # (B, T, ·) each
         q = self.features(q.view(B, T, c.num_heads, c.head_k_dim))  # (B, T, H, dk)
         if self.rotate_before_repeat:
             k = self.features(k.view(B, T, c.num_kv_heads, c.head_k_dim))  # (B, T, kv, dk)
