@@ -25,7 +25,21 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 import triton.runtime.autotuner as autotuner  # noqa: E402
 
-autotuner.Autotuner._bench = lambda self, *args, **kwargs: [1.0, 1.0, 1.0]
+
+def _largest_blocks_first(self, *args, config, **meta) -> list[float]:
+    """The autotuner's timing under the interpreter: the configuration with the largest blocks "wins" — the
+    fewest program instances, each a vectorised numpy pass (the smallest made fla's one-token convolution
+    update 8 Python-level programs per call: ~60% of a delta-rule reference's time)."""
+    size = 1
+    for name, value in config.kwargs.items():
+        if name.startswith("B") and isinstance(value, int):
+            size *= value
+    return [1.0 / size] * 3
+
+
+# every configuration computes the same function (to summation order, far below the tolerance): on a GPU the
+# first is taken without timing any (compiling each would take minutes; a large one may not fit the GPU)
+autotuner.Autotuner._bench = ((lambda self, *args, **kwargs: [1.0, 1.0, 1.0]) if ON_GPU else _largest_blocks_first)
 
 
 

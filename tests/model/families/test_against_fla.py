@@ -8,7 +8,7 @@ import pytest
 
 from tests.model.families.reference import compare_with_fla, make_references
 
-# fla makes all 27 references in one process first (~5 min on 2 cores, more beside other work): the fixture's
+# fla makes all 27 references first, one process per core (~3 min on 2 cores, more beside other work): the fixture's
 # setup counts against the first test's deadline
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
