@@ -13,7 +13,7 @@ import torch
 
 def compile_settled(body: dict) -> bool:
     """linserve's /ready body: nothing left to compile (every decode bucket ready, or eager for good)."""
-    from linserve.server.engine.compiled_decode import SETTLED
+    from linserve.server.engine.compile.compiled_decode import SETTLED
 
     step = body.get("decode_step")
     return step is None or step["status"] in SETTLED

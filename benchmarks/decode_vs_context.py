@@ -176,7 +176,7 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: d
     """The engine's batch-1 decode step (the whole program — gather, model, sampling — and the scatter into the
     pool) per weights dtype, eager and compiled, each against the time to read that dtype's weights once.
     --quick measures eager only."""
-    from linserve.server.engine.compiled_decode import DecodeStep
+    from linserve.server.engine.compile.compiled_decode import DecodeStep
     from linserve.server.engine.sampling import SlotSampling
     from linserve.server.engine.state_pool import StatePool
 

@@ -50,7 +50,7 @@ ONE_STREAM, ACCEPTED_WELL, NEVER_BELOW = 1.5, 2.0, 0.97
 
 def settled(body: dict) -> bool:
     """Nothing left to compile: the decode step, the verification and the draft model's step."""
-    from linserve.server.engine.compiled_decode import SETTLED
+    from linserve.server.engine.compile.compiled_decode import SETTLED
 
     steps = [body.get("decode_step")]
     spec = body.get("speculation") or {}

@@ -83,7 +83,7 @@ def make_checkpoint(name: str, shape: str = "340M") -> Path:
 def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile_mode: str) -> dict:
     """The engine's batch-1 decode step (gather, model, sampling, scatter) in the default dtype, compiled."""
     from linserve.model import numerics
-    from linserve.server.engine.compiled_decode import DecodeStep
+    from linserve.server.engine.compile.compiled_decode import DecodeStep
     from linserve.server.engine.sampling import SlotSampling
     from linserve.server.engine.state_pool import StatePool
 

@@ -22,15 +22,20 @@ from linserve.model.loading import (
     resolve_dtype,
 )
 
-from .dependencies import max_token_bytes, prompt_prefix, require_key
+from .api.chat.router import router as chat_router
+from .api.common.dependencies import max_token_bytes, prompt_prefix, require_key
+from .api.common.errors import APIError, RequestBody, ServerErrors, error_response, install_handlers
+from .api.common.logprob_budget import LogprobBudget
+from .api.common.metrics import CONTENT_TYPE_LATEST, Metrics
+from .api.common.openapi import OPERATIONAL_RESPONSES, document_errors
+from .api.completions.router import router as completions_router
+from .api.models.router import router as models_router
+from .api.responses.router import router as responses_router
+from .api.sessions.idempotency import RecentResults
+from .api.sessions.router import router as sessions_router
+from .api.web.router import router as web_router
 from .engine import Engine, EngineConfig
 from .engine.state_pool import slots_for_budget
-from .errors import APIError, RequestBody, ServerErrors, error_response, install_handlers
-from .idempotency import RecentResults
-from .logprob_budget import LogprobBudget
-from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .openapi import OPERATIONAL_RESPONSES, document_errors
-from .routes import chat, openai, responses, sessions, utilities, web
 from .settings import Settings
 from .version import package_version
 
@@ -242,13 +247,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.recent_results = RecentResults()
     app.state.logprob_budget = LogprobBudget(int(settings.logprobs_memory_mb * 2**20), settings.retry_after_s)
     install_handlers(app)
-    app.include_router(openai.router)
-    app.include_router(chat.router)
-    app.include_router(responses.router)
-    app.include_router(sessions.router)
-    app.include_router(utilities.router)
+    for router in (models_router, completions_router, chat_router, responses_router, sessions_router):
+        app.include_router(router)
     if settings.web_ui:
-        app.include_router(web.router)
+        app.include_router(web_router)
 
     @app.get("/health", responses=OPERATIONAL_RESPONSES)
     async def health(request: Request) -> Response:

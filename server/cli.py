@@ -208,10 +208,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from linserve.model.checkpoint import load_checkpoint
     from linserve.model.loading import resolve_device, resolve_dtype
     from linserve.server.app import engine_config, load_draft
-    from linserve.server.engine.compiled_decode import DecodeStep
+    from linserve.server.engine.compile.compiled_decode import DecodeStep
     from linserve.server.engine.decode_program import DECODE, verify_kind
     from linserve.server.engine.sampling import SlotSampling
-    from linserve.server.engine.speculation import verify_widths
+    from linserve.server.engine.spec.speculation import verify_widths
     from linserve.server.engine.state_pool import StatePool
     from linserve.server.settings import Settings
 
@@ -235,7 +235,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                                                             reverse=True)]
     if settings.speculative == "draft":
         from linserve.model.checkpoint import load_tokenizer
-        from linserve.server.engine.draft_model import DraftKind
+        from linserve.server.engine.spec.draft_model import DraftKind
 
         path = checkpoint_dir(settings.model)
         draft = load_draft(settings, model, load_tokenizer(path), device)

@@ -44,8 +44,9 @@ def test_the_wheel_holds_linserve_only(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"linserve", wheel.name.split("-py3")[0] + ".dist-info"}
     assert "linserve/model/checkpoints/default/model.safetensors" in names
-    assert "linserve/server/engine/program_compiler.py" in names
-    assert {f"linserve/server/web/{name}" for name in ("index.html", "chart.js", "app.js", "style.css")} <= set(names)
+    assert "linserve/server/engine/compile/program_compiler.py" in names
+    page = ("index.html", "chart.js", "app.js", "style.css")
+    assert {f"linserve/server/api/web/static/{name}" for name in page} <= set(names)
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "linserve = linserve.server.cli:main" in entry
 

@@ -36,7 +36,7 @@ from linserve.model.loading import in_dtype
 from . import heap
 from .accounting import check_request, pool_stats, slot_accounting
 from .command_queue import ENGINE_DEAD, CommandQueue
-from .compiled_decode import TRACING, DecodeStep
+from .compile.compiled_decode import TRACING, DecodeStep
 from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads
 from .kv_pool import KVCachePool
@@ -50,7 +50,7 @@ from .sessions.registry import SessionRegistry
 from .sessions.service import SessionService
 from .sessions.worker import StoreStep, StoreWorker
 from .slots import EngineSlots
-from .speculation import SpeculativeDecoding
+from .spec.speculation import SpeculativeDecoding
 from .state_pool import StatePool
 from .step_runner import Delivery, StepRunner
 from .types import (

@@ -50,7 +50,7 @@ class ProgramKind:
     def make(self, model: LinearGPT):
         if self.drafts == 0:
             return decode_program(model)
-        from .verify_program import verify_program
+        from .spec.verify_program import verify_program
 
         return verify_program(model, self.drafts)
 

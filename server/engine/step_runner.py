@@ -24,9 +24,9 @@ from .decode_program import DecodeOutputs
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache, boundary_hashes
 from .sampling import SlotSampling, choose_tokens, sample_filtered, token_logprobs
-from .speculation import Plan, SpeculationPolicy
+from .spec.speculation import Plan, SpeculationPolicy
+from .spec.verify_program import VerifyOutputs
 from .types import FinishReason, RequestOutput, TokenLogprob
-from .verify_program import VerifyOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from linserve.server.api.common.metrics import Metrics
 from linserve.server.app import create_app
-from linserve.server.metrics import Metrics
 from linserve.server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

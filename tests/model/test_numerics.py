@@ -108,8 +108,8 @@ def test_the_compiled_decode_step_is_the_eager_one_bit_for_bit(device):
     import torch._inductor.config as inductor_config
 
     from linserve.model.loading import load_model
+    from linserve.server.engine.compile.program_compiler import same_bits_as_eager
     from linserve.server.engine.decode_program import decode_program
-    from linserve.server.engine.program_compiler import same_bits_as_eager
     from linserve.server.engine.sampling import SlotSampling
     from linserve.server.engine.state_pool import StatePool
 

@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from linserve.server.logprob_budget import BYTES_PER_ALTERNATIVE, BYTES_PER_TOKEN
+from linserve.server.api.common.logprob_budget import BYTES_PER_ALTERNATIVE, BYTES_PER_TOKEN
 from tests.helpers import ServerProcess
 
 pytestmark = pytest.mark.slow

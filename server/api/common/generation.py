@@ -1,0 +1,294 @@
+"""From a validated HTTP request to engine outputs and back: OpenAI completion and chat formats,
+streaming (SSE) and not, with cancellation when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import BackgroundTasks, Request
+from starlette.background import BackgroundTask
+
+from ...engine import Engine, EngineRequest, SamplingParams
+from ...engine.types import AlreadyApplied, EngineError, FinishReason, Idempotency, RequestOutput, TokenLogprob
+from .errors import ENGINE_STATUS, APIError, from_engine_error
+from .logprob_budget import Reservation, logprob_bytes
+from .protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from .streaming import EventStreamResponse, OutputStream, race_disconnect, sse_event
+
+
+@dataclass
+class Generation:
+    """One HTTP request's accepted engine requests (one per prompt) and their merged output stream: prompt
+    p's row r arrives as index p × n + r, as OpenAI numbers the choices of a batch of prompts."""
+
+    engine: Engine
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: OutputStream
+    created: int = field(default_factory=lambda: int(time.time()))
+    generated: int = 0
+    engine_ids: list[str] = field(default_factory=list)
+    consumed: dict[int, int] = field(default_factory=dict)  # prompt number → prompt tokens the engine took
+
+    def count(self, output: RequestOutput) -> None:
+        """Account one output: a generated token, and the prompt tokens its request added as the engine counts
+        them (an empty session's first call starts from end-of-text: one token, not zero)."""
+        self.generated += output.token_id is not None
+        if output.finished and output.request_id:  # once a row: the count is the request's, not the token's
+            self.consumed[output.index // self.params.n] = output.prompt_tokens
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) * self.params.n
+
+    def abort(self) -> None:
+        for engine_id in self.engine_ids:
+            self.engine.abort(engine_id)
+
+    @property
+    def usage(self) -> dict:
+        prompt_tokens = sum(self.consumed.get(number, len(ids)) for number, ids in enumerate(self.prompts))
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": self.generated,
+            "total_tokens": prompt_tokens + self.generated,
+        }
+
+
+def _offset_sink(sink, offset: int):
+    """A sink that renumbers a prompt's rows into the request's choice indices (engine thread)."""
+    if offset == 0:
+        return sink
+    return lambda output: sink(dataclasses.replace(output, index=output.index + offset))
+
+
+def reserve_logprobs(request: Request, prompts: Sequence[list[int]], params: SamplingParams, streamed: bool,
+                     background: BackgroundTasks) -> Reservation:
+    """Count the request's logprobs against `logprobs_memory_mb` (400 / 429 when they do not fit); given back
+    after the response is sent (`background`, or a stream's close)."""
+    budget = request.app.state.logprob_budget
+    reservation = budget.reserve(logprob_bytes([len(p) for p in prompts], params, streamed))
+    if not streamed:
+        background.add_task(reservation.release)
+    return reservation
+
+
+async def start_generation(
+    request: Request,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    prefix: str,
+    session_id: str | None = None,
+    owner: str | None = None,
+    idempotency: Idempotency | None = None,
+    expected_revision: str | None = None,
+) -> Generation:
+    """Submit one engine request per prompt and wait until each is accepted (EngineError → HTTP error before
+    any byte is sent; the prompts accepted before a refused one are aborted)."""
+    state = request.app.state
+    if state.draining or not state.engine.alive:
+        reason = "the server is shutting down" if state.draining else "the engine has failed; the server is restarting"
+        raise APIError(503, reason, code="unavailable", headers={"Retry-After": str(state.settings.retry_after_s)})
+    if params.priority and state.settings.scheduling_policy != "priority":
+        raise APIError(400, "priority is honoured only with scheduling_policy: priority (this server: "
+                       f"{state.settings.scheduling_policy}); send 0 or leave it out", "priority")
+    wanted_k = params.speculative.k if params.speculative is not None else None
+    if wanted_k is not None and wanted_k > state.settings.speculative_k:
+        raise APIError(400, f"speculative.k must be <= {state.settings.speculative_k} (this server's speculative_k)",
+                       "speculative")
+    if params.max_tokens > state.settings.max_tokens_limit:
+        raise APIError(400, f"max_tokens must be <= {state.settings.max_tokens_limit}", "max_tokens")
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    stream = OutputStream(asyncio.get_running_loop(), len(prompts) * params.n)
+    generation = Generation(state.engine, request_id, list(prompts), params, stream)
+    if idempotency is not None:  # a retry's replayed answer carries the first attempt's time
+        generation.created = idempotency.created
+    for number, prompt_ids in enumerate(prompts):
+        engine_id = request_id if len(prompts) == 1 else f"{request_id}-{number}"
+        engine_request = EngineRequest(engine_id, prompt_ids, params, session_id=session_id, owner=owner,
+                                       idempotency=idempotency, expected_revision=expected_revision)
+        generation.engine_ids.append(engine_id)  # aborted below if anything fails, even while being accepted
+        try:
+            await asyncio.wrap_future(state.engine.submit(engine_request, _offset_sink(stream.sink, number * params.n)))
+        except AlreadyApplied:
+            generation.abort()
+            raise  # the caller answers with the first attempt's result
+        except EngineError as error:
+            generation.abort()
+            raise from_engine_error(error, state.settings.retry_after_s) from None
+        except BaseException:  # cancelled (the client left): the engine may accept it after all
+            generation.abort()
+            raise
+    return generation
+
+
+async def collect(request: Request, generation: Generation) -> list[list[RequestOutput]] | None:
+    """All outputs per row, or None if the client disconnected first (the generation is then aborted)."""
+    rows: list[list[RequestOutput]] = [[] for _ in range(generation.rows)]
+
+    async def gather() -> list[list[RequestOutput]]:
+        async for output in generation.stream:
+            rows[output.index].append(output)
+            generation.count(output)
+            if output.finish_reason is FinishReason.ERROR:
+                generation.abort()  # a failed prompt fails the request: its other prompts stop too
+        return rows
+
+    try:
+        disconnected, result = await race_disconnect(request.receive, gather)
+    finally:
+        if not all(r and r[-1].finished for r in rows):
+            generation.abort()
+    failed = next((r[-1] for r in rows if r and r[-1].finish_reason is FinishReason.ERROR), None)
+    if failed is not None and not disconnected:
+        status, code = error_status(failed)
+        headers = {"X-Request-Id": generation.request_id}
+        if status == 503:
+            headers["Retry-After"] = str(request.app.state.settings.retry_after_s)
+        raise APIError(status, f"{failed.error} (request id {generation.request_id})", code=code, headers=headers)
+    return None if disconnected else result
+
+
+def error_status(output: RequestOutput) -> tuple[int, str]:
+    """(HTTP status, error code) of a failed output: the session store's failure is a 503 (the turn was not
+    stored: retry), anything else the engine's own (500)."""
+    if output.error_kind is not None and ENGINE_STATUS.get(output.error_kind) == 503:
+        return 503, output.error_kind
+    return 500, "engine_error"
+
+
+def error_event(generation: Generation, output: RequestOutput) -> bytes:
+    """A failed generation's last event, in OpenAI's error shape (then the stream ends with [DONE])."""
+    status, code = error_status(output)
+    kind = "service_unavailable" if status == 503 else "server_error"
+    return sse_event(
+        {
+            "error": {
+                "message": f"{output.error} (request id {generation.request_id})",
+                "type": kind,
+                "param": None,
+                "code": code,
+            }
+        }
+    )
+
+
+def stream_events(
+    generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=(), on_close=None
+) -> EventStreamResponse:
+    """SSE: one event per token (and per finish), optional usage event, then [DONE]. `on_close()` runs once
+    the response has ended, however it ended."""
+
+    async def events() -> AsyncIterator[bytes]:
+        finished_rows, failed = 0, False
+        try:
+            for chunk in first_chunks:
+                yield sse_event(chunk)
+            async for batch in generation.stream.batches():
+                events = []
+                for output in batch:
+                    generation.count(output)
+                    finished_rows += output.finished
+                    if output.finish_reason is FinishReason.ERROR:
+                        if not failed:  # one error event per request, whichever of its rows reports it
+                            events.append(error_event(generation, output))
+                            generation.abort()  # its other prompts stop too
+                        failed = True
+                        continue
+                    events.append(sse_event(make_chunk(output)))  # one event per token, even if its text is withheld
+                yield b"".join(events)  # a backlog goes out in one write
+            if include_usage and not failed:
+                yield sse_event(usage_chunk())
+            yield sse_event("[DONE]")
+        finally:
+            if finished_rows < generation.rows:
+                generation.abort()  # cancelled: the client went away or the server is stopping
+
+    return EventStreamResponse(events(), background=None if on_close is None else BackgroundTask(on_close))
+
+
+# ---------------------------------------------------------------- logprob formats
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+class ChoiceLogprobs:
+    """One completion choice's token logprobs, released with its text. A token's entry goes out once the text
+    it starts in has been returned: a row with stop strings withholds text that may become a stop string, and
+    its tokens wait with it; when a stop string ends the row, the tokens that lie wholly inside it are dropped
+    (a token straddling it stays: part of its text was returned). So the entries cover exactly the returned
+    text, and `text_offset` is a position in the choice's whole returned text, streamed or not. What waits is
+    bounded by the longest stop string."""
+
+    def __init__(self, tokenizer, start: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.returned = start  # characters of the choice's text returned so far
+        self.next_at = start  # where the next generated token's text starts
+        self.waiting: collections.deque = collections.deque()  # (TokenLogprob, offset), not yet released
+
+    def prompt(self, result: CompletionLogprobs, prompt_ids: list[int],
+               scored: list[TokenLogprob | None]) -> None:
+        """An echoed prompt's tokens (the first without a logprob), offsets from 0."""
+        at = 0
+        for token_id, lp in zip(prompt_ids, scored):
+            at = self._add(result, token_id, lp, at)
+
+    def push(self, result: CompletionLogprobs, output: RequestOutput) -> None:
+        """Add to `result` what this output releases."""
+        lp = output.logprob
+        if lp is not None:
+            self.waiting.append((lp, self.next_at))
+            if lp.token_id != self.eos_id:  # end-of-text (generated with ignore_eos) adds no text
+                self.next_at += len(token_text(self.tokenizer, lp.token_id))
+        self.returned += len(output.text)
+        stopped_by_string = output.finish_reason is FinishReason.STOP and output.token_id != self.eos_id
+        everything = output.finished and not stopped_by_string
+        while self.waiting and (everything or self.waiting[0][1] < self.returned):
+            lp, at = self.waiting.popleft()
+            self._add(result, lp.token_id, lp, at)
+        if output.finished:
+            self.waiting.clear()  # a stop string's own tokens: their text was never returned
+
+    def _add(self, result: CompletionLogprobs, token_id: int, lp: TokenLogprob | None, at: int) -> int:
+        """One token's entry (lp None: a token nothing predicts); the offset of the next."""
+        text = token_text(self.tokenizer, token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(None if lp is None else lp.logprob)
+        result.top_logprobs.append(None if lp is None else {token_text(self.tokenizer, t): v for t, v in lp.top})
+        result.text_offset.append(at)
+        return at + len(text)
+
+
+def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0,
+                        prompt_ids: list[int] | None = None) -> CompletionLogprobs:
+    """A whole choice's logprobs (generated tokens' offsets from `offset`, the echo's length); with `prompt_ids`
+    and scored prompt tokens on the first output (echo), the prompt's tokens first, offsets from 0."""
+    result, choice = CompletionLogprobs(), ChoiceLogprobs(tokenizer, offset)
+    if outputs and prompt_ids is not None and outputs[0].prompt_logprobs is not None:
+        choice.prompt(result, prompt_ids, outputs[0].prompt_logprobs)
+    for output in outputs:
+        choice.push(result, output)
+    return result
+
+
+def chat_logprobs(tokenizer, outputs: list[RequestOutput]) -> list[ChatTokenLogprob]:
+    content = []
+    for output in outputs:
+        lp = output.logprob
+        if lp is None:
+            continue
+        text = token_text(tokenizer, lp.token_id)
+        top = [
+            TopLogprob(token=token_text(tokenizer, t), logprob=v, bytes=list(token_text(tokenizer, t).encode()))
+            for t, v in lp.top
+        ]
+        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+    return content

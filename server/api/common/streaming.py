@@ -1,0 +1,143 @@
+"""Engine outputs into asyncio, and a server-sent-events response that notices a client leaving.
+
+The engine calls a sink on its own thread; `OutputStream` hands each output to the event loop with
+`call_soon_threadsafe`. `EventStreamResponse` writes events while a second task waits for the ASGI
+`http.disconnect` message: whichever finishes first cancels the other, so a client that goes away
+cancels its generation at once (the generator's `finally` aborts it in the engine), even while no
+token is being written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ...engine.types import RequestOutput
+
+
+class LoopDelivery:
+    """Hands engine outputs to one event loop in batches: the engine thread appends, and at most one
+    wake-up of the loop is pending at a time, however many tokens a step produced."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._pending: collections.deque[tuple[asyncio.Queue, RequestOutput]] = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, target: asyncio.Queue, output: RequestOutput) -> None:
+        """Engine thread."""
+        with self._lock:
+            self._pending.append((target, output))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        """Event-loop thread."""
+        with self._lock:
+            batch, self._pending = self._pending, collections.deque()
+            self._scheduled = False
+        for target, output in batch:
+            target.put_nowait(output)
+
+
+_deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopDelivery] = weakref.WeakKeyDictionary()
+
+
+def delivery_for(loop: asyncio.AbstractEventLoop) -> LoopDelivery:
+    if loop not in _deliveries:
+        _deliveries[loop] = LoopDelivery(loop)
+    return _deliveries[loop]
+
+
+class OutputStream:
+    """Async iterator over one request's outputs; ends after `rows` finished outputs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, rows: int) -> None:
+        self._delivery = delivery_for(loop)
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._open_rows = rows
+
+    def sink(self, output: RequestOutput) -> None:
+        """Called on the engine thread."""
+        self._delivery.put(self._queue, output)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for batch in self.batches():
+            for output in batch:
+                yield output
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Everything that has arrived, at least one output at a time: a writer that fell behind sends
+        the backlog in one write instead of one per token."""
+        while self._open_rows > 0:
+            batch = [await self._queue.get()]
+            open_rows = self._open_rows - batch[0].finished
+            while open_rows > 0 and not self._queue.empty():
+                output = self._queue.get_nowait()
+                batch.append(output)
+                open_rows -= output.finished
+            self._open_rows = open_rows
+            yield batch
+
+
+def sse_event(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(receive: Receive, work: Callable[[], object]) -> tuple[bool, object]:
+    """Run `work` (a coroutine function) unless the client disconnects first: (disconnected, result)."""
+    result: dict[str, object] = {}
+    async with anyio.create_task_group() as group:
+        async def run_work() -> None:
+            result["value"] = await work()
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            await wait_for_disconnect(receive)
+            result["disconnected"] = True
+            group.cancel_scope.cancel()
+
+        group.start_soon(run_work)
+        group.start_soon(watch)
+    return bool(result.get("disconnected")), result.get("value")
+
+
+class EventStreamResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, content, **kwargs) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kwargs.pop("headers", {})}
+        super().__init__(content, media_type=self.media_type, headers=headers, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:
+                pass  # the client went away mid-write; the body iterator has been closed
+
+        try:
+            await race_disconnect(receive, stream)
+        finally:  # also when the client left before the first byte: what the request holds is given back
+            if self.background is not None:
+                await self.background()
+

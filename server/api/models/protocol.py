@@ -1,0 +1,96 @@
+"""The model card and the utilities' request and response models (tokenize, detokenize, tokenizer info,
+version)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    model_validator,
+)
+
+from ..chat.protocol import ChatMessage
+from ..common.protocol import Int, Text
+
+
+class TokenizeRequest(BaseModel):
+    """`prompt` (text) or `messages` (a chat, rendered as /v1/chat/completions does), not both."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: Text = ""
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    model: Text | None = None
+    add_special_tokens: StrictBool = Field(True, description="vLLM's field: the tokenizer's bos before the text "
+                                                              "(where it adds one), as a request starting a "
+                                                              "sequence gets it")
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if self.messages is not None and self.prompt:
+            raise ValueError("give either prompt or messages, not both")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[Int] = Field(max_length=1_000_000)
+    model: Text | None = None
+
+
+# ---------------------------------------------------------------- responses
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_prompt_tokens: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """The tokenizer as vLLM's `/tokenizer_info` describes it (lm-evaluation-harness's remote tokenizer)."""
+
+    model_config = ConfigDict(protected_namespaces=())  # `model_max_length` is the field's name (pydantic < 2.10 warns)
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    vocab_size: int
+    model_max_length: int  # max_prompt_tokens: the model itself has no context limit
+    chat_template: str | None
+
+
+class VersionInfo(BaseModel):
+    version: str
+    torch: str
+    transformers: str
+    device: str | None = None  # None while the model loads
+    threads: int = Field(description="torch's intra-op CPU threads of the engine (the compiled CPU kernels are "
+                         "built for this count)")
+    cpu_threads: dict | None = Field(None, description="how the thread count was chosen: threads, usable_cpus "
+                                     "(affinity mask and cgroup quota), source (setting or default), omp_wait_policy")
+    dtype: str | None = Field(None, description="the weights' dtype of every form — prefill, decode steps, "
+                              "verification (the (S, z) state is fp32 whatever it is)")
+    decode_step: dict | None = Field(None, description="compile setting, status, buckets ready and compile=auto's "
+                                     "verdict (decision, gain, quartiles, rounds, contention, provisional, source)")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "linserve"
+    root: str | None = Field(None, description="the checkpoint directory served")
+    model_type: str | None = Field(None, description="the checkpoint's family: linear_gpt, linear_attn, gla, retnet")
+    state_bytes: int | None = Field(None, description="bytes of one session's state, whatever its length")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,104 @@
+"""The served model and the utilities around it: /v1/models (OpenAI's), and /tokenize, /detokenize,
+/tokenizer_info, /version as vLLM and llama.cpp's server offer them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+
+from linserve.model.loading import DEFAULT_CHECKPOINT
+
+from ..chat.prompt import chat_prompt
+from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt
+from ..common.errors import APIError
+from ..common.openapi import AUTH, BODY, errors
+from .protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+    VersionInfo,
+)
+
+router = APIRouter()
+INLINE_DETOKENIZE = 4096  # ids decoded on the event loop; more go to a worker thread
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=errors(*BODY))
+async def tokenize(request: Request, body: TokenizeRequest, tokenizer: TokenizerDep, owner: Owner) -> TokenizeResponse:
+    """A prompt's token ids (as `/v1/completions` would see them), or a chat's after its template."""
+    text = await chat_prompt(request, body.messages, tokenizer) if body.messages is not None else body.prompt
+    ids = await encode_prompt(request, text, allow_empty=True, starts=body.add_special_tokens)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_prompt_tokens=request.app.state.settings.max_prompt_tokens)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(*BODY))
+async def detokenize(body: DetokenizeRequest, tokenizer: TokenizerDep, owner: Owner) -> DetokenizeResponse:
+    """Long lists are checked and decoded on a worker thread: the event loop (and /health) never waits."""
+    vocab = len(tokenizer)
+
+    def decode() -> str:
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return tokenizer.decode(body.tokens)
+
+    text = decode() if len(body.tokens) <= INLINE_DETOKENIZE else await asyncio.to_thread(decode)
+    return DetokenizeResponse(prompt=text)
+
+
+@router.get("/tokenizer_info", response_model=TokenizerInfo, responses=errors(*AUTH))
+async def tokenizer_info(request: Request, tokenizer: TokenizerDep, owner: Owner) -> TokenizerInfo:
+    """Special tokens and the chat template: with /tokenize and /detokenize, what a client needs to tokenize
+    as the server does without a copy of the checkpoint."""
+    return TokenizerInfo(
+        tokenizer_class=type(tokenizer).__name__, eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token,
+        pad_token=tokenizer.pad_token, vocab_size=len(tokenizer),
+        model_max_length=request.app.state.settings.max_prompt_tokens,
+        chat_template=getattr(tokenizer, "chat_template", None) or None,
+    )
+
+
+@router.get("/version", response_model=VersionInfo)
+async def version(request: Request) -> VersionInfo:
+    """linserve's version, the versions of what it runs on, the device, and how the decode step runs there
+    (compiled or not, and compile=auto's verdict with its figures)."""
+    import torch
+    import transformers
+
+    engine = getattr(request.app.state, "engine", None)
+    step = getattr(engine, "decode_step", None)
+    return VersionInfo(version=request.app.version, torch=torch.__version__, transformers=transformers.__version__,
+                       device=str(engine.device) if engine is not None else None,
+                       threads=engine.threads.threads if engine is not None else torch.get_num_threads(),
+                       cpu_threads=engine.threads.describe() if engine is not None else None,
+                       dtype=weights_dtype(engine.model) if engine else None,
+                       decode_step=step.describe() if step is not None else None)
+
+
+def weights_dtype(model) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+@router.get("/v1/models", response_model=ModelList, responses=errors(*AUTH))
+async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> ModelList:
+    return ModelList(data=[model_card(request, settings)])
+
+
+def model_card(request: Request, settings) -> ModelCard:
+    """The served model: its id, the checkpoint directory, its family and one session's state bytes."""
+    model = request.app.state.engine.model
+    return ModelCard(id=settings.served_model_name, created=request.app.state.started,
+                     root=str(settings.model or DEFAULT_CHECKPOINT),
+                     model_type=getattr(model.config, "model_type", "linear_gpt"),
+                     state_bytes=model.state_bytes() if model.config.attention == "linear" else None)
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(*AUTH, 404))
+async def retrieve_model(request: Request, model_id: str, settings: SettingsDep, owner: Owner) -> ModelCard:
+    """The served model (`client.models.retrieve(id)`); any other id is a 404, as OpenAI answers."""
+    check_model(model_id, settings)
+    return model_card(request, settings)

@@ -1,0 +1,1 @@
+"""The page at `/` (router.py) and its four static files (static/)."""

@@ -1,0 +1,102 @@
+"""Where compiled decode programs live, and how the CPU ones are obtained.
+
+The compile cache has one directory per model, program source, build kind, dtype, torch version and device;
+on CPU each batch bucket is an AOTInductor artifact there, loaded if present, else built by a compiler child
+process (program_compiler.py). compiled_decode.DecodeStep decides which buckets to get and when.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from linserve.model import LinearGPT
+
+from .program_compiler import ARTIFACT_FORMAT, CompilerProcess, artifact_path, load_artifact, write_model
+
+
+def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, autotune: bool = True,
+                      sources: tuple[str, ...] = ()) -> str:
+    """Where this model's compiled buckets live: under `base` (unset: the user's cache directory,
+    `$XDG_CACHE_HOME/linserve/compile`, else `~/.cache/linserve/compile`), one subdirectory per model
+    (config and weights: frozen weights are compiled in), the program's source code, how it is built
+    (autotuned or not), dtype, torch version and device (GPU name; CPU architecture, vector instruction set
+    and intra-op threads) — so every working directory shares one cache, and nothing compiled for another
+    model, program version, machine or thread count is ever reused."""
+    import hashlib
+    import json
+    import platform
+
+    if base is None:
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(root, "linserve", "compile")
+    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(f"artifact format {ARTIFACT_FORMAT}, autotune {autotune}".encode())
+    for path in program_sources(sources):
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:  # the CPU's vector instructions (an AVX-512 build must never load on an AVX2 host), as ATen detects
+        # them at run time — not Inductor's pick_vec_isa, which test-compiles with g++: a slim image has none —
+        # and the intra-op thread count, which Inductor's GEMM templates bake in (`num_threads = 2`)
+        capability = torch.backends.cpu.get_cpu_capability().lower()
+        where = f"cpu-{platform.machine()}-{capability}-threads{torch.get_num_threads()}"
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    key = f"{digest.hexdigest()[:16]}-{dtype}-torch{torch.__version__}-{where}".replace(" ", "_").replace("/", "_")
+    return os.path.join(base, key)
+
+
+def program_sources(extra: tuple[str, ...] = ()) -> list[str]:
+    """The files whose code a compiled program contains: the model package and the program's own modules,
+    plus `extra` (paths in the engine package) for a kind that has more (how it is built is
+    program_compiler.ARTIFACT_FORMAT's business)."""
+    import linserve.model as model_package
+
+    model_dir = os.path.dirname(os.path.abspath(model_package.__file__))
+    engine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = ["decode_program.py", "sampling.py", os.path.join("spec", "verify_program.py"), *extra]
+    return sorted(os.path.join(directory, name) for directory in (model_dir, os.path.join(model_dir, "families"))
+                  for name in os.listdir(directory) if name.endswith(".py")) + [
+        os.path.join(engine, name) for name in own]
+
+
+def cpp_compiler_available() -> bool:
+    """Inductor builds its CPU kernels with a C++ compiler ($CXX, else g++): a slim image may have none."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
+
+
+class ChildBuilder:
+    """CPU: each bucket's program is an AOTInductor artifact in the cache directory — loaded if there,
+    else built by a compiler child process (started on the first miss; see program_compiler)."""
+
+    def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool, autotune: bool,
+                 program: str = "decode") -> None:
+        self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
+        self.autotune, self.program = autotune, program
+        write_model(directory, model)
+
+    def cached(self, size: int) -> bool:
+        """Whether the bucket's program is in the cache (loaded in milliseconds, not compiled)."""
+        return os.path.exists(artifact_path(self.directory, self.num_slots, size, self.program))
+
+    def __call__(self, size: int):
+        """The bucket's program; None when it is not in the cache and this builder may not compile."""
+        program = load_artifact(self.directory, self.num_slots, size, self.program)
+        if program is None and self.can_compile:
+            if self.child is None:
+                self.child = CompilerProcess(self.directory, self.num_slots, self.autotune, self.program)
+            self.child.compile(size)
+            program = load_artifact(self.directory, self.num_slots, size, self.program)
+        return program
+
+    def close(self) -> None:
+        """End the compiler child (if any); a later miss starts another."""
+        child, self.child = self.child, None
+        if child is not None:
+            child.close()

@@ -1,0 +1,426 @@
+"""The engine's decode step (decode_program.py): eager, or compiled once per batch-size bucket.
+
+Buckets are powers of two up to the largest decode batch (1, 2, 4, …, 64 for 64 slots); a batch runs in
+the smallest ready bucket that holds it, padded with copies of its first row (rows are independent, the
+padding's outputs are dropped), or eagerly while none is ready. A background thread gets the buckets
+ready in the order traffic needs them, while the engine serves, so start-up and `/ready` never wait.
+
+- CPU: each bucket is an AOTInductor artifact (frozen weights, max-autotune's C++ GEMM templates) in the
+  compile cache, built by a child process (program_compiler.py) and loaded here: the serving process
+  never runs the compiler and a call evaluates no Dynamo guards.
+- CUDA: each bucket is a CUDA graph of the `torch.compile`d program, captured on the engine thread at the
+  bucket's first use; it reads its rows through a static (3, P) io tensor, and its outputs are static
+  buffers, read (tokens) and scattered back (state) before the next replay.
+
+`compile`: `off` (eager only), `on`, or `auto` — on CUDA the same as `on`; on CPU the first bucket is
+timed against eager and served unless it is measurably slower (compile_verdict.py: a margin, more rounds
+where close, provisional under load and measured again, stored once made quietly), and nothing is compiled
+without a C++ compiler unless the artifacts are already in the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from linserve.model import LinearGPT, numerics
+from linserve.model.decode_step import state_names
+
+from ..decode_program import DECODE, DecodeOutputs, ProgramKind
+from ..sampling import SlotSampling
+from ..state_pool import StatePool
+from . import verdict as compile_verdict
+from .cache import ChildBuilder, compile_cache_dir, cpp_compiler_available
+from .program_compiler import quiet_compiler_warnings
+from .verdict import Verdict, VerdictStore, judge
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("auto", "on", "off")
+SETTLED = ("eager", "compiled", "declined", "failed")  # statuses after which nothing more gets compiled
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Powers of two from 1 up to the first one that holds `max_rows`."""
+    sizes = [1]
+    while sizes[-1] < max_rows:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+@dataclass
+class Bucket:
+    size: int
+    step: object  # the (compiled) flat step for this batch size
+    graph: torch.cuda.CUDAGraph | None = None
+    io: torch.Tensor | None = None  # (rows, size) int64 on the device: the program's io (CUDA graphs read it)
+    outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
+
+
+# torch.fx's Tracer.trace (which make_fx, and so AOTAutograd and Inductor's pattern matcher, run while
+# compiling) patches torch.nn.Module.__call__ and __getattr__ for the whole process while it traces: a model
+# call on another thread meanwhile goes through the tracer (seen: NameError "module is not installed as a
+# submodule" in a request served eagerly during the background compile). Every trace holds TRACING (see
+# guard_tracing) and so does every engine step: a step never runs inside a trace window, a trace never
+# starts inside a step. Re-entrant: a recompile traced on the engine thread itself is fine.
+TRACING = threading.RLock()
+
+
+def guard_tracing() -> None:
+    """Make torch.fx's Tracer.trace hold TRACING (once per process; subclasses trace through it)."""
+    from torch.fx import _symbolic_trace
+
+    original = _symbolic_trace.Tracer.trace
+    if getattr(original, "_holds_linserve_lock", False):
+        return
+
+    @functools.wraps(original)
+    def trace(self, *args, **kwargs):
+        with TRACING:
+            return original(self, *args, **kwargs)
+
+    trace._holds_linserve_lock = True
+    _symbolic_trace.Tracer.trace = trace
+
+
+def remaining_s(per_bucket_s: float, elapsed_s: float, left: int) -> float:
+    """Seconds until `left` buckets (the current one, `elapsed_s` into it, included) are built at
+    `per_bucket_s` each — or, once the current one has taken longer, at the rate it shows (the machine is
+    busier than when the rate was measured): the estimate counts down, and grows only while it is exceeded."""
+    per = max(per_bucket_s, elapsed_s)
+    return max(per - elapsed_s, 0.0) + per * (left - 1)
+
+
+class DecodeStep:
+    """`step(tokens, slots, positions) -> DecodeOutputs`: a decode program over the pool's slots — eager, or
+    a compiled bucket (a CUDA graph on CUDA).
+
+    Called on the engine thread only; the compile thread hands over buckets through `_ready`.
+    """
+
+    def __init__(self, model: LinearGPT, pool: StatePool, sampling: SlotSampling, device: torch.device,
+                 mode: str = "off", max_rows: int = 64, cache_dir: str | None = None, autotune: bool = True,
+                 kind: ProgramKind = DECODE, after: DecodeStep | None = None) -> None:
+        """`kind`: the decode step, or speculative decoding's verification (verify_program.py), which is
+        compiled after `after` (the decode step) has settled, follows its `auto` verdict, and is never
+        measured itself (the speculation policy times both)."""
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+        self.model, self.pool, self.sampling, self.device, self.mode = model, pool, sampling, device, mode
+        self.kind, self.after = kind, after
+        self.label = getattr(kind, "label", None) or (
+            "decode step" if kind.drafts == 0 else f"verification step (k={kind.drafts})")
+        self.names = state_names(model)
+        self.buffers = [pool.buffers[name] for name in self.names]  # (num_slots, …) each
+        numerics.prepare_tables(device)  # the lookup tables exist before any compiler traces the program
+        self.eager_program = kind.make(model)
+        self.sizes = bucket_sizes(max_rows)
+        self.autotune = autotune
+        self.cache_dir = (compile_cache_dir(cache_dir, model, device, autotune, getattr(kind, "sources", ()))
+                          if mode != "off" else None)
+        self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
+        # compiled only where it is not slower
+        self.auto_cpu = mode == "auto" and device.type == "cpu" and after is None
+        self.verdict: Verdict | None = None  # auto on CPU: compiled or declined here, with its figures
+        self.verdicts = VerdictStore(self.cache_dir if self.auto_cpu else None)
+        self.measure = compile_verdict.measure  # (eager, compiled, args, hold) -> Measurement; tests inject one
+        self.recheck_s = compile_verdict.RECHECK_S
+        self.calls = 0  # programs run by the engine (a re-check waits for it to be idle)
+        self._measured: tuple[int, object] | None = None  # the bucket a verdict is (re-)measured with
+        self._built = threading.Event()  # the first pass over the buckets is over (wait_compiled)
+        self.compile_seconds: dict[int, float] = {}
+        self._ready: dict[int, Bucket] = {}
+        self._unavailable: set[int] = set()  # not in the cache, and no compiler here
+        self.demand: dict[int, int] = {}  # bucket → decode steps run eagerly for want of it (compile order)
+        self.compiling: int | None = None  # the bucket being compiled now
+        self.built_seconds: list[float] = []  # buckets compiled here (not loaded): the measured rate of the ETA
+        self._bucket_started: float | None = None  # when the bucket being built now began
+        self._closed = threading.Event()
+        self._builder = None  # the compile thread's, while it runs (close() ends its child)
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.mode == "off" or self._thread is not None:
+            return
+        if self.device.type != "cpu":
+            guard_tracing()  # in-process compiling: the engine's steps and the compiler's traces never overlap
+        self._thread = threading.Thread(target=self._compile_all, name="linserve-compile", daemon=True)
+        self._thread.start()
+
+    def close(self, wait: bool = False) -> None:
+        """Stop compiling (a compiler child is killed at once); eager and ready buckets keep working. With
+        `wait`, return only once the compile thread has ended (a process about to exit: nothing of it runs on
+        while the interpreter tears down the native libraries under it)."""
+        self._closed.set()
+        builder = self._builder
+        if getattr(builder, "close", None) is not None:
+            builder.close()
+        if wait and self._thread is not None:
+            self._thread.join()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until every bucket has been built, loaded or given up on (tests, benchmarks) — not for a
+        provisional verdict's later re-checks. True if every bucket is ready."""
+        if self._thread is not None:
+            self._built.wait(timeout)
+        return len(self._ready) == len(self.sizes)
+
+    @property
+    def ready_sizes(self) -> list[int]:
+        return sorted(self._ready)
+
+    def describe(self) -> dict:
+        """For /ready, /version and /metrics: {"compile", "status", "buckets", "ready", "compiling", "eta_s",
+        "verdict"} (the verdict: compile=auto on CPU, once made — see compile_verdict.Verdict.describe)."""
+        eta = self.eta_s
+        eta = None if eta is None else round(eta, 1)
+        verdict = self.verdict.describe() if self.verdict is not None else None
+        return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes,
+                "compiling": self.compiling, "eta_s": eta, "verdict": verdict}
+
+    # ------------------------------------------------------------------ engine thread
+    def __call__(self, tokens: list[int], slots: list[int], positions: list[int]) -> DecodeOutputs:
+        """One decode program over the rows (tokens consumed, their slots, the positions of the tokens to
+        choose); the state outputs are not yet scattered back (the caller commits them)."""
+        outputs = self.run([tokens, slots, positions])
+        return DecodeOutputs(*outputs[:6], state=list(outputs[6:]))
+
+    def run(self, io_rows: list[list[int]]) -> list[torch.Tensor]:
+        """The program over the rows given as its io tensor's rows (`ProgramKind`), padded to the bucket and
+        unpadded again; outputs in the program's order."""
+        rows = len(io_rows[0])
+        self.calls += 1
+        bucket = self._bucket_for(rows)
+        if bucket is None:
+            outputs = self._run(self.eager_program, rows, io_rows)
+        elif self.device.type == "cuda":
+            outputs = self._replay(bucket, io_rows)
+        else:
+            outputs = self._run(bucket.step, bucket.size, io_rows)
+        if len(outputs[0]) != rows:  # padded to the bucket: the padding's outputs are dropped
+            outputs = [tensor[:rows] for tensor in outputs]
+        return list(outputs)
+
+    def bucket_ready(self, rows: int) -> int | None:
+        """The size of the compiled bucket `rows` would run in now (None: eagerly)."""
+        size = next((size for size in self.sizes if size >= rows), None)
+        return size if size in self._ready else None
+
+    def _bucket_for(self, rows: int) -> Bucket | None:
+        for size in self.sizes:
+            if size >= rows:
+                bucket = self._ready.get(size)
+                if bucket is None:
+                    self.demand[size] = self.demand.get(size, 0) + 1
+                return bucket
+        return None  # more rows than the largest bucket
+
+    def _inputs(self, io: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The program's arguments from its io tensor (rows, P)."""
+        return (*self.kind.arguments(io), *self.buffers, *self.sampling.tensors())
+
+    def _run(self, program, size: int, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """`program` over the rows padded to `size` with copies of the first (eager: size = rows)."""
+        pad = size - len(io_rows[0])
+        io = torch.tensor([row + row[:1] * pad for row in io_rows], dtype=torch.long, device=self.device)  # (r, P)
+        return program(*self._inputs(io))
+
+    def _replay(self, bucket: Bucket, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        if bucket.graph is None:
+            self._capture(bucket)
+        rows = len(io_rows[0])
+        # rows beyond the batch keep earlier (valid) tokens, slots and positions: their outputs are dropped
+        bucket.io[:, :rows].copy_(torch.tensor(io_rows, dtype=torch.long))  # (r, B) one transfer
+        bucket.graph.replay()
+        # the outputs are read (sampled tokens, scattered state) within this engine step; the logits may outlive
+        # it (a prompt-only turn keeps them), so they get their own memory
+        return (*bucket.outputs[:5], bucket.outputs[5].clone(), *bucket.outputs[6:])
+
+    def _capture(self, bucket: Bucket) -> None:
+        """Record the bucket's CUDA graph: the whole program, reading its rows through the static io tensor."""
+        bucket.io = torch.zeros(self.kind.io_rows, bucket.size, dtype=torch.long, device=self.device)  # (r, P)
+
+        def run() -> tuple[torch.Tensor, ...]:
+            return bucket.step(*self._inputs(bucket.io))
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph (allocator, lazy initialisation)
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the compile thread may run kernels
+            bucket.outputs = run()
+        bucket.graph = graph
+
+    # ------------------------------------------------------------------ compile thread
+    def _next_size(self) -> int | None:
+        """The bucket traffic needs most (decode steps that ran eagerly for want of it), else the smallest."""
+        waiting = [size for size in self.sizes if size not in self._ready and size not in self._unavailable]
+        return max(waiting, key=lambda size: (self.demand.get(size, 0), -size)) if waiting else None
+
+    def _compile_all(self) -> None:
+        build = None
+        if self.after is not None:  # verification compiles once the decode step has settled (and as it decided)
+            while not self.after._built.wait(1.0):
+                if self._closed.is_set():
+                    self._built.set()
+                    return
+            if self.after.status == "declined":
+                self.status = "declined"
+                self._built.set()
+                return
+        self.status = "compiling"
+        try:
+            build = self._builder = self._compiler()
+            if self.auto_cpu:
+                self.verdict = self.verdicts.load(torch.get_num_threads())
+                if self.verdict is not None:
+                    logger.info("compile=auto: using this machine's stored verdict: %s (compiled step %.2fx eager "
+                                "at batch %d)", self.verdict.decision, self.verdict.measurement.gain,
+                                self.verdict.batch)
+            self._build_buckets(build)
+            self._built.set()
+            if getattr(build, "close", None) is not None:
+                build.close()  # no idle compiler child while a provisional verdict waits (a miss starts one)
+            while self.verdict is not None and self.verdict.provisional and not self._closed.is_set():
+                if self._recheck() and self.verdict.decision == "compiled":
+                    self._build_buckets(build)
+        except Exception:  # noqa: BLE001 - eager keeps serving; the operator learns why from the log
+            if self._closed.is_set():
+                return  # closed mid-build: the child was ended on purpose
+            logger.exception("compiling the decode step failed; serving eagerly")
+            self.status = "failed"
+        finally:
+            self._built.set()
+            self.compiling, self._bucket_started = None, None
+            if getattr(build, "close", None) is not None:
+                build.close()
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds until every bucket is built, from the rate measured here: the mean time of the buckets
+        compiled so far (loaded ones take milliseconds and do not count), scaled up while the current bucket
+        takes longer than that (a busy machine). None before one bucket has compiled, and when nothing is left."""
+        if self.compiling is None or self._bucket_started is None or not self.built_seconds:
+            return None
+        left = len(self.sizes) - len(self._ready) - len(self._unavailable)  # the current bucket included
+        return remaining_s(sum(self.built_seconds) / len(self.built_seconds),
+                           time.perf_counter() - self._bucket_started, left)
+
+    def _build_buckets(self, build) -> None:
+        """Build or load every bucket not ready yet, in traffic order; stop where the verdict declines."""
+        self.status = "compiling"
+        while (size := self._next_size()) is not None:
+            if self._closed.is_set():
+                return
+            if self.verdict is not None and self.verdict.decision == "declined":
+                break
+            cached = bool(getattr(build, "cached", lambda _: False)(size))
+            self.compiling, self._bucket_started = size, time.perf_counter()
+            eta = self.eta_s
+            if cached or getattr(build, "can_compile", True):  # (else: not in the cache, said once at the end)
+                logger.info("%s: %s bucket %d of %d (batch %d)%s", self.label, "loading" if cached else "compiling",
+                            len(self._ready) + 1, len(self.sizes), size,
+                            f", ~{eta:.0f} s left" if eta is not None and not cached else "")
+            started = self._bucket_started
+            program = build(size)
+            if self._closed.is_set():
+                return
+            if program is None:  # not in the cache, and nothing here can compile it
+                self._unavailable.add(size)
+                continue
+            self.compile_seconds[size] = time.perf_counter() - started
+            if not cached:
+                self.built_seconds.append(self.compile_seconds[size])
+            if self.auto_cpu and self._measured is None:
+                self._measured = size, program
+                if self.verdict is None:
+                    self._set_verdict(self._measure_verdict(size, program))
+                if self.verdict.decision == "declined":
+                    break
+            self._ready[size] = Bucket(size, program)
+            logger.info("%s bucket %d %s in %.1f s", self.label, size, "loaded" if cached else "compiled",
+                        self.compile_seconds[size])
+        if self._unavailable:
+            logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
+                        "bucket for batch %s in the cache; those batches run eagerly", sorted(self._unavailable))
+        self.compiling, self._bucket_started = None, None
+        self.status = "compiled" if self._ready else "declined"
+
+    def _measure_verdict(self, size: int, program) -> Verdict:
+        """Time `program` against eager at its bucket, each round holding the engine's step lock."""
+        calls = self.calls
+        with torch.inference_mode():
+            measurement = self.measure(self.eager_program, program, self._dummy(size), hold=lambda: TRACING)
+        return judge(measurement, size, torch.get_num_threads(), served_meanwhile=self.calls != calls)
+
+    def _set_verdict(self, verdict: Verdict) -> None:
+        self.verdicts.save(verdict)  # (a quiet one; stored before it is seen, so whoever sees it finds it stored)
+        self.verdict = verdict
+        m = verdict.measurement
+        logger.info("compile=auto: the compiled step is %.2fx eager here (batch %d, quartiles %.2f-%.2f, %d rounds, "
+                    "CPU contention %.0f%%): %s%s", m.gain, verdict.batch, m.low, m.high, m.rounds,
+                    100 * m.contention, "serving compiled" if verdict.decision == "compiled" else "serving eagerly",
+                    f"; provisional, measured again when quiet (every {self.recheck_s:.0f} s)"
+                    if verdict.provisional else "")
+
+    def _recheck(self) -> bool:
+        """Measure a provisional verdict again once the engine has been idle for `recheck_s`. True if measured."""
+        calls = self.calls
+        if self._closed.wait(self.recheck_s) or self.calls != calls or self._measured is None:
+            return False  # closing, or the engine served meanwhile: not a quiet moment
+        size, program = self._measured
+        before, verdict = self.verdict.decision, self._measure_verdict(size, program)
+        if verdict.decision == "declined" and before == "compiled":
+            self._ready.clear()  # the engine serves eagerly from its next step
+            self.status = "declined"
+        elif verdict.decision == "compiled" and before == "declined":
+            self._ready[size] = Bucket(size, program)  # the rest are built next (_compile_all)
+        self._set_verdict(verdict)
+        return True
+
+    def _compiler(self):
+        """`build(size) -> program` for this device (with `close()` when it holds a process)."""
+        if self.device.type == "cpu":
+            can_compile = self.mode == "on" or cpp_compiler_available()
+            return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile, self.autotune,
+                                self.kind.name)
+        os.makedirs(self.cache_dir, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.cache_dir)  # read at each use
+        quiet_compiler_warnings()  # in this process on CUDA: they would reach the server's log
+        import torch._dynamo
+
+        # every bucket (of every model compiled in this process) is one more entry in the step's code cache:
+        # past the limit (8 by default) Dynamo would quietly run that code eagerly
+        torch._dynamo.config.recompile_limit += len(self.sizes)
+        compiled = torch.compile(self.eager_program, dynamic=False, fullgraph=True)
+
+        def build(size: int):
+            try:
+                self._warm(compiled, size)
+                return compiled
+            except Exception:  # noqa: BLE001 - a program Inductor cannot build here: graphs of the eager one
+                logger.warning("Inductor could not compile the decode program; CUDA graphs of the eager one",
+                               exc_info=True)
+                return self.eager_program
+
+        return build
+
+    def _dummy(self, size: int) -> tuple[torch.Tensor, ...]:
+        """A bucket's arguments: rows 0 of the pool (zeroed copies: nothing real is read or written)."""
+        io = torch.zeros(self.kind.io_rows, size, dtype=torch.long, device=self.device)  # (r, P)
+        buffers = [torch.zeros_like(t) for t in (*self.buffers, *self.sampling.tensors())]
+        return (*self.kind.arguments(io), *buffers)
+
+    @torch.inference_mode()
+    def _warm(self, step, size: int) -> None:
+        step(*self._dummy(size))

@@ -1,0 +1,233 @@
+"""Compiling decode programs in a separate process, into artifacts the engine loads (CPU).
+
+The engine never runs the compiler: a child process (`python -m linserve.server.engine.compile.program_compiler DIR`)
+exports the decode program (compiled_decode.decode_program) for one batch bucket at a time with
+torch.export and builds it with AOTInductor (frozen weights, max-autotune: Inductor's C++ GEMM
+templates) into `DIR/decode-b{size}.pt2`. The engine loads a finished artifact in milliseconds and calls
+it with no Dynamo guard evaluation; a restart, `linserve compile` or another server on the same cache
+loads the artifacts without compiling anything.
+
+So compiling holds none of the engine's GIL, never traces inside the engine's process (no torch.fx
+patching while steps run), and runs at a lower CPU priority than serving.
+
+Protocol (one line each, text): the parent writes a bucket size; the child answers
+`ready SIZE SECONDS` or `failed SIZE MESSAGE`; an empty line or EOF ends the child. `DIR/model.pt`
+(config, dtype, weights, slot count) is written by the parent before the child starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from linserve.model import LinearGPT, families
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "model.pt"
+ARTIFACT_FORMAT = 2  # part of the cache key: raise it whenever `build` makes different artifacts
+
+
+def artifact_path(directory: str, num_slots: int, size: int, program: str = "decode") -> str:
+    """A bucket's program ("decode" or "verify{k}"); it reads the whole pool, so the slot count is compiled
+    in (and named)."""
+    return os.path.join(directory, f"{program}-s{num_slots}-b{size}.pt2")
+
+
+def write_model(directory: str, model: LinearGPT) -> None:
+    """What the child needs to rebuild the program (config, dtype, weights), once per cache directory
+    (which is keyed by exactly these), atomically."""
+    path = os.path.join(directory, MODEL_FILE)
+    if os.path.exists(path):
+        return
+    os.makedirs(directory, exist_ok=True)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    payload = {"config": model.config.to_dict(), "model_type": getattr(model.config, "model_type", "linear_gpt"),
+               "dtype": dtype,
+               "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    temp = f"{path}.{os.getpid()}.tmp"
+    torch.save(payload, temp)
+    os.replace(temp, path)
+
+
+def load_artifact(directory: str, num_slots: int, size: int, program: str = "decode"):
+    """A finished bucket's program (callable with the program's arguments), or None if there is none."""
+    path = artifact_path(directory, num_slots, size, program)
+    if not os.path.exists(path):
+        return None
+    from .aoti_runner import load_program
+
+    return load_program(path)  # called without holding the GIL (aoti_runner.py)
+
+
+class CompilerProcess:
+    """The parent's handle on the child: `compile(size)` blocks (on a pipe, GIL released) until the child
+    answers. The child lowers its own priority (nice +10) and logs to DIR/compile.log."""
+
+    def __init__(self, directory: str, num_slots: int, autotune: bool, program: str = "decode") -> None:
+        directory = os.path.abspath(directory)
+        # the child builds for this process's intra-op thread count (Inductor bakes it into the GEMM kernels)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor"),
+               "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        with open(os.path.join(directory, "compile.log"), "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "linserve.server.engine.compile.program_compiler", directory, str(num_slots),
+                 "autotune" if autotune else "plain", program],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+            )
+
+    def compile(self, size: int) -> float:
+        """Seconds the child took; raises RuntimeError with the child's message when it could not."""
+        self.process.stdin.write(f"{size}\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline().strip()
+        if not line:
+            raise RuntimeError(f"the compiler process ended (exit status {self.process.poll()})")
+        word, _, rest = line.partition(" ")
+        number, _, detail = rest.partition(" ")
+        if word != "ready" or int(number) != size:
+            raise RuntimeError(f"compiling bucket {size} failed: {detail or line}")
+        return float(detail)
+
+    def close(self) -> None:
+        """End the child now, even mid-build (artifacts appear by rename: a killed build leaves none)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+# ---------------------------------------------------------------------------------------------- the child
+def _load(directory: str) -> LinearGPT:
+    """The served model as the parent has it: parameters in its dtype, buffers as saved (a head's decay stays
+    fp32 — `in_dtype`, as `from_pretrained` loads it; cast to bf16 it would decay another state)."""
+    from linserve.model.loading import in_dtype
+
+    payload = torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
+    model = families.build({**payload["config"], "model_type": payload.get("model_type", "linear_gpt")})
+    model.load_state_dict(payload["state_dict"], assign=True)  # each tensor in its saved dtype
+    return in_dtype(model, getattr(torch, payload["dtype"])).eval()
+
+
+def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune: bool,
+          name: str = "decode") -> None:
+    """Export and AOT-compile the program `name` ("decode" or "verify{k}") for `size` rows into its artifact
+    (atomically); with `autotune`, Inductor times its GEMM choices (max-autotune: C++ GEMM templates over
+    packed weights)."""
+    import torch._inductor.config as inductor_config
+
+    from ..decode_program import ProgramKind
+    from ..sampling import SlotSampling
+    from ..state_pool import StatePool
+
+    cpu = torch.device("cpu")
+    if name.startswith("draft"):
+        from ..spec.draft_model import DraftKind
+
+        kind = DraftKind(name)
+    else:
+        kind = ProgramKind(name)
+    program = kind.make(model)
+
+    class Program(torch.nn.Module):  # export wants a module; the weights are its (frozen) parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return program(*args)
+
+    pool = StatePool(model, num_slots, cpu)
+    sampling = SlotSampling(num_slots, model.config.vocab_size, cpu)
+    io = torch.zeros(kind.io_rows, size, dtype=torch.long)  # (rows, P): tokens (, limits), slots, positions
+    args = (*kind.arguments(io), *pool.buffers.values(), *sampling.tensors())
+    inductor_config.freezing = True  # weights become constants
+    inductor_config.autotune_num_choices_displayed = 0
+    inductor_config.max_autotune_report_choices_stats = False
+    with torch.no_grad():
+        exported = torch.export.export(Program(), args, strict=False)
+    temp = os.path.join(directory, f".{name}-s{num_slots}-b{size}.{os.getpid()}.pt2")
+    torch._inductor.aoti_compile_and_package(exported, package_path=temp,
+                                             inductor_configs={**same_bits_as_eager(model), "max_autotune": autotune})
+    os.replace(temp, artifact_path(directory, num_slots, size, name))
+
+
+def same_bits_as_eager(model: LinearGPT) -> dict:
+    """Inductor settings under which a program computes what the eager model does, bit for bit
+    (model/numerics.py): bf16 roundings where eager rounds (`emulate_precision_casts`: a fused kernel would
+    otherwise keep fp32 between ops), bf16 weights packed by oneDNN for one row — as `numerics.packed` packs
+    them eagerly, whose rows do not depend on the batch — and fp32 weights left to the BLAS call eager makes
+    (no prepacking: oneDNN's fp32 kernel rounds differently from MKL's). Max-autotune's own GEMM templates are
+    off for the same reason: their rows are not eager's."""
+    from torch._inductor.fx_passes import mkldnn_fusion
+
+    device_op = mkldnn_fusion.CpuMkldnnDeviceOp
+    if not getattr(device_op.pack_linear_weight, "packs_for_one_row", False):
+        original = device_op.pack_linear_weight
+
+        def pack_for_one_row(self, graph, is_lp_weight, transpose_weight_node, batch_size):
+            return original(self, graph, is_lp_weight, transpose_weight_node, 1 if is_lp_weight else batch_size)
+
+        pack_for_one_row.packs_for_one_row = True
+        device_op.pack_linear_weight = pack_for_one_row
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    return {"freezing": True, "emulate_precision_casts": True, "cpp.weight_prepack": bf16}
+
+
+def quiet_compiler_warnings() -> None:
+    """Warnings torch's own compiler code raises about itself (its use of deprecated storages and pytree
+    classes): nothing a user can act on, so they stay out of the logs."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this child when the server that started it dies, however it dies."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent was already gone before the call
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass  # not Linux: the server's close() still ends it
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    directory, num_slots, how = args[:3]
+    name = args[3] if len(args) > 3 else "decode"
+    num_slots, autotune = int(num_slots), how == "autotune"
+    answers = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever the compiler prints
+    os.dup2(2, 1)  # (autotuning tables, warnings) goes to the log instead
+    os.nice(10)  # serving comes first
+    _die_with_parent()
+    quiet_compiler_warnings()
+    model = _load(directory)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        size = int(line)
+        started = time.perf_counter()
+        try:
+            if not os.path.exists(artifact_path(directory, num_slots, size, name)):
+                build(directory, model, num_slots, size, autotune, name)
+            answers.write(f"ready {size} {time.perf_counter() - started:.3f}\n")
+        except Exception as error:  # noqa: BLE001 - reported to the parent, which serves eagerly
+            logger.exception("compiling bucket %d failed", size)
+            answers.write(f"failed {size} {json.dumps(f'{type(error).__name__}: {error}')[:2000]}\n")
+        answers.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,1 +1,0 @@
-"""HTTP routes: thin handlers over the engine (validation in schemas, formatting in generation)."""

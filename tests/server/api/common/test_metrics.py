@@ -1,0 +1,56 @@
+"""The engine's stats sink: each observation lands in the right series (children looked up once, gauges set
+only when a value changed), read back from the rendered text format."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from linserve.server.api.common.metrics import Metrics
+from linserve.server.engine.types import PoolStats, StepStats
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    text = metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def pool(**overrides) -> PoolStats:
+    values = dict(running=0, waiting=0, slots_in_use=0, slots_total=8, state_bytes_in_use=0, sessions_device=0,
+                  sessions_host=0, sessions_store=0)
+    return PoolStats(**{**values, **overrides})
+
+
+def test_step_stats_observe_phase_batch_and_each_token_by_context():
+    metrics = Metrics()
+    metrics.observe(StepStats(0.004, "decode", 3, 3, 0, ((10, 0.001), (2000, 0.002), (70000, 0.003))))
+    metrics.observe(StepStats(0.020, "mixed", 1, 1, 16, ((5, 0.004),)))
+    metrics.observe(StepStats(0.010, "prefill", 0, 0, 16))
+    got = samples(metrics)
+    for phase, seconds in (("decode", 0.004), ("mixed", 0.020), ("prefill", 0.010)):
+        assert got[("linserve_engine_step_seconds_count", (("phase", phase),))] == 1
+        assert abs(got[("linserve_engine_step_seconds_sum", (("phase", phase),))] - seconds) < 1e-12
+    assert got[("linserve_batch_size_count", ())] == 2  # a prefill-only step decodes nothing
+    assert got[("linserve_batch_size_sum", ())] == 4
+    itl = {label: got[("linserve_inter_token_latency_seconds_count", (("context", label),))]
+           for label in ("0-1k", "1k-4k", "4k-16k", "16k-64k", "64k+")}
+    assert itl == {"0-1k": 2, "1k-4k": 1, "4k-16k": 0, "16k-64k": 0, "64k+": 1}
+
+
+def test_pool_gauges_follow_every_change_and_hold_between():
+    metrics = Metrics()
+    metrics.set_pool(1000, 8000)
+    first = pool(running=2, waiting=1, state_bytes_in_use=2000, sessions_device=1, sessions_host=3, sessions_store=5)
+    metrics.observe(first)
+    metrics.observe(first)  # unchanged: nothing to set, nothing lost
+    got = samples(metrics)
+    assert got[("linserve_requests_running", ())] == 2
+    assert got[("linserve_requests_waiting", ())] == 1
+    assert got[("linserve_state_pool_bytes", (("kind", "in_use"),))] == 2000
+    assert got[("linserve_state_pool_bytes", (("kind", "total"),))] == 8000
+    assert [got[("linserve_sessions", (("tier", t),))] for t in ("device", "host", "store")] == [1, 3, 5]
+    metrics.observe(pool())  # everything back to zero
+    got = samples(metrics)
+    assert got[("linserve_requests_running", ())] == 0
+    assert got[("linserve_state_pool_bytes", (("kind", "in_use"),))] == 0
+    assert [got[("linserve_sessions", (("tier", t),))] for t in ("device", "host", "store")] == [0, 0, 0]

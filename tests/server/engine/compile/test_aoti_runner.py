@@ -1,0 +1,72 @@
+"""Compiled CPU buckets called through AOTInductor's C ABI (the GIL released): the same outputs as torch's own
+loader, the GIL really released while a program runs, and torch's loader where the ABI path cannot open it."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import zipfile
+
+import pytest
+import torch
+
+from linserve.server.engine.compile import aoti_runner
+from linserve.server.engine.compile.aoti_runner import ReleasingProgram, load_program
+from linserve.server.engine.state_pool import StatePool
+from tests.server.engine.compile.test_compiled_decode import BUILD_WAIT_S, make_step
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUILD_WAIT_S + 600)]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model, compile_cache, device):
+    """The tiny model's bucket 1 (the one test_compiled_decode builds: one cache) and its inputs."""
+    if device.type != "cpu":
+        pytest.skip("AOTInductor artifacts are the CPU path (CUDA runs graphs of the compiled program)")
+    pool = StatePool(tiny_model, 2, device)
+    for buffer in pool.buffers.values():
+        buffer.normal_()
+    step = make_step(tiny_model, pool, device, "on", max_rows=1, cache_dir=compile_cache)
+    step.start()
+    assert step.wait_compiled(BUILD_WAIT_S) and step.status == "compiled", step.status
+    (package,) = [os.path.join(step.cache_dir, name) for name in os.listdir(step.cache_dir)
+                  if name.endswith("-b1.pt2") and name.startswith(f"decode-s{pool.num_slots}-")]
+    io = torch.tensor([[17], [1], [40]], dtype=torch.long)  # (3, 1): token, slot, position
+    return step, package, step._inputs(io)
+
+
+def test_the_step_uses_the_releasing_program_and_matches_torch_loader(built):
+    step, package, inputs = built
+    assert isinstance(step._ready[1].step, ReleasingProgram)
+    ours = ReleasingProgram(package)(*inputs)
+    theirs = torch._inductor.aoti_load_package(package)(*inputs)
+    assert len(ours) == len(theirs) == 6 + len(step.buffers)  # tokens … logits, then the new state
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_the_run_entry_point_releases_the_gil(built):
+    """The program is called as a plain foreign function (ctypes CDLL), which releases the GIL for the call —
+    unlike a PyDLL function or torch's loader (a pybind call that keeps it): the mechanism, not a timing
+    (the effect is measured in docs/engine.md, "Threads")."""
+    _, package, inputs = built
+    program = ReleasingProgram(package)
+    assert type(program.library) is ctypes.CDLL
+    assert not program._run._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # PYTHONAPI functions keep the GIL
+    for _ in range(3):  # handles are made and taken on every call: repeated calls stay exact
+        again = program(*inputs)
+    assert torch.equal(again[5], ReleasingProgram(package)(*inputs)[5])
+
+
+def test_a_package_without_a_library_falls_back_to_torch_loader(tmp_path, monkeypatch, built, caplog):
+    _, package, inputs = built
+    broken = tmp_path / "broken.pt2"
+    with zipfile.ZipFile(package) as source, zipfile.ZipFile(broken, "w") as out:
+        for name in source.namelist():
+            if not name.endswith(".so"):
+                out.writestr(name, source.read(name))
+    calls = []
+    monkeypatch.setattr(aoti_runner.torch._inductor, "aoti_load_package", lambda path: calls.append(path) or "loaded")
+    assert load_program(str(broken)) == "loaded" and calls == [str(broken)]
+    assert "through torch's loader" in caplog.text
+    assert not [p for p in os.listdir(os.path.dirname(package)) if p.endswith(".so")]  # nothing left on disk

@@ -1,0 +1,113 @@
+"""The verification program (speculative decoding): one chunked pass from a row's state gives what k + 1
+plain decode steps give — logits, chosen tokens and the state after every accepted prefix — and its compiled
+buckets compute what the eager program does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linserve.server.engine.compile.compiled_decode import DecodeStep
+from linserve.server.engine.decode_program import DECODE, verify_kind
+from linserve.server.engine.sampling import SlotSampling
+from linserve.server.engine.spec.verify_program import VerifyOutputs
+from linserve.server.engine.state_pool import StatePool
+from tests.helpers import SamplingParams
+
+K = 4
+
+
+def steps(model, device, mode="off", max_rows=4, cache_dir=None, slots=8):
+    """A pool whose slots hold some history, a verification step and a decode step over it."""
+    pool = StatePool(model, slots, device)
+    for buffer in pool.buffers.values():
+        buffer.uniform_(0, 0.5)  # a history-like state (z > 0)
+    sampling = SlotSampling(slots, model.config.vocab_size, device)
+    for slot in range(slots):  # even slots greedy, odd ones sampled (one with penalties, one with a bias)
+        params = SamplingParams(temperature=0.0 if slot % 2 == 0 else 0.9, frequency_penalty=0.5 * (slot == 3),
+                                repetition_penalty=1.2 if slot == 3 else 1.0,
+                                logit_bias=((7, 5.0),) if slot == 5 else ())
+        sampling.assign(slot, params, 1000 + slot, None, [1, 2, 3])
+    verify = DecodeStep(model, pool, sampling, device, mode, max_rows=max_rows, cache_dir=cache_dir,
+                        autotune=False, kind=verify_kind(K))
+    decode = DecodeStep(model, pool, sampling, device, "off", max_rows=max_rows)
+    return pool, sampling, verify, decode
+
+
+def plain_decoding(decode, pool, sampling, slot, pending, position, n):
+    """n plain decode steps from a slot (written back, as the engine does): the tokens and each state."""
+    tokens, states = [], []
+    for i in range(n):
+        out = decode([pending], [slot], [position + i])
+        pending = int(out.tokens[0])
+        sampling.record(torch.tensor([slot], device=out.tokens.device), out.tokens)
+        pool.scatter_tensors(torch.tensor([slot], device=out.tokens.device), out.state)
+        tokens.append(pending)
+        states.append([t.clone() for t in out.state])
+    return tokens, states
+
+
+@torch.inference_mode()
+def test_drafts_are_accepted_exactly_as_far_as_plain_decoding_agrees(tiny_model, device):
+    """For greedy, sampled and penalised rows: drafts equal to what plain decoding emits are all accepted,
+    a wrong draft at j stops acceptance at j and the token there is plain decoding's; the state returned is
+    the one plain decoding reaches after the same tokens (the rollback), within fp tolerance."""
+    for slot in (0, 1, 3, 5):
+        for wrong_at in (None, 0, 2):
+            pool, sampling, verify, decode = steps(tiny_model, device)
+            start_state = pool.export(slot, device)
+            start_sampling = sampling.export(slot)
+            truth, states = plain_decoding(decode, pool, sampling, slot, 17, 50, K + 1)
+            pool.load(slot, start_state)
+            sampling.load(slot, start_sampling)
+            drafts = truth[:K]
+            if wrong_at is not None:
+                drafts[wrong_at] = (drafts[wrong_at] + 1) % tiny_model.config.vocab_size
+            raw = verify.run([[17], *[[d] for d in drafts], [K], [slot], [50]])
+            out = VerifyOutputs(*raw[:6], state=raw[6:])
+            kept = int(out.kept[0])
+            assert kept == (K if wrong_at is None else wrong_at), (slot, wrong_at, kept)
+            assert out.emitted[0, : kept + 1].tolist() == truth[: kept + 1]
+            for got, want in zip(out.state, states[kept]):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            limited = verify.run([[17], *[[d] for d in truth[:K]], [1], [slot], [50]])  # limit 1: at most 1
+            assert int(limited[1][0]) == 1 and int(limited[0][0, 1]) == truth[1]
+
+
+@torch.inference_mode()
+def test_a_row_with_limit_zero_gets_a_plain_decode_steps_token(tiny_model, device):
+    pool, sampling, verify, decode = steps(tiny_model, device)
+    slots = [0, 1, 3, 5]
+    raw = verify.run([[9, 9, 9, 9], *[[4, 4, 4, 4]] * K, [0] * 4, slots, [30] * 4])
+    plain = decode([9] * 4, slots, [30] * 4)
+    assert raw[1].tolist() == [0, 0, 0, 0]
+    assert raw[0][:, 0].tolist() == plain.tokens.tolist()
+    torch.testing.assert_close(raw[5], plain.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(raw[3], plain.uniforms)
+    for got, want in zip(raw[6:], plain.state):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_program_kinds_name_their_io():
+    assert DECODE.io_rows == 3 and DECODE.drafts == 0
+    assert verify_kind(4).name == "verify4" and verify_kind(4).io_rows == 8
+    with pytest.raises(ValueError):
+        verify_kind(0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_the_compiled_verification_program_matches_eager(tiny_model, device, compile_cache):
+    pool, sampling, compiled, _ = steps(tiny_model, device, mode="on", cache_dir=compile_cache)
+    eager = DecodeStep(tiny_model, pool, sampling, device, "off", max_rows=4, kind=verify_kind(K))
+    compiled.sizes = [4]  # one bucket (a build takes minutes on 2 cores): 1 to 3 rows pad to it, 4 fill it
+    compiled.start()
+    assert compiled.wait_compiled(2400) and compiled.status == "compiled", compiled.status
+    with torch.inference_mode():
+        for slots in ([5], [2, 7], [0, 3, 6], [1, 2, 3, 4], [4, 1, 0, 2, 7]):
+            ids = [[(11 * s + 3 + j) % 1024 for s in slots] for j in range(K + 1)]
+            io = [*ids, [min(s, K) for s in slots], slots, [40 + s for s in slots]]
+            got, want = compiled.run(io), eager.run(io)
+            assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+            for a, b in zip(got[3:], want[3:]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
