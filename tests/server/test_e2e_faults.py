@@ -78,9 +78,9 @@ def strict_server(tiny_checkpoint, tmp_path_factory):
 def test_a_body_that_never_arrives_is_408_not_held(strict_server):
     started = time.monotonic()
     answer = raw_exchange(strict_server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
-    assert answer.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in answer
-    assert time.monotonic() - started < 5
+                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"", wait=60)
+    assert answer.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in answer  # the body timeout's (1 s) answer
+    assert time.monotonic() - started < 60  # only a hang's bound: the connection is not held
 
 
 def test_a_malformed_request_is_a_json_400(strict_server):
@@ -106,29 +106,34 @@ def test_leaving_during_a_session_prefill_leaves_no_session(strict_server):
 
 
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(strict_server):
+    """While a 4.4 MB prompt is tokenized, the event loop answers: every probe of /metrics is answered in a
+    small part of the time tokenizing takes (on the loop, one probe would wait for all of it). Both are
+    measured in the same run, so the ratio holds on a loaded machine; the request is in the engine (the
+    waiting gauge) once tokenizing is done, and leaving then frees everything."""
     base = strict_server.base
-    text = "To be, or not to be, that is the question. " * 100_000  # ~4.4 MB of text
-    done = threading.Event()
-
-    def post() -> None:
-        try:
-            httpx.post(f"{base}/v1/completions", json={"prompt": text, "max_tokens": 0}, timeout=4)
-        except httpx.HTTPError:
-            pass  # it is left (and aborted) once the health probes are done
-        done.set()
-
-    threading.Thread(target=post, daemon=True).start()
-    time.sleep(0.5)  # the body is up; tokenizing has begun
-    gaps = []
-    while not done.is_set() and len(gaps) < 15:
-        started = time.monotonic()
-        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-        gaps.append(time.monotonic() - started)
-        time.sleep(0.1)
-    done.wait(30)
-    assert gaps and max(gaps) < 1.0, gaps
-    deadline = time.monotonic() + 20
+    body = json.dumps({"prompt": "To be, or not to be, that is the question. " * 100_000, "max_tokens": 0}).encode()
+    sock = socket.create_connection(("127.0.0.1", strict_server.port), timeout=60)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sent = threading.Event()
+    threading.Thread(target=lambda: (sock.sendall(head + body), sent.set()), daemon=True).start()
     busy = ("linserve_requests_running", "linserve_requests_waiting")
+    assert sent.wait(60)
+    sent_at, probes = time.monotonic(), []
+    try:
+        while True:  # until the request reaches the engine: tokenizing is over
+            started = time.monotonic()
+            in_engine = sum(metric(base, name) for name in busy)
+            probes.append(time.monotonic() - started)
+            if in_engine:
+                break
+            assert time.monotonic() - sent_at < 120, "the request never reached the engine"
+            time.sleep(0.01)
+        tokenizing = time.monotonic() - sent_at
+        assert len(probes) >= 3 and max(probes) < tokenizing / 3, (max(probes), tokenizing, len(probes))
+    finally:
+        sock.close()  # the client leaves: its prefill is aborted
+    deadline = time.monotonic() + 60
     while sum(metric(base, name) for name in busy) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(base, 'linserve_state_pool_bytes{kind="in_use"}') == 0

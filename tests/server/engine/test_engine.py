@@ -295,7 +295,7 @@ def test_stop_aborts_running_streams(make_engine):
     started = time.monotonic()
     engine.stop()
     assert sink.wait()[-1].finish_reason is FinishReason.ABORT
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 60  # a hang's bound only: a million tokens would take hours
 
 
 def test_idle_sessions_expire_after_ttl(make_engine):
