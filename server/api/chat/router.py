@@ -8,7 +8,15 @@ from ...engine.types import FinishReason, RequestOutput
 from ..common.chunks import ChatChunks, chunk_json
 from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt
 from ..common.errors import APIError
-from ..common.generation import chat_logprobs, collect, reserve_logprobs, start_generation, stream_events
+from ..common.generation import (
+    ChoiceLogprobs,
+    chat_entries,
+    chat_logprobs,
+    collect,
+    reserve_logprobs,
+    start_generation,
+    stream_events,
+)
 from ..common.openapi import GENERATION, errors, streamed
 from ..common.protocol import Usage
 from ..common.structured import with_grammar
@@ -65,6 +73,7 @@ class ToolChunks:
         self.generation, self.model, self.tools = generation, model, tools
         self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
         self.parsers: dict[int, ToolCallParser] = {}
+        self.logprobs: dict[int, ChoiceLogprobs] = {}  # each choice's, released with its text
 
     def __call__(self, output: RequestOutput) -> str:
         parser = self.parsers.setdefault(output.index, ToolCallParser(self.tools.optional))
@@ -73,7 +82,8 @@ class ToolChunks:
         calls = [call_delta(parser, event) for event in events if event[0] != "content"]
         choice = ChatChunkChoice(
             index=output.index, delta=ChatDelta(content=content or None, tool_calls=calls or None),
-            logprobs=ChatLogprobs(content=chat_logprobs(self.tokenizer, [output])) if self.want_logprobs else None,
+            logprobs=ChatLogprobs(content=chat_entries(self.tokenizer, self.logprobs.setdefault(
+                output.index, ChoiceLogprobs(self.tokenizer)).push(output))) if self.want_logprobs else None,
             finish_reason=finish_reason(output, parser) if output.finished else None)
         return chunk_json(ChatCompletionChunk(id=self.generation.request_id, created=self.generation.created,
                                               model=self.model, choices=[choice]))
@@ -96,8 +106,11 @@ async def _chat(request: Request, body: ChatCompletionRequest, tokenizer, settin
     model = settings.served_model_name
     want_logprobs = params.logprobs is not None
 
+    released: dict[int, ChoiceLogprobs] = {}  # each choice's logprobs, released with its text (stop strings)
+
     def chunk_with_logprobs(output) -> str:
-        logprobs = ChatLogprobs(content=chat_logprobs(tokenizer, [output]))
+        choice_logprobs = released.setdefault(output.index, ChoiceLogprobs(tokenizer))
+        logprobs = ChatLogprobs(content=chat_entries(tokenizer, choice_logprobs.push(output)))
         choice = ChatChunkChoice(
             index=output.index,
             delta=ChatDelta(content=output.text or None),

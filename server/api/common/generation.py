@@ -220,12 +220,12 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 class ChoiceLogprobs:
-    """One completion choice's token logprobs, released with its text. A token's entry goes out once the text
-    it starts in has been returned: a row with stop strings withholds text that may become a stop string, and
-    its tokens wait with it; when a stop string ends the row, the tokens that lie wholly inside it are dropped
-    (a token straddling it stays: part of its text was returned). So the entries cover exactly the returned
-    text, and `text_offset` is a position in the choice's whole returned text, streamed or not. What waits is
-    bounded by the longest stop string."""
+    """One choice's token logprobs, released with its text — completions' and chat's alike. A token's entry goes
+    out once the text it starts in has been returned: a row with stop strings withholds text that may become a
+    stop string, and its tokens wait with it; when a stop string ends the row, the tokens that lie wholly inside
+    it are dropped (a token straddling it stays: part of its text was returned). So the entries cover exactly
+    the returned text, and an entry's offset is a position in the choice's whole returned text, streamed or not.
+    What waits is bounded by the longest stop string. Entries are (token_id, TokenLogprob or None, offset)."""
 
     def __init__(self, tokenizer, start: int = 0) -> None:
         self.tokenizer = tokenizer
@@ -234,15 +234,16 @@ class ChoiceLogprobs:
         self.next_at = start  # where the next generated token's text starts
         self.waiting: collections.deque = collections.deque()  # (TokenLogprob, offset), not yet released
 
-    def prompt(self, result: CompletionLogprobs, prompt_ids: list[int],
-               scored: list[TokenLogprob | None]) -> None:
+    def prompt(self, prompt_ids: list[int], scored: list[TokenLogprob | None]) -> list[tuple]:
         """An echoed prompt's tokens (the first without a logprob), offsets from 0."""
-        at = 0
+        entries, at = [], 0
         for token_id, lp in zip(prompt_ids, scored):
-            at = self._add(result, token_id, lp, at)
+            entries.append((token_id, lp, at))
+            at += len(token_text(self.tokenizer, token_id))
+        return entries
 
-    def push(self, result: CompletionLogprobs, output: RequestOutput) -> None:
-        """Add to `result` what this output releases."""
+    def push(self, output: RequestOutput) -> list[tuple]:
+        """What this output releases."""
         lp = output.logprob
         if lp is not None:
             self.waiting.append((lp, self.next_at))
@@ -251,20 +252,34 @@ class ChoiceLogprobs:
         self.returned += len(output.text)
         stopped_by_string = output.finish_reason is FinishReason.STOP and output.token_id != self.eos_id
         everything = output.finished and not stopped_by_string
+        released = []
         while self.waiting and (everything or self.waiting[0][1] < self.returned):
             lp, at = self.waiting.popleft()
-            self._add(result, lp.token_id, lp, at)
+            released.append((lp.token_id, lp, at))
         if output.finished:
             self.waiting.clear()  # a stop string's own tokens: their text was never returned
+        return released
 
-    def _add(self, result: CompletionLogprobs, token_id: int, lp: TokenLogprob | None, at: int) -> int:
-        """One token's entry (lp None: a token nothing predicts); the offset of the next."""
-        text = token_text(self.tokenizer, token_id)
-        result.tokens.append(text)
+
+def add_completion_entries(tokenizer, result: CompletionLogprobs, entries: list[tuple]) -> CompletionLogprobs:
+    """Entries in the completions format (parallel lists; a token nothing predicts has a null logprob)."""
+    for token_id, lp, at in entries:
+        result.tokens.append(token_text(tokenizer, token_id))
         result.token_logprobs.append(None if lp is None else lp.logprob)
-        result.top_logprobs.append(None if lp is None else {token_text(self.tokenizer, t): v for t, v in lp.top})
+        result.top_logprobs.append(None if lp is None else {token_text(tokenizer, t): v for t, v in lp.top})
         result.text_offset.append(at)
-        return at + len(text)
+    return result
+
+
+def chat_entries(tokenizer, entries: list[tuple]) -> list[ChatTokenLogprob]:
+    """Entries in the chat format (each token with its bytes and its top alternatives)."""
+    content = []
+    for token_id, lp, _ in entries:
+        text = token_text(tokenizer, token_id)
+        top = [TopLogprob(token=token_text(tokenizer, t), logprob=v, bytes=list(token_text(tokenizer, t).encode()))
+               for t, v in lp.top]
+        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+    return content
 
 
 def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0,
@@ -273,22 +288,13 @@ def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0
     and scored prompt tokens on the first output (echo), the prompt's tokens first, offsets from 0."""
     result, choice = CompletionLogprobs(), ChoiceLogprobs(tokenizer, offset)
     if outputs and prompt_ids is not None and outputs[0].prompt_logprobs is not None:
-        choice.prompt(result, prompt_ids, outputs[0].prompt_logprobs)
+        add_completion_entries(tokenizer, result, choice.prompt(prompt_ids, outputs[0].prompt_logprobs))
     for output in outputs:
-        choice.push(result, output)
+        add_completion_entries(tokenizer, result, choice.push(output))
     return result
 
 
 def chat_logprobs(tokenizer, outputs: list[RequestOutput]) -> list[ChatTokenLogprob]:
-    content = []
-    for output in outputs:
-        lp = output.logprob
-        if lp is None:
-            continue
-        text = token_text(tokenizer, lp.token_id)
-        top = [
-            TopLogprob(token=token_text(tokenizer, t), logprob=v, bytes=list(token_text(tokenizer, t).encode()))
-            for t, v in lp.top
-        ]
-        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
-    return content
+    """A whole chat choice's logprobs: the tokens of its returned content (a stop string's own are not)."""
+    choice = ChoiceLogprobs(tokenizer)
+    return [entry for output in outputs for entry in chat_entries(tokenizer, choice.push(output))]

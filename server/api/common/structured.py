@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ...engine import SamplingParams
 from .errors import APIError
-from .tools import ToolSpec
+from .tools import ToolSpec, close_objects
 
 MAX_CHOICES = 256
 
@@ -86,20 +86,21 @@ class StructuredFields(BaseModel):
         return asked[0] if asked else None
 
 
-async def with_grammar(request: Request, body: StructuredFields, params: SamplingParams,
-                       tools: ToolSpec | None = None) -> SamplingParams:
-    """`params` with the request's grammar (compiled, or from the cache), or as they are. With tool calls allowed
-    (`tools`) the grammar is theirs; a JSON constraint beside them shapes the plain-text answer. Compiling runs off
-    the event loop (the first one also builds the tokenizer's view: a pass over the vocabulary)."""
+def grammar_asked(body: StructuredFields, tools: ToolSpec | None = None) -> tuple[str, str, Any] | None:
+    """What the request's output must match, as the engine's grammar runtime compiles it: (the field asking,
+    kind, value) — a JSON schema parsed and its objects closed (tools.close_objects), tool calls as their
+    grammar — or None for free text."""
     asked = body.constraint()
     if asked is None and tools is None:
-        return params
+        return None
     field, kind, value = asked or ("tools", "grammar", None)
     if kind == "json_schema" and isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
             raise APIError(400, f"{field}: the JSON schema is not valid JSON", field) from None
+    if kind == "json_schema":
+        value = close_objects(value)  # an unstated additionalProperties is false
     if tools is not None:
         if asked is not None and kind not in ("json_schema", "json_object"):
             raise APIError(400, f"{field}: beside tools only a JSON schema or JSON object can shape the answer",
@@ -108,6 +109,18 @@ async def with_grammar(request: Request, body: StructuredFields, params: Samplin
         if isinstance(text_schema, bool) or (text_schema is not None and not isinstance(text_schema, dict)):
             raise APIError(400, f"{field}: a JSON schema is an object", field)
         field, kind, value = "tools", "grammar", tools.grammar(text_schema)
+    return field, kind, value
+
+
+async def with_grammar(request: Request, body: StructuredFields, params: SamplingParams,
+                       tools: ToolSpec | None = None) -> SamplingParams:
+    """`params` with the request's grammar (compiled, or from the cache), or as they are. With tool calls allowed
+    (`tools`) the grammar is theirs; a JSON constraint beside them shapes the plain-text answer. Compiling runs off
+    the event loop (the first one also builds the tokenizer's view: a pass over the vocabulary)."""
+    asked = grammar_asked(body, tools)
+    if asked is None:
+        return params
+    field, kind, value = asked
     try:
         engine = request.app.state.engine
         grammar = await asyncio.to_thread(lambda: engine.grammars.compile(kind, value))

@@ -92,6 +92,38 @@ class ToolFields(BaseModel):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
+# where a schema names its subschemas (each may be an object schema to close)
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def close_objects(schema):
+    """The schema with every object that names its `properties` closed: an unstated `additionalProperties` is
+    false, as OpenAI's strict mode and xgrammar read it (JSON Schema's own default, true, lets a model invent
+    keys beside the named ones — every caller's parser would have to drop them). An explicit value is kept; an
+    object without `properties` (a free-form dict) stays open; `allOf` branches are left as they are (closing
+    each would forbid the others' keys). Returns a new schema; the request's is not changed."""
+    if isinstance(schema, list):
+        return [close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = close_objects(out[key])
+    if isinstance(out.get("properties"), dict) and "allOf" not in out and "$ref" not in out and not any(
+            key in out for key in ("additionalProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     functions: dict[str, dict]  # name → parameters schema
@@ -105,7 +137,7 @@ class ToolSpec:
             if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
                 raise APIError(400, f"tools: the parameters of {name!r} must be a JSON schema of an object",
                                "tools")
-            schema = {**parameters, "x-guidance": COMPACT}
+            schema = {**close_objects(parameters), "x-guidance": COMPACT}
             rules.append(f'call_{number}: "{json.dumps(HEAD[len(MARKER):] + name)[1:-1]}'
                          f'{json.dumps(SEPARATOR)[1:-1]}" args_{number} "}}"')
             rules.append(f"args_{number}: %json {json.dumps(schema)}")

@@ -14,6 +14,7 @@ from ..common.errors import APIError
 from ..common.generation import (
     ChoiceLogprobs,
     Generation,
+    add_completion_entries,
     collect,
     completion_logprobs,
     reserve_logprobs,
@@ -142,9 +143,9 @@ async def _completion(request: Request, body: CompletionRequest, settings, token
                     choices[output.index] = ChoiceLogprobs(tokenizer, len(echo(output.index)))
                     if output.prompt_logprobs is not None:
                         echoed = echo(output.index)
-                        choices[output.index].prompt(logprobs, prompts[output.index // params.n],
-                                                     output.prompt_logprobs)
-                choices[output.index].push(logprobs, output)
+                        add_completion_entries(tokenizer, logprobs, choices[output.index].prompt(
+                            prompts[output.index // params.n], output.prompt_logprobs))
+                add_completion_entries(tokenizer, logprobs, choices[output.index].push(output))
                 return completion_chunk(generation, model, output, echoed, logprobs)
 
         return stream_events(generation, chunk, body.include_usage, usage_chunk, first, on_close)

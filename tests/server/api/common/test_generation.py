@@ -1,9 +1,9 @@
-"""The completion logprobs a choice returns, from real engine outputs' shape and the real tokenizer: offsets
+"""The logprobs a choice returns, from real engine outputs' shape and the real tokenizer: offsets
 are positions in the returned text, released with it."""
 
 from __future__ import annotations
 
-from linserve.server.api.common.generation import ChoiceLogprobs
+from linserve.server.api.common.generation import ChoiceLogprobs, add_completion_entries
 from linserve.server.api.common.protocol import CompletionLogprobs
 from linserve.server.engine.types import FinishReason, RequestOutput, TokenLogprob
 
@@ -24,7 +24,7 @@ def test_end_of_text_generated_with_ignore_eos_adds_no_text(hf_tokenizer):
     texts = [hf_tokenizer.decode([words[0]]), "", *(hf_tokenizer.decode([w]) for w in words[1:])]
     result, choice = CompletionLogprobs(), ChoiceLogprobs(hf_tokenizer)
     for output in outputs(hf_tokenizer, ids, texts, FinishReason.LENGTH):
-        choice.push(result, output)
+        add_completion_entries(hf_tokenizer, result, choice.push(output))
     text = "".join(texts)
     assert result.tokens[1] == "<|endoftext|>" and result.text_offset[1] == result.text_offset[2] == len(texts[0])
     for token, at in zip(result.tokens, result.text_offset):
@@ -40,6 +40,6 @@ def test_a_rows_tokens_wait_for_their_text(hf_tokenizer):
     choice = ChoiceLogprobs(hf_tokenizer)
     for output in outputs(hf_tokenizer, ids, texts, FinishReason.LENGTH):
         result = CompletionLogprobs()
-        choice.push(result, output)
+        add_completion_entries(hf_tokenizer, result, choice.push(output))
         released.append(result.tokens)
     assert released == [[], pieces[:2], [], pieces[2:]]

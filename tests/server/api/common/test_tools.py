@@ -8,7 +8,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from linserve.server.api.common.tools import ToolCallParser, ToolFields, ToolSpec, call_text
+from linserve.server.api.common.structured import grammar_asked
+from linserve.server.api.common.tools import ToolCallParser, ToolFields, ToolSpec, call_text, close_objects
+from linserve.server.api.completions.protocol import CompletionRequest
 from linserve.server.engine.constraint import GrammarRuntime
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -81,3 +83,46 @@ def test_tool_fields_check_names_and_choice():
                 {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "h"}}}]:
         with pytest.raises(ValidationError):
             ToolFields(**bad)
+
+
+ADD = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}
+
+
+def test_named_properties_are_all_an_object_may_have_unless_it_says_otherwise(runtime, hf_tokenizer):
+    """LangChain's `@tool def add(a: float, b: float)` sends ADD, without `additionalProperties`: a model once
+    answered {"a": -5, "b": -6, "--but, I have…": "…"}. Unstated means false (OpenAI strict, xgrammar)."""
+    spec = ToolSpec({"add": ADD, "free": {"type": "object"}}, False, False)
+    assert accepts(runtime, hf_tokenizer, spec, call_text("add", '{"a":1,"b":2}'))
+    assert not accepts(runtime, hf_tokenizer, spec, call_text("add", '{"a":1,"b":2,"c":3}'))
+    assert accepts(runtime, hf_tokenizer, spec, call_text("free", '{"any":1,"keys":[]}'))  # no properties: open
+    opened = ToolSpec({"add": {**ADD, "additionalProperties": True}}, False, False)
+    assert accepts(runtime, hf_tokenizer, opened, call_text("add", '{"a":1,"b":2,"c":3}'))  # said: honoured
+
+
+def test_closing_reaches_nested_objects_and_leaves_what_it_must():
+    nested = {"type": "object", "properties": {
+        "point": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "list": {"type": "array", "items": {"type": "object", "properties": {"y": {}}}},
+        "either": {"anyOf": [{"type": "object", "properties": {"z": {}}}, {"type": "null"}]},
+        "typed": {"type": "object", "properties": {"w": {}}, "additionalProperties": {"type": "string"}},
+        "both": {"allOf": [{"type": "object", "properties": {"p": {}}}, {"properties": {"q": {}}}]}},
+        "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}}}
+    closed = close_objects(nested)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False and props["point"]["additionalProperties"] is False
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["typed"]["additionalProperties"] == {"type": "string"}  # stated: kept
+    assert all("additionalProperties" not in branch for branch in props["both"]["allOf"])  # an intersection
+    assert closed["$defs"]["node"]["additionalProperties"] is False
+    assert "additionalProperties" not in nested  # the request's own schema is not changed
+
+
+def test_a_json_schema_format_is_closed_too(runtime, hf_tokenizer):
+    body = CompletionRequest(prompt="x", response_format={"type": "json_schema", "json_schema": {
+        "name": "add", "schema": ADD}})
+    field, kind, value = grammar_asked(body)
+    assert (field, kind) == ("response_format", "json_schema") and value["additionalProperties"] is False
+    matcher = runtime.matcher(runtime.compile(kind, value))
+    assert all(matcher.consume_token(t) for t in hf_tokenizer.encode('{"a":1,"b":2', add_special_tokens=False))
+    assert not matcher.consume_token(hf_tokenizer.encode(",", add_special_tokens=False)[0])  # no third key
