@@ -50,23 +50,25 @@ class StoreAccess:
         self.shared = store.shared
         self.local = local
         self.replica = uuid.uuid4().hex  # this process's name, the first half of every lease token it takes
-        # leases whose release failed (the store was down): retried as soon as the store answers — by the
-        # worker's next successful probe, or by the next claim of the same session — not left to expire
-        self.unreleased: dict[str, str] = {}
+        # leases whose release failed (the store was down), every token of each session: retried as soon as the
+        # store answers — by the worker's next successful probe, or by the next claim of the same session — not
+        # left to expire. A set per session: a claim that fails during the outage adds its token (the store may
+        # have granted it) beside the one the store surely holds, never in its place
+        self.unreleased: dict[str, set[str]] = {}
         self.undone: dict[str, str] = {}  # new sessions whose record must not stay (their create failed): owner
 
     def lookup(self, session_id: str, claim: bool, refetch: bool, deadline: float | None) -> Lookup:
         lease = None
         if claim and self.shared:
-            if session_id in self.unreleased:  # our own lease, kept by a failed release: give it back first
-                self.release(session_id, self.unreleased.pop(session_id))
+            for kept in self.unreleased.pop(session_id, ()):  # our own leases, kept by failed releases: first
+                self.release(session_id, kept)  # (one that fails again stays kept)
             lease = f"{self.replica}:{uuid.uuid4().hex[:12]}"  # one per claim: a late release can't free a newer one
             try:
                 acquired = self.store.acquire(session_id, lease, LEASE_MS, deadline)
             except StoreTimeout:
                 raise  # Redis ran it too late: it took no lease
             except Exception:  # the answer was lost: it may hold the lease; release it when the store answers
-                self.unreleased[session_id] = lease
+                self._keep(session_id, lease)
                 raise
             if not acquired:
                 raise LeaseHeld(session_id)
@@ -90,10 +92,13 @@ class StoreAccess:
             if session_id not in self.unreleased:
                 logger.warning("releasing the lease of %s failed; retried when the store answers (it expires "
                                "in %d ms regardless)", session_id, LEASE_MS)
-            if len(self.unreleased) >= MAX_UNRELEASED:
-                self.unreleased.pop(next(iter(self.unreleased)))
-            self.unreleased[session_id] = lease
+            self._keep(session_id, lease)
             return False
+
+    def _keep(self, session_id: str, lease: str) -> None:
+        if session_id not in self.unreleased and len(self.unreleased) >= MAX_UNRELEASED:
+            self.unreleased.pop(next(iter(self.unreleased)))
+        self.unreleased.setdefault(session_id, set()).add(lease)
 
     def undo(self, session_id: str, owner: str) -> None:
         """Remove a new session's record that may have landed after its create failed (kept and retried with
@@ -115,9 +120,9 @@ class StoreAccess:
             if session_id in self.undone:
                 return
         while self.unreleased:
-            session_id, lease = next(iter(self.unreleased.items()))
+            session_id, leases = next(iter(self.unreleased.items()))
             del self.unreleased[session_id]
-            if not self.release(session_id, lease):
+            if not all([self.release(session_id, lease) for lease in leases]):
                 return
             logger.info("released the lease of %s that the store missed", session_id)
 
