@@ -68,6 +68,9 @@ class Settings(BaseSettings):
                                     "unset: none")
     speculative_k: int = Field(4, ge=1, le=8, description="drafts verified per step at most (the verification "
                                "program's width; a request's speculative.k may be smaller)")
+    speculative_always: bool = Field(False, description="verify a row's drafts whenever it has some, whatever "
+                                     "it costs (benchmarks, exactness checks); off: only while verifying pays, "
+                                     "as measured on this machine")
     max_context: int = Field(8192, ge=16, description="softmax models: KV-cache tokens per slot (400 beyond)")
     kv_memory_mb: float = Field(1024, gt=0, description="softmax models: slots = min(num_slots, this / slot bytes)")
     max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it")

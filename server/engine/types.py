@@ -49,6 +49,7 @@ class EngineConfig:
     compile_cache_dir: str | None
     speculative: str  # a request's speculative decoding when it does not say: "off", "ngram" or "draft"
     speculative_k: int  # drafts verified per step at most (the verification program's width)
+    speculative_always: bool  # verify whenever a row has drafts, whatever it costs (else: while it pays)
     threads: int | None  # torch intra-op CPU threads; None: derived from the CPUs this process may use
     prefill_threads: int | None  # the same while the chunked form (prefill) runs
 

@@ -254,6 +254,7 @@ class SpeculativeDecoding:
                                          kind=DraftKind(f"draft{config.speculative_k}"), after=decode_step)
         self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_id, self.bucket_of, self.draft,
                                         sorted(self.verify_steps))
+        self.policy.always = config.speculative_always
 
     def start(self, method: str) -> None:
         """Get the programs `method` needs compiled (each once; in the background, after the decode step)."""
@@ -282,6 +283,7 @@ class SpeculativeDecoding:
         draft = None if self.draft is None else {
             "parameters": self.draft.model.num_parameters(), "draft_step": self.draft.step.describe()}
         return {"default": self.config.speculative, "k": self.config.speculative_k,
+                "always": self.config.speculative_always,
                 "verify_steps": {str(w): step.describe() for w, step in self.verify_steps.items()},
                 "draft_model": draft}
 
