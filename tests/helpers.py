@@ -100,6 +100,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metric(base: str, name: str) -> float:
+    """A server's metric from /metrics: `name` exactly as exposed (labels included, e.g.
+    'linserve_sessions{tier="device"}'), or a labelled family's first series."""
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not in {base}/metrics")
+
+
 class ServerProcess:
     """A real `linserve serve` on a free 127.0.0.1 port; stopped with SIGTERM."""
 

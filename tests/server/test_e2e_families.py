@@ -5,7 +5,6 @@ decoding with the text of plain decoding; a `json_schema` request; (gla) the com
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import httpx
@@ -14,7 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from linserve.model.checkpoint import load_checkpoint
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, metric
 from tests.model.families.checkpoints import FAMILY_CASES, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -47,10 +46,6 @@ def direct_greedy(checkpoint, text: str, n: int) -> str:
             out.append(int(token))
             logits, state = model(token.view(1, 1), state)
     return tokenizer.decode(out)
-
-
-def counter(base: str, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", httpx.get(f"{base}/metrics").text, re.M).group(1))
 
 
 def test_served_text_is_the_family_models_own(served):
@@ -90,10 +85,10 @@ def test_speculative_decoding_gives_plain_decodings_text(served):
     _, _, base = served
     body = {"prompt": "the the the cat the the the cat the the the", "max_tokens": 160, "temperature": 0}
     plain = httpx.post(f"{base}/v1/completions", json={**body, "speculative": {"method": "off"}}, timeout=120)
-    before = counter(base, "linserve_spec_draft_tokens_total")
+    before = metric(base, "linserve_spec_draft_tokens_total")
     fast = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
     assert fast.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
-    assert counter(base, "linserve_spec_draft_tokens_total") > before  # verification ran from this state
+    assert metric(base, "linserve_spec_draft_tokens_total") > before  # verification ran from this state
 
 
 def test_a_json_schema_request_answers_valid_json(served):

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, metric
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +42,6 @@ def raw_exchange(port: int, payload: bytes, wait: float = 10.0) -> bytes:
         except socket.timeout:
             pass
     return b"".join(chunks)
-
-
-def metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def test_a_dying_engine_fails_its_requests_and_the_process_exits_3(tiny_checkpoint, tmp_path):

@@ -4,20 +4,15 @@ the others by priority and arrival; under fcfs a priority other than 0 is a 400 
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, metric
 
 pytestmark = pytest.mark.slow
-
-
-def metric(base: str, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", httpx.get(f"{base}/metrics").text, re.M).group(1))
 
 
 def eventually(condition, what: str, within: float = 60.0) -> None:

@@ -3,22 +3,15 @@ field on completions, chat and responses; the same text as without it; the count
 
 from __future__ import annotations
 
-import re
-
 import httpx
 import pytest
 
 from linserve.model.loading import DEFAULT_CHECKPOINT
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, metric
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "ROMEO.\nBut soft, what light through yonder window breaks?\n"
-
-
-def counter(base: str, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", httpx.get(f"{base}/metrics").text, re.M)
-    return float(match.group(1))
 
 
 def test_speculative_requests_return_what_plain_ones_do(tmp_path):
@@ -31,7 +24,7 @@ def test_speculative_requests_return_what_plain_ones_do(tmp_path):
         body = {"prompt": PROMPT, "max_tokens": 96, "temperature": 0}
         plain = httpx.post(f"{base}/v1/completions", json={**body, "speculative": {"method": "off"}}, timeout=120)
         assert plain.status_code == 200, plain.text
-        assert counter(base, "linserve_spec_draft_tokens_total") == 0
+        assert metric(base, "linserve_spec_draft_tokens_total") == 0
         fast = httpx.post(f"{base}/v1/completions", json=body, timeout=120)  # the server's default: ngram
         assert fast.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
         assert fast.json()["usage"] == plain.json()["usage"]
@@ -42,8 +35,8 @@ def test_speculative_requests_return_what_plain_ones_do(tmp_path):
                 __import__("json").loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
                 if line.startswith("data: {"))
         assert text == plain.json()["choices"][0]["text"]
-        drafted = counter(base, "linserve_spec_draft_tokens_total")
-        assert drafted > 0 and 0 <= counter(base, "linserve_spec_accepted_tokens_total") <= drafted
+        drafted = metric(base, "linserve_spec_draft_tokens_total")
+        assert drafted > 0 and 0 <= metric(base, "linserve_spec_accepted_tokens_total") <= drafted
 
         chat = {"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 24, "temperature": 0}
         a = httpx.post(f"{base}/v1/chat/completions", json={**chat, "speculative": {"method": "ngram"}}, timeout=60)

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, free_port, require_program, start_redis
+from tests.helpers import ServerProcess, free_port, metric, require_program, start_redis
 
 pytestmark = pytest.mark.slow
 
@@ -91,13 +91,6 @@ def store_503(response: httpx.Response) -> dict:
     # store_unavailable: nothing changed; outcome_unknown: the write reached the store unanswered (issue 31 row 2)
     assert error["code"] in ("store_unavailable", "outcome_unknown") and "session store" in error["message"], error
     return error
-
-
-def metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def slots_balance(base: str) -> None:

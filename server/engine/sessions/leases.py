@@ -122,7 +122,7 @@ class StoreAccess:
         while self.unreleased:
             session_id, leases = next(iter(self.unreleased.items()))
             del self.unreleased[session_id]
-            if not all([self.release(session_id, lease) for lease in leases]):
+            if not all([self.release(session_id, lease) for lease in leases]):  # a list: every token tried
                 return
             logger.info("released the lease of %s that the store missed", session_id)
 
