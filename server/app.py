@@ -23,8 +23,9 @@ from linserve.model.loading import (
 )
 
 from .api.chat.router import router as chat_router
-from .api.common.dependencies import max_token_bytes, prompt_prefix, require_key
+from .api.common.dependencies import require_key
 from .api.common.errors import APIError, RequestBody, ServerErrors, error_response, install_handlers
+from .api.common.limits import RequestLimits
 from .api.common.logprob_budget import LogprobBudget
 from .api.common.metrics import CONTENT_TYPE_LATEST, Metrics
 from .api.common.openapi import OPERATIONAL_RESPONSES, document_errors
@@ -105,8 +106,7 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
 async def lifespan(app: FastAPI):
     state = app.state
     state.engine, state.tokenizer = await asyncio.to_thread(load_engine, state.settings, state.metrics)
-    state.max_token_bytes = max_token_bytes(state.tokenizer)
-    state.prompt_prefix = prompt_prefix(state.tokenizer)  # [bos] where the tokenizer starts a text with it
+    state.limits = RequestLimits.of(state.settings, state.tokenizer)  # what one request may ask
     loop = asyncio.get_running_loop()
     state.engine.on_death.append(lambda error: loop.call_soon_threadsafe(engine_died, app))
     state.ready = True

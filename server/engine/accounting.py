@@ -8,7 +8,8 @@ from .types import EngineError, EngineRequest, PoolStats
 
 
 def check_request(request: EngineRequest, config, reserved_slots: int, vocab_size: int) -> None:
-    """What the request's parameters ask of this engine: n, top_k, token ids, logit_bias."""
+    """What the request's parameters ask of this engine: n, top_k, token ids, logit_bias — the one check of
+    these for HTTP and in-process callers alike (the HTTP side checks the settings' limits: api/common/limits.py)."""
     params = request.params
     if params.n > config.max_n:
         raise EngineError(f"n must be <= {config.max_n}", param="n")
@@ -17,7 +18,7 @@ def check_request(request: EngineRequest, config, reserved_slots: int, vocab_siz
     if params.top_k > vocab_size:
         raise EngineError(f"top_k must be <= the vocabulary size {vocab_size} (0 disables it)", param="top_k")
     if any(not 0 <= t < vocab_size for t in request.prompt_ids):
-        raise EngineError("prompt holds token ids outside the vocabulary", param="prompt")
+        raise EngineError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
         raise EngineError(f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1})",
                           param="logit_bias")

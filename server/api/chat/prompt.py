@@ -8,7 +8,7 @@ import json
 
 from fastapi import Request
 
-from ..common.errors import APIError
+from ..common.dependencies import get_limits
 from ..common.tools import call_text
 
 INLINE_RENDER_MESSAGES = 64  # longer chats are rendered on a worker thread
@@ -54,23 +54,11 @@ async def chat_prompt(request: Request, messages, tokenizer, tools: list[dict] |
     """A chat's prompt text: at most `max_chat_messages` messages (400 beyond), and no more text than a
     prompt may have (checked on the messages' bytes, before anything is rendered); rendered off the event
     loop when large."""
-    settings = request.app.state.settings
-    if len(messages) > settings.max_chat_messages:
-        raise APIError(
-            400,
-            f"a chat may have at most {settings.max_chat_messages} messages, got {len(messages)}",
-            "messages",
-            "too_many_messages",
-        )
-    text_bytes = sum(len(m.text.encode()) + sum(len(c.function.arguments.encode()) for c in m.tool_calls or ())
-                     for m in messages) + len(json.dumps(tools or []).encode())
-    if text_bytes > settings.max_prompt_tokens * request.app.state.max_token_bytes:
-        raise APIError(
-            400,
-            f"the chat is longer than max_prompt_tokens ({settings.max_prompt_tokens} tokens)",
-            "messages",
-            "prompt_too_long",
-        )
+    limits = get_limits(request)
+    limits.check_chat_messages(len(messages))
+    limits.check_prompt_bytes(sum(len(m.text.encode()) + sum(len(c.function.arguments.encode()) for c in m.tool_calls
+                                                             or ()) for m in messages)
+                              + len(json.dumps(tools or []).encode()), "chat", "messages")
     if len(messages) <= INLINE_RENDER_MESSAGES:
         return render_chat(messages, tokenizer, tools)
     return await asyncio.to_thread(render_chat, messages, tokenizer, tools)

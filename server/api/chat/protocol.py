@@ -13,6 +13,7 @@ from pydantic import (
 )
 
 from ...engine.types import SamplingParams
+from ..common.limits import RequestLimits
 from ..common.protocol import ChatTokenLogprob, Int, SamplingFields, Text, Usage, valid_unicode
 from ..common.tools import MAX_TOOLS, ToolCallDelta, ToolCallItem, ToolFields
 
@@ -61,10 +62,11 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     max_completion_tokens: Int | None = Field(None, ge=0)
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-        return self._params(default_max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+    def to_sampling_params(self, limits: RequestLimits) -> SamplingParams:
+        """max_tokens, else max_completion_tokens (OpenAI's newer name); each within the limit when given."""
+        completion = limits.max_tokens_of("max_completion_tokens", self.max_completion_tokens)
+        max_tokens = limits.max_tokens_of("max_tokens", self.max_tokens) if self.max_tokens is not None else completion
+        return self._params(limits, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
 class ChatLogprobs(BaseModel):

@@ -6,8 +6,7 @@ from fastapi import APIRouter, BackgroundTasks, Request
 
 from ...engine.types import FinishReason, RequestOutput
 from ..common.chunks import ChatChunks, chunk_json
-from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt
-from ..common.errors import APIError
+from ..common.dependencies import LimitsDep, Owner, SettingsDep, TokenizerDep, check_model, encode_prompt
 from ..common.generation import (
     ChoiceLogprobs,
     chat_entries,
@@ -40,15 +39,13 @@ router = APIRouter()
     "/v1/chat/completions", response_model=None, responses={**streamed(ChatCompletionResponse), **errors(*GENERATION)}
 )
 async def chat_completions(request: Request, body: ChatCompletionRequest, settings: SettingsDep,
-                           tokenizer: TokenizerDep, owner: Owner, background: BackgroundTasks):
+                           tokenizer: TokenizerDep, limits: LimitsDep, owner: Owner, background: BackgroundTasks):
     check_model(body.model, settings)
-    limit = settings.max_tokens_limit
-    if body.max_completion_tokens is not None and body.max_completion_tokens > limit:
-        raise APIError(400, f"max_completion_tokens must be <= {limit}", "max_completion_tokens")
+    params = body.to_sampling_params(limits)
     tools = body.tool_spec()
     text = await chat_prompt(request, body.messages, tokenizer, body.tool_definitions())
     prompt_ids = await encode_prompt(request, text, allow_empty=False, starts=True)
-    params = await with_grammar(request, body, body.to_sampling_params(settings.max_tokens_default), tools)
+    params = await with_grammar(request, body, params, tools)
     reservation = reserve_logprobs(request, [prompt_ids], params, body.stream, background)
     try:
         return await _chat(request, body, tokenizer, settings, owner, prompt_ids, params, tools,

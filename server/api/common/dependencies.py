@@ -1,4 +1,5 @@
-"""Typed FastAPI dependencies: the engine, the tokenizer, the settings, and the caller's key."""
+"""Typed FastAPI dependencies: the engine, the tokenizer, the settings, the request limits, and the caller's
+key."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ...engine import heap
+from ...engine import Engine, heap
 from ...settings import Settings
 from .errors import APIError
+from .limits import RequestLimits
 
 
 def get_settings(request: Request) -> Settings:
@@ -20,6 +22,14 @@ def get_settings(request: Request) -> Settings:
 
 def get_tokenizer(request: Request):
     return request.app.state.tokenizer
+
+
+def get_engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def get_limits(request: Request) -> RequestLimits:
+    return request.app.state.limits
 
 
 async def require_key(request: Request) -> str | None:
@@ -38,6 +48,8 @@ async def require_key(request: Request) -> str | None:
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 TokenizerDep = Annotated[object, Depends(get_tokenizer)]
+EngineDep = Annotated[Engine, Depends(get_engine)]
+LimitsDep = Annotated[RequestLimits, Depends(get_limits)]
 Owner = Annotated[str | None, Depends(require_key)]
 
 
@@ -56,47 +68,28 @@ def tokenize(tokenizer, text: str) -> list[int]:
     return ids
 
 
-def max_token_bytes(tokenizer) -> int:
-    """The most UTF-8 bytes any one token decodes to: a text of B bytes has at least B / this many tokens."""
-    return max(len(tokenizer.decode([i]).encode()) for i in range(len(tokenizer)))
-
-
-def prompt_prefix(tokenizer) -> list[int]:
-    """The ids a tokenizer puts before a text that starts a sequence: [bos] where it adds one (Llama-style
-    `add_bos_token`, as most fla checkpoints' tokenizers do), else none (the shipped byte-level BPE)."""
-    ids = tokenizer("", add_special_tokens=True)["input_ids"]
-    bos = tokenizer.bos_token_id
-    return ids[:1] if ids and bos is not None and ids[0] == bos else []
-
-
 async def encode_prompt(request: Request, prompt: str | list[int], allow_empty: bool,
                         starts: bool = False) -> list[int]:
     """Token ids of a prompt, within `max_prompt_tokens` (400 beyond: a text too long to be within the
     limit is refused by its byte length, before tokenizing). A text that `starts` a sequence (not a session's
     continuation) gets the tokenizer's `prompt_prefix` (its bos) unless it begins with it already; token ids
-    are taken as given. An empty stateless prompt starts from end-of-text, as every training work did."""
-    state = request.app.state
-    tokenizer, limit = state.tokenizer, state.settings.max_prompt_tokens
-    too_long = f"the prompt is longer than max_prompt_tokens ({limit} tokens)"
+    are taken as given (the engine checks them against the vocabulary). An empty stateless prompt starts from
+    end-of-text, as every training work did."""
+    tokenizer, limits = request.app.state.tokenizer, get_limits(request)
     if isinstance(prompt, list):
         ids = list(prompt)
     else:
-        if len(prompt.encode()) > limit * state.max_token_bytes:
-            raise APIError(400, too_long, "prompt", "prompt_too_long")
+        limits.check_prompt_bytes(len(prompt.encode()), "prompt", "prompt")
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
             ids = tokenize(tokenizer, prompt)
         else:
             ids = await asyncio.to_thread(tokenize, tokenizer, prompt)
-        prefix = state.prompt_prefix if starts else []
+        prefix = list(limits.prompt_prefix) if starts else []
         if prefix and ids[:len(prefix)] != prefix:
             ids = prefix + ids
-    if len(ids) > limit:
-        raise APIError(400, f"{too_long}: it has {len(ids)}", "prompt", "prompt_too_long")
+    limits.check_prompt_tokens(len(ids))
     if not ids and not allow_empty:
         ids = [tokenizer.eos_token_id]
-    vocab = len(tokenizer)
-    if any(not 0 <= t < vocab for t in ids):
-        raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
     return ids
 
 

@@ -16,6 +16,7 @@ from starlette.background import BackgroundTask
 
 from ...engine import Engine, EngineRequest, SamplingParams
 from ...engine.types import AlreadyApplied, EngineError, FinishReason, Idempotency, RequestOutput, TokenLogprob
+from .dependencies import get_engine
 from .errors import ENGINE_STATUS, APIError, from_engine_error
 from .logprob_budget import Reservation, logprob_bytes
 from .protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
@@ -92,22 +93,13 @@ async def start_generation(
 ) -> Generation:
     """Submit one engine request per prompt and wait until each is accepted (EngineError → HTTP error before
     any byte is sent; the prompts accepted before a refused one are aborted)."""
-    state = request.app.state
-    if state.draining or not state.engine.alive:
+    state, engine = request.app.state, get_engine(request)
+    if state.draining or not engine.alive:
         reason = "the server is shutting down" if state.draining else "the engine has failed; the server is restarting"
         raise APIError(503, reason, code="unavailable", headers={"Retry-After": str(state.settings.retry_after_s)})
-    if params.priority and state.settings.scheduling_policy != "priority":
-        raise APIError(400, "priority is honoured only with scheduling_policy: priority (this server: "
-                       f"{state.settings.scheduling_policy}); send 0 or leave it out", "priority")
-    wanted_k = params.speculative.k if params.speculative is not None else None
-    if wanted_k is not None and wanted_k > state.settings.speculative_k:
-        raise APIError(400, f"speculative.k must be <= {state.settings.speculative_k} (this server's speculative_k)",
-                       "speculative")
-    if params.max_tokens > state.settings.max_tokens_limit:
-        raise APIError(400, f"max_tokens must be <= {state.settings.max_tokens_limit}", "max_tokens")
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     stream = OutputStream(asyncio.get_running_loop(), len(prompts) * params.n)
-    generation = Generation(state.engine, request_id, list(prompts), params, stream)
+    generation = Generation(engine, request_id, list(prompts), params, stream)
     if idempotency is not None:  # a retry's replayed answer carries the first attempt's time
         generation.created = idempotency.created
     for number, prompt_ids in enumerate(prompts):
@@ -116,7 +108,7 @@ async def start_generation(
                                        idempotency=idempotency, expected_revision=expected_revision)
         generation.engine_ids.append(engine_id)  # aborted below if anything fails, even while being accepted
         try:
-            await asyncio.wrap_future(state.engine.submit(engine_request, _offset_sink(stream.sink, number * params.n)))
+            await asyncio.wrap_future(engine.submit(engine_request, _offset_sink(stream.sink, number * params.n)))
         except AlreadyApplied:
             generation.abort()
             raise  # the caller answers with the first attempt's result

@@ -20,6 +20,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ...engine.types import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams, Speculation
+from .limits import RequestLimits
 from .structured import StructuredFields
 
 
@@ -153,10 +154,12 @@ class SamplingFields(StructuredFields):
             raise ValueError("stop takes at most 4 non-empty strings")
         return stops
 
-    def _params(self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-                ) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+    def _params(self, limits: RequestLimits, max_tokens: int, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters, checked against this server's limits (`max_tokens` already is: the family
+        knows which field named it)."""
+        return limits.check_sampling(SamplingParams(
+            max_tokens=max_tokens,
             temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, logprobs=logprobs,
@@ -164,7 +167,7 @@ class SamplingFields(StructuredFields):
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
             logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
             priority=self.priority, speculative=self.speculative.to_engine() if self.speculative else None,
-        )
+        ))
 
     @property
     def include_usage(self) -> bool:

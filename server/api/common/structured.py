@@ -15,6 +15,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ...engine import SamplingParams
+from .dependencies import get_engine
 from .errors import APIError
 from .tools import ToolSpec, close_objects
 
@@ -122,7 +123,7 @@ async def with_grammar(request: Request, body: StructuredFields, params: Samplin
         return params
     field, kind, value = asked
     try:
-        engine = request.app.state.engine
+        engine = get_engine(request)
         grammar = await asyncio.to_thread(lambda: engine.grammars.compile(kind, value))
     except ValueError as error:
         raise APIError(400, f"{field}: {kind} cannot be enforced: {error}", field, code="invalid_grammar") from None

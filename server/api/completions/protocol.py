@@ -11,6 +11,7 @@ from pydantic import (
 )
 
 from ...engine.types import SamplingParams
+from ..common.limits import RequestLimits
 from ..common.protocol import CompletionLogprobs, Int, SamplingFields, Text, Usage
 
 
@@ -20,10 +21,11 @@ class CompletionRequest(SamplingFields):
     logprobs: Int | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, limits: RequestLimits) -> SamplingParams:
         """With echo, logprobs covers the echoed prompt too (its tokens scored, as OpenAI's legacy API and
         lm-evaluation-harness expect)."""
-        return self._params(default_max_tokens, self.logprobs, self.logprobs if self.echo else None)
+        return self._params(limits, limits.max_tokens_of("max_tokens", self.max_tokens), self.logprobs,
+                            self.logprobs if self.echo else None)
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from ...engine.types import AlreadyApplied, Idempotency, RequestOutput
 from ..common.chunks import CompletionChunks, chunk_json
-from ..common.dependencies import check_model, encode_prompt
+from ..common.dependencies import check_model, encode_prompt, get_limits
 from ..common.errors import APIError
 from ..common.generation import (
     ChoiceLogprobs,
@@ -21,6 +21,7 @@ from ..common.generation import (
     start_generation,
     stream_events,
 )
+from ..common.limits import RequestLimits
 from ..common.protocol import CompletionLogprobs, Usage
 from ..common.streaming import EventStreamResponse, sse_event
 from ..common.structured import with_grammar
@@ -37,30 +38,22 @@ def completion_chunk(generation: Generation, model: str, output, echo_text: str 
                                          choices=[choice]))
 
 
-async def encode_prompts(
-    request: Request, body: CompletionRequest, settings, session_id: str | None
-) -> list[list[int]]:
+async def encode_prompts(request: Request, body: CompletionRequest, limits: RequestLimits,
+                         session_id: str | None) -> list[list[int]]:
     """Token ids of each prompt of the request (a session continues with exactly one)."""
-    prompts = body.prompts
-    if session_id is not None and len(prompts) > 1:
-        raise APIError(400, "a session continues with one prompt, not a batch", "prompt")
-    if len(prompts) > settings.max_prompts_per_request:
-        raise APIError(
-            400,
-            f"a batch holds at most {settings.max_prompts_per_request} prompts (max_prompts_per_request)"
-            f", got {len(prompts)}",
-            "prompt",
-        )
+    limits.check_batch(len(body.prompts), session=session_id is not None)
     return [await encode_prompt(request, prompt, allow_empty=session_id is not None, starts=session_id is None)
-            for prompt in prompts]
+            for prompt in body.prompts]
 
 
 async def run_completion(request: Request, body: CompletionRequest, settings, tokenizer, owner,
                          background: BackgroundTasks, session_id: str | None = None,
                          idempotency: Idempotency | None = None, expected_revision: str | None = None):
     check_model(body.model, settings)
-    prompts = await encode_prompts(request, body, settings, session_id)
-    params = await with_grammar(request, body, body.to_sampling_params(settings.max_tokens_default))
+    limits = get_limits(request)
+    params = body.to_sampling_params(limits)
+    prompts = await encode_prompts(request, body, limits, session_id)
+    params = await with_grammar(request, body, params)
     reservation = reserve_logprobs(request, prompts, params, body.stream, background)
     try:
         try:

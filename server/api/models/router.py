@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from linserve.model.loading import DEFAULT_CHECKPOINT
 
 from ..chat.prompt import chat_prompt
-from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt
+from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt, get_engine
 from ..common.errors import APIError
 from ..common.openapi import AUTH, BODY, errors
 from .protocol import (
@@ -90,7 +90,7 @@ async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> 
 
 def model_card(request: Request, settings) -> ModelCard:
     """The served model: its id, the checkpoint directory, its family and one session's state bytes."""
-    model = request.app.state.engine.model
+    model = get_engine(request).model
     return ModelCard(id=settings.served_model_name, created=request.app.state.started,
                      root=str(settings.model or DEFAULT_CHECKPOINT),
                      model_type=getattr(model.config, "model_type", "linear_gpt"),

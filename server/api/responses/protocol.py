@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from ...engine.types import SEED_MAX, SEED_MIN, SamplingParams
+from ..common.limits import RequestLimits
 from ..common.protocol import Float, Int, SpeculativeOptions, Text
 from ..common.structured import JsonSchemaFormat, ResponseFormat, StructuredFields
 from ..common.tools import MAX_TOOLS, NAME_PATTERN, FunctionCall, ToolCallItem, ToolFields, json_object_text
@@ -158,10 +159,11 @@ class ResponseCreateRequest(BaseModel):
         schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_ if fmt.schema_ is not None else {})
         return StructuredFields(response_format=ResponseFormat(type="json_schema", json_schema=schema))
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_output_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, priority=self.priority,
-                              speculative=self.speculative.to_engine() if self.speculative else None)
+    def to_sampling_params(self, limits: RequestLimits) -> SamplingParams:
+        return limits.check_sampling(SamplingParams(
+            max_tokens=limits.max_tokens_of("max_output_tokens", self.max_output_tokens), temperature=self.temperature,
+            top_p=self.top_p, seed=self.seed, priority=self.priority,
+            speculative=self.speculative.to_engine() if self.speculative else None))
 
     def messages(self) -> list:
         """The input as chat messages (a call as an assistant's tool call, its output as a tool message)."""

@@ -26,7 +26,16 @@ from starlette.background import BackgroundTask
 from ...engine.sessions.records import APPLIED_TEXT_CHARS
 from ...engine.types import EngineError, Idempotency
 from ..chat.prompt import chat_prompt
-from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt
+from ..common.dependencies import (
+    EngineDep,
+    Owner,
+    SettingsDep,
+    TokenizerDep,
+    check_model,
+    encode_prompt,
+    get_engine,
+    get_limits,
+)
 from ..common.errors import APIError, from_engine_error
 from ..common.generation import collect, reserve_logprobs, start_generation
 from ..common.openapi import GENERATION, SESSION, errors
@@ -73,7 +82,7 @@ async def kept_response(request: Request, owner, value: str, param: str | None) 
     session_id, turn = parse_response_id(value, param or "response_id")
     missing = (f"response {value!r} was not found (deleted, expired, or older than the newest responses its "
                "conversation keeps)")
-    kept = await engine_call(request, request.app.state.engine.sessions.kept_result(session_id, owner,
+    kept = await engine_call(request, get_engine(request).sessions.kept_result(session_id, owner,
                                                                                       KEY_PREFIX + value),
                              param, missing)
     return session_id, turn, kept
@@ -92,7 +101,7 @@ class Placement:
 
 
 async def place(request: Request, owner, body: ResponseCreateRequest) -> Placement:
-    sessions = request.app.state.engine.sessions
+    sessions = get_engine(request).sessions
     if body.previous_response_id is None:
         if not body.store:
             return Placement(None, 0)
@@ -153,8 +162,7 @@ async def create_response(request: Request, body: ResponseCreateRequest, setting
     check_model(body.model, settings)
     tool_fields = body.tool_fields()
     tools = tool_fields.tool_spec()
-    params = await with_grammar(request, body.structured(), body.to_sampling_params(settings.max_tokens_default),
-                                tools)
+    params = await with_grammar(request, body.structured(), body.to_sampling_params(get_limits(request)), tools)
     placement = await place(request, owner, body)
     try:
         offered = tool_fields.tool_definitions()
@@ -198,7 +206,7 @@ async def create_response(request: Request, body: ResponseCreateRequest, setting
 def forget_session(request: Request, owner, placement: Placement, failed: bool) -> None:
     """A session made for this response goes again if its turn failed, or when the response is not stored."""
     if placement.made and (failed or not placement.turn):
-        request.app.state.engine.sessions.delete(placement.session_id, owner, wait_s=CLEANUP_WAIT_S)
+        get_engine(request).sessions.delete(placement.session_id, owner, wait_s=CLEANUP_WAIT_S)
 
 
 @router.get("/{response_id}", response_model=None, responses=errors(*SESSION))
@@ -209,11 +217,11 @@ async def retrieve_response(request: Request, response_id: str, settings: Settin
 
 
 @router.delete("/{response_id}", response_model=None, responses=errors(*SESSION, 409))
-async def delete_response(request: Request, response_id: str, owner: Owner):
+async def delete_response(request: Request, engine: EngineDep, response_id: str, owner: Owner):
     """Forget a stored response (it can no longer be retrieved or continued from); its conversation's state and
     other responses stay."""
     session_id, _ = parse_response_id(response_id, "response_id")
-    await engine_call(request, request.app.state.engine.sessions.forget(session_id, owner, KEY_PREFIX + response_id),
+    await engine_call(request, engine.sessions.forget(session_id, owner, KEY_PREFIX + response_id),
                       None, f"response {response_id!r} was not found")
     return {"id": response_id, "object": "response", "deleted": True}
 

@@ -13,7 +13,7 @@ from starlette.convertors import StringConvertor, register_url_convertor
 from ...engine import SamplingParams
 from ...engine.sessions.stores import SESSION_ID, SESSION_ID_PATTERN
 from ...engine.types import AlreadyApplied, EngineError
-from ..common.dependencies import Owner, SettingsDep, TokenizerDep, encode_prompt
+from ..common.dependencies import EngineDep, Owner, SettingsDep, TokenizerDep, encode_prompt, get_engine
 from ..common.errors import from_engine_error
 from ..common.generation import collect, start_generation
 from ..common.openapi import AUTH, BINARY, BODY, GENERATION, SESSION, errors, streamed
@@ -66,7 +66,7 @@ async def replay_made(request: Request, owner: Owner, idempotency) -> Response |
     if earlier is None:
         return None
     try:
-        await asyncio.wrap_future(request.app.state.engine.sessions.info(earlier[1]["id"], owner))
+        await asyncio.wrap_future(get_engine(request).sessions.info(earlier[1]["id"], owner))
     except EngineError as error:
         if error.kind != "not_found":
             raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
@@ -90,7 +90,7 @@ async def create_session(request: Request, owner: Owner, idempotency: Idempotenc
 
 
 async def _create(request: Request, owner: Owner, body: SessionCreateRequest | None) -> SessionCreated | None:
-    engine = request.app.state.engine
+    engine = get_engine(request)
     prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True, starts=True) if body else []
     # with a prompt, one write: the prompt's turn stores the new session (a failed prefill or write leaves none)
     info = await engine_call(request, engine.sessions.create(owner, first_prompt=bool(prompt_ids)))
@@ -113,14 +113,13 @@ MAX_PAGE = 100
 
 
 @router.get("", response_model=SessionList, responses=errors(*AUTH, 400))
-async def list_sessions(request: Request, owner: Owner,
+async def list_sessions(request: Request, engine: EngineDep, owner: Owner,
                         limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="sessions per page")] = 20,
                         after: Annotated[str | None, Query(description="the last id of the previous page",
                                                            pattern=f"^{SESSION_ID.pattern}$")] = None,
                         order: Annotated[Literal["desc", "asc"], Query(description="by creation time")] = "desc"
                         ) -> SessionList:
     """The caller's sessions (with API keys: the key's own), in every tier: device, host and store."""
-    engine = request.app.state.engine
     sessions, has_more = await engine_call(request, engine.sessions.list(owner, after, limit, order == "desc"))
     return SessionList(data=[SessionDetail(**info.__dict__) for info in sessions], has_more=has_more,
                        first_id=sessions[0].id if sessions else None, last_id=sessions[-1].id if sessions else None)
@@ -129,19 +128,19 @@ async def list_sessions(request: Request, owner: Owner,
 @router.post("/import", response_model=SessionRef, responses=errors(*BODY, 422),
              openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": BINARY},
                                             "description": "a snapshot from GET /v1/sessions/{id}/state"}})
-async def import_session(request: Request, owner: Owner, idempotency: IdempotencyDep) -> SessionRef:
+async def import_session(request: Request, engine: EngineDep, owner: Owner, idempotency: IdempotencyDep) -> SessionRef:
     recent = request.app.state.recent_results
     if (earlier := await replay_made(request, owner, idempotency)) is not None:
         return earlier
     data = await request.body()
-    info = await engine_call(request, request.app.state.engine.sessions.import_(data, owner))
+    info = await engine_call(request, engine.sessions.import_(data, owner))
     recent.put(idempotency, 200, {"id": info.id})
     return SessionRef(id=info.id)
 
 
 @router.get("/{session_id:session_id}", response_model=SessionDetail, responses=errors(*SESSION))
-async def get_session(request: Request, session_id: str, owner: Owner) -> SessionDetail:
-    info = await engine_call(request, request.app.state.engine.sessions.info(session_id, owner))
+async def get_session(request: Request, engine: EngineDep, session_id: str, owner: Owner) -> SessionDetail:
+    info = await engine_call(request, engine.sessions.info(session_id, owner))
     return SessionDetail(**info.__dict__)
 
 
@@ -157,11 +156,12 @@ async def session_completions(request: Request, session_id: str, body: Completio
 
 
 @router.post("/{session_id:session_id}/fork", response_model=SessionRef, responses=errors(*SESSION, 400, 422, 429))
-async def fork_session(request: Request, session_id: str, owner: Owner, idempotency: IdempotencyDep) -> SessionRef:
+async def fork_session(request: Request, engine: EngineDep, session_id: str, owner: Owner,
+                       idempotency: IdempotencyDep) -> SessionRef:
     recent = request.app.state.recent_results
     if (earlier := await replay_made(request, owner, idempotency)) is not None:
         return earlier
-    info = await engine_call(request, request.app.state.engine.sessions.fork(session_id, owner))
+    info = await engine_call(request, engine.sessions.fork(session_id, owner))
     recent.put(idempotency, 200, {"id": info.id})
     return SessionRef(id=info.id)
 
@@ -169,18 +169,18 @@ async def fork_session(request: Request, session_id: str, owner: Owner, idempote
 @router.get("/{session_id:session_id}/state", response_class=Response, responses={
     200: {"content": {"application/octet-stream": BINARY}, "description": "the session's safetensors snapshot"},
     **errors(*SESSION)})
-async def export_session(request: Request, session_id: str, owner: Owner) -> Response:
-    data = await engine_call(request, request.app.state.engine.sessions.export(session_id, owner))
+async def export_session(request: Request, engine: EngineDep, session_id: str, owner: Owner) -> Response:
+    data = await engine_call(request, engine.sessions.export(session_id, owner))
     return Response(data, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{session_id}.safetensors"'})
 
 
 @router.get("/{session_id:session_id}/turns", response_model=list[TurnInfo], responses=errors(*SESSION))
-async def list_turns(request: Request, session_id: str, owner: Owner) -> list[TurnInfo]:
+async def list_turns(request: Request, engine: EngineDep, session_id: str, owner: Owner) -> list[TurnInfo]:
     """The session's turns, oldest first: each kept snapshot (one the session can be rewound to) and each turn
     whose text the session keeps (`session_text_chars`: its prompt and completion; turn 0: text a fork or an
     import brought with it)."""
-    turns, texts = await engine_call(request, request.app.state.engine.sessions.turns(session_id, owner))
+    turns, texts = await engine_call(request, engine.sessions.turns(session_id, owner))
     listed = [TurnInfo(turn=t["turn"], tokens=t["tokens"], created=t["created"], prompt=t["prompt"],
                        completion=t["completion"], rewindable=False) for t in texts]
     by_turn = {info.turn: info for info in listed if info.turn}
@@ -193,10 +193,9 @@ async def list_turns(request: Request, session_id: str, owner: Owner) -> list[Tu
 
 
 @router.post("/{session_id:session_id}/rewind", response_model=SessionDetail, responses=errors(*BODY, 404, 409, 422))
-async def rewind(request: Request, session_id: str, body: RewindRequest, owner: Owner,
+async def rewind(request: Request, engine: EngineDep, session_id: str, body: RewindRequest, owner: Owner,
                  idempotency: IdempotencyDep) -> SessionDetail:
     """Make a kept turn the head again (later turns are dropped): regenerate or edit the last answer."""
-    engine = request.app.state.engine
     try:
         info = await asyncio.wrap_future(engine.sessions.rewind(session_id, owner, body.turn, idempotency))
     except AlreadyApplied as applied:  # the session as that rewind left it (tokens), as it is now otherwise
@@ -210,7 +209,8 @@ async def rewind(request: Request, session_id: str, body: RewindRequest, owner: 
 
 @router.delete("/{session_id:session_id}", status_code=204, response_class=Response,
                 responses=errors(*SESSION, 400, 422))
-async def delete_session(request: Request, session_id: str, owner: Owner, idempotency: IdempotencyDep) -> Response:
+async def delete_session(request: Request, engine: EngineDep, session_id: str, owner: Owner,
+                         idempotency: IdempotencyDep) -> Response:
     """With `Idempotency-Key`, a retry of a delete answers 204 again — also after an `outcome_unknown`
     answer, when the session turns out to be gone (the first attempt landed)."""
     recent = request.app.state.recent_results
@@ -218,7 +218,7 @@ async def delete_session(request: Request, session_id: str, owner: Owner, idempo
     if earlier is not None and earlier[0] == 204:
         return replayed(204, None)
     try:
-        await asyncio.wrap_future(request.app.state.engine.sessions.delete(session_id, owner))
+        await asyncio.wrap_future(engine.sessions.delete(session_id, owner))
     except EngineError as error:
         if error.kind == "not_found" and earlier is not None:  # the delete whose outcome was unknown landed
             recent.put(idempotency, 204, None)
