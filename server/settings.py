@@ -41,6 +41,9 @@ class Settings(BaseSettings):
         32_768, ge=0, le=1_000_000, description="characters of turn text (prompts and completions) a session keeps "
         "for GET /v1/sessions/{id}/turns and the web page, newest turns first; stored with it, outside the fixed "
         "state bytes (0: none)")
+    session_responses_mb: float = Field(
+        64.0, gt=0, description="stored responses (/v1/responses: text, usage, input) a conversation keeps in the "
+        "session store for its whole life, at most; a response past it is not kept (retrieve says why)")
     session_store: str = Field(
         "dir:./data/sessions", description="'dir:PATH' (one file per session), 'redis://HOST:PORT/DB' or 'none'"
     )

@@ -116,7 +116,8 @@ class Engine:
         # a snapshot names the decode weights: they made its state's tokens
         self.registry = SessionRegistry(self.pool, self.model, config.max_host_sessions, config.session_ttl_s,
                                         self.reserved_slots, config.session_turns_kept, store, self.store_worker,
-                                        config.session_text_chars if self.linear else 0)
+                                        config.session_text_chars if self.linear else 0,
+                                        int(config.session_responses_mb * 2**20))
         self.commands = CommandQueue()
         self.sessions = SessionService(self.registry, self.store_worker, self.commands.call, self.commands.internal,
                                        self.pool.slot_bytes, self._skipped_record,
@@ -315,19 +316,19 @@ class Engine:
             step = self.registry.commit(live.session, live.turn_result(self.sampling))
             if step is not None:  # its final outputs are held until the turn is stored
                 live.held = []
-                settle = lambda error, _: self._settle_turn(live, step, error)  # noqa: E731
+                settle = lambda error, result: self._settle_turn(live, step, error, result)  # noqa: E731
                 self.sessions.run_store_step(replace(step, settle=settle))
         self.stats_sink(live.request_stats(reason, time.monotonic()))
         if len(live.feed) >= heap.LARGE_TOKENS:
             live.feed = []
             heap.trim()  # the prompt's token lists are garbage now: return their heap to the OS
 
-    def _settle_turn(self, live: LiveRequest, step: StoreStep, error: BaseException | None) -> None:
+    def _settle_turn(self, live: LiveRequest, step: StoreStep, error: BaseException | None, result: object) -> None:
         """The turn's record is written (its held outputs go out) or not (the session rolls back to its last
         stored turn and the request fails with the store's 503)."""
         held, live.held = live.held, None
         try:
-            step.settle(error, None)
+            step.settle(error, result)
         except EngineError as failure:
             held = [replace(output, token_id=None, text="", logprob=None, finish_reason=FinishReason.ERROR,
                             error=failure.message, error_kind=failure.kind) for output in held]

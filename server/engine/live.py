@@ -12,7 +12,7 @@ import torch
 from .constraint import GrammarConstraint, GrammarRuntime
 from .detokenize import IncrementalDetokenizer, StopMatcher
 from .sampling import SlotSampling, token_logprobs
-from .sessions.records import APPLIED_TEXT_CHARS, TAIL_TOKENS, Session, TurnResult
+from .sessions.records import APPLIED_TEXT_CHARS, ENTRY_TEXT_CHARS, TAIL_TOKENS, Session, TurnResult
 from .state_pool import StatePool
 from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, TokenLogprob
 
@@ -90,10 +90,12 @@ class Row:
         return self.live.output(self.index, None, text, None, reason, self.num_generated, 0, error)
 
     def _keep(self, text: str) -> None:
-        """The returned text of a keyed turn, to answer a retry with; past APPLIED_TEXT_CHARS none is kept."""
+        """The returned text of a keyed turn, to answer a retry with; past APPLIED_TEXT_CHARS (a stored response:
+        ENTRY_TEXT_CHARS) none is kept."""
         self._say(text)
         if self.kept is not None and text:
-            self.kept = self.kept + text if len(self.kept) + len(text) <= APPLIED_TEXT_CHARS else None
+            limit = ENTRY_TEXT_CHARS if self.live.request.idempotency.entry else APPLIED_TEXT_CHARS
+            self.kept = self.kept + text if len(self.kept) + len(text) <= limit else None
             self.live.text_dropped |= self.kept is None
 
 
@@ -232,7 +234,7 @@ class LiveRequest:
                       "completion_tokens": row.num_generated if row else 0}
             if key.note is not None:
                 result["note"] = key.note
-        return {"key": key.key, "request": key.request, "result": result}
+        return {"key": key.key, "request": key.request, "result": result, **({"entry": True} if key.entry else {})}
 
     def request_stats(self, reason: FinishReason, now: float) -> RequestStats:
         admitted = self.admitted_time if self.admitted_time is not None else now

@@ -52,6 +52,7 @@ class EngineConfig:
     speculative_always: bool  # verify whenever a row has drafts, whatever it costs (else: while it pays)
     threads: int | None  # torch intra-op CPU threads; None: derived from the CPUs this process may use
     prefill_threads: int | None  # the same while the chunked form (prefill) runs
+    session_responses_mb: float = 64.0  # a session's stored responses (their own store entries), at most
 
     @classmethod
     def from_settings(cls, settings: object, **overrides: object) -> EngineConfig:
@@ -163,6 +164,9 @@ class Idempotency:
     request: str  # digest of the request (method, path, body): a key reused for another request is refused
     created: int  # unix time of the first attempt (the response's `created`, replayed as it was)
     note: dict | None = field(default=None, compare=False)  # kept with the result (a stored response's request)
+    # a stored response: its result is also kept as the session's own store entry (named `key`) for the session's
+    # whole life, not only among the newest APPLIED_KEPT in its record
+    entry: bool = False
 
 
 class AlreadyApplied(EngineError):

@@ -2,8 +2,9 @@
 `GET /v1/responses/{id}/input_items`.
 
 A stored response *is* a session turn: its id names the session and the turn (`resp_<session>_<turn>`), and the
-response itself (its request, text, usage) is remembered in that session's record by the same store write as
-the turn (the newest 16 per conversation; see sessions/records.py). So `previous_response_id` continues the
+response itself (its request, text, usage) is kept by the same store write as the turn — as the session's own
+store entry for the conversation's whole life (removed and expiring with it, within `session_responses_mb`),
+and the newest 16 in the session's record too (see sessions/records.py). So `previous_response_id` continues the
 session's fixed-size state: the follow-up prefills only its new input, on any replica, after any restart. An
 older response of a conversation that has moved on is branched from with a fork at its turn (while the session
 keeps that turn's snapshot, `session_turns_kept`). `store: false` runs stateless, or in a fork that is deleted
@@ -23,7 +24,7 @@ from fastapi import APIRouter, BackgroundTasks, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
-from ...engine.sessions.records import APPLIED_TEXT_CHARS
+from ...engine.sessions.records import ENTRY_TEXT_CHARS
 from ...engine.types import EngineError, Idempotency
 from ..chat.prompt import chat_prompt
 from ..common.dependencies import (
@@ -73,15 +74,15 @@ async def engine_call(request: Request, future, param: str | None = None, missin
         return await asyncio.wrap_future(future)
     except EngineError as error:
         if error.kind == "not_found" and missing is not None:
-            raise APIError(404, missing, param, code="not_found") from None
+            why = error.message.removeprefix("not found")  # a conversation whose responses passed their budget
+            raise APIError(404, missing + why, param, code="not_found") from None
         raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
 
 
 async def kept_response(request: Request, owner, value: str, param: str | None) -> tuple[str, int, dict]:
     """(session, turn, what its session keeps of it) of a stored response: 404 if unknown, deleted or forgotten."""
     session_id, turn = parse_response_id(value, param or "response_id")
-    missing = (f"response {value!r} was not found (deleted, expired, or older than the newest responses its "
-               "conversation keeps)")
+    missing = f"response {value!r} was not found (deleted, or expired with its conversation)"
     kept = await engine_call(request, get_engine(request).sessions.kept_result(session_id, owner,
                                                                                       KEY_PREFIX + value),
                              param, missing)
@@ -151,7 +152,7 @@ def request_note(body: ResponseCreateRequest, tools, cached_tokens: int) -> dict
             else body.tool_choice.model_dump(), "parallel_tool_calls": body.parallel_tool_calls,
             "metadata": (body.model_extra or {}).get("metadata") or {}, "cached_tokens": cached_tokens,
             "calls": None if tools is None else {"optional": tools.optional}}
-    if len(json.dumps(note)) > APPLIED_TEXT_CHARS:
+    if len(json.dumps(note)) > ENTRY_TEXT_CHARS:
         note["input"], note["input_dropped"] = [], True
     return note
 
@@ -174,7 +175,7 @@ async def create_response(request: Request, body: ResponseCreateRequest, setting
         prompt_ids = await encode_prompt(request, text, allow_empty=False, starts=not placement.cached_tokens)
         rid = response_id(placement.session_id if placement.turn else None, placement.turn)
         note = request_note(body, tools, placement.cached_tokens)
-        key = Idempotency(KEY_PREFIX + rid, rid, int(time.time()), note) if placement.turn else None
+        key = Idempotency(KEY_PREFIX + rid, rid, int(time.time()), note, entry=True) if placement.turn else None
         reservation = reserve_logprobs(request, [prompt_ids], params, body.stream, background)
         generation = await start_generation(request, [prompt_ids], params, "resp", placement.session_id, owner, key,
                                             placement.expected_revision)

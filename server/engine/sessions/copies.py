@@ -9,7 +9,7 @@ import json
 import torch
 
 from ..types import EngineError
-from .failures import SessionBusy
+from .failures import SessionBusy, store_failure
 from .records import Session, SessionInfo, new_session_id
 from .registry import SessionRegistry
 from .snapshot import decode_snapshot, encode_snapshot, turn_texts
@@ -47,23 +47,66 @@ def fork(registry: SessionRegistry, source: Session, owner: str | None,
     return registry.add(child)
 
 
-def kept_result(registry: SessionRegistry, session: Session, key: str) -> dict:
-    """A change this session remembers by key (a stored response): its entry, and where the session is now."""
+def kept_result(registry: SessionRegistry, session: Session, key: str) -> dict | StoreStep:
+    """A change this session remembers by key (a stored response): its entry, and where the session is now. The
+    record keeps the newest; an older stored response is read from its own store entry."""
     entry = session.applied_entry(key)
-    if entry is None or entry.get("result") is None:
-        raise EngineError("not found (or no longer kept)", kind="not_found")
-    registry.touch(session)
+    if entry is not None and entry.get("result") is not None:
+        registry.touch(session)
+        return _kept(session, entry)
+    if registry.store is None:
+        raise _not_kept(session)
+    store, session_id = registry.store, session.id
+
+    def settle(error: BaseException | None, data: bytes | None) -> dict:
+        if error is not None:
+            raise store_failure(error, "the response could not be read")
+        if data is None:
+            raise _not_kept(session)
+        registry.touch(session)
+        return _kept(session, json.loads(data))
+
+    return StoreStep("get", lambda deadline: store.get_entry(session_id, key), settle)
+
+
+def _kept(session: Session, entry: dict) -> dict:
     return {"entry": entry, "turn_count": session.turn_count, "revision": session.revision,
             "tokens": session.tokens, "kept_turns": [t.index for t in session.turns]}
 
 
+def _not_kept(session: Session) -> EngineError:
+    full = " (this conversation's stored responses reached session_responses_mb: later ones were not kept)"
+    return EngineError("not found" + (full if session.entries_full else ""), kind="not_found")
+
+
 def forget(registry: SessionRegistry, session: Session, key: str) -> StoreStep | SessionInfo:
-    """Drop a remembered change (a deleted response): stored like any change of the session."""
-    if session.applied_entry(key) is None:
+    """Drop a remembered change (a deleted response) from the record and its own entry, stored like any change
+    of the session; one kept only in its entry is removed from there alone."""
+    store, session_id = registry.store, session.id
+    if session.applied_entry(key) is not None:
+        session.applied = [entry for entry in session.applied if entry["key"] != key]
+        remove_entry = None if store is None else lambda deadline: store.delete_entry(session_id, key, deadline)
+        return registry.stored_change(session, "it was not deleted", also=remove_entry)
+    if store is None:
         registry.release(session)
-        raise EngineError("not found (or no longer kept)", kind="not_found")
-    session.applied = [entry for entry in session.applied if entry["key"] != key]
-    return registry.stored_change(session, "it was not deleted")
+        raise _not_kept(session)
+    session.busy = True
+
+    def remove(deadline: float | None) -> bool:
+        if store.get_entry(session_id, key) is None:
+            return False
+        store.delete_entry(session_id, key, deadline)
+        return True
+
+    def settle(error: BaseException | None, removed: bool | None) -> SessionInfo:
+        registry.release(session)
+        if error is not None:
+            raise store_failure(error, "it was not deleted")
+        if not removed:
+            raise _not_kept(session)
+        return registry.info(session)
+
+    return StoreStep("delete", remove, settle)
 
 
 def export(registry: SessionRegistry, session: Session) -> bytes:

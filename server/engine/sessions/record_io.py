@@ -34,9 +34,10 @@ def check_applied(session: Session, idempotency: Idempotency | None) -> None:
     raise AlreadyApplied(session.id, entry.get("result"))
 
 
-def record_write(session: Session, head_state: dict, fingerprint: str, store, access):
+def record_write(session: Session, head_state: dict, fingerprint: str, store, access, also=None):
     """The store write of the session as it is now: immutable copies handed to the store thread, which
-    encodes and writes them (and then releases the lease this change held)."""
+    encodes and writes them (and then releases the lease this change held). `also(deadline)`, if given, runs
+    first (a stored response's entry): the write returns what it returns, and fails if it fails."""
     latest = session.turns[-1] if session.turns and session.turns[-1].index == session.turn_count else None
     # the newest turn's snapshot is the head's state (immutable): the store thread copies it, not this one
     state = latest.state if latest is not None else {n: t.clone() for n, t in head_state.items()}
@@ -51,11 +52,13 @@ def record_write(session: Session, head_state: dict, fingerprint: str, store, ac
     session_id, revision, owner, lease = session.id, session.revision, session.owner or "", session.lease
     session.lease = None
 
-    def write(deadline: float | None) -> None:
+    def write(deadline: float | None) -> object:
         own = {name: t.clone() for name, t in state.items()} if latest is not None else state
         try:
+            before = also(deadline) if also is not None else None
             store.put(session_id, encode_snapshot(own, history, fingerprint, turns, extra), revision, owner,
                       deadline)
+            return before
         finally:
             if lease is not None:
                 access.release(session_id, lease)

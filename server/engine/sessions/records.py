@@ -18,6 +18,7 @@ import torch
 TAIL_TOKENS = 6  # history tokens kept as detokenizer context (as many as it re-decodes)
 APPLIED_KEPT = 16  # idempotency keys a session remembers (the newest), each with the result it answered
 APPLIED_TEXT_CHARS = 16_384  # a kept result's text, at most (longer: the key is kept, its result is not)
+ENTRY_TEXT_CHARS = 2**20  # a stored response's text (and its request's input), at most, in its own entry
 MAX_SESSION_TOKENS = 2**48  # ~2.8e14 tokens: more than any session can have consumed
 
 
@@ -45,6 +46,7 @@ class Session:
     # each turn's text, newest last, at most `session_text_chars` in all (outside the fixed state bytes):
     # [{"turn", "tokens", "created", "prompt", "completion"}]
     texts: list[dict] = field(default_factory=list)
+    entries_full: bool = False  # a stored response was not kept: its entries reached their budget (this process)
 
     def applied_entry(self, key: str) -> dict | None:
         return next((entry for entry in self.applied if entry["key"] == key), None)

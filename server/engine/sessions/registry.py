@@ -16,6 +16,8 @@ the least recently used one out in its place.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -30,6 +32,7 @@ from .failures import SessionBusy, StaleLookup, store_failure
 from .leases import LEASE_RENEW_S, Lookup, StoreAccess
 from .record_io import check_applied, record_write, session_from_record
 from .records import (
+    APPLIED_TEXT_CHARS,
     MAX_SESSION_TOKENS,
     TAIL_TOKENS,
     Session,
@@ -44,6 +47,8 @@ from .stores import OutcomeUnknown, SessionStore
 from .tiers import Tiers
 from .worker import StoreStep, StoreWorker
 
+logger = logging.getLogger(__name__)
+
 EXPIRY_CHECK_INTERVAL_S = 1.0
 STORE_SWEEP_INTERVAL_S = 10.0
 
@@ -51,8 +56,9 @@ STORE_SWEEP_INTERVAL_S = 10.0
 class SessionRegistry:
     def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
                  reserved_slots: int = 0, turns_kept: int = 8, store: SessionStore | None = None,
-                 worker: StoreWorker | None = None, text_chars: int = 0) -> None:
+                 worker: StoreWorker | None = None, text_chars: int = 0, entries_bytes: int = 64 * 2**20) -> None:
         self.pool = pool
+        self.entries_bytes = entries_bytes  # a session's stored responses in the store, at most
         self.text_chars = text_chars  # each session's turn text, at most (session_text_chars)
         self.store, self.worker = store, worker
         self.access = None if store is None else StoreAccess(store, self._held)
@@ -149,11 +155,11 @@ class SessionRegistry:
                               kind="store_unavailable")
 
     # ---- writes ----
-    def _record_write(self, session: Session):
+    def _record_write(self, session: Session, also=None):
         """The store write of the session as it is now (see `record_write`)."""
-        return record_write(session, self.tiers.state_of(session), self.fingerprint, self.store, self.access)
+        return record_write(session, self.tiers.state_of(session), self.fingerprint, self.store, self.access, also)
 
-    def stored_change(self, session: Session, failed: str, new: bool = False) -> StoreStep | SessionInfo:
+    def stored_change(self, session: Session, failed: str, new: bool = False, also=None) -> StoreStep | SessionInfo:
         """Answer once the session's record is written; if it is not, roll back (see the module doc). A new
         session whose write may have landed (outcome unknown) is deleted from the store again: its caller was
         told it failed and never learnt its id, so nothing may be left behind."""
@@ -173,7 +179,7 @@ class SessionRegistry:
             self.touch(session)
             return self.info(session)
 
-        return StoreStep("put", self._record_write(session), settle)
+        return StoreStep("put", self._record_write(session, also), settle)
 
     def add(self, session: Session) -> StoreStep | SessionInfo:
         self.by_id[session.id] = session
@@ -257,21 +263,37 @@ class SessionRegistry:
             session.texts = keep_text(session.texts, {
                 "turn": session.turn_count, "tokens": session.tokens, "created": time.time(),
                 "prompt": turn.text[0], "completion": turn.text[1]}, self.text_chars)
-        if turn.applied is not None:
-            session.remember({**turn.applied, "turn": session.turn_count})
+        also = self._remember(session, turn.applied) if turn.applied is not None else None
         if self.store is None:
             session.revision = uuid.uuid4().hex
             self.release(session)
             return None
 
-        def settle(error: BaseException | None, _: object) -> None:
+        def settle(error: BaseException | None, entry_kept: object) -> None:
             if error is not None:
                 self.discard(session)  # the store keeps the last acknowledged turn; the next access loads it
                 raise store_failure(error, "this turn was not stored and is not part of the session")
+            if entry_kept is False:
+                session.entries_full = True
+                logger.warning("session %s: its stored responses reached session_responses_mb (%d bytes); this "
+                               "turn's response is not kept", session.id, self.entries_bytes)
             session.stored = True
             self.release(session)
 
-        return StoreStep("put", self._record_write(session), settle)
+        return StoreStep("put", self._record_write(session, also), settle)
+
+    def _remember(self, session: Session, applied: dict):
+        """Keep a keyed turn's result in the record (the newest APPLIED_KEPT); a stored response's also as its own
+        store entry, for the session's life: returns that entry's write, run before the record's."""
+        applied = {**applied, "turn": session.turn_count}
+        if not applied.get("entry") or self.store is None:
+            session.remember(applied)
+            return None
+        data = json.dumps(applied).encode()
+        small = len(data) <= APPLIED_TEXT_CHARS + 4096  # the record keeps small results; large ones only the entry
+        session.remember(applied if small else {**applied, "result": None})
+        store, session_id, name, budget = self.store, session.id, applied["key"], self.entries_bytes
+        return lambda deadline: store.put_entry(session_id, name, data, budget, deadline)
 
     # ---- turns ----
     def _record_turn(self, session: Session) -> None:

@@ -13,6 +13,10 @@ Each store keeps an index of session ids per owner (`owned`: ids in order, after
 begin with their creation time, so that is creation order) and reads a record's metadata alone
 (`metadata`): listing never reads whole records. A shared store (`shared = True`: Redis) is used by
 several replicas at once: a revision per record and a per-session lease (one writer across replicas).
+
+Beside the records, two kinds of small entries: a session's own (`put_entry`: a stored response, kept for the
+session's whole life — removed with it, expiring with it — within a byte budget per session), and keyed
+results (`put_key`: what a create, fork, import or delete answered to an Idempotency-Key, for `ttl_s`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ SESSION_ID_PATTERN = r"sess-[0-9A-Za-z_-]{1,64}"  # the one pattern: routes, sto
 SESSION_ID = re.compile(SESSION_ID_PATTERN)
 SUFFIX = ".lsess"
 MAX_HEADER_BYTES = 16 * 2**20  # a record's safetensors header: far above any real one, never allocated blindly
+
+
+ENTRY_NAME = re.compile(r"[0-9A-Za-z_:.-]{1,160}")  # a session entry's or a keyed result's name
+ENTRY_TOTAL = "#bytes"  # (Redis) the field holding the bytes of a session's entries
 
 
 class StoreTimeout(Exception):
@@ -72,6 +80,13 @@ class SessionStore(Protocol):
     def metadata(self, session_id: str) -> dict[str, str] | None: ...  # None: no record; BrokenRecord: unreadable
     def unindex(self, session_id: str, owner: str) -> None: ...
     def ping(self) -> None: ...  # raises unless the store can take writes now
+    # a session's entries (False: its entries would pass `budget` bytes; nothing written) and keyed results
+    def put_entry(self, session_id: str, name: str, data: bytes, budget: int,
+                  deadline: float | None = None) -> bool: ...
+    def get_entry(self, session_id: str, name: str) -> bytes | None: ...
+    def delete_entry(self, session_id: str, name: str, deadline: float | None = None) -> None: ...
+    def put_key(self, name: str, data: bytes, ttl_s: float) -> None: ...
+    def get_key(self, name: str) -> bytes | None: ...
     # shared stores only
     def revision(self, session_id: str) -> str | None: ...
     def acquire(self, session_id: str, holder: str, lease_ms: int, deadline: float | None = None) -> bool: ...
@@ -127,6 +142,8 @@ class DirStore:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.owners = self.path / "owners"  # owners/<owner key>/<session id>: empty files, the owner index
+        self.entries = self.path / "entries"  # entries/<session id>/<name>: a session's entries
+        self.keys = self.path / "keys"  # keys/<name>: keyed results (their expiry inside)
         self._sweep()
         self._ensure_layout()
 
@@ -237,6 +254,7 @@ class DirStore:
         check_deadline(deadline, "delete")
         target.unlink(missing_ok=True)
         self._sync_directory()
+        shutil.rmtree(self.entries / session_id, ignore_errors=True)
         if owner is not None:
             self.unindex(session_id, owner)
 
@@ -244,7 +262,71 @@ class DirStore:
         if SESSION_ID.fullmatch(session_id):
             (self.owners / owner_key(owner) / session_id).unlink(missing_ok=True)
 
+    def _write_file(self, target: Path, data: bytes, deadline: float | None) -> None:
+        temporary = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(temporary, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            check_deadline(deadline, "write")
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+    def _entry(self, session_id: str, name: str) -> Path:
+        if not (SESSION_ID.fullmatch(session_id) and ENTRY_NAME.fullmatch(name)):
+            raise ValueError(f"not a session entry: {session_id!r} / {name!r}")
+        return self.entries / session_id / name
+
+    def put_entry(self, session_id: str, name: str, data: bytes, budget: int,
+                  deadline: float | None = None) -> bool:
+        target = self._entry(session_id, name)
+        self._ensure_layout()
+        self.entries.mkdir(exist_ok=True)
+        target.parent.mkdir(exist_ok=True)
+        sizes = {f.name: f.stat().st_size for f in target.parent.iterdir() if not f.name.startswith(".")}
+        if sum(sizes.values()) - sizes.get(name, 0) + len(data) > budget:
+            return False
+        self._write_file(target, data, deadline)
+        return True
+
+    def get_entry(self, session_id: str, name: str) -> bytes | None:
+        try:
+            return self._entry(session_id, name).read_bytes()
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def delete_entry(self, session_id: str, name: str, deadline: float | None = None) -> None:
+        check_deadline(deadline, "delete")
+        self._entry(session_id, name).unlink(missing_ok=True)
+
+    def put_key(self, name: str, data: bytes, ttl_s: float) -> None:
+        if not ENTRY_NAME.fullmatch(name):
+            raise ValueError(f"not a key: {name!r}")
+        self._ensure_layout()
+        self.keys.mkdir(exist_ok=True)
+        self._write_file(self.keys / name, json.dumps({"expires": time.time() + ttl_s}).encode() + b"\n" + data, None)
+
+    def get_key(self, name: str) -> bytes | None:
+        try:
+            head, _, data = (self.keys / name).read_bytes().partition(b"\n")
+        except (FileNotFoundError, OSError):
+            return None
+        return data if ENTRY_NAME.fullmatch(name) and json.loads(head)["expires"] > time.time() else None
+
+    def _prune(self) -> None:
+        """Entries of sessions without a record, and keyed results past their expiry (the sweep's)."""
+        for folder in self.entries.iterdir() if self.entries.is_dir() else ():
+            if self._file(folder.name) is not None and not self._file(folder.name).exists():
+                shutil.rmtree(folder, ignore_errors=True)
+        for key in self.keys.iterdir() if self.keys.is_dir() else ():
+            if not key.name.startswith(".") and self.get_key(key.name) is None:
+                key.unlink(missing_ok=True)
+
     def expired(self, ttl_s: float) -> list[str]:
+        self._prune()
         cutoff = time.time() - ttl_s
         found = []
         for record in self.path.glob(f"*{SUFFIX}"):
