@@ -32,7 +32,7 @@ from .api.common.openapi import OPERATIONAL_RESPONSES, document_errors
 from .api.completions.router import router as completions_router
 from .api.models.router import router as models_router
 from .api.responses.router import router as responses_router
-from .api.sessions.idempotency import RecentResults
+from .api.sessions.idempotency import KeyedResults
 from .api.sessions.router import router as sessions_router
 from .api.web.router import router as web_router
 from .engine import Engine, EngineConfig
@@ -244,7 +244,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.draining = False
     app.state.request_exit = None  # set by `serve`: how a dead engine stops the process
     app.state.started = int(time.time())
-    app.state.recent_results = RecentResults()
+    app.state.recent_results = KeyedResults()
     app.state.logprob_budget = LogprobBudget(int(settings.logprobs_memory_mb * 2**20), settings.retry_after_s)
     install_handlers(app)
     for router in (models_router, completions_router, chat_router, responses_router, sessions_router):

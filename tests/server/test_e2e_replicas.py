@@ -76,6 +76,35 @@ def test_sessions_move_freely_between_replicas(replicas, tiny_checkpoint, tmp_pa
     assert httpx.delete(f"{b.base}/v1/sessions/{sid}", headers={"Authorization": "Bearer k1"}).status_code == 204
     assert httpx.get(f"{a.base}/v1/sessions/{sid}", headers={"Authorization": "Bearer k1"}).status_code == 404
     loads_only_for_a_missing_or_stale_copy(a, b)
+    keyed_answers_hold_on_every_replica(a, b)
+
+
+def keyed_answers_hold_on_every_replica(a, b) -> None:
+    """An Idempotency-Key of a create, fork, import or delete answered by one replica is answered the same by
+    the other (the answers are kept in the store, not only in the process that gave them)."""
+    def call(replica, method: str, path: str, key: str, **kwargs) -> httpx.Response:
+        headers = {"Authorization": "Bearer k1", "Idempotency-Key": key}
+        return httpx.request(method, f"{replica.base}{path}", headers=headers, timeout=60, **kwargs)
+
+    made = call(a, "POST", "/v1/sessions", "make-x", json={"prompt": "HAMLET."})
+    again = call(b, "POST", "/v1/sessions", "make-x", json={"prompt": "HAMLET."})
+    assert again.json()["id"] == made.json()["id"] and again.headers["idempotent-replayed"] == "true"
+    sid = made.json()["id"]
+    forked = call(a, "POST", f"/v1/sessions/{sid}/fork", "fork-x")
+    refork = call(b, "POST", f"/v1/sessions/{sid}/fork", "fork-x")
+    assert refork.json()["id"] == forked.json()["id"] and refork.headers["idempotent-replayed"] == "true"
+    state = httpx.get(f"{a.base}/v1/sessions/{sid}/state", headers={"Authorization": "Bearer k1"}).content
+    imported = call(b, "POST", "/v1/sessions/import", "import-x", content=state)
+    reimported = call(a, "POST", "/v1/sessions/import", "import-x", content=state)
+    assert reimported.json()["id"] == imported.json()["id"] and reimported.headers["idempotent-replayed"] == "true"
+    other = call(a, "POST", "/v1/sessions", "make-x", json={"prompt": "OTHELLO."})
+    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+    assert call(a, "DELETE", f"/v1/sessions/{sid}", "drop-x").status_code == 204
+    redone = call(b, "DELETE", f"/v1/sessions/{sid}", "drop-x")
+    assert redone.status_code == 204 and redone.headers["idempotent-replayed"] == "true"
+    listed = httpx.get(f"{b.base}/v1/sessions", params={"limit": 100}, headers={"Authorization": "Bearer k1"})
+    ids = {s["id"] for s in listed.json()["data"]}
+    assert sid not in ids and forked.json()["id"] in ids and imported.json()["id"] in ids  # one of each made
 
 
 def loads(replica) -> float:

@@ -10,10 +10,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.convertors import StringConvertor, register_url_convertor
 
-from ...engine import SamplingParams
+from ...engine import Engine, SamplingParams
 from ...engine.sessions.stores import SESSION_ID, SESSION_ID_PATTERN
 from ...engine.types import AlreadyApplied, EngineError
-from ..common.dependencies import EngineDep, Owner, SettingsDep, TokenizerDep, encode_prompt, get_engine
+from ..common.dependencies import EngineDep, Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..common.errors import from_engine_error
 from ..common.generation import collect, start_generation
 from ..common.openapi import AUTH, BINARY, BODY, GENERATION, SESSION, errors, streamed
@@ -58,15 +58,15 @@ def replayed(status: int, body: object) -> Response:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def replay_made(request: Request, owner: Owner, idempotency) -> Response | None:
+async def replay_made(request: Request, engine: Engine, owner: Owner, idempotency) -> Response | None:
     """A create, fork or import this key already made: its first answer, while the session it made exists (one
     deleted since is not made again by a replay: the key applies anew)."""
     recent = request.app.state.recent_results
-    earlier = recent.get(idempotency)
+    earlier = await recent.get(engine, idempotency)
     if earlier is None:
         return None
     try:
-        await asyncio.wrap_future(get_engine(request).sessions.info(earlier[1]["id"], owner))
+        await asyncio.wrap_future(engine.sessions.info(earlier[1]["id"], owner))
     except EngineError as error:
         if error.kind != "not_found":
             raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
@@ -76,21 +76,21 @@ async def replay_made(request: Request, owner: Owner, idempotency) -> Response |
 
 
 @router.post("", response_model=SessionCreated, responses=errors(*GENERATION, 422))
-async def create_session(request: Request, owner: Owner, idempotency: IdempotencyDep,
+async def create_session(request: Request, engine: EngineDep, owner: Owner, idempotency: IdempotencyDep,
                          body: SessionCreateRequest | None = None) -> SessionCreated:
     """The prompt is checked before the session exists, and the session is deleted again if its prefill
     fails or the client leaves: no failure path leaves a session (and its slot) behind."""
     recent = request.app.state.recent_results
-    if (earlier := await replay_made(request, owner, idempotency)) is not None:
+    if (earlier := await replay_made(request, engine, owner, idempotency)) is not None:
         return earlier
-    created = await _create(request, owner, body)
+    created = await _create(request, engine, owner, body)
     if created is not None:
-        recent.put(idempotency, 200, created.model_dump())
+        await recent.put(engine, idempotency, 200, created.model_dump())
     return created
 
 
-async def _create(request: Request, owner: Owner, body: SessionCreateRequest | None) -> SessionCreated | None:
-    engine = get_engine(request)
+async def _create(request: Request, engine: Engine, owner: Owner,
+                  body: SessionCreateRequest | None) -> SessionCreated | None:
     prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True, starts=True) if body else []
     # with a prompt, one write: the prompt's turn stores the new session (a failed prefill or write leaves none)
     info = await engine_call(request, engine.sessions.create(owner, first_prompt=bool(prompt_ids)))
@@ -130,11 +130,11 @@ async def list_sessions(request: Request, engine: EngineDep, owner: Owner,
                                             "description": "a snapshot from GET /v1/sessions/{id}/state"}})
 async def import_session(request: Request, engine: EngineDep, owner: Owner, idempotency: IdempotencyDep) -> SessionRef:
     recent = request.app.state.recent_results
-    if (earlier := await replay_made(request, owner, idempotency)) is not None:
+    if (earlier := await replay_made(request, engine, owner, idempotency)) is not None:
         return earlier
     data = await request.body()
     info = await engine_call(request, engine.sessions.import_(data, owner))
-    recent.put(idempotency, 200, {"id": info.id})
+    await recent.put(engine, idempotency, 200, {"id": info.id})
     return SessionRef(id=info.id)
 
 
@@ -159,10 +159,10 @@ async def session_completions(request: Request, session_id: str, body: Completio
 async def fork_session(request: Request, engine: EngineDep, session_id: str, owner: Owner,
                        idempotency: IdempotencyDep) -> SessionRef:
     recent = request.app.state.recent_results
-    if (earlier := await replay_made(request, owner, idempotency)) is not None:
+    if (earlier := await replay_made(request, engine, owner, idempotency)) is not None:
         return earlier
     info = await engine_call(request, engine.sessions.fork(session_id, owner))
-    recent.put(idempotency, 200, {"id": info.id})
+    await recent.put(engine, idempotency, 200, {"id": info.id})
     return SessionRef(id=info.id)
 
 
@@ -214,17 +214,17 @@ async def delete_session(request: Request, engine: EngineDep, session_id: str, o
     """With `Idempotency-Key`, a retry of a delete answers 204 again — also after an `outcome_unknown`
     answer, when the session turns out to be gone (the first attempt landed)."""
     recent = request.app.state.recent_results
-    earlier = recent.get(idempotency)
+    earlier = await recent.get(engine, idempotency)
     if earlier is not None and earlier[0] == 204:
         return replayed(204, None)
     try:
         await asyncio.wrap_future(engine.sessions.delete(session_id, owner))
     except EngineError as error:
         if error.kind == "not_found" and earlier is not None:  # the delete whose outcome was unknown landed
-            recent.put(idempotency, 204, None)
+            await recent.put(engine, idempotency, 204, None)
             return replayed(204, None)
         if error.kind == "outcome_unknown":
-            recent.put(idempotency, UNKNOWN, None)
+            await recent.put(engine, idempotency, UNKNOWN, None)
         raise from_engine_error(error, request.app.state.settings.retry_after_s) from None
-    recent.put(idempotency, 204, None)
+    await recent.put(engine, idempotency, 204, None)
     return Response(status_code=204)

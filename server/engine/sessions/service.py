@@ -74,6 +74,19 @@ class SessionService:
         """`wait_s`: how long a session busy here or elsewhere is waited for before a 409."""
         return self.command(self.registry.delete, session_id, owner, claim=True, wait_s=wait_s)
 
+    def keyed_result(self, name: str) -> Future:
+        """What the store keeps under `name` (an Idempotency-Key's answer), or None; read on the store thread."""
+        if self.worker is None:
+            return _done(None)
+        store = self.registry.store
+        return self.worker.submit("get", lambda deadline: store.get_key(name))
+
+    def keep_keyed_result(self, name: str, data: bytes, ttl_s: float) -> Future:
+        if self.worker is None:
+            return _done(None)
+        store = self.registry.store
+        return self.worker.submit("put", lambda deadline: store.put_key(name, data, ttl_s))
+
     def list(self, owner: str | None, after: str | None, limit: int, descending: bool) -> Future:
         """(a page of the caller's sessions, whether more follow): the in-memory ones snapshotted on the engine
         thread, the store's read on the store thread (see listing.py)."""
@@ -182,3 +195,9 @@ class SessionService:
                                           else outer.set_result(s.result()))
 
         self.worker.submit(step.op, step.run).add_done_callback(stored)
+
+
+def _done(result: object) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
