@@ -43,7 +43,7 @@ from .records import (
     new_session_id,
 )
 from .snapshot import model_fingerprint
-from .stores import OutcomeUnknown, SessionStore
+from .stores import BrokenRecord, OutcomeUnknown, SessionStore
 from .tiers import Tiers
 from .worker import StoreStep, StoreWorker
 
@@ -79,6 +79,9 @@ class SessionRegistry:
         self._last_renew = 0.0
         self._last_sweep = -STORE_SWEEP_INTERVAL_S
         self._sweeping = False
+        self._store_was_up = True
+        # store thread → engine thread: session ids whose records vanished (set by the service; see write_back)
+        self.on_vanished = lambda session_ids: None
 
     @property
     def fingerprint(self) -> str:
@@ -376,11 +379,18 @@ class SessionRegistry:
         self._last_expiry = now
         for session in [s for s in self.by_id.values() if not s.busy and now - s.last_used > self.ttl_s]:
             self._drop(session)  # with a store, its record stays until the store's own expiry below
-        if self.store is not None and not self._sweeping and now - self._last_sweep >= STORE_SWEEP_INTERVAL_S:
+        if self.store is None:
+            return
+        back = self.worker.up and not self._store_was_up  # a store that comes back is checked at once
+        self._store_was_up = self.worker.up
+        if not self._sweeping and (back or now - self._last_sweep >= STORE_SWEEP_INTERVAL_S):
             self._last_sweep, self._sweeping = now, True
-            self.worker.submit("sweep", self._sweep_store(set(self.by_id)), None)
+            stored = [s.id for s in self.by_id.values() if s.stored and not s.busy]
+            self.worker.submit("sweep", self._sweep_store(set(self.by_id), stored), None)
 
-    def _sweep_store(self, in_memory: set[str]):
+    def _sweep_store(self, in_memory: set[str], stored: list[str]):
+        """The store's expiry and count; and (a store of this process alone) the records of sessions held here
+        that vanished from it — its directory removed and made again — handed to `on_vanished` to write back."""
         store, ttl_s = self.store, self.ttl_s
 
         def sweep(deadline: float | None) -> None:
@@ -389,9 +399,43 @@ class SessionRegistry:
                     if session_id not in in_memory:
                         store.delete(session_id)
                 self.stored = store.count()
+                vanished = [] if store.shared else [i for i in stored if _missing(store, i)]
+                if vanished:
+                    self.on_vanished(vanished)
             finally:
                 self._sweeping = False
 
         return sweep
 
+    def write_back(self, session_ids: list[str]) -> list[StoreStep]:
+        """Engine thread: the records of these sessions (held here, idle, stored before) written again. On a
+        shared store a missing record means another replica deleted the session: never written back there."""
+        steps = []
+        for session_id in session_ids:
+            session = self.by_id.get(session_id)
+            if session is None or session.busy or not session.stored or self.shared:
+                continue
+            logger.warning("session %s: its record vanished from the store; writing it back", session_id)
+            steps.append(self._rewrite(session))
+        return steps
+
+    def _rewrite(self, session: Session) -> StoreStep:
+        """A record written again; if that fails the session stays as it is here (the next sweep tries again)."""
+        session.busy = True
+
+        def settle(error: BaseException | None, _: object) -> None:
+            session.busy = False
+            if error is not None:
+                logger.warning("session %s: writing its record back failed (%s); tried again at the next sweep",
+                               session.id, error)
+
+        return StoreStep("put", self._record_write(session), settle)
+
     # ---- fork / export / import ----
+
+
+def _missing(store: SessionStore, session_id: str) -> bool:
+    try:
+        return store.metadata(session_id) is None
+    except BrokenRecord:
+        return False  # there, though unreadable: not ours to overwrite

@@ -38,6 +38,15 @@ class SessionService:
         self._call, self._internal_call = call, internal_call
         self.state_bytes = state_bytes
         self.on_skipped_record = on_skipped_record
+        registry.on_vanished = self._write_back
+
+    def _write_back(self, session_ids: list[str]) -> None:
+        """Store thread: sessions held here whose records vanished are written again (on the engine thread)."""
+        def write() -> None:
+            for step in self.registry.write_back(session_ids):
+                self.run_store_step(step)
+
+        self._internal_call(write)
 
     def create(self, owner: str | None, first_prompt: bool = False) -> Future:
         """`first_prompt`: the caller continues the session with a prompt at once; that turn writes the record
