@@ -156,6 +156,7 @@ class Engine:
             self._thread.join(timeout)
         if self.store_worker is not None:
             self.store_worker.close()  # every turn handed over is stored (or failed) before the process exits
+        self.sessions.close()  # and settled
 
     def submit(self, request: EngineRequest, sink: Sink) -> Future:
         """Future resolves once the request is accepted, or raises EngineError (bad input, busy, full)."""

@@ -5,17 +5,23 @@ engine thread — and exposes it as `engine.sessions`.
 A command that names a session runs in up to three hops, and the engine thread never waits for I/O:
 1. lookup (store thread): the record if this process holds no current copy, the revision and, for a
    change on a shared store, the lease — `StoreAccess.lookup`;
-2. act (engine thread): the change in memory; it returns the answer, or a `StoreStep`;
+2. act (engine thread): the change in memory; it returns the answer, or a `StoreStep` (queued on the store
+   thread there and then);
 3. store, then settle: the step runs on the store thread (with its deadline), then settles on the engine
    thread — the answer, or the rollback and a 503 — so 2xx always means stored.
+`_command` is that sequence, top to bottom: a coroutine on the commands' own event loop (a thread that only
+waits), retrying a busy session every RETRY_S within its wait and a stale lookup up to LOOKUP_ATTEMPTS times.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
 
 from . import copies
 from .failures import SessionBusy, StaleLookup, store_failure
@@ -26,6 +32,7 @@ from .registry import SessionRegistry
 from .worker import StoreStep, StoreWorker
 
 LOOKUP_ATTEMPTS = 3  # a session that changes under every lookup (it cannot, short of a bug) is a 503
+RETRY_S = 0.02  # a session busy here or on another replica is asked again this often (within its wait)
 
 
 class SessionService:
@@ -36,6 +43,9 @@ class SessionService:
         self.registry, self.worker = registry, worker
         self.on_loaded = on_loaded
         self._call, self._internal_call = call, internal_call
+        self._loop = asyncio.new_event_loop()  # where commands wait between their hops (one thread, no work)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="linserve-session-commands", daemon=True)
+        self._thread.start()
         self.state_bytes = state_bytes
         self.on_skipped_record = on_skipped_record
         registry.on_vanished = self._write_back
@@ -111,64 +121,55 @@ class SessionService:
 
     # ------------------------------------------------------------------ the hops
     def command(self, act: Callable[[Session | None], object], session_id: str | None = None,
-                         owner: str | None = None, claim: bool = False, wait_s: float = LEASE_GRACE_S) -> Future:
+                owner: str | None = None, claim: bool = False, wait_s: float = LEASE_GRACE_S) -> Future:
         """`act(session)` on the engine thread after the store lookup (see the module doc); a StoreStep it
         returns is run, then settled, before the future resolves. A session busy here or on another replica
         is waited for up to `wait_s` (a turn that is finishing stores its record in milliseconds)."""
-        outer: Future = Future()
+        return asyncio.run_coroutine_threadsafe(self._command(act, session_id, owner, claim, wait_s), self._loop)
+
+    async def _command(self, act: Callable, session_id: str | None, owner: str | None, claim: bool,
+                       wait_s: float) -> object:
+        """The command, hop after hop, on the commands' own event loop (it only waits: the work is the store
+        thread's and the engine thread's)."""
         grace_until = time.monotonic() + wait_s
-        attempts = [0]
+        refetch, stale = False, 0
+        while True:
+            try:
+                found = await self._lookup(session_id, claim, refetch)  # 1. store thread
+            except LeaseHeld:  # another replica's turn is finishing: wait a little for its write
+                if time.monotonic() < grace_until:
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                raise
+            except Exception as error:  # noqa: BLE001 - the caller gets the 503 that says what failed
+                raise store_failure(error, "the session could not be read") from None
+            try:  # 2. engine thread (a StoreStep it returns is queued there, in order with what follows)
+                acted = await asyncio.wrap_future(self._call(partial(self._act, act, session_id, owner, claim, found)))
+            except SessionBusy:
+                if claim and time.monotonic() < grace_until:
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                raise
+            except StaleLookup as error:  # the session changed between the lookup and the act: read it again
+                if stale < LOOKUP_ATTEMPTS:
+                    stale, refetch = stale + 1, True
+                    continue
+                raise store_failure(error, "the session kept changing while it was read") from None
+            if isinstance(acted, _Queued):
+                return await self._settle(acted.step, acted.stored)  # 3. store thread, then engine thread
+            return acted
 
-        def look(refetch: bool = False) -> None:
-            if session_id is None or self.worker is None:
-                act_on(None)
-                return
-            if not self.registry.shared and not refetch and self.registry.holds(session_id):
-                act_on(Lookup(session_id, None, None, None, fetched=False))  # nothing to read (re-checked there)
-                return
-            access = self.registry.access
-            looked = self.worker.submit(
-                "get", lambda deadline: access.lookup(session_id, claim, refetch, deadline))
-            looked.add_done_callback(lambda f: after_lookup(f))
-
-        def later() -> None:
-            timer = threading.Timer(0.02, look)
-            timer.daemon = True
-            timer.start()
-
-        def after_lookup(looked: Future) -> None:
-            error = looked.exception()
-            if isinstance(error, LeaseHeld) and time.monotonic() < grace_until:
-                later()
-            elif error is not None:
-                outer.set_exception(store_failure(error, "the session could not be read"))
-            else:
-                found = looked.result()
-                if found.fetched and found.data is not None:
-                    self.on_loaded()
-                act_on(found)
-
-        def act_on(found: Lookup | None) -> None:
-            self._call(lambda: self._act(act, session_id, owner, claim, found)).add_done_callback(after_act)
-
-        def after_act(acted: Future) -> None:
-            error = acted.exception()
-            if claim and isinstance(error, SessionBusy) and time.monotonic() < grace_until:
-                later()
-            elif isinstance(error, StaleLookup) and attempts[0] < LOOKUP_ATTEMPTS:
-                attempts[0] += 1
-                look(refetch=True)
-            elif isinstance(error, StaleLookup):
-                outer.set_exception(store_failure(error, "the session kept changing while it was read"))
-            elif error is not None:
-                outer.set_exception(error)
-            elif isinstance(acted.result(), StoreStep):
-                self.run_store_step(acted.result(), outer)
-            else:
-                outer.set_result(acted.result())
-
-        look()
-        return outer
+    async def _lookup(self, session_id: str | None, claim: bool, refetch: bool) -> Lookup | None:
+        if session_id is None or self.worker is None:
+            return None
+        if not self.registry.shared and not refetch and self.registry.holds(session_id):
+            return Lookup(session_id, None, None, None, fetched=False)  # nothing to read (re-checked there)
+        access = self.registry.access
+        found = await asyncio.wrap_future(
+            self.worker.submit("get", lambda deadline: access.lookup(session_id, claim, refetch, deadline)))
+        if found.fetched and found.data is not None:
+            self.on_loaded()
+        return found
 
     def _act(self, act: Callable, session_id: str | None, owner: str | None, claim: bool, found: Lookup | None):
         """Engine thread: resolve the session (a lease taken for it is given back if anything fails)."""
@@ -178,32 +179,54 @@ class SessionService:
                 session = self.registry.resolve(session_id, owner, found)
                 if claim:
                     self.registry.claim(session, found)
-            return act(session)
+            result = act(session)
         except BaseException:
             if found is not None and found.lease is not None and (session is None or session.lease == found.lease):
                 if session is not None:
                     session.lease = None
                 self.registry.give_back_lease(found.session_id, found.lease)
             raise
+        return _Queued(result, self.worker.submit(result.op, result.run)) if isinstance(result, StoreStep) else result
 
-    def run_store_step(self, step: StoreStep, outer: Future | None = None) -> None:
-        """Run the step on the store thread, then settle it on the engine thread; the answer goes to `outer`."""
-        def stored(done: Future) -> None:
-            error = done.exception()
-            if step.settle is None:
-                if outer is not None:
-                    if error is None:
-                        outer.set_result(done.result())
-                    else:
-                        outer.set_exception(store_failure(error, "the sessions could not be listed"))
-                return
-            result = None if error is not None else done.result()
-            settled = self._internal_call(lambda: step.settle(error, result))
-            if outer is not None:
-                settled.add_done_callback(lambda s: outer.set_exception(s.exception()) if s.exception() is not None
-                                          else outer.set_result(s.result()))
+    def run_store_step(self, step: StoreStep) -> Future:
+        """Queue the step on the store thread now (in order with what the caller queues next), then settle it
+        on the engine thread; the future has the settled answer."""
+        stored = self.worker.submit(step.op, step.run)
+        return asyncio.run_coroutine_threadsafe(self._settle(step, stored), self._loop)
 
-        self.worker.submit(step.op, step.run).add_done_callback(stored)
+    async def _settle(self, step: StoreStep, stored: Future) -> object:
+        error, result = None, None
+        try:
+            result = await asyncio.wrap_future(stored)
+        except Exception as failure:  # noqa: BLE001 - the settle decides what the caller hears
+            error = failure
+        if step.settle is None:  # a read (a listing): nothing to undo
+            if error is not None:
+                raise store_failure(error, "the sessions could not be listed")
+            return result
+        return await asyncio.wrap_future(self._internal_call(lambda: step.settle(error, result)))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """After the store worker has closed: let the commands still settling finish, then stop their loop."""
+        async def drain() -> None:
+            pending = asyncio.all_tasks() - {asyncio.current_task()}
+            if pending:
+                await asyncio.wait(pending, timeout=timeout)
+
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(drain(), self._loop).result(timeout + 1)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout)
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """An act's StoreStep, already queued on the store thread (from the engine thread)."""
+
+    step: StoreStep
+    stored: Future
 
 
 def _done(result: object) -> Future:
