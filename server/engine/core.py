@@ -36,23 +36,19 @@ from linserve.model.loading import in_dtype
 from . import heap
 from .accounting import check_request, pool_stats, slot_accounting
 from .command_queue import ENGINE_DEAD, CommandQueue
-from .compile.compiled_decode import TRACING, DecodeStep
+from .compile.compiled_decode import TRACING
 from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads
-from .kv_pool import KVCachePool
 from .live import LiveRequest, Row
-from .prefix_cache import PrefixCache
+from .model_kind import model_parts
 from .sampling import SlotSampling
 from .scheduler import SchedSeq, Scheduler, StepPlan
-from .sessions.backends import open_store
 from .sessions.records import Session
 from .sessions.registry import SessionRegistry
 from .sessions.service import SessionService
 from .sessions.worker import StoreStep, StoreWorker
 from .slots import EngineSlots
-from .spec.speculation import SpeculativeDecoding
-from .state_pool import StatePool
-from .step_runner import Delivery, StepRunner
+from .step_runner import Delivery
 from .types import (
     EngineConfig,
     EngineError,
@@ -86,7 +82,6 @@ class Engine:
         self.threads = apply_threads(config.threads, config.prefill_threads)
         self.model = model = (in_dtype(model, dtype) if dtype else model).eval()  # (every use below: this copy)
         self.config, self.device = config, device
-        self.linear = model.config.attention == "linear"
         # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
         self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.tokenizer = tokenizer
@@ -94,37 +89,27 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.vocab_size, self.eos_id = model.config.vocab_size, tokenizer.eos_token_id
         self.stats_sink = stats_sink or (lambda stats: None)
-        self.pool = (StatePool(model, config.num_slots, device) if self.linear
-                     else KVCachePool(model, config.num_slots, config.max_context, device))
         self.sampling = SlotSampling(config.num_slots, self.vocab_size, device)
-        max_rows = min(config.num_slots, config.max_batch_tokens)
-        self.decode_step = DecodeStep(self.model, self.pool, self.sampling, device, config.compile, max_rows,
-                                      config.compile_cache_dir, config.compile_autotune) if self.linear else None
-        self.speculative = (SpeculativeDecoding(self.model, self.pool, self.sampling, device, config, max_rows,
-                                                self.decode_step, self.eos_id, draft_model) if self.linear else None)
-        self.speculation = self.speculative.policy if self.speculative is not None else None
-        self.prefix_cache = PrefixCache(config.prefix_cache_entries if self.linear else 0, config.max_prefill_chunk,
-                                        self.pool.slot_bytes)
-        self.runner = StepRunner(model, self.pool, self.sampling, self.decode_step, self.prefix_cache, device,
-                                 self.eos_id, self.threads, self.speculative and self.speculative.verify_steps,
-                                 self.speculation)
+        # the model's kind (a fixed-size state, or the softmax baseline's KV cache) brings its parts: model_kind.py
+        self.parts = parts = model_parts(self.model, config, self.sampling, device, self.eos_id, self.threads,
+                                         draft_model)
+        self.pool, self.runner, self.prefix_cache = parts.pool, parts.runner, parts.prefix_cache
+        self.decode_step, self.speculative, self.speculation = parts.decode_step, parts.speculative, parts.speculation
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
-        store = (open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
-                 if self.linear else None)
+        store = parts.store
         self.store_worker = None if store is None else StoreWorker(store, config.session_store_timeout_s,
                                                                    self._store_result)
         # a snapshot names the decode weights: they made its state's tokens
         self.registry = SessionRegistry(self.pool, self.model, config.max_host_sessions, config.session_ttl_s,
                                         self.reserved_slots, config.session_turns_kept, store, self.store_worker,
-                                        config.session_text_chars if self.linear else 0,
-                                        int(config.session_responses_mb * 2**20))
+                                        parts.text_chars, int(config.session_responses_mb * 2**20))
         self.commands = CommandQueue()
         self.sessions = SessionService(self.registry, self.store_worker, self.commands.call, self.commands.internal,
                                        self.pool.slot_bytes, self._skipped_record,
                                        lambda: self.stats_sink(SessionLoaded()))
         self.live: dict[str, LiveRequest] = {}
         self.slots = EngineSlots(self.live, self.registry, self.pool, self.sampling, self.prefix_cache,
-                                 lambda: self.grammars, self.linear)
+                                 lambda: self.grammars, parts.preemptible)
         self.scheduler = Scheduler(self.slots, config.max_batch_tokens, config.max_prefill_chunk,
                                    config.max_prefill_while_decoding, config.scheduling_policy,
                                    config.priority_aging_s)
@@ -136,9 +121,7 @@ class Engine:
     # ---------------------------------------------------------------- public, any thread
     def start(self) -> Engine:
         self._thread.start()
-        if self.decode_step is not None:
-            self.decode_step.start()  # compiles in the background; eager serves meanwhile
-            self.speculative.start(self.config.speculative)  # (after the decode step's buckets)
+        self.parts.start(self.config.speculative)
         return self
 
     @property
@@ -147,9 +130,7 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything in flight (finish reason `abort`), end the thread, flush the session store."""
-        if self.decode_step is not None:
-            self.decode_step.close()
-            self.speculative.close()
+        self.parts.close()
         if self._thread.is_alive():
             self.commands.stopping.set()  # from here on new requests are refused
             self.commands.wake()
@@ -268,8 +249,7 @@ class Engine:
             raise EngineError("the request queue is full", kind="capacity")
         params = request.params
         check_request(request, self.config, self.reserved_slots, self.vocab_size)
-        if self.speculative is not None:
-            self.speculative.admit(params)  # a draft model it lacks: 400; else its programs get compiled
+        self.parts.admit(params)  # a draft model it lacks: 400; else its programs get compiled
         feed = list(request.prompt_ids)
         if session is not None:  # found (404) and claimed (409) before anything about the body
             if params.n != 1:
@@ -285,9 +265,7 @@ class Engine:
                 feed = [self.eos_id]
         elif not feed:
             raise EngineError("the prompt is empty", param="prompt")
-        if not self.linear and len(feed) + params.max_tokens > self.config.max_context:
-            raise EngineError(f"prompt ({len(feed)} tokens) + max_tokens ({params.max_tokens}) exceeds this softmax "
-                              f"model's max context of {self.config.max_context} tokens", param="max_tokens")
+        self.parts.check_context(len(feed), params.max_tokens)  # the softmax baseline's KV cache must hold it
         live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.decoder,
                            eos_id=self.eos_id, arrival=time.monotonic(),
                            text_chars=self.registry.text_chars if session is not None else 0)
@@ -365,7 +343,7 @@ class Engine:
     # ---------------------------------------------------------------- observations
     def describe_speculation(self) -> dict | None:
         """For /ready (speculation.SpeculativeDecoding.describe); None for a softmax model."""
-        return self.speculative.describe() if self.speculative is not None else None
+        return self.parts.describe_speculation()
 
     def _emit_pool_stats(self) -> None:
         self.stats_sink(pool_stats(self.pool, self.registry, self.scheduler))

@@ -18,9 +18,9 @@ from .sessions.registry import SessionRegistry
 
 class EngineSlots:
     def __init__(self, live: dict[str, LiveRequest], registry: SessionRegistry, pool, sampling: SlotSampling,
-                 prefix_cache: PrefixCache, grammars: Callable[[], GrammarRuntime], linear: bool) -> None:
+                 prefix_cache: PrefixCache, grammars: Callable[[], GrammarRuntime], preemptible: bool) -> None:
         self.live, self.registry, self.pool, self.sampling = live, registry, pool, sampling
-        self.prefix_cache, self._grammars, self.linear = prefix_cache, grammars, linear
+        self.prefix_cache, self._grammars, self.preemptible = prefix_cache, grammars, preemptible
 
     def acquire(self, seq: SchedSeq) -> list[int] | None:
         """Slots for seq, or None to wait; if this raises, nothing it took stays taken."""
@@ -56,7 +56,7 @@ class EngineSlots:
         """Park a running stateless request (priority scheduling): each unfinished row's state and sampling row
         are copied off its slot, and the slots are freed. A session's request keeps its slot (its own state)."""
         live = self.live[seq.seq_id]
-        if live.session is not None or not self.linear:
+        if live.session is not None or not self.preemptible:
             return False
         for row in live.rows:
             if row.slot in seq.slots:

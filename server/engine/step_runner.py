@@ -72,32 +72,25 @@ class StepRunner:
     # ------------------------------------------------------------------ phases
     def decode(self, rows: list[Row], speculate: bool = True) -> Delivery:
         """One token for every running row (more where a verification step accepts drafts: only when
-        `speculate`, which the core clears while prompts are prefilled in the same step)."""
+        `speculate`, which the core clears while prompts are prefilled in the same step): one program
+        (eager, a compiled bucket or a CUDA graph). The softmax baseline's: softmax_baseline.KVCacheRunner."""
         slots = [row.slot for row in rows]
         tokens = [row.next_token for row in rows]
         positions = [row.position for row in rows]
-        if self.decode_step is not None:  # linear: one program (eager, a compiled bucket or a CUDA graph)
-            step_started = time.perf_counter()  # (the policy compares whole steps: planning and delivery count)
-            plan = self.speculation.plan(rows) if self.speculation is not None and speculate else None
-            if plan is not None:
-                return self.verify(rows, plan, step_started)
-            started = time.perf_counter()
-            out = self.decode_step(tokens, slots, positions)
-            program_s = time.perf_counter() - started
-            index = torch.tensor(slots, device=self.device)  # (B,)
-            sampled = self._sampled(rows, out, index)
-            self.pool.scatter_tensors(index, out.state)  # the step succeeded: commit the rows' state
-            delivery = self.deliver(rows, sampled)
-            delivery.program_s, delivery.tokens = program_s, len(rows)
-            if self.speculation is not None:
-                self.speculation.observe("decode", len(rows), time.perf_counter() - step_started)
-            return delivery
-        ids = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1) softmax baseline: a KV cache
-        logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
-        sampled = self.choose(rows, logits[:, 0].float())  # may raise: nothing is committed yet
-        self.pool.scatter(slots, state)
+        step_started = time.perf_counter()  # (the policy compares whole steps: planning and delivery count)
+        plan = self.speculation.plan(rows) if self.speculation is not None and speculate else None
+        if plan is not None:
+            return self.verify(rows, plan, step_started)
+        started = time.perf_counter()
+        out = self.decode_step(tokens, slots, positions)
+        program_s = time.perf_counter() - started
+        index = torch.tensor(slots, device=self.device)  # (B,)
+        sampled = self._sampled(rows, out, index)
+        self.pool.scatter_tensors(index, out.state)  # the step succeeded: commit the rows' state
         delivery = self.deliver(rows, sampled)
-        delivery.tokens = len(rows)
+        delivery.program_s, delivery.tokens = program_s, len(rows)
+        if self.speculation is not None:
+            self.speculation.observe("decode", len(rows), time.perf_counter() - step_started)
         return delivery
 
     def verify(self, rows: list[Row], plan: Plan, step_started: float) -> Delivery:

@@ -1,9 +1,11 @@
-"""Per-slot KV caches for the softmax baseline, so the same engine, load and metrics serve both kinds.
+"""The softmax baseline (`attention: softmax`) as a component of its own, so the same engine, load and metrics
+serve both kinds and the engine core never asks which it has (model_kind.py chooses once).
 
-Each layer's k and v get a (num_slots, H, max_context, dh) buffer and each slot a length. A batch is
-gathered left-padded to its longest row (with a validity mask); after a step only the new entries are
-written back. Reading grows with context, as a KV cache does; sessions and the prefix cache, which
-need a fixed-size state, are not offered for these models.
+`KVCachePool`: each layer's k and v get a (num_slots, H, max_context, dh) buffer and each slot a length. A
+batch is gathered left-padded to its longest row (with a validity mask); after a step only the new entries
+are written back. Reading grows with context, as a KV cache does; sessions, the prefix cache, preemption and
+speculation, which need a fixed-size state, are not offered for these models. `KVCacheRunner`: its decode
+step — the model over the gathered caches, then the shared sampling (no compiled program).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import torch
 
 from linserve.model import LinearGPT, ModelState
 
+from .live import Row
 from .state_pool import SlotPool
+from .step_runner import Delivery, StepRunner
 from .types import EngineError
 
 
@@ -90,3 +94,24 @@ class KVCachePool(SlotPool):
 
     def load(self, slot: int, tensors) -> None:
         raise EngineError("sessions and the prefix cache need a linear-attention model", param="model")
+
+
+class KVCacheRunner(StepRunner):
+    """The step runner with the KV cache's decode (prefill, scoring and delivery are the shared ones)."""
+
+    def decode(self, rows: list[Row], speculate: bool = True) -> Delivery:
+        slots = [row.slot for row in rows]
+        ids = torch.tensor([row.next_token for row in rows], device=self.device)[:, None]  # (B, 1)
+        logits, state = self.model(ids, self.pool.gather(slots))  # (B, 1, V)
+        sampled = self.choose(rows, logits[:, 0].float())  # may raise: nothing is committed yet
+        self.pool.scatter(slots, state)
+        delivery = self.deliver(rows, sampled)
+        delivery.tokens = len(rows)
+        return delivery
+
+
+def check_context(feed: int, max_tokens: int, max_context: int) -> None:
+    """A request whose prompt and answer cannot fit the KV cache is refused before it queues."""
+    if feed + max_tokens > max_context:
+        raise EngineError(f"prompt ({feed} tokens) + max_tokens ({max_tokens}) exceeds this softmax model's max "
+                          f"context of {max_context} tokens", param="max_tokens")

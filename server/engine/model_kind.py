@@ -1,0 +1,81 @@
+"""What differs between a model with a fixed-size state (every linear-attention family) and the softmax baseline
+with its KV cache — chosen once, here, so the engine core uses the parts and never asks which kind it has.
+
+A fixed-size state brings the state pool, the decode program (compiled in the background), speculative decoding,
+the prefix cache, the session store, turn texts and preemption. The baseline brings its KV-cache pool and its
+runner (softmax_baseline.py), a context limit per request, and none of the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .compile.compiled_decode import DecodeStep
+from .prefix_cache import PrefixCache
+from .sampling import SlotSampling
+from .sessions.backends import open_store
+from .sessions.stores import SessionStore
+from .softmax_baseline import KVCachePool, KVCacheRunner, check_context
+from .spec.speculation import SpeculationPolicy, SpeculativeDecoding
+from .state_pool import SlotPool, StatePool
+from .step_runner import StepRunner
+from .types import EngineConfig, SamplingParams
+
+
+@dataclass
+class ModelParts:
+    pool: SlotPool
+    runner: StepRunner
+    prefix_cache: PrefixCache
+    store: SessionStore | None  # None: sessions live in memory only (`none`), or the model cannot keep them
+    text_chars: int  # each session's turn text kept (0: none)
+    preemptible: bool  # a running request's state can be parked and brought back (priority scheduling)
+    decode_step: DecodeStep | None = None  # the decode program (None: the baseline's runner decodes)
+    speculative: SpeculativeDecoding | None = None
+    check_context: Callable[[int, int], None] = lambda feed, max_tokens: None  # (prompt, max_tokens) → may raise
+
+    @property
+    def speculation(self) -> SpeculationPolicy | None:
+        return self.speculative.policy if self.speculative is not None else None
+
+    def start(self, speculative_default: str) -> None:
+        if self.decode_step is not None:
+            self.decode_step.start()  # compiles in the background; eager serves meanwhile
+            self.speculative.start(speculative_default)  # (after the decode step's buckets)
+
+    def close(self) -> None:
+        if self.decode_step is not None:
+            self.decode_step.close()
+            self.speculative.close()
+
+    def admit(self, params: SamplingParams) -> None:
+        """What this kind checks of a request's sampling before it queues (a draft model it lacks: 400)."""
+        if self.speculative is not None:
+            self.speculative.admit(params)
+
+    def describe_speculation(self) -> dict | None:
+        return self.speculative.describe() if self.speculative is not None else None
+
+
+def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: torch.device, eos_id: int | None,
+                threads, draft_model=None) -> ModelParts:
+    max_rows = min(config.num_slots, config.max_batch_tokens)
+    if model.config.attention != "linear":
+        pool = KVCachePool(model, config.num_slots, config.max_context, device)
+        prefix_cache = PrefixCache(0, config.max_prefill_chunk, pool.slot_bytes)
+        runner = KVCacheRunner(model, pool, sampling, None, prefix_cache, device, eos_id, threads)
+        return ModelParts(pool, runner, prefix_cache, store=None, text_chars=0, preemptible=False,
+                          check_context=lambda feed, max_tokens: check_context(feed, max_tokens, config.max_context))
+    pool = StatePool(model, config.num_slots, device)
+    decode_step = DecodeStep(model, pool, sampling, device, config.compile, max_rows, config.compile_cache_dir,
+                             config.compile_autotune)
+    speculative = SpeculativeDecoding(model, pool, sampling, device, config, max_rows, decode_step, eos_id, draft_model)
+    prefix_cache = PrefixCache(config.prefix_cache_entries, config.max_prefill_chunk, pool.slot_bytes)
+    runner = StepRunner(model, pool, sampling, decode_step, prefix_cache, device, eos_id, threads,
+                        speculative.verify_steps, speculative.policy)
+    store = open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
+    return ModelParts(pool, runner, prefix_cache, store, config.session_text_chars, preemptible=True,
+                      decode_step=decode_step, speculative=speculative)
