@@ -97,8 +97,8 @@ class Engine:
         self.decode_step, self.speculative, self.speculation = parts.decode_step, parts.speculative, parts.speculation
         self.reserved_slots = min(max(config.reserved_slots, config.max_n, 1), config.num_slots)
         store = parts.store
-        self.store_worker = None if store is None else StoreWorker(store, config.session_store_timeout_s,
-                                                                   self._store_result)
+        self.store_worker = StoreWorker(store, config.session_store_timeout_s, self._store_result) if store.keeps \
+            else None
         # a snapshot names the decode weights: they made its state's tokens
         self.registry = SessionRegistry(self.pool, self.model, config.max_host_sessions, config.session_ttl_s,
                                         self.reserved_slots, config.session_turns_kept, store, self.store_worker,

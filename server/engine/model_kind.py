@@ -17,7 +17,7 @@ from .compile.compiled_decode import DecodeStep
 from .prefix_cache import PrefixCache
 from .sampling import SlotSampling
 from .sessions.backends import open_store
-from .sessions.stores import SessionStore
+from .sessions.stores import NoStore, SessionStore
 from .softmax_baseline import KVCachePool, KVCacheRunner, check_context
 from .spec.speculation import SpeculationPolicy, SpeculativeDecoding
 from .state_pool import SlotPool, StatePool
@@ -30,7 +30,7 @@ class ModelParts:
     pool: SlotPool
     runner: StepRunner
     prefix_cache: PrefixCache
-    store: SessionStore | None  # None: sessions live in memory only (`none`), or the model cannot keep them
+    store: SessionStore  # NoStore: sessions live in this process only (`none`, and every softmax model)
     text_chars: int  # each session's turn text kept (0: none)
     preemptible: bool  # a running request's state can be parked and brought back (priority scheduling)
     decode_step: DecodeStep | None = None  # the decode program (None: the baseline's runner decodes)
@@ -67,7 +67,7 @@ def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: tor
         pool = KVCachePool(model, config.num_slots, config.max_context, device)
         prefix_cache = PrefixCache(0, config.max_prefill_chunk, pool.slot_bytes)
         runner = KVCacheRunner(model, pool, sampling, None, prefix_cache, device, eos_id, threads)
-        return ModelParts(pool, runner, prefix_cache, store=None, text_chars=0, preemptible=False,
+        return ModelParts(pool, runner, prefix_cache, store=NoStore(), text_chars=0, preemptible=False,
                           check_context=lambda feed, max_tokens: check_context(feed, max_tokens, config.max_context))
     pool = StatePool(model, config.num_slots, device)
     decode_step = DecodeStep(model, pool, sampling, device, config.compile, max_rows, config.compile_cache_dir,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from .stores import DirStore, SessionStore
+from .dir_store import DirStore
+from .stores import NoStore, SessionStore
 
 
-def open_store(spec: str, ttl_s: float = 3600.0, timeout_s: float = 2.0) -> SessionStore | None:
+def open_store(spec: str, ttl_s: float = 3600.0, timeout_s: float = 2.0) -> SessionStore:
     """`none`, `dir:PATH` or `redis://HOST:PORT/DB`."""
     if spec == "none":
-        return None
+        return NoStore()
     if spec.startswith("dir:") and len(spec) > 4:
         return DirStore(spec[4:])
     if spec.startswith(("redis://", "rediss://", "unix://")):

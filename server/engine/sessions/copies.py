@@ -54,8 +54,6 @@ def kept_result(registry: SessionRegistry, session: Session, key: str) -> dict |
     if entry is not None and entry.get("result") is not None:
         registry.touch(session)
         return _kept(session, entry)
-    if registry.store is None:
-        raise _not_kept(session)
     store, session_id = registry.store, session.id
 
     def settle(error: BaseException | None, data: bytes | None) -> dict:
@@ -66,7 +64,7 @@ def kept_result(registry: SessionRegistry, session: Session, key: str) -> dict |
         registry.touch(session)
         return _kept(session, json.loads(data))
 
-    return StoreStep("get", lambda deadline: store.get_entry(session_id, key), settle)
+    return registry.through(StoreStep("get", lambda deadline: store.get_entry(session_id, key), settle))
 
 
 def _kept(session: Session, entry: dict) -> dict:
@@ -85,11 +83,8 @@ def forget(registry: SessionRegistry, session: Session, key: str) -> StoreStep |
     store, session_id = registry.store, session.id
     if session.applied_entry(key) is not None:
         session.applied = [entry for entry in session.applied if entry["key"] != key]
-        remove_entry = None if store is None else lambda deadline: store.delete_entry(session_id, key, deadline)
-        return registry.stored_change(session, "it was not deleted", also=remove_entry)
-    if store is None:
-        registry.release(session)
-        raise _not_kept(session)
+        return registry.stored_change(session, "it was not deleted",
+                                      also=lambda deadline: store.delete_entry(session_id, key, deadline))
     session.busy = True
 
     def remove(deadline: float | None) -> bool:
@@ -106,7 +101,7 @@ def forget(registry: SessionRegistry, session: Session, key: str) -> StoreStep |
             raise _not_kept(session)
         return registry.info(session)
 
-    return StoreStep("delete", remove, settle)
+    return registry.through(StoreStep("delete", remove, settle))
 
 
 def export(registry: SessionRegistry, session: Session) -> bytes:

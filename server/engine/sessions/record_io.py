@@ -38,6 +38,9 @@ def record_write(session: Session, head_state: dict, fingerprint: str, store, ac
     """The store write of the session as it is now: immutable copies handed to the store thread, which
     encodes and writes them (and then releases the lease this change held). `also(deadline)`, if given, runs
     first (a stored response's entry): the write returns what it returns, and fails if it fails."""
+    if not store.keeps:  # nothing is written (`none`): the change stands as it is, under a new revision
+        session.revision = uuid.uuid4().hex
+        return lambda deadline: also(deadline) if also is not None else None
     latest = session.turns[-1] if session.turns and session.turns[-1].index == session.turn_count else None
     # the newest turn's snapshot is the head's state (immutable): the store thread copies it, not this one
     state = latest.state if latest is not None else {n: t.clone() for n, t in head_state.items()}

@@ -84,7 +84,7 @@ class RedisStore:
     OWNER = "linserve:owner:"  # a sorted set of session ids per owner (score 0: ordered by id)
     ENTRIES = "linserve:entries:"  # a hash per session: entry name → bytes, and "#bytes"
     KEY = "linserve:key:"  # a keyed result
-    shared = True
+    shared, keeps = True, True
     kind = "redis"
 
     def __init__(self, url: str, ttl_s: float, timeout_s: float = 2.0) -> None:

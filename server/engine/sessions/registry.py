@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections import OrderedDict
 
 import torch
@@ -29,7 +28,7 @@ from linserve.model import LinearGPT
 from ..state_pool import StatePool
 from ..types import EngineError, Idempotency
 from .failures import SessionBusy, StaleLookup, store_failure
-from .leases import LEASE_RENEW_S, Lookup, StoreAccess
+from .leases import Lookup, StoreAccess
 from .record_io import check_applied, record_write, session_from_record
 from .records import (
     APPLIED_TEXT_CHARS,
@@ -43,14 +42,13 @@ from .records import (
     new_session_id,
 )
 from .snapshot import model_fingerprint
-from .stores import BrokenRecord, OutcomeUnknown, SessionStore
+from .stores import NoStore, OutcomeUnknown, SessionStore
 from .tiers import Tiers
+from .upkeep import Upkeep
 from .worker import StoreStep, StoreWorker
 
 logger = logging.getLogger(__name__)
 
-EXPIRY_CHECK_INTERVAL_S = 1.0
-STORE_SWEEP_INTERVAL_S = 10.0
 
 
 class SessionRegistry:
@@ -60,11 +58,12 @@ class SessionRegistry:
         self.pool = pool
         self.entries_bytes = entries_bytes  # a session's stored responses in the store, at most
         self.text_chars = text_chars  # each session's turn text, at most (session_text_chars)
-        self.store, self.worker = store, worker
-        self.access = None if store is None else StoreAccess(store, self._held)
-        if worker is not None and self.access is not None:
+        self.store = store = store if store is not None else NoStore()  # (`none`: settled at once, see `through`)
+        self.worker = worker  # the store's thread (None with NoStore: nothing to wait for)
+        self.access = StoreAccess(store, self._held)
+        if worker is not None:
             worker.after_probe.append(self.access.retry_releases)
-        self.shared = store is not None and store.shared  # replicas share it: leases and freshness checks
+        self.shared = store.shared  # replicas share it: leases and freshness checks
         self.stored = 0  # records in the store (counted by the sweep, on the store thread)
         self.model = model
         self.vocab_size = model.config.vocab_size
@@ -75,13 +74,7 @@ class SessionRegistry:
         self.by_id: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.tiers = Tiers(pool, self.by_id, max_host_sessions)
         self._fingerprint: str | None = None
-        self._last_expiry = 0.0
-        self._last_renew = 0.0
-        self._last_sweep = -STORE_SWEEP_INTERVAL_S
-        self._sweeping = False
-        self._store_was_up = True
-        # store thread → engine thread: session ids whose records vanished (set by the service; see write_back)
-        self.on_vanished = lambda session_ids: None
+        self.upkeep = Upkeep(self)
 
     @property
     def fingerprint(self) -> str:
@@ -162,13 +155,15 @@ class SessionRegistry:
         """The store write of the session as it is now (see `record_write`)."""
         return record_write(session, self.tiers.state_of(session), self.fingerprint, self.store, self.access, also)
 
+    def through(self, step: StoreStep):
+        """A change's store step: handed to the store worker (its answer waits for the write), or — with a store
+        that keeps nothing (`none`) — run and settled at once, its answer returned as it stands."""
+        return step if self.store.keeps else step.settle(None, step.run(None))
+
     def stored_change(self, session: Session, failed: str, new: bool = False, also=None) -> StoreStep | SessionInfo:
         """Answer once the session's record is written; if it is not, roll back (see the module doc). A new
         session whose write may have landed (outcome unknown) is deleted from the store again: its caller was
         told it failed and never learnt its id, so nothing may be left behind."""
-        if self.store is None:
-            session.revision = uuid.uuid4().hex
-            return self.info(session)
         session.busy = True
 
         def settle(error: BaseException | None, _: object) -> SessionInfo:
@@ -182,7 +177,7 @@ class SessionRegistry:
             self.touch(session)
             return self.info(session)
 
-        return StoreStep("put", self._record_write(session, also), settle)
+        return self.through(StoreStep("put", self._record_write(session, also), settle))
 
     def add(self, session: Session) -> StoreStep | SessionInfo:
         self.by_id[session.id] = session
@@ -206,7 +201,7 @@ class SessionRegistry:
         self.check_store()
         self.check_capacity()
         session = Session(id=new_session_id(), owner=owner, slot=self.tiers.allocate_slot())
-        if first_prompt and self.store is not None:
+        if first_prompt:
             session.stored = False
             self.by_id[session.id] = session
             return self.info(session)
@@ -267,10 +262,6 @@ class SessionRegistry:
                 "turn": session.turn_count, "tokens": session.tokens, "created": time.time(),
                 "prompt": turn.text[0], "completion": turn.text[1]}, self.text_chars)
         also = self._remember(session, turn.applied) if turn.applied is not None else None
-        if self.store is None:
-            session.revision = uuid.uuid4().hex
-            self.release(session)
-            return None
 
         def settle(error: BaseException | None, entry_kept: object) -> None:
             if error is not None:
@@ -283,13 +274,13 @@ class SessionRegistry:
             session.stored = True
             self.release(session)
 
-        return StoreStep("put", self._record_write(session, also), settle)
+        return self.through(StoreStep("put", self._record_write(session, also), settle))
 
     def _remember(self, session: Session, applied: dict):
         """Keep a keyed turn's result in the record (the newest APPLIED_KEPT); a stored response's also as its own
         store entry, for the session's life: returns that entry's write, run before the record's."""
         applied = {**applied, "turn": session.turn_count}
-        if not applied.get("entry") or self.store is None:
+        if not applied.get("entry") or not self.store.keeps:
             session.remember(applied)
             return None
         data = json.dumps(applied).encode()
@@ -333,13 +324,11 @@ class SessionRegistry:
         if idempotency is not None:
             session.remember({"key": idempotency.key, "request": idempotency.request, "turn": index,
                               "result": {"tokens": session.tokens}})
-        if self.store is None:
-            session.revision = uuid.uuid4().hex
         self.touch(session)
         return self.stored_change(session, "the session was not rewound")
 
     def delete(self, session: Session) -> StoreStep | None:
-        if self.store is None or not session.stored:  # (a session whose first turn never got stored)
+        if not session.stored:  # (a session whose first turn never got stored)
             self._drop(session)
             self.give_back_lease(session.id, session.lease)
             session.lease = None
@@ -364,78 +353,13 @@ class SessionRegistry:
                 raise store_failure(error, "the session was not deleted")
             self.discard(session)
 
-        return StoreStep("delete", remove, settle)
+        return self.through(StoreStep("delete", remove, settle))
 
     def expire(self) -> None:
-        """Housekeeping between steps: memory TTL, and the store's upkeep handed to its thread."""
-        now = time.monotonic()
-        if self.shared and now - self._last_renew >= LEASE_RENEW_S:
-            self._last_renew = now
-            leases = [(s.id, s.lease) for s in self.by_id.values() if s.lease is not None]
-            if leases:
-                self.worker.submit("renew", lambda deadline: self.access.renew(leases), None)
-        if now - self._last_expiry < EXPIRY_CHECK_INTERVAL_S:
-            return
-        self._last_expiry = now
-        for session in [s for s in self.by_id.values() if not s.busy and now - s.last_used > self.ttl_s]:
-            self._drop(session)  # with a store, its record stays until the store's own expiry below
-        if self.store is None:
-            return
-        back = self.worker.up and not self._store_was_up  # a store that comes back is checked at once
-        self._store_was_up = self.worker.up
-        if not self._sweeping and (back or now - self._last_sweep >= STORE_SWEEP_INTERVAL_S):
-            self._last_sweep, self._sweeping = now, True
-            stored = [s.id for s in self.by_id.values() if s.stored and not s.busy]
-            self.worker.submit("sweep", self._sweep_store(set(self.by_id), stored), None)
-
-    def _sweep_store(self, in_memory: set[str], stored: list[str]):
-        """The store's expiry and count; and (a store of this process alone) the records of sessions held here
-        that vanished from it — its directory removed and made again — handed to `on_vanished` to write back."""
-        store, ttl_s = self.store, self.ttl_s
-
-        def sweep(deadline: float | None) -> None:
-            try:
-                for session_id in store.expired(ttl_s):
-                    if session_id not in in_memory:
-                        store.delete(session_id)
-                self.stored = store.count()
-                vanished = [] if store.shared else [i for i in stored if _missing(store, i)]
-                if vanished:
-                    self.on_vanished(vanished)
-            finally:
-                self._sweeping = False
-
-        return sweep
+        """Housekeeping between steps (upkeep.py)."""
+        self.upkeep.run()
 
     def write_back(self, session_ids: list[str]) -> list[StoreStep]:
-        """Engine thread: the records of these sessions (held here, idle, stored before) written again. On a
-        shared store a missing record means another replica deleted the session: never written back there."""
-        steps = []
-        for session_id in session_ids:
-            session = self.by_id.get(session_id)
-            if session is None or session.busy or not session.stored or self.shared:
-                continue
-            logger.warning("session %s: its record vanished from the store; writing it back", session_id)
-            steps.append(self._rewrite(session))
-        return steps
-
-    def _rewrite(self, session: Session) -> StoreStep:
-        """A record written again; if that fails the session stays as it is here (the next sweep tries again)."""
-        session.busy = True
-
-        def settle(error: BaseException | None, _: object) -> None:
-            session.busy = False
-            if error is not None:
-                logger.warning("session %s: writing its record back failed (%s); tried again at the next sweep",
-                               session.id, error)
-
-        return StoreStep("put", self._record_write(session), settle)
+        return self.upkeep.write_back(session_ids)
 
     # ---- fork / export / import ----
-
-
-def _missing(store: SessionStore, session_id: str) -> bool:
-    try:
-        return store.metadata(session_id) is None
-    except BrokenRecord:
-        return False  # there, though unreadable: not ours to overwrite

@@ -48,7 +48,7 @@ class SessionService:
         self._thread.start()
         self.state_bytes = state_bytes
         self.on_skipped_record = on_skipped_record
-        registry.on_vanished = self._write_back
+        registry.upkeep.on_vanished = self._write_back
 
     def _write_back(self, session_ids: list[str]) -> None:
         """Store thread: sessions held here whose records vanished are written again (on the engine thread)."""

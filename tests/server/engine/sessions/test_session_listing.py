@@ -7,7 +7,7 @@ import shutil
 import time
 
 from linserve.server.engine import SamplingParams
-from linserve.server.engine.sessions.stores import DirStore
+from linserve.server.engine.sessions.dir_store import DirStore
 from tests.helpers import assert_slots_balance, run
 
 

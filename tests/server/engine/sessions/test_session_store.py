@@ -9,7 +9,7 @@ import time
 import pytest
 
 from linserve.server.engine import EngineError, EngineRequest, SamplingParams
-from linserve.server.engine.sessions.stores import DirStore
+from linserve.server.engine.sessions.dir_store import DirStore
 from linserve.server.engine.types import RecordSkipped, StoreStats
 from tests.helpers import Collector, prompt, run, tokens_of
 

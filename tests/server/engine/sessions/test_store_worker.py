@@ -11,7 +11,7 @@ import time
 import pytest
 
 from linserve.server.engine.sessions import worker as worker_module
-from linserve.server.engine.sessions.stores import DirStore
+from linserve.server.engine.sessions.dir_store import DirStore
 from linserve.server.engine.sessions.worker import StoreWorker
 
 LOGGER = "linserve.server.engine.sessions.worker"

@@ -6,13 +6,13 @@ from __future__ import annotations
 import shutil
 import time
 
-from linserve.server.engine.sessions import registry as registry_module
+from linserve.server.engine.sessions import upkeep
 
 GREEDY = {"prompt": " and", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 def test_a_vanished_record_is_written_back(make_client, tmp_path, monkeypatch):
-    monkeypatch.setattr(registry_module, "STORE_SWEEP_INTERVAL_S", 0.2)  # the sweep that notices, sooner
+    monkeypatch.setattr(upkeep, "STORE_SWEEP_INTERVAL_S", 0.2)  # the sweep that notices, sooner
     directory = tmp_path / "store"
     client = make_client(session_store=f"dir:{directory}")
     sid = client.post("/v1/sessions", json={"prompt": "HAMLET.\nTo be"}).json()["id"]
