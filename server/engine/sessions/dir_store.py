@@ -43,8 +43,8 @@ class DirStore:
 
     def _sweep(self) -> None:
         """What a process killed mid-write leaves (one process per directory, so at start-up nothing else is
-        writing): record and probe files never renamed into place, and owner indexes never finished."""
-        for leftover in self.path.glob(".*"):
+        writing): record, entry, key and probe files never renamed into place, and owner indexes never finished."""
+        for leftover in [*self.path.glob(".*"), *self.path.glob("entries/*/.*.tmp"), *self.path.glob("keys/.*.tmp")]:
             name = leftover.name
             try:
                 if name.startswith(".owners.") and leftover.is_dir():
@@ -107,20 +107,7 @@ class DirStore:
             raise ValueError(f"not a session id: {session_id!r}")
         self._ensure_layout()
         self._index(session_id, owner)  # first: a record is never without its entry
-        temporary = self.path / f".{session_id}.{uuid.uuid4().hex}.tmp"
-        try:
-            with open(temporary, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            check_deadline(deadline, "write")
-            os.replace(temporary, target)  # atomic: readers see the old record or the new one, never half
-        except BaseException:
-            try:
-                temporary.unlink(missing_ok=True)
-            except OSError:
-                pass
-            raise
+        self._write_file(target, data, deadline)
         self._sync_directory()
 
     def get(self, session_id: str) -> bytes | None:
@@ -157,6 +144,8 @@ class DirStore:
             (self.owners / owner_key(owner) / session_id).unlink(missing_ok=True)
 
     def _write_file(self, target: Path, data: bytes, deadline: float | None) -> None:
+        """Written aside, fsync'd, the deadline checked, then renamed over `target`: atomic, readers see the old
+        file or the new one, never half (a temporary left by a killed process is swept at the next start)."""
         temporary = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
         try:
             with open(temporary, "wb") as out:
@@ -166,7 +155,10 @@ class DirStore:
             check_deadline(deadline, "write")
             os.replace(temporary, target)
         except BaseException:
-            temporary.unlink(missing_ok=True)
+            try:
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass
             raise
 
     def _entry(self, session_id: str, name: str) -> Path:

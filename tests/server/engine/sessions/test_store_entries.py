@@ -68,3 +68,17 @@ def test_redis_entries_expire_with_the_session_and_each_write_renews_them(redis_
     while store.get_entry(SESSION, "response:resp_a_1") is not None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert store.get(SESSION) is None and store.get_entry(SESSION, "response:resp_a_1") is None
+
+
+def test_a_dir_store_sweeps_entry_and_key_temporaries_left_by_a_killed_process(tmp_path):
+    store = open_store(f"dir:{tmp_path / 'store'}")
+    store.put(SESSION, b"record", "r1", "owner")
+    assert store.put_entry(SESSION, "response:resp_a_1", b"x", budget=100)
+    store.put_key("idem-abc", b"kept", ttl_s=60)
+    left = [tmp_path / "store" / "entries" / SESSION / ".response:resp_a_2.0f.tmp", tmp_path / "store" / "keys" /
+            ".idem-def.0f.tmp"]
+    for path in left:
+        path.write_bytes(b"half")
+    reopened = open_store(f"dir:{tmp_path / 'store'}")
+    assert not any(path.exists() for path in left)
+    assert reopened.get_entry(SESSION, "response:resp_a_1") == b"x" and reopened.get_key("idem-abc") == b"kept"
