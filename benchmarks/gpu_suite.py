@@ -3,7 +3,7 @@ P1 and P6 (the decode step against context and against one read of the weights),
 served load at 1/32/128 streams (P11), P15 (speculative decoding), and the CPU thread sweep of this larger
 machine; one results file and the rows for docs/benchmarks.md's GPU table, with the machine named.
 
-    bash benchmarks/gpu.sh [--parts tests,fla,p1p6,p5,served,p15,families,threads] [--quick] [--out-dir DIR]
+    bash benchmarks/gpu.sh [--parts tests,fla,p1p6,p5,served,p12,p15,families,threads] [--quick] [--out-dir DIR]
         [--tests 'PYTEST ARGS'] [--workers N] [--timeout PART=SECONDS ...]
 
 Without CUDA it says so, runs the CPU-only parts (the thread sweep) and exits 0: CI runs it that way. Each
@@ -31,9 +31,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-GPU_PARTS = ("tests", "fla", "p1p6", "p5", "served", "p15", "families")
+GPU_PARTS = ("tests", "fla", "p1p6", "p5", "served", "p12", "p15", "families")
 CPU_PARTS = ("threads",)
-PART_TIMEOUT_S = {"tests": 1800, "fla": 900, "p1p6": 900, "p5": 900, "served": 1200, "p15": 1200,
+PART_TIMEOUT_S = {"tests": 1800, "fla": 900, "p1p6": 900, "p5": 900, "served": 1200, "p12": 900, "p15": 1200,
                   "families": 1200, "threads": 1800}
 # the part whose reference is fla's real kernels on the GPU (tests/model/families/fla_reference.py)
 PART_ENV = {"fla": {"LINSERVE_FLA_GPU": "1"}}
@@ -99,6 +99,8 @@ def part_commands(name: str, out: Path, quick: bool, tests: list[str] | None = N
     if name == "served":
         return [py, "benchmarks/served_load.py", "--device", "cuda", *q, "--streams",
                 *(str(n) for n in SERVED_STREAMS), "--out", str(out / "served.json")]
+    if name == "p12":  # first start on the GPU: first token, every bucket at graph speed, the warm cache
+        return [py, "benchmarks/p12_first_start.py", "--device", "cuda", *q, "--out", str(out / "p12.json")]
     if name == "p15":
         return [py, "benchmarks/p15_speculative.py", "--device", "cuda", *q, "--out", str(out / "p15.json")]
     if name == "threads":
@@ -133,6 +135,14 @@ def rows(results: dict) -> list[str]:
         for key, entry in served.get("P11", {}).items():
             lines.append(f"| P11 {key} ({where}) | {entry['measured']:.4g} | {entry['target']} | "
                          f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['served']['command']}` |")
+    p12 = parts.get("p12", {}).get("result")
+    if p12:
+        cold, warm = p12.get("P12", {}).get("cold", {}), p12.get("P12", {}).get("warm", {})
+        for key, entry in (("first token, cold", cold), ("every bucket at graph speed, cold", cold.get("graph_speed")),
+                           ("every bucket compiled, warm cache", warm)):
+            if entry:
+                lines.append(f"| P12 {key} ({where}) | {entry.get('measured')} s | {entry.get('target')} | "
+                             f"{'PASS' if entry.get('pass') else 'FAIL'} | `{parts['p12']['command']}` |")
     p15 = parts.get("p15", {}).get("result")
     if p15:
         for key, entry in p15.get("P15", {}).items():

@@ -162,7 +162,7 @@ def test_gpu_suite_without_a_gpu_says_so_and_runs_the_cpu_parts(tmp_path):
                             capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                             cwd=BENCHMARKS.parent)
     assert result.returncode == 0, result.stderr[-3000:]
-    skipped = "GPU parts skipped (tests, fla, p1p6, p5, served, p15, families)"
+    skipped = "GPU parts skipped (tests, fla, p1p6, p5, served, p12, p15, families)"
     assert f"no CUDA device on this machine: {skipped}" in result.stdout
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert data["machine"]["gpu"] is None and data["machine"]["cpus_usable"] >= 1

@@ -8,9 +8,11 @@ ready in the order traffic needs them, while the engine serves, so start-up and 
 - CPU: each bucket is an AOTInductor artifact (frozen weights, max-autotune's C++ GEMM templates) in the
   compile cache, built by a child process (program_compiler.py) and loaded here: the serving process
   never runs the compiler and a call evaluates no Dynamo guards.
-- CUDA: each bucket is a CUDA graph of the `torch.compile`d program, captured on the engine thread at the
-  bucket's first use; it reads its rows through a static (3, P) io tensor, and its outputs are static
-  buffers, read (tokens) and scattered back (state) before the next replay.
+- CUDA: each bucket is a CUDA graph, captured on the engine thread at the bucket's first use; it reads its
+  rows through a static (3, P) io tensor, and its outputs are static buffers, read (tokens) and scattered
+  back (state) before the next replay. From `start()` every bucket is a graph of the *eager* program
+  (captured in milliseconds: graph speed from the first request, no compiler); the `torch.compile`d program
+  replaces each bucket's graph as it is built in the background (captured again at its next use).
 
 `compile`: `off` (eager only), `on`, or `auto` — on CUDA the same as `on`; on CPU the first bucket is
 timed against eager and served unless it is measurably slower (compile_verdict.py: a margin, more rounds
@@ -58,6 +60,7 @@ def bucket_sizes(max_rows: int) -> list[int]:
 class Bucket:
     size: int
     step: object  # the (compiled) flat step for this batch size
+    final: bool = True  # False: a CUDA graph of the eager program, until the compiled one replaces it
     graph: torch.cuda.CUDAGraph | None = None
     io: torch.Tensor | None = None  # (rows, size) int64 on the device: the program's io (CUDA graphs read it)
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
@@ -151,6 +154,10 @@ class DecodeStep:
             return
         if self.device.type != "cpu":
             guard_tracing()  # in-process compiling: the engine's steps and the compiler's traces never overlap
+            for size in self.sizes:  # graph speed at once: graphs of the eager program until compiled ones come
+                self._ready.setdefault(size, Bucket(size, self.eager_program, final=False))
+            logger.info("%s: CUDA graphs of the eager program for batches %s (captured at first use); compiled "
+                        "programs replace them as they are built", self.label, self.sizes)
         self._thread = threading.Thread(target=self._compile_all, name="linserve-compile", daemon=True)
         self._thread.start()
 
@@ -170,11 +177,18 @@ class DecodeStep:
         provisional verdict's later re-checks. True if every bucket is ready."""
         if self._thread is not None:
             self._built.wait(timeout)
-        return len(self._ready) == len(self.sizes)
+        return len(self.ready_sizes) == len(self.sizes)
 
     @property
     def ready_sizes(self) -> list[int]:
-        return sorted(self._ready)
+        """The buckets whose final program is ready (compiled, or loaded from the cache)."""
+        return sorted(size for size, bucket in list(self._ready.items()) if bucket.final)  # (a snapshot: the
+        # compile thread adds buckets meanwhile)
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """CUDA: the buckets served by a graph of the eager program until their compiled program is ready."""
+        return sorted(size for size, bucket in list(self._ready.items()) if not bucket.final)
 
     def describe(self) -> dict:
         """For /ready, /version and /metrics: {"compile", "status", "buckets", "ready", "compiling", "eta_s",
@@ -183,7 +197,7 @@ class DecodeStep:
         eta = None if eta is None else round(eta, 1)
         verdict = self.verdict.describe() if self.verdict is not None else None
         return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes,
-                "compiling": self.compiling, "eta_s": eta, "verdict": verdict}
+                "eager_graphs": self.graph_sizes, "compiling": self.compiling, "eta_s": eta, "verdict": verdict}
 
     # ------------------------------------------------------------------ engine thread
     def __call__(self, tokens: list[int], slots: list[int], positions: list[int]) -> DecodeOutputs:
@@ -198,6 +212,8 @@ class DecodeStep:
         rows = len(io_rows[0])
         self.calls += 1
         bucket = self._bucket_for(rows)
+        if bucket is not None and bucket.graph is None and self.device.type == "cuda":
+            bucket = self._captured(bucket)
         if bucket is None:
             outputs = self._run(self.eager_program, rows, io_rows)
         elif self.device.type == "cuda":
@@ -209,15 +225,16 @@ class DecodeStep:
         return list(outputs)
 
     def bucket_ready(self, rows: int) -> int | None:
-        """The size of the compiled bucket `rows` would run in now (None: eagerly)."""
+        """The size of the compiled bucket `rows` would run in now (None: eagerly, or a graph of the eager
+        program — its costs are not the compiled one's)."""
         size = next((size for size in self.sizes if size >= rows), None)
-        return size if size in self._ready else None
+        return size if size in self.ready_sizes else None
 
     def _bucket_for(self, rows: int) -> Bucket | None:
         for size in self.sizes:
             if size >= rows:
                 bucket = self._ready.get(size)
-                if bucket is None:
+                if bucket is None or not bucket.final:  # demand orders what is compiled next
                     self.demand[size] = self.demand.get(size, 0) + 1
                 return bucket
         return None  # more rows than the largest bucket
@@ -232,9 +249,24 @@ class DecodeStep:
         io = torch.tensor([row + row[:1] * pad for row in io_rows], dtype=torch.long, device=self.device)  # (r, P)
         return program(*self._inputs(io))
 
-    def _replay(self, bucket: Bucket, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
-        if bucket.graph is None:
+    def _captured(self, bucket: Bucket) -> Bucket | None:
+        """The bucket with its graph captured; a graph of the eager program that cannot be captured (an op that
+        syncs with the host, say) is given up — eager launches serve that batch until the compiled program
+        comes — rather than failing the step."""
+        if bucket.final:
             self._capture(bucket)
+            return bucket
+        try:
+            self._capture(bucket)
+            return bucket
+        except Exception:  # noqa: BLE001 - logged; served eagerly
+            logger.warning("%s: the eager program cannot be captured as a CUDA graph for batch %d; eager launches "
+                           "until its compiled program is ready", self.label, bucket.size, exc_info=True)
+            if self._ready.get(bucket.size) is bucket:
+                del self._ready[bucket.size]
+            return None
+
+    def _replay(self, bucket: Bucket, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
         rows = len(io_rows[0])
         # rows beyond the batch keep earlier (valid) tokens, slots and positions: their outputs are dropped
         bucket.io[:, :rows].copy_(torch.tensor(io_rows, dtype=torch.long))  # (r, B) one transfer
@@ -264,7 +296,7 @@ class DecodeStep:
     # ------------------------------------------------------------------ compile thread
     def _next_size(self) -> int | None:
         """The bucket traffic needs most (decode steps that ran eagerly for want of it), else the smallest."""
-        waiting = [size for size in self.sizes if size not in self._ready and size not in self._unavailable]
+        waiting = [size for size in self.sizes if size not in self.ready_sizes and size not in self._unavailable]
         return max(waiting, key=lambda size: (self.demand.get(size, 0), -size)) if waiting else None
 
     def _compile_all(self) -> None:
@@ -312,7 +344,7 @@ class DecodeStep:
         takes longer than that (a busy machine). None before one bucket has compiled, and when nothing is left."""
         if self.compiling is None or self._bucket_started is None or not self.built_seconds:
             return None
-        left = len(self.sizes) - len(self._ready) - len(self._unavailable)  # the current bucket included
+        left = len(self.sizes) - len(self.ready_sizes) - len(self._unavailable)  # the current bucket included
         return remaining_s(sum(self.built_seconds) / len(self.built_seconds),
                            time.perf_counter() - self._bucket_started, left)
 
@@ -329,7 +361,7 @@ class DecodeStep:
             eta = self.eta_s
             if cached or getattr(build, "can_compile", True):  # (else: not in the cache, said once at the end)
                 logger.info("%s: %s bucket %d of %d (batch %d)%s", self.label, "loading" if cached else "compiling",
-                            len(self._ready) + 1, len(self.sizes), size,
+                            len(self.ready_sizes) + 1, len(self.sizes), size,
                             f", ~{eta:.0f} s left" if eta is not None and not cached else "")
             started = self._bucket_started
             program = build(size)
@@ -354,7 +386,7 @@ class DecodeStep:
             logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
                         "bucket for batch %s in the cache; those batches run eagerly", sorted(self._unavailable))
         self.compiling, self._bucket_started = None, None
-        self.status = "compiled" if self._ready else "declined"
+        self.status = "compiled" if self.ready_sizes else "declined"
 
     def _measure_verdict(self, size: int, program) -> Verdict:
         """Time `program` against eager at its bucket, each round holding the engine's step lock."""

@@ -8,7 +8,7 @@ import torch
 
 from linserve.model import LinearGPT
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
-from linserve.server.engine.compile.compiled_decode import DecodeStep, bucket_sizes
+from linserve.server.engine.compile.compiled_decode import TRACING, Bucket, DecodeStep, bucket_sizes
 from linserve.server.engine.compile.verdict import Measurement, VerdictStore
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
@@ -75,8 +75,39 @@ def test_buckets_are_compiled_in_the_order_traffic_needs_them(tiny_model, device
             step([1] * rows, list(range(rows)), [0] * rows)
     assert step.demand == {4: 2, 32: 3, 1: 1}
     assert step._next_size() == 32
-    step._ready[32] = object()
+    step._ready[32] = Bucket(32, None)
     assert step._next_size() == 4
+    step._ready[4] = Bucket(4, None, final=False)  # a graph of the eager program (CUDA): still to be compiled
+    assert step._next_size() == 4
+
+
+def test_on_cuda_every_bucket_serves_a_graph_of_the_eager_program_until_its_compiled_one_is_ready(
+        tiny_model, device, compile_cache):
+    """Issue 48: graph speed from the first request — each bucket a CUDA graph of the eager program at once, the
+    compiled program replacing it when built — and the same outputs all along."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU (run with --device cuda)")
+    pool = StatePool(tiny_model, 4, device)
+    for buffer in pool.buffers.values():
+        buffer.normal_()
+    step = make_step(tiny_model, pool, device, "on", max_rows=2, cache_dir=compile_cache)
+    eager = DecodeStep(tiny_model, pool, step.sampling, device, "off", max_rows=2)
+    step.start()
+    assert step.graph_sizes == [1, 2] or step.ready_sizes  # (a warm cache may have compiled one already)
+
+    def agree() -> None:
+        with TRACING, torch.inference_mode():  # as the engine runs a step: never inside a compile's trace
+            for slots in ([1], [0, 3]):
+                tokens, positions = [5 * s + 1 for s in slots], [9 + s for s in slots]
+                got, want = step(tokens, slots, positions), eager(tokens, slots, positions)
+                torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+                assert got.tokens.tolist() == want.tokens.tolist()
+
+    agree()  # from graphs (of the eager program, or of a compiled one already built)
+    assert all(step._ready[size].graph is not None for size in step.graph_sizes)
+    assert step.wait_compiled(BUILD_WAIT_S) and step.ready_sizes == [1, 2] and step.graph_sizes == []
+    assert step.describe()["eager_graphs"] == []
+    agree()  # the compiled programs' graphs
 
 
 def test_the_eta_counts_down_at_the_measured_rate_and_follows_a_slower_machine():
