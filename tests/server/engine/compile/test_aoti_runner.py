@@ -12,8 +12,7 @@ import torch
 
 from linserve.server.engine.compile import aoti_runner
 from linserve.server.engine.compile.aoti_runner import ReleasingProgram, load_program
-from linserve.server.engine.state_pool import StatePool
-from tests.server.engine.compile.test_compiled_decode import BUILD_WAIT_S, make_step
+from tests.server.engine.compile.test_compiled_decode import BUILD_WAIT_S, make_step, pool_with_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUILD_WAIT_S + 600)]
 
@@ -23,9 +22,7 @@ def built(tiny_model, compile_cache, device):
     """The tiny model's bucket 1 (the one test_compiled_decode builds: one cache) and its inputs."""
     if device.type != "cpu":
         pytest.skip("AOTInductor artifacts are the CPU path (CUDA runs graphs of the compiled program)")
-    pool = StatePool(tiny_model, 2, device)
-    for buffer in pool.buffers.values():
-        buffer.normal_()
+    pool = pool_with_history(tiny_model, 2, device)
     step = make_step(tiny_model, pool, device, "on", max_rows=1, cache_dir=compile_cache)
     step.start()
     assert step.wait_compiled(BUILD_WAIT_S) and step.status == "compiled", step.status

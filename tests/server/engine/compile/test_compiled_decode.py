@@ -27,6 +27,14 @@ def make_step(model, pool: StatePool, device, mode: str, max_rows: int = 1, cach
                       max_rows=max_rows, cache_dir=cache_dir, autotune=autotune)
 
 
+def pool_with_history(model, slots: int, device) -> StatePool:
+    """A pool whose every slot holds some (random) history."""
+    pool = StatePool(model, slots, device)
+    for buffer in pool.buffers.values():
+        buffer.normal_()
+    return pool
+
+
 def test_buckets_are_powers_of_two_up_to_the_largest_batch():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(5) == [1, 2, 4, 8]
@@ -36,9 +44,7 @@ def test_buckets_are_powers_of_two_up_to_the_largest_batch():
 def test_every_bucket_and_padded_batch_matches_eager(tiny_model, device, compile_cache):
     """The whole program — gather, model, penalties, bias, the counter-based draw — compiled == eager: logits
     and state within 1e-5, the same tokens, greedy and sampled rows mixed in one batch."""
-    pool = StatePool(tiny_model, 8, device)
-    for buffer in pool.buffers.values():
-        buffer.normal_()  # every slot holds some history
+    pool = pool_with_history(tiny_model, 8, device)
     compiled = make_step(tiny_model, pool, device, "on", max_rows=4, cache_dir=compile_cache)
     eager = DecodeStep(tiny_model, pool, compiled.sampling, device, "off", max_rows=4)
     for slot in range(8):  # even slots greedy, odd ones sampled (one with penalties and a bias)
@@ -87,9 +93,7 @@ def test_on_cuda_every_bucket_serves_a_graph_of_the_eager_program_until_its_comp
     compiled program replacing it when built — and the same outputs all along."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU (run with --device cuda)")
-    pool = StatePool(tiny_model, 4, device)
-    for buffer in pool.buffers.values():
-        buffer.normal_()
+    pool = pool_with_history(tiny_model, 4, device)
     step = make_step(tiny_model, pool, device, "on", max_rows=2, cache_dir=compile_cache)
     eager = DecodeStep(tiny_model, pool, step.sampling, device, "off", max_rows=2)
     step.start()
