@@ -219,6 +219,8 @@ class SessionService:
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout)
+                if not self._thread.is_alive():
+                    self._loop.close()
 
 
 @dataclass(frozen=True)
