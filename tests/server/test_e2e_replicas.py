@@ -77,6 +77,28 @@ def test_sessions_move_freely_between_replicas(replicas, tiny_checkpoint, tmp_pa
     assert httpx.get(f"{a.base}/v1/sessions/{sid}", headers={"Authorization": "Bearer k1"}).status_code == 404
     loads_only_for_a_missing_or_stale_copy(a, b)
     keyed_answers_hold_on_every_replica(a, b)
+    every_response_on_every_replica(a, b)
+
+
+def every_response_on_every_replica(a, b) -> None:
+    """A conversation longer than a session record keeps (its newest 16 responses): every response made on A is
+    retrieved on B — from its own entry in Redis — and a delete on B is seen by A."""
+    from linserve.server.engine.sessions.records import APPLIED_KEPT
+
+    headers, made, previous = {"Authorization": "Bearer k1"}, [], None
+    for turn in range(APPLIED_KEPT + 3):
+        body = {"input": f"line {turn}", "max_output_tokens": 2, "temperature": 0,
+                **({"previous_response_id": previous} if previous else {})}
+        response = httpx.post(f"{(a, b)[turn % 2].base}/v1/responses", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        made.append(response.json())
+        previous = made[-1]["id"]
+    first = httpx.get(f"{b.base}/v1/responses/{made[0]['id']}", headers=headers)
+    assert first.status_code == 200 and first.json()["output"] == made[0]["output"]
+    items = httpx.get(f"{a.base}/v1/responses/{made[1]['id']}/input_items", headers=headers).json()["data"]
+    assert items[0]["content"][0]["text"] == "line 1"
+    assert httpx.delete(f"{b.base}/v1/responses/{made[0]['id']}", headers=headers).status_code == 200
+    assert httpx.get(f"{a.base}/v1/responses/{made[0]['id']}", headers=headers).status_code == 404
 
 
 def keyed_answers_hold_on_every_replica(a, b) -> None:
