@@ -93,7 +93,7 @@ async def _create(request: Request, engine: Engine, owner: Owner,
                   body: SessionCreateRequest | None) -> SessionCreated | None:
     prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True, starts=True) if body else []
     # with a prompt, one write: the prompt's turn stores the new session (a failed prefill or write leaves none)
-    info = await engine_call(request, engine.sessions.create(owner, first_prompt=bool(prompt_ids)))
+    info = await engine_call(request, engine.sessions.create(owner, bool(prompt_ids), prompt_ids))
     if not prompt_ids:
         return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes, revision=info.revision)
     done = False

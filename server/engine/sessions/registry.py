@@ -25,6 +25,7 @@ import torch
 
 from linserve.model import LinearGPT
 
+from ..accounting import check_token_ids
 from ..state_pool import StatePool
 from ..types import EngineError, Idempotency
 from .failures import SessionBusy, StaleLookup, store_failure
@@ -195,9 +196,13 @@ class SessionRegistry:
         del self.by_id[session.id]
 
     # ---- lifecycle ----
-    def create(self, owner: str | None, first_prompt: bool = False) -> StoreStep | SessionInfo:
+    def create(self, owner: str | None, first_prompt: bool = False,
+               prompt_ids: list[int] | None = None) -> StoreStep | SessionInfo:
         """A new session. `first_prompt`: its record is written by its first turn (the prompt's prefill),
-        not now — one write, so a create that fails half-way leaves no record behind."""
+        not now — one write, so a create that fails half-way leaves no record behind. `prompt_ids`, when the
+        caller has them already, are checked before the session exists."""
+        if prompt_ids is not None:
+            check_token_ids(prompt_ids, self.vocab_size)
         self.check_store()
         self.check_capacity()
         session = Session(id=new_session_id(), owner=owner, slot=self.tiers.allocate_slot())

@@ -58,10 +58,11 @@ class SessionService:
 
         self._internal_call(write)
 
-    def create(self, owner: str | None, first_prompt: bool = False) -> Future:
+    def create(self, owner: str | None, first_prompt: bool = False, prompt_ids: list[int] | None = None) -> Future:
         """`first_prompt`: the caller continues the session with a prompt at once; that turn writes the record
-        (until then it exists in this process only, and a failure leaves nothing in the store)."""
-        return self.command(lambda _: self.registry.create(owner, first_prompt))
+        (until then it exists in this process only, and a failure leaves nothing in the store). `prompt_ids`:
+        that prompt, checked before the session exists."""
+        return self.command(lambda _: self.registry.create(owner, first_prompt, prompt_ids))
 
     def info(self, session_id: str, owner: str | None) -> Future:
         return self.command(self.registry.info, session_id, owner)

@@ -65,6 +65,7 @@ def test_token_ids_are_checked_once_by_the_engine_and_a_session_create_leaves_no
     batch = {"prompt": [[1, 2], [3, vocab + 7]], "max_tokens": 2}  # the first prompt is accepted, then withdrawn
     assert refused(limited.post("/v1/completions", json=batch), "prompt")["message"] == message
     assert refused(limited.post("/v1/sessions", json={"prompt": [5, -1]}), "prompt")["message"] == message
-    assert limited.get("/v1/sessions").json()["data"] == []  # the session made for the prompt was deleted again
+    assert limited.app.state.engine.registry.by_id == {}  # checked before the session existed
+    assert limited.get("/v1/sessions").json()["data"] == []
     accounting = assert_slots_balance(limited.app.state.engine)
     assert accounting["slots_in_use"] == 0 and accounting["live"] == 0
