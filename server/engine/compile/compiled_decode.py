@@ -228,7 +228,8 @@ class DecodeStep:
         """The size of the compiled bucket `rows` would run in now (None: eagerly, or a graph of the eager
         program — its costs are not the compiled one's)."""
         size = next((size for size in self.sizes if size >= rows), None)
-        return size if size in self.ready_sizes else None
+        bucket = self._ready.get(size)
+        return size if bucket is not None and bucket.final else None
 
     def _bucket_for(self, rows: int) -> Bucket | None:
         for size in self.sizes:
