@@ -36,7 +36,7 @@ from linserve.model.loading import in_dtype
 from . import heap
 from .accounting import check_request, pool_stats, slot_accounting
 from .command_queue import ENGINE_DEAD, CommandQueue
-from .compile.compiled_decode import TRACING
+from .compile.cuda_graphs import TRACING
 from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads
 from .live import LiveRequest, Row

@@ -22,12 +22,10 @@ without a C++ compiler unless the artifacts are already in the cache.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +37,7 @@ from ..sampling import SlotSampling
 from ..state_pool import StatePool
 from . import verdict as compile_verdict
 from .cache import ChildBuilder, compile_cache_dir, cpp_compiler_available
+from .cuda_graphs import TRACING, Bucket, capture, guard_tracing, replay
 from .program_compiler import quiet_compiler_warnings
 from .verdict import Verdict, VerdictStore, judge
 
@@ -54,42 +53,6 @@ def bucket_sizes(max_rows: int) -> list[int]:
     while sizes[-1] < max_rows:
         sizes.append(sizes[-1] * 2)
     return sizes
-
-
-@dataclass
-class Bucket:
-    size: int
-    step: object  # the (compiled) flat step for this batch size
-    final: bool = True  # False: a CUDA graph of the eager program, until the compiled one replaces it
-    graph: torch.cuda.CUDAGraph | None = None
-    io: torch.Tensor | None = None  # (rows, size) int64 on the device: the program's io (CUDA graphs read it)
-    outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
-
-
-# torch.fx's Tracer.trace (which make_fx, and so AOTAutograd and Inductor's pattern matcher, run while
-# compiling) patches torch.nn.Module.__call__ and __getattr__ for the whole process while it traces: a model
-# call on another thread meanwhile goes through the tracer (seen: NameError "module is not installed as a
-# submodule" in a request served eagerly during the background compile). Every trace holds TRACING (see
-# guard_tracing) and so does every engine step: a step never runs inside a trace window, a trace never
-# starts inside a step. Re-entrant: a recompile traced on the engine thread itself is fine.
-TRACING = threading.RLock()
-
-
-def guard_tracing() -> None:
-    """Make torch.fx's Tracer.trace hold TRACING (once per process; subclasses trace through it)."""
-    from torch.fx import _symbolic_trace
-
-    original = _symbolic_trace.Tracer.trace
-    if getattr(original, "_holds_linserve_lock", False):
-        return
-
-    @functools.wraps(original)
-    def trace(self, *args, **kwargs):
-        with TRACING:
-            return original(self, *args, **kwargs)
-
-    trace._holds_linserve_lock = True
-    _symbolic_trace.Tracer.trace = trace
 
 
 def remaining_s(per_bucket_s: float, elapsed_s: float, left: int) -> float:
@@ -217,7 +180,7 @@ class DecodeStep:
         if bucket is None:
             outputs = self._run(self.eager_program, rows, io_rows)
         elif self.device.type == "cuda":
-            outputs = self._replay(bucket, io_rows)
+            outputs = replay(bucket, io_rows)
         else:
             outputs = self._run(bucket.step, bucket.size, io_rows)
         if len(outputs[0]) != rows:  # padded to the bucket: the padding's outputs are dropped
@@ -255,10 +218,10 @@ class DecodeStep:
         syncs with the host, say) is given up — eager launches serve that batch until the compiled program
         comes — rather than failing the step."""
         if bucket.final:
-            self._capture(bucket)
+            capture(bucket, self._inputs, self.kind.io_rows, self.device)
             return bucket
         try:
-            self._capture(bucket)
+            capture(bucket, self._inputs, self.kind.io_rows, self.device)
             return bucket
         except Exception:  # noqa: BLE001 - logged; served eagerly
             logger.warning("%s: the eager program cannot be captured as a CUDA graph for batch %d; eager launches "
@@ -266,33 +229,6 @@ class DecodeStep:
             if self._ready.get(bucket.size) is bucket:
                 del self._ready[bucket.size]
             return None
-
-    def _replay(self, bucket: Bucket, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
-        rows = len(io_rows[0])
-        # rows beyond the batch keep earlier (valid) tokens, slots and positions: their outputs are dropped
-        bucket.io[:, :rows].copy_(torch.tensor(io_rows, dtype=torch.long))  # (r, B) one transfer
-        bucket.graph.replay()
-        # the outputs are read (sampled tokens, scattered state) within this engine step; the logits may outlive
-        # it (a prompt-only turn keeps them), so they get their own memory
-        return (*bucket.outputs[:5], bucket.outputs[5].clone(), *bucket.outputs[6:])
-
-    def _capture(self, bucket: Bucket) -> None:
-        """Record the bucket's CUDA graph: the whole program, reading its rows through the static io tensor."""
-        bucket.io = torch.zeros(self.kind.io_rows, bucket.size, dtype=torch.long, device=self.device)  # (r, P)
-
-        def run() -> tuple[torch.Tensor, ...]:
-            return bucket.step(*self._inputs(bucket.io))
-
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the graph (allocator, lazy initialisation)
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the compile thread may run kernels
-            bucket.outputs = run()
-        bucket.graph = graph
 
     # ------------------------------------------------------------------ compile thread
     def _next_size(self) -> int | None:

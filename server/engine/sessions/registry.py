@@ -364,7 +364,4 @@ class SessionRegistry:
         """Housekeeping between steps (upkeep.py)."""
         self.upkeep.run()
 
-    def write_back(self, session_ids: list[str]) -> list[StoreStep]:
-        return self.upkeep.write_back(session_ids)
-
     # ---- fork / export / import ----

@@ -53,7 +53,7 @@ class SessionService:
     def _write_back(self, session_ids: list[str]) -> None:
         """Store thread: sessions held here whose records vanished are written again (on the engine thread)."""
         def write() -> None:
-            for step in self.registry.write_back(session_ids):
+            for step in self.registry.upkeep.write_back(session_ids):
                 self.run_store_step(step)
 
         self._internal_call(write)

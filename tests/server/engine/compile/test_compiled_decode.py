@@ -8,7 +8,8 @@ import torch
 
 from linserve.model import LinearGPT
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
-from linserve.server.engine.compile.compiled_decode import TRACING, Bucket, DecodeStep, bucket_sizes
+from linserve.server.engine.compile.compiled_decode import DecodeStep, bucket_sizes
+from linserve.server.engine.compile.cuda_graphs import TRACING, Bucket
 from linserve.server.engine.compile.verdict import Measurement, VerdictStore
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
@@ -276,7 +277,7 @@ def test_compile_time_tracing_never_reaches_the_engines_eager_calls(make_engine)
     background compile traces through make_fx): without the guard, the engine's eager model calls meanwhile
     go through the tracer and fail ('module is not installed as a submodule'), three in a row kill the
     engine. With it (installed by DecodeStep.start), traces and engine steps never overlap."""
-    from linserve.server.engine.compile.compiled_decode import guard_tracing
+    from linserve.server.engine.compile.cuda_graphs import guard_tracing
     from linserve.server.engine.types import FinishReason
 
     guard_tracing()
