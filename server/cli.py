@@ -218,10 +218,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     settings = Settings.load(args.config, **{name: getattr(args, name, None) for name in Settings.model_fields})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = resolve_device(settings.device)
-    from linserve.server.engine.cpu_threads import apply_threads
+    from linserve.server.engine.cpu_threads import apply_threads, weight_bytes
 
-    apply_threads(settings.threads)  # the count `serve` will run with: Inductor builds it into the kernels
     model = load_checkpoint(checkpoint_dir(settings.model), device, resolve_dtype(settings.dtype, device))
+    # the count `serve` will run with (Inductor builds it into the kernels)
+    apply_threads(settings.threads, settings.prefill_threads, weight_bytes(model))
     if model.config.attention != "linear":
         print("error: only linear-attention models have a compiled decode step", file=sys.stderr)
         return 2

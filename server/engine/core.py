@@ -38,7 +38,7 @@ from .accounting import check_request, pool_stats, slot_accounting
 from .command_queue import ENGINE_DEAD, CommandQueue
 from .compile.cuda_graphs import TRACING
 from .constraint import GrammarRuntime
-from .cpu_threads import apply_threads
+from .cpu_threads import apply_threads, weight_bytes
 from .live import LiveRequest, Row
 from .model_kind import model_parts
 from .sampling import SlotSampling
@@ -78,9 +78,9 @@ class Engine:
         `dtype` (None: as they are; else a copy): one function for every token, so a token's logits and state
         never depend on which form computed it (docs/engine.md, "Same request, same tokens"). `draft_model`:
         speculative decoding's draft model (same tokenizer), if the server has one."""
-        # before any op runs or program is built: kernels bake the count in
-        self.threads = apply_threads(config.threads, config.prefill_threads)
         self.model = model = (in_dtype(model, dtype) if dtype else model).eval()  # (every use below: this copy)
+        # before the model runs or a program is built (kernels bake the count in); large weights: every CPU
+        self.threads = apply_threads(config.threads, config.prefill_threads, weight_bytes(model))
         self.config, self.device = config, device
         # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
         self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)

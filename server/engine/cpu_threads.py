@@ -7,8 +7,12 @@ decode step waiting at barriers for a core that the event loop and the client he
 served 2.7x the tokens/s (docs/benchmarks.md, "Threads"). So the default leaves one CPU for everything that
 is not the model's arithmetic (event loop, tokenizer, store worker, the client's side of loopback) and caps
 the rest: a decode step of this size is a chain of small matrix-vector products whose barriers cost more than
-a wide split saves. Prefill is different — its GEMMs are large — so the engine thread switches to
-`prefill_threads` (default: every usable CPU) while it runs the chunked form, and back after.
+a wide split saves. A large model's step is the other case: it streams its weights from memory for tens of
+milliseconds, and one core draws only part of the memory bandwidth (fla's 340M `linear_attn`, 620 MB of bf16
+weights on 2 cores: its projections read 11 GB/s on one thread, 18 GB/s on two; the compiled step 77 → 50 ms).
+So a model whose weights are at least `STREAMED_WEIGHT_BYTES` decodes on every usable CPU. Prefill is
+different — its GEMMs are large — so the engine thread switches to `prefill_threads` (default: every usable
+CPU) while it runs the chunked form, and back after.
 
 "CPUs this process may use" is the smaller of its affinity mask and its cgroup CPU quota (a container limited
 to 2 CPUs on a 64-core host gets 1 thread, not 63).
@@ -27,6 +31,9 @@ import torch
 
 MAX_DEFAULT_THREADS = 4  # the default's ceiling; `threads` set explicitly may go higher
 MAX_DEFAULT_PREFILL_THREADS = 8  # likewise for `prefill_threads`
+# weights this large make a decode step bandwidth-bound for milliseconds: every usable CPU decodes (the shipped
+# model's 12 MB fit in cache, fla's 340M shapes' 620 MB do not — measured on both sides of it, docs/benchmarks.md)
+STREAMED_WEIGHT_BYTES = 256 * 2**20
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -34,9 +41,10 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 class ThreadPlan:
     threads: int  # torch intra-op threads (OpenMP), as set: the decode step's
     usable_cpus: float  # min(affinity mask, cgroup quota)
-    source: str  # "setting" (asked for) or "default" (derived from usable_cpus)
+    source: str  # "setting" (asked for) or "default" (derived from usable_cpus and the weights' size)
     omp_wait_policy: str  # OMP_WAIT_POLICY as the process started with it ("default" when unset)
     prefill_threads: int = 1  # the engine thread's count while it runs the chunked form (prefill)
+    weight_bytes: int = 0  # the model's weights as the decode step reads them (0: not known when planned)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -96,9 +104,11 @@ def usable_cpus() -> float:
     return float(affinity_cpus()) if quota is None else min(float(affinity_cpus()), quota)
 
 
-def default_threads(usable: float) -> int:
-    """One CPU left for the rest of the server, at least one thread, at most MAX_DEFAULT_THREADS."""
-    return max(1, min(math.floor(usable) - 1, MAX_DEFAULT_THREADS))
+def default_threads(usable: float, weight_bytes: int = 0) -> int:
+    """One CPU left for the rest of the server — every CPU for weights of at least STREAMED_WEIGHT_BYTES — at
+    least one thread, at most MAX_DEFAULT_THREADS."""
+    spare = 0 if weight_bytes >= STREAMED_WEIGHT_BYTES else 1
+    return max(1, min(math.floor(usable) - spare, MAX_DEFAULT_THREADS))
 
 
 def default_prefill_threads(usable: float) -> int:
@@ -107,18 +117,18 @@ def default_prefill_threads(usable: float) -> int:
     return max(1, min(math.floor(usable), MAX_DEFAULT_PREFILL_THREADS))
 
 
-def plan_threads(requested: int | None, prefill_requested: int | None = None) -> ThreadPlan:
+def plan_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0) -> ThreadPlan:
     usable = usable_cpus()
-    threads = requested if requested is not None else default_threads(usable)
+    threads = requested if requested is not None else default_threads(usable, weight_bytes)
     prefill = prefill_requested if prefill_requested is not None else default_prefill_threads(usable)
     return ThreadPlan(threads, usable, "setting" if requested is not None else "default",
-                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill)
+                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill, weight_bytes)
 
 
-def apply_threads(requested: int | None, prefill_requested: int | None = None) -> ThreadPlan:
-    """Set torch's intra-op thread count for this process (before the model's first op, and before any
-    compiled program is built or loaded: Inductor bakes the count into its kernels)."""
-    plan = plan_threads(requested, prefill_requested)
+def apply_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0) -> ThreadPlan:
+    """Set torch's intra-op thread count for this process (before any compiled program is built or loaded:
+    Inductor bakes the count into its kernels). `weight_bytes`: the decode step's weights (`weight_bytes`)."""
+    plan = plan_threads(requested, prefill_requested, weight_bytes)
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
     return plan
@@ -136,3 +146,8 @@ def prefill_threads(plan: ThreadPlan) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(plan.threads)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters as they are (a decode step reads each once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -11,12 +11,14 @@ import torch
 from linserve.server.engine.cpu_threads import (
     MAX_DEFAULT_PREFILL_THREADS,
     MAX_DEFAULT_THREADS,
+    STREAMED_WEIGHT_BYTES,
     affinity_cpus,
     cgroup_cpu_quota,
     default_prefill_threads,
     default_threads,
     plan_threads,
     usable_cpus,
+    weight_bytes,
 )
 from linserve.server.engine.types import SamplingParams
 from linserve.server.settings import Settings
@@ -69,6 +71,25 @@ def test_cgroup_v1_quota(tmp_path):
 def test_default_leaves_a_cpu_for_the_rest_and_is_capped(usable, threads):
     assert default_threads(usable) == threads
     assert MAX_DEFAULT_THREADS == 4
+
+
+@pytest.mark.parametrize(("usable", "threads"), [(0.5, 1), (1, 1), (1.9, 1), (2, 2), (3, 3), (4, 4), (64, 4)])
+def test_weights_that_stream_from_memory_decode_on_every_cpu(usable, threads):
+    assert default_threads(usable, STREAMED_WEIGHT_BYTES) == threads
+    assert default_threads(usable, STREAMED_WEIGHT_BYTES - 1) == default_threads(usable)
+
+
+def test_the_plan_follows_the_model_weights():
+    small = plan_threads(None, None, 12 * 2**20)  # the shipped model's bf16 weights
+    large = plan_threads(None, None, 620 * 2**20)  # fla's 340M linear_attn
+    assert small.threads == default_threads(usable_cpus()) and small.weight_bytes == 12 * 2**20
+    assert large.threads == max(1, min(int(usable_cpus()), MAX_DEFAULT_THREADS))
+    assert plan_threads(1, None, 620 * 2**20).threads == 1  # a setting wins
+
+
+def test_weight_bytes_counts_parameters_in_their_dtype():
+    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    assert weight_bytes(layer) == (64 * 32 + 32) * 2
 
 
 @pytest.mark.parametrize(("usable", "threads"), [(0.5, 1), (1, 1), (1.9, 1), (2, 2), (3, 3), (8, 8), (64, 8)])
