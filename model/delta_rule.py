@@ -103,5 +103,6 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g
 def l2_normalize(x: torch.Tensor, exact: bool, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σ x² + eps) over the last dimension, in fp32 (fla's in-kernel q/k normalisation)."""
     x = x.float()
-    squares = numerics.tree_sum(x * x, -1) if exact else (x * x).sum(-1)  # (…)
-    return x / torch.sqrt(squares + eps)[..., None]
+    if exact:
+        return x / numerics.sqrt(numerics.tree_sum(x * x, -1) + eps)[..., None]
+    return x / torch.sqrt((x * x).sum(-1) + eps)[..., None]

@@ -8,8 +8,11 @@ is the kernel's choice (eager LayerNorm and Inductor's disagree in ~30% of fp32 
 where one rounding moves a value by 2⁻⁸, such a difference reaches the logits and flips near ties. So where
 `exact_inference` holds — no autograd, bf16 activations on a CPU with oneDNN — the model computes only with:
 
-- elementwise IEEE operations (+, -, ×, ÷, sqrt, comparisons, casts): correctly rounded, the same bits on
-  every backend (Inductor's C++ is built without floating-point contraction, so a·b + c stays two roundings);
+- elementwise IEEE operations (+, -, ×, ÷, comparisons, casts): correctly rounded, the same bits on every
+  backend (Inductor's C++ is built without floating-point contraction, so a·b + c stays two roundings);
+- `sqrt` of fp32 values in float64, rounded once: torch's own fp32 kernel on a CPU is not correctly rounded
+  (√7.8211155 came out 2.7966256, 1 ulp below the 2.7966259 Inductor's sqrtss gives — a q/k L2 norm of
+  Gated DeltaNet differed between eager and compiled);
 - reductions as `tree_sum`: a fixed pairwise tree of elementwise adds over slices — the code's order;
 - functions of one bf16 value (GELU, ELU+1) as lookups in a 65,536-entry table of the float64 value,
   rounded once (`bf16_table`); `exp` of fp32 values in float64 (any two faithful float64 implementations
@@ -153,7 +156,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bo
     h = x.float()  # (..., C)
     if exact:
         mean_square = tree_sum(h * h, -1)[..., None] / h.shape[-1]  # (..., 1)
-        y = h / torch.sqrt(mean_square + eps)  # (..., C)
+        y = h / sqrt(mean_square + eps)  # (..., C)
     else:
         y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., C)
     if weight is not None:
@@ -175,6 +178,12 @@ def flush_subnormals() -> None:
     torch.set_flush_denormal(True)
 
 
+def sqrt(x: torch.Tensor) -> torch.Tensor:
+    """√x in float64, rounded to x's dtype (float32): correctly rounded from any backend (float64's sqrt is,
+    and rounding its result to float32 is innocuous)."""
+    return torch.sqrt(x.double()).to(x.dtype)
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp in float64, rounded to x's dtype (float32 or wider): the same bits from any backend."""
     return torch.exp(x.double()).to(x.dtype)
@@ -187,7 +196,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     mean = tree_sum(h, -1)[..., None] / n  # (..., 1)
     centred = h - mean  # (..., C)
     var = tree_sum(centred * centred, -1)[..., None] / n  # (..., 1)
-    y = centred / torch.sqrt(var + eps) * weight.float()  # (..., C)
+    y = centred / sqrt(var + eps) * weight.float()  # (..., C)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

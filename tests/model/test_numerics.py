@@ -131,3 +131,33 @@ def test_the_compiled_decode_step_is_the_eager_one_bit_for_bit(device):
                     *pool.buffers.values(), *sampling.tensors())
             for got, want in zip(compiled(*args), program(*args), strict=True):
                 assert torch.equal(got, want), slots
+
+
+@pytest.mark.slow
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["linear_attn", "gla", "gated_deltanet"])
+def test_an_fla_decode_step_compiled_with_frozen_weights_is_the_eager_one_bit_for_bit(family, tmp_path):
+    """fla's block layout adds each projection's output to the residual stream; compiled with the weights
+    frozen (as the AOTInductor builds are), Inductor fused that add into oneDNN's projection call — one rounding
+    where eager makes two — and the logits differed from eager's by a bf16 ulp. Under `same_bits_as_eager` the
+    step's logits and states are eager's exactly."""
+    import torch._inductor.config as inductor_config
+
+    from linserve.model.checkpoint import load_checkpoint
+    from linserve.model.decode_step import flat_decode_step
+    from linserve.server.engine.compile.program_compiler import same_bits_as_eager
+    from tests.model.families.checkpoints import FAMILY_CASES, write_checkpoint
+
+    directory = write_checkpoint(tmp_path, FAMILY_CASES[family])
+    model = in_dtype(load_checkpoint(directory, torch.device("cpu")), torch.bfloat16).eval()
+    numerics.prepare_tables("cpu")
+    state = model.init_state(2, "cpu").tensors()
+    generator = torch.Generator().manual_seed(3)
+    state = [t.normal_(generator=generator) if t.is_floating_point() else t for t in state.values()]
+    tokens = torch.tensor([[17], [902]])
+    step = flat_decode_step(model)
+    torch._dynamo.reset()  # (frozen weights are compiled in: nothing from another test's model may be reused)
+    with inductor_config.patch(same_bits_as_eager(model)):
+        compiled = torch.compile(step, fullgraph=True, dynamic=False)
+        for got, want in zip(compiled(tokens, *state), step(tokens, *state), strict=True):
+            assert torch.equal(got, want)

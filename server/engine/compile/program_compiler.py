@@ -163,9 +163,21 @@ def same_bits_as_eager(model: LinearGPT) -> dict:
     otherwise keep fp32 between ops), bf16 weights packed by oneDNN for one row — as `numerics.packed` packs
     them eagerly, whose rows do not depend on the batch — and fp32 weights left to the BLAS call eager makes
     (no prepacking: oneDNN's fp32 kernel rounds differently from MKL's). Max-autotune's own GEMM templates are
-    off for the same reason: their rows are not eager's."""
+    off for the same reason: their rows are not eager's. And no addition joins a projection as oneDNN's post-op
+    (`x + linear(h)` as one call): the fused sum rounds once where eager rounds the projection to bf16 and then
+    the sum (fla's residual adds differed from eager by a bf16 ulp in the logits)."""
     from torch._inductor.fx_passes import mkldnn_fusion
 
+    if not getattr(mkldnn_fusion._is_valid_binary, "keeps_projections_apart", False):
+        original_check = mkldnn_fusion._is_valid_binary
+
+        def unfused_projections(match, computation_op, binary_op):  # looked up by name when a pattern is checked
+            if computation_op is torch.ops.mkldnn._linear_pointwise.default:
+                return False
+            return original_check(match, computation_op, binary_op)
+
+        unfused_projections.keeps_projections_apart = True
+        mkldnn_fusion._is_valid_binary = unfused_projections
     device_op = mkldnn_fusion.CpuMkldnnDeviceOp
     if not getattr(device_op.pack_linear_weight, "packs_for_one_row", False):
         original = device_op.pack_linear_weight
