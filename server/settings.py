@@ -113,7 +113,8 @@ class Settings(BaseSettings):
         "$XDG_CACHE_HOME/linserve/compile (else ~/.cache/linserve/compile), shared by every working directory")
     threads: int | None = Field(
         None, ge=1, le=1024, description="intra-op CPU threads for the model's ops (torch/OpenMP); unset: the CPUs "
-        "this process may use (affinity mask and cgroup quota) less one for the event loop, between 1 and 4")
+        "this process may use (affinity mask and cgroup quota) less one for the event loop — all of them for a model "
+        "of at least 256 MiB of weights, whose decode step streams them from memory — between 1 and 4")
     prefill_threads: int | None = Field(
         None, ge=1, le=1024, description="intra-op CPU threads while the engine runs the chunked form (prefill, "
         "prompt scoring), whose GEMMs are large enough to split; unset: the CPUs this process may use, at most 8")

@@ -97,6 +97,7 @@ class DecodeStep:
         self.verdicts = VerdictStore(self.cache_dir if self.auto_cpu else None)
         self.measure = compile_verdict.measure  # (eager, compiled, args, hold) -> Measurement; tests inject one
         self.recheck_s = compile_verdict.RECHECK_S
+        self.busy_share = compile_verdict.busy_share  # (wait, seconds) -> the machine's busy share; tests inject one
         self.calls = 0  # programs run by the engine (a re-check waits for it to be idle)
         self._measured: tuple[int, object] | None = None  # the bucket a verdict is (re-)measured with
         self._built = threading.Event()  # the first pass over the buckets is over (wait_compiled)
@@ -343,10 +344,14 @@ class DecodeStep:
                     if verdict.provisional else "")
 
     def _recheck(self) -> bool:
-        """Measure a provisional verdict again once the engine has been idle for `recheck_s`. True if measured."""
+        """Measure a provisional verdict again once the engine has been idle for `recheck_s` and the machine's
+        CPUs for the probe after it. True if measured."""
         calls = self.calls
         if self._closed.wait(self.recheck_s) or self.calls != calls or self._measured is None:
             return False  # closing, or the engine served meanwhile: not a quiet moment
+        busy = self.busy_share(self._closed.wait, compile_verdict.QUIET_PROBE_S)
+        if (busy is not None and busy > compile_verdict.LOAD_LIMIT) or self.calls != calls or self._closed.is_set():
+            return False  # something else keeps the CPUs busy: measuring now would only add to it
         size, program = self._measured
         before, verdict = self.verdict.decision, self._measure_verdict(size, program)
         if verdict.decision == "declined" and before == "compiled":

@@ -13,7 +13,10 @@ for its whole life was decided by noise, and a busy machine at start-up tipped i
 - **Load is seen, not ignored**: CPU contention during the measurement (Linux pressure stall information:
   the share of time runnable tasks waited for a CPU; without it, the measuring thread's time off a CPU) above
   LOAD_LIMIT, or the engine serving meanwhile, makes the verdict *provisional*: used, not stored, and measured
-  again once the machine is quiet (`DecodeStep` re-checks every RECHECK_S while the engine is idle).
+  again once the machine is quiet (`DecodeStep` re-checks every RECHECK_S while the engine is idle, and only
+  if the machine's CPUs were idle too for QUIET_PROBE_S just before: a measurement beside another busy
+  process would come out provisional again — and two idle servers each measuring while the other served kept
+  a core busy between them, with fla's 340M models a 10–50 s measurement every minute).
 - **Stored once made quietly**: beside the compiled artifacts (whose directory is keyed by model, program,
   torch and CPU), per intra-op thread count, so a later start of the same server on the same machine uses it
   rather than measuring again.
@@ -37,6 +40,8 @@ CALLS_PER_ROUND = 10
 LOAD_LIMIT = 0.10  # contention share above which a measurement is provisional
 RECHECK_S = 60.0  # how often a provisional verdict is measured again (while the engine is idle)
 PRESSURE_FILES = ("/sys/fs/cgroup/cpu.pressure", "/proc/pressure/cpu")  # this cgroup's, else the machine's
+QUIET_PROBE_S = 1.0  # how long the machine must look idle before a re-check measures
+PROC_STAT = "/proc/stat"
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,30 @@ def readable_pressure(path: str | None) -> int | None:
     except (OSError, TypeError, ValueError, IndexError):
         pass
     return None
+
+
+def busy_share(wait: Callable[[float], bool], seconds: float = QUIET_PROBE_S, path: str = PROC_STAT) -> float | None:
+    """The share of the machine's CPU time spent busy (not idle or waiting for I/O) over `seconds`, from
+    /proc/stat's first line, while the caller waits (`wait(seconds)`: True when it should stop). None where
+    /proc/stat cannot be read, or when the wait was stopped."""
+    before = _cpu_times(path)
+    if before is None or wait(seconds):
+        return None
+    after = _cpu_times(path)
+    if after is None:
+        return None
+    total = sum(after) - sum(before)
+    idle = (after[3] + after[4]) - (before[3] + before[4])  # idle, iowait
+    return None if total <= 0 else min(max(1.0 - idle / total, 0.0), 1.0)
+
+
+def _cpu_times(path: str) -> list[int] | None:
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+        return [int(v) for v in fields[1:9]] if fields and fields[0] == "cpu" and len(fields) >= 9 else None
+    except (OSError, ValueError):
+        return None
 
 
 def measure(eager: Callable, compiled: Callable, args: tuple, hold: Callable | None = None,

@@ -24,6 +24,7 @@ from linserve.server.engine.compile.verdict import (
     Contention,
     Measurement,
     VerdictStore,
+    busy_share,
     judge,
     measure,
     readable_pressure,
@@ -62,6 +63,7 @@ def auto_step(model, cache_dir, measure_with: Injected, max_rows: int = 4) -> De
     step.built = []
     step._compiler = lambda: (lambda size: step.built.append(size) or step.eager_program)
     step.measure = measure_with
+    step.busy_share = lambda wait, seconds: 0.0  # the machine's load is injected too (no test depends on it)
     return step
 
 
@@ -147,6 +149,33 @@ def test_a_recheck_waits_for_an_idle_engine(tiny_model, tmp_path):
     step._closed = threading.Event()
     step.recheck_s = 0
     assert step._recheck() is True and step.measure.calls == 1 and not step.verdict.provisional
+
+
+def test_a_recheck_waits_for_idle_cpus(tiny_model, tmp_path):
+    """Another process busy on the CPUs (another server serving): no measurement — it would only add to the
+    load and come out provisional again."""
+    step = auto_step(tiny_model, tmp_path, Injected(quiet(1.3)))
+    step.verdict = judge(loaded(1.3), 1, 2)
+    step._measured = 1, step.eager_program
+    step.recheck_s = 0
+    probed = []
+    step.busy_share = lambda wait, seconds: probed.append(seconds) or 0.6
+    assert step._recheck() is False and step.measure.calls == 0 and step.verdict.provisional and probed
+    step.busy_share = lambda wait, seconds: None  # the machine's load cannot be read: measure as before
+    assert step._recheck() is True and step.measure.calls == 1
+
+
+def test_busy_share_reads_the_machines_cpu_times(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 800 0 0 0 0 0 0\ncpu0 50 0 50 400 0 0 0 0 0 0\n")
+
+    def a_second_passes(seconds):  # user +300, system +100, idle +400, iowait +200
+        stat.write_text("cpu  400 0 200 1200 200 0 0 0 0 0\n")
+        return False
+
+    assert busy_share(a_second_passes, 1.0, str(stat)) == pytest.approx(400 / 1000)
+    assert busy_share(lambda seconds: True, 1.0, str(stat)) is None  # stopped while waiting
+    assert busy_share(a_second_passes, 1.0, str(tmp_path / "absent")) is None
 
 
 def test_measuring_while_the_engine_serves_is_provisional(tiny_model, tmp_path):
