@@ -31,7 +31,8 @@ from linserve.model import LinearGPT, families
 logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.pt"
-ARTIFACT_FORMAT = 2  # part of the cache key: raise it whenever `build` makes different artifacts
+ARTIFACT_FORMAT = 3  # part of the cache key: raise it whenever `build` makes different artifacts (3: no add
+# fused into a projection, same_bits_as_eager)
 
 
 def artifact_path(directory: str, num_slots: int, size: int, program: str = "decode") -> str:
