@@ -127,7 +127,7 @@ def plan_threads(requested: int | None, prefill_requested: int | None = None, we
 
 def apply_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0) -> ThreadPlan:
     """Set torch's intra-op thread count for this process (before any compiled program is built or loaded:
-    Inductor bakes the count into its kernels). `weight_bytes`: the decode step's weights (`weight_bytes`)."""
+    Inductor bakes the count into its kernels). `weight_bytes`: the decode model's `weight_bytes(model)`."""
     plan = plan_threads(requested, prefill_requested, weight_bytes)
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
