@@ -3,14 +3,16 @@
 warm cache, every compiled bucket ready within 20 s. On a GPU (`--device cuda`, issue 48) also: every bucket
 at graph speed (a CUDA graph of the eager program, or the compiled one) within 60 s of a cold start.
 
-    python benchmarks/p12_first_start.py [--device cpu|cuda] [--stream-s 60] [--warm-cache DIR] [--quick]
-        [--out results.json]
+    python benchmarks/p12_first_start.py [--device cpu|cuda] [--stream-s 60] [--cold-cache DIR]
+        [--warm-cache DIR|same] [--quick] [--out results.json]
 
-Cold: a fresh, empty cache directory. The clock starts when `linserve serve` is spawned and stops at the
-first streamed token of a completion sent as soon as /health answers. Then one stream at a time is kept
-running for --stream-s seconds while the compiler child works: its largest inter-token gap and ITL p99 say
-whether compiling stalls serving. Warm: the same server against --warm-cache (default: the user's cache,
-as `linserve compile` leaves it): seconds until /ready reports every bucket ready.
+Cold: a fresh, empty cache directory (--cold-cache: one that is kept, emptied first). The clock starts when
+`linserve serve` is spawned and stops at the first streamed token of a completion sent as soon as /health
+answers. Then one stream at a time is kept running for --stream-s seconds while the compiler child works: its
+largest inter-token gap and ITL p99 say whether compiling stalls serving. Warm: the same server against
+--warm-cache (default: the user's cache, as `linserve compile` leaves it; `same`: the cold run's, a restart after the
+first start — on a GPU, where the programs are built in the serving process): seconds until /ready reports every
+bucket ready.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,10 +42,15 @@ def free_port() -> int:
 
 def spawn(port: int, cache: str | None) -> subprocess.Popen:
     command = [sys.executable, "-m", "linserve.server.cli", "serve", "--port", str(port), "--compile", "auto",
-               "--session-store", "none", "--log-level", "warning", "--device", DEVICE]
+               "--session-store", "none", "--log-level", "info", "--device", DEVICE]
     if cache:
         command += ["--compile-cache-dir", cache]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = os.environ.get("LINSERVE_BENCH_SERVER_LOG")  # a file for the server's output (else discarded)
+    output = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
+    if log:
+        output.write(f"---- p12: {' '.join(command)} spawned at {time.strftime('%H:%M:%S')}\n".encode())
+        output.flush()
+    return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
 
 
 def stream_gaps(base: str, max_tokens: int) -> tuple[float | None, list[float]]:
@@ -90,8 +98,8 @@ def served(cache: str | None):
         process.wait(30)
 
 
-def cold(stream_s: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="linserve-cold-cache-") as cache, served(cache) as (base, spawned):
+def cold(stream_s: float, cache: str) -> dict:
+    with served(cache) as (base, spawned):
         up = time.perf_counter() - spawned
         first, gaps = stream_gaps(base, 16)
         first_token_s = up + first
@@ -144,16 +152,26 @@ def warm(cache: str | None, timeout_s: float = 300) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stream-s", type=float, default=60.0, help="seconds of streaming while compiling")
-    parser.add_argument("--warm-cache", default=None, help="a cache `linserve compile` filled (default: the user's)")
+    parser.add_argument("--cold-cache", help="the cold start's cache directory, emptied first and kept (default: a "
+                        "temporary one)")
+    parser.add_argument("--warm-cache", default=None, help="a cache `linserve compile` filled (default: the user's), "
+                        "or `same`: the cold start's")
     parser.add_argument("--quick", action="store_true", help="a few seconds of each (the tests)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = args.device
-    result = {"cold": cold(3.0 if args.quick else args.stream_s)}
-    if not args.quick:
-        result["warm"] = warm(args.warm_cache)
+    with contextlib.ExitStack() as stack:
+        if args.cold_cache:
+            shutil.rmtree(args.cold_cache, ignore_errors=True)
+            os.makedirs(args.cold_cache)
+            cold_cache = args.cold_cache
+        else:
+            cold_cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="linserve-cold-cache-"))
+        result = {"cold": cold(3.0 if args.quick else args.stream_s, cold_cache)}
+        if not args.quick:
+            result["warm"] = warm(cold_cache if args.warm_cache == "same" else args.warm_cache)
     emit({"cpu_count": os.cpu_count(), "P12": result}, args.out)  # a `P12.cold: PASS|FAIL` line per target
 
 

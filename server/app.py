@@ -79,6 +79,7 @@ def load_draft(settings: Settings, model, tokenizer, device):
 
 
 def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
+    started = time.perf_counter()
     path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)  # every form's: prefill, decode steps and verification
@@ -96,9 +97,10 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
         metrics.watch_decode_step(engine.decode_step.describe)
     plan = engine.threads
     weights = str(dtype).removeprefix("torch.") + (" (auto)" if settings.dtype == "auto" else "")
-    logger.info("loaded %s on %s (%s weights; %d intra-op CPU threads, %s: %g CPUs usable, OMP_WAIT_POLICY %s): "
-                "%d slots x %d state bytes", path, device, weights, plan.threads, plan.source,
-                plan.usable_cpus, plan.omp_wait_policy, config.num_slots, engine.pool.slot_bytes)
+    logger.info("loaded %s on %s in %.1f s (%s weights; %d intra-op CPU threads, %s: %g CPUs usable, "
+                "OMP_WAIT_POLICY %s): %d slots x %d state bytes", path, device, time.perf_counter() - started,
+                weights, plan.threads, plan.source, plan.usable_cpus, plan.omp_wait_policy, config.num_slots,
+                engine.pool.slot_bytes)
     return engine, tokenizer
 
 

@@ -36,7 +36,7 @@ from linserve.model.loading import in_dtype
 from . import heap
 from .accounting import check_request, pool_stats, slot_accounting
 from .command_queue import ENGINE_DEAD, CommandQueue
-from .compile.cuda_graphs import TRACING
+from .compile.cuda_graphs import STEP_LOCK
 from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads, weight_bytes
 from .live import LiveRequest, Row
@@ -186,7 +186,7 @@ class Engine:
                 if plan.empty:
                     continue
                 try:
-                    with torch.inference_mode(), TRACING:  # never inside a compile's trace window
+                    with torch.inference_mode(), STEP_LOCK:  # (compile=auto measures between steps)
                         self._step(plan)
                     failures = 0
                 except Exception as error:  # noqa: BLE001 - fail what the step touched, keep serving

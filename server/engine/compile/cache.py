@@ -14,7 +14,7 @@ import torch
 
 from linserve.model import LinearGPT
 
-from .program_compiler import ARTIFACT_FORMAT, CompilerProcess, artifact_path, load_artifact, write_model
+from .program_compiler import ARTIFACT_FORMAT, CPU, CompilerProcess, artifact_path, load_artifact, write_model
 
 
 def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, autotune: bool = True,
@@ -72,13 +72,13 @@ def cpp_compiler_available() -> bool:
 
 
 class ChildBuilder:
-    """CPU: each bucket's program is an AOTInductor artifact in the cache directory — loaded if there,
-    else built by a compiler child process (started on the first miss; see program_compiler)."""
+    """Each bucket's program is an AOTInductor artifact for `device` in the cache directory — loaded if
+    there, else built by a compiler child process (started on the first miss; see program_compiler)."""
 
     def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool, autotune: bool,
-                 program: str = "decode") -> None:
+                 program: str = "decode", device: torch.device = CPU) -> None:
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
-        self.autotune, self.program = autotune, program
+        self.autotune, self.program, self.device = autotune, program, device
         write_model(directory, model)
 
     def cached(self, size: int) -> bool:
@@ -87,12 +87,13 @@ class ChildBuilder:
 
     def __call__(self, size: int):
         """The bucket's program; None when it is not in the cache and this builder may not compile."""
-        program = load_artifact(self.directory, self.num_slots, size, self.program)
+        program = load_artifact(self.directory, self.num_slots, size, self.program, self.device)
         if program is None and self.can_compile:
             if self.child is None:
-                self.child = CompilerProcess(self.directory, self.num_slots, self.autotune, self.program)
+                self.child = CompilerProcess(self.directory, self.num_slots, self.autotune, self.program,
+                                             self.device)
             self.child.compile(size)
-            program = load_artifact(self.directory, self.num_slots, size, self.program)
+            program = load_artifact(self.directory, self.num_slots, size, self.program, self.device)
         return program
 
     def close(self) -> None:

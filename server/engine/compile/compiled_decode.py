@@ -5,13 +5,15 @@ the smallest ready bucket that holds it, padded with copies of its first row (ro
 padding's outputs are dropped), or eagerly while none is ready. A background thread gets the buckets
 ready in the order traffic needs them, while the engine serves, so start-up and `/ready` never wait.
 
-- CPU: each bucket is an AOTInductor artifact (frozen weights, max-autotune's C++ GEMM templates) in the
-  compile cache, built by a child process (program_compiler.py) and loaded here: the serving process
-  never runs the compiler and a call evaluates no Dynamo guards.
-- CUDA: each bucket is a CUDA graph, captured on the engine thread at the bucket's first use; it reads its
-  rows through a static (3, P) io tensor, and its outputs are static buffers, read (tokens) and scattered
-  back (state) before the next replay. From `start()` every bucket is a graph of the *eager* program
-  (captured in milliseconds: graph speed from the first request, no compiler); the `torch.compile`d program
+Each bucket is an AOTInductor artifact in the compile cache, built by a child process
+(program_compiler.py) and loaded here: the serving process never runs the compiler (no GIL held for seconds
+by Dynamo or Inductor, no torch.fx patching while steps run) and a call evaluates no Dynamo guards; a restart
+loads the artifacts in milliseconds.
+- CPU: C++ kernels (frozen weights; max-autotune's GEMM templates if asked), called with the GIL released.
+- CUDA: Triton kernels, and each bucket is a CUDA graph, captured on the engine thread at the bucket's first
+  use; it reads its rows through a static (r, P) io tensor, and its outputs are static buffers, read (tokens)
+  and scattered back (state) before the next replay. From `start()` every bucket is a graph of the *eager*
+  program (captured in milliseconds: graph speed from the first request, no compiler); the compiled program
   replaces each bucket's graph as it is built in the background (captured again at its next use).
 
 `compile`: `off` (eager only), `on`, or `auto` — on CUDA the same as `on`; on CPU the first bucket is
@@ -23,7 +25,6 @@ without a C++ compiler unless the artifacts are already in the cache.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
@@ -37,8 +38,7 @@ from ..sampling import SlotSampling
 from ..state_pool import StatePool
 from . import verdict as compile_verdict
 from .cache import ChildBuilder, compile_cache_dir, cpp_compiler_available
-from .cuda_graphs import TRACING, Bucket, capture, guard_tracing, replay
-from .program_compiler import quiet_compiler_warnings
+from .cuda_graphs import STEP_LOCK, Bucket, capture, replay
 from .verdict import Verdict, VerdictStore, judge
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,6 @@ class DecodeStep:
         if self.mode == "off" or self._thread is not None:
             return
         if self.device.type != "cpu":
-            guard_tracing()  # in-process compiling: the engine's steps and the compiler's traces never overlap
             for size in self.sizes:  # graph speed at once: graphs of the eager program until compiled ones come
                 self._ready.setdefault(size, Bucket(size, self.eager_program, final=False))
             logger.info("%s: CUDA graphs of the eager program for batches %s (captured at first use); compiled "
@@ -330,7 +329,7 @@ class DecodeStep:
         """Time `program` against eager at its bucket, each round holding the engine's step lock."""
         calls = self.calls
         with torch.inference_mode():
-            measurement = self.measure(self.eager_program, program, self._dummy(size), hold=lambda: TRACING)
+            measurement = self.measure(self.eager_program, program, self._dummy(size), hold=lambda: STEP_LOCK)
         return judge(measurement, size, torch.get_num_threads(), served_meanwhile=self.calls != calls)
 
     def _set_verdict(self, verdict: Verdict) -> None:
@@ -362,39 +361,17 @@ class DecodeStep:
         self._set_verdict(verdict)
         return True
 
-    def _compiler(self):
-        """`build(size) -> program` for this device (with `close()` when it holds a process)."""
-        if self.device.type == "cpu":
-            can_compile = self.mode == "on" or cpp_compiler_available()
-            return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile, self.autotune,
-                                self.kind.name)
-        os.makedirs(self.cache_dir, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.cache_dir)  # read at each use
-        quiet_compiler_warnings()  # in this process on CUDA: they would reach the server's log
-        import torch._dynamo
-
-        # every bucket (of every model compiled in this process) is one more entry in the step's code cache:
-        # past the limit (8 by default) Dynamo would quietly run that code eagerly
-        torch._dynamo.config.recompile_limit += len(self.sizes)
-        compiled = torch.compile(self.eager_program, dynamic=False, fullgraph=True)
-
-        def build(size: int):
-            try:
-                self._warm(compiled, size)
-                return compiled
-            except Exception:  # noqa: BLE001 - a program Inductor cannot build here: graphs of the eager one
-                logger.warning("Inductor could not compile the decode program; CUDA graphs of the eager one",
-                               exc_info=True)
-                return self.eager_program
-
-        return build
+    def _compiler(self) -> ChildBuilder:
+        """`build(size) -> program` for this device, holding the compiler child while it runs."""
+        can_compile = self.mode == "on" or cpp_compiler_available()  # (Triton's launchers need one too)
+        device = self.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # the child compiles for this one
+        return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile, self.autotune,
+                            self.kind.name, device)
 
     def _dummy(self, size: int) -> tuple[torch.Tensor, ...]:
         """A bucket's arguments: rows 0 of the pool (zeroed copies: nothing real is read or written)."""
         io = torch.zeros(self.kind.io_rows, size, dtype=torch.long, device=self.device)  # (r, P)
         buffers = [torch.zeros_like(t) for t in (*self.buffers, *self.sampling.tensors())]
         return (*self.kind.arguments(io), *buffers)
-
-    @torch.inference_mode()
-    def _warm(self, step, size: int) -> None:
-        step(*self._dummy(size))

@@ -1,10 +1,8 @@
 """A bucket's program and, on CUDA, its graph: captured once (warm-up on a side stream, then the whole program
-reading its rows through a static io tensor), replayed per step. And the lock that keeps torch.fx's tracing (a
-compile on another thread) and the engine's steps apart."""
+reading its rows through a static io tensor), replayed per step. And the engine's step lock."""
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,30 +20,9 @@ class Bucket:
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
 
 
-# torch.fx's Tracer.trace (which make_fx, and so AOTAutograd and Inductor's pattern matcher, run while
-# compiling) patches torch.nn.Module.__call__ and __getattr__ for the whole process while it traces: a model
-# call on another thread meanwhile goes through the tracer (seen: NameError "module is not installed as a
-# submodule" in a request served eagerly during the background compile). Every trace holds TRACING (see
-# guard_tracing) and so does every engine step: a step never runs inside a trace window, a trace never
-# starts inside a step. Re-entrant: a recompile traced on the engine thread itself is fine.
-TRACING = threading.RLock()
-
-
-def guard_tracing() -> None:
-    """Make torch.fx's Tracer.trace hold TRACING (once per process; subclasses trace through it)."""
-    from torch.fx import _symbolic_trace
-
-    original = _symbolic_trace.Tracer.trace
-    if getattr(original, "_holds_linserve_lock", False):
-        return
-
-    @functools.wraps(original)
-    def trace(self, *args, **kwargs):
-        with TRACING:
-            return original(self, *args, **kwargs)
-
-    trace._holds_linserve_lock = True
-    _symbolic_trace.Tracer.trace = trace
+# Held by every engine step, and by compile=auto's measurements between them (a round never overlaps a step).
+# Re-entrant: a measurement may run a step's code on the engine thread itself.
+STEP_LOCK = threading.RLock()
 
 
 def capture(bucket: Bucket, inputs: Callable[[torch.Tensor], tuple], io_rows: int, device: torch.device) -> None:
@@ -62,7 +39,7 @@ def capture(bucket: Bucket, inputs: Callable[[torch.Tensor], tuple], io_rows: in
             run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the compile thread may run kernels
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (other threads may run kernels meanwhile)
         bucket.outputs = run()
     bucket.graph = graph
 

@@ -1,14 +1,17 @@
-"""Compiling decode programs in a separate process, into artifacts the engine loads (CPU).
+"""Compiling decode programs in a separate process, into artifacts the engine loads (CPU and CUDA).
 
 The engine never runs the compiler: a child process (`python -m linserve.server.engine.compile.program_compiler DIR`)
 exports the decode program (compiled_decode.decode_program) for one batch bucket at a time with
-torch.export and builds it with AOTInductor (frozen weights, max-autotune: Inductor's C++ GEMM
-templates) into `DIR/decode-b{size}.pt2`. The engine loads a finished artifact in milliseconds and calls
+torch.export and builds it with AOTInductor into `DIR/decode-s{slots}-b{size}.pt2` — on CPU C++ kernels
+(frozen weights; max-autotune's GEMM templates if asked), on CUDA Triton kernels, which the engine then
+captures in a CUDA graph. The engine loads a finished artifact in milliseconds and calls
 it with no Dynamo guard evaluation; a restart, `linserve compile` or another server on the same cache
 loads the artifacts without compiling anything.
 
 So compiling holds none of the engine's GIL, never traces inside the engine's process (no torch.fx
-patching while steps run), and runs at a lower CPU priority than serving.
+patching while steps run), and runs at a lower CPU priority than serving. (On CUDA a compile in the serving
+process stalled its streams for up to 2.6 s at a time on an H200: Dynamo and Inductor hold the GIL for
+seconds; and a restart compiled everything again, 72 s for 7 buckets, where artifacts load in milliseconds.)
 
 Protocol (one line each, text): the parent writes a bucket size; the child answers
 `ready SIZE SECONDS` or `failed SIZE MESSAGE`; an empty line or EOF ends the child. `DIR/model.pt`
@@ -26,9 +29,11 @@ import time
 
 import torch
 
-from linserve.model import LinearGPT, families
+from linserve.model import LinearGPT, families, numerics
 
 logger = logging.getLogger(__name__)
+
+CPU = torch.device("cpu")
 
 MODEL_FILE = "model.pt"
 ARTIFACT_FORMAT = 3  # part of the cache key: raise it whenever `build` makes different artifacts (3: no add
@@ -57,11 +62,18 @@ def write_model(directory: str, model: LinearGPT) -> None:
     os.replace(temp, path)
 
 
-def load_artifact(directory: str, num_slots: int, size: int, program: str = "decode"):
+def load_artifact(directory: str, num_slots: int, size: int, program: str = "decode",
+                  device: torch.device = CPU):
     """A finished bucket's program (callable with the program's arguments), or None if there is none."""
     path = artifact_path(directory, num_slots, size, program)
     if not os.path.exists(path):
         return None
+    if device.type == "cuda":  # torch's loader: it launches on the current stream (CUDA graphs capture it);
+        # a call only queues kernels, so holding the GIL meanwhile costs little
+        # single-threaded: none of the container's locking and events, which a CUDA graph cannot capture (only
+        # the engine thread calls it)
+        return torch._inductor.aoti_load_package(path, run_single_threaded=True, device_index=(
+            device.index if device.index is not None else torch.cuda.current_device()))
     from .aoti_runner import load_program
 
     return load_program(path)  # called without holding the GIL (aoti_runner.py)
@@ -71,7 +83,8 @@ class CompilerProcess:
     """The parent's handle on the child: `compile(size)` blocks (on a pipe, GIL released) until the child
     answers. The child lowers its own priority (nice +10) and logs to DIR/compile.log."""
 
-    def __init__(self, directory: str, num_slots: int, autotune: bool, program: str = "decode") -> None:
+    def __init__(self, directory: str, num_slots: int, autotune: bool, program: str = "decode",
+                 device: torch.device = CPU) -> None:
         directory = os.path.abspath(directory)
         # the child builds for this process's intra-op thread count (Inductor bakes it into the GEMM kernels)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor"),
@@ -79,7 +92,7 @@ class CompilerProcess:
         with open(os.path.join(directory, "compile.log"), "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "linserve.server.engine.compile.program_compiler", directory, str(num_slots),
-                 "autotune" if autotune else "plain", program],
+                 "autotune" if autotune else "plain", program, str(device)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
             )
 
@@ -104,29 +117,31 @@ class CompilerProcess:
 
 
 # ---------------------------------------------------------------------------------------------- the child
-def _load(directory: str) -> LinearGPT:
-    """The served model as the parent has it: parameters in its dtype, buffers as saved (a head's decay stays
-    fp32 — `in_dtype`, as `from_pretrained` loads it; cast to bf16 it would decay another state)."""
+def _load(directory: str, device: torch.device) -> LinearGPT:
+    """The served model as the parent has it, on its device: parameters in its dtype, buffers as saved (a
+    head's decay stays fp32 — `in_dtype`, as `from_pretrained` loads it; cast to bf16 it would decay another
+    state)."""
     from linserve.model.loading import in_dtype
 
     payload = torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
     model = families.build({**payload["config"], "model_type": payload.get("model_type", "linear_gpt")})
     model.load_state_dict(payload["state_dict"], assign=True)  # each tensor in its saved dtype
-    return in_dtype(model, getattr(torch, payload["dtype"])).eval()
+    return in_dtype(model, getattr(torch, payload["dtype"])).to(device).eval()
 
 
 def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune: bool,
           name: str = "decode") -> None:
-    """Export and AOT-compile the program `name` ("decode" or "verify{k}") for `size` rows into its artifact
-    (atomically); with `autotune`, Inductor times its GEMM choices (max-autotune: C++ GEMM templates over
-    packed weights)."""
+    """Export and AOT-compile the program `name` ("decode" or "verify{k}") for `size` rows on the model's
+    device into its artifact (atomically); with `autotune` (CPU), Inductor times its GEMM choices
+    (max-autotune: C++ GEMM templates over packed weights)."""
     import torch._inductor.config as inductor_config
 
     from ..decode_program import ProgramKind
     from ..sampling import SlotSampling
     from ..state_pool import StatePool
 
-    cpu = torch.device("cpu")
+    device = next(model.parameters()).device
+    numerics.prepare_tables(device)  # real tensors, before export traces the program
     if name.startswith("draft"):
         from ..spec.draft_model import DraftKind
 
@@ -143,9 +158,9 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
         def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return program(*args)
 
-    pool = StatePool(model, num_slots, cpu)
-    sampling = SlotSampling(num_slots, model.config.vocab_size, cpu)
-    io = torch.zeros(kind.io_rows, size, dtype=torch.long)  # (rows, P): tokens (, limits), slots, positions
+    pool = StatePool(model, num_slots, device)
+    sampling = SlotSampling(num_slots, model.config.vocab_size, device)
+    io = torch.zeros(kind.io_rows, size, dtype=torch.long, device=device)  # (rows, P)
     args = (*kind.arguments(io), *pool.buffers.values(), *sampling.tensors())
     inductor_config.freezing = True  # weights become constants
     inductor_config.autotune_num_choices_displayed = 0
@@ -153,8 +168,9 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
     with torch.no_grad():
         exported = torch.export.export(Program(), args, strict=False)
     temp = os.path.join(directory, f".{name}-s{num_slots}-b{size}.{os.getpid()}.pt2")
-    torch._inductor.aoti_compile_and_package(exported, package_path=temp,
-                                             inductor_configs={**same_bits_as_eager(model), "max_autotune": autotune})
+    configs = ({**same_bits_as_eager(model), "max_autotune": autotune} if device.type == "cpu"
+               else {"freezing": True})  # (CUDA: no bit-for-bit promise against eager's cuBLAS calls)
+    torch._inductor.aoti_compile_and_package(exported, package_path=temp, inductor_configs=configs)
     os.replace(temp, artifact_path(directory, num_slots, size, name))
 
 
@@ -219,13 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     directory, num_slots, how = args[:3]
     name = args[3] if len(args) > 3 else "decode"
+    device = torch.device(args[4] if len(args) > 4 else "cpu")
     num_slots, autotune = int(num_slots), how == "autotune"
     answers = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever the compiler prints
     os.dup2(2, 1)  # (autotuning tables, warnings) goes to the log instead
     os.nice(10)  # serving comes first
     _die_with_parent()
     quiet_compiler_warnings()
-    model = _load(directory)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = _load(directory, device)
     for line in sys.stdin:
         if not line.strip():
             break

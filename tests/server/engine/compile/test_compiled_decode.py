@@ -9,7 +9,7 @@ import torch
 from linserve.model import LinearGPT
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
 from linserve.server.engine.compile.compiled_decode import DecodeStep, bucket_sizes
-from linserve.server.engine.compile.cuda_graphs import TRACING, Bucket
+from linserve.server.engine.compile.cuda_graphs import STEP_LOCK, Bucket
 from linserve.server.engine.compile.verdict import Measurement, VerdictStore
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
@@ -101,7 +101,7 @@ def test_on_cuda_every_bucket_serves_a_graph_of_the_eager_program_until_its_comp
     assert step.graph_sizes == [1, 2] or step.ready_sizes  # (a warm cache may have compiled one already)
 
     def agree() -> None:
-        with TRACING, torch.inference_mode():  # as the engine runs a step: never inside a compile's trace
+        with STEP_LOCK, torch.inference_mode():  # as the engine runs a step
             for slots in ([1], [0, 3]):
                 tokens, positions = [5 * s + 1 for s in slots], [9 + s for s in slots]
                 got, want = step(tokens, slots, positions), eager(tokens, slots, positions)
@@ -113,6 +113,14 @@ def test_on_cuda_every_bucket_serves_a_graph_of_the_eager_program_until_its_comp
     assert step.wait_compiled(BUILD_WAIT_S) and step.ready_sizes == [1, 2] and step.graph_sizes == []
     assert step.describe()["eager_graphs"] == []
     agree()  # the compiled programs' graphs
+    step.close(wait=True)
+
+    restarted = make_step(tiny_model, pool, device, "on", max_rows=2, cache_dir=compile_cache)
+    restarted.start()  # a restart loads the child's artifacts from the cache: nothing is compiled again
+    assert restarted.wait_compiled(60) and restarted.ready_sizes == [1, 2] and restarted.built_seconds == []
+    step = restarted
+    agree()
+    restarted.close(wait=True)
 
 
 def test_the_eta_counts_down_at_the_measured_rate_and_follows_a_slower_machine():
@@ -261,43 +269,6 @@ def test_auto_on_a_cpu_without_a_cpp_compiler_declines_at_once(tiny_model, monke
     step = make_step(tiny_model, StatePool(tiny_model, 2, cpu), cpu, "auto", max_rows=2, cache_dir=str(tmp_path))
     step.start()
     assert step.wait_compiled(BUILD_WAIT_S) is False and step.status == "declined" and step.ready_sizes == []
-
-
-class _Traced(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.inner(x).relu()
-
-
-def test_compile_time_tracing_never_reaches_the_engines_eager_calls(make_engine):
-    """torch.fx's Tracer.trace patches nn.Module.__call__ for the whole process while it traces (the
-    background compile traces through make_fx): without the guard, the engine's eager model calls meanwhile
-    go through the tracer and fail ('module is not installed as a submodule'), three in a row kill the
-    engine. With it (installed by DecodeStep.start), traces and engine steps never overlap."""
-    from linserve.server.engine.compile.cuda_graphs import guard_tracing
-    from linserve.server.engine.types import FinishReason
-
-    guard_tracing()
-    engine = make_engine(num_slots=8)
-    stop = threading.Event()
-
-    def trace_continuously() -> None:
-        while not stop.is_set():
-            torch.fx.symbolic_trace(_Traced())
-
-    tracer = threading.Thread(target=trace_continuously, daemon=True)
-    tracer.start()
-    try:
-        for i in range(30):
-            outputs = run(engine, list(range(1, 41)), SamplingParams(max_tokens=8, temperature=0), f"r{i}")
-            assert outputs[-1].finish_reason is not FinishReason.ERROR, outputs[-1].error
-    finally:
-        stop.set()
-        tracer.join(10)
-    assert engine.alive
 
 
 def test_the_compile_cache_is_keyed_by_model_dtype_torch_device_and_threads(tiny_model, monkeypatch, tmp_path):
