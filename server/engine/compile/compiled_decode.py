@@ -72,10 +72,11 @@ class DecodeStep:
 
     def __init__(self, model: LinearGPT, pool: StatePool, sampling: SlotSampling, device: torch.device,
                  mode: str = "off", max_rows: int = 64, cache_dir: str | None = None, autotune: bool = True,
-                 kind: ProgramKind = DECODE, after: DecodeStep | None = None) -> None:
+                 kind: ProgramKind = DECODE, after: DecodeStep | None = None, on_demand: bool = False) -> None:
         """`kind`: the decode step, or speculative decoding's verification (verify_program.py), which is
         compiled after `after` (the decode step) has settled, follows its `auto` verdict, and is never
-        measured itself (the speculation policy times both)."""
+        measured itself (the speculation policy times both). `on_demand`: a bucket is compiled only once
+        `want` names it (speculation paid at that batch size) — or loaded at start when it is in the cache."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
         self.model, self.pool, self.sampling, self.device, self.mode = model, pool, sampling, device, mode
@@ -105,6 +106,9 @@ class DecodeStep:
         self._ready: dict[int, Bucket] = {}
         self._unavailable: set[int] = set()  # not in the cache, and no compiler here
         self.demand: dict[int, int] = {}  # bucket → decode steps run eagerly for want of it (compile order)
+        self.on_demand = on_demand
+        self.wanted: set[int] = set()  # on demand: the buckets asked for so far
+        self._wants = threading.Event()  # set by want(): the compile thread has buckets to build
         self.compiling: int | None = None  # the bucket being compiled now
         self.built_seconds: list[float] = []  # buckets compiled here (not loaded): the measured rate of the ETA
         self._bucket_started: float | None = None  # when the bucket being built now began
@@ -129,6 +133,7 @@ class DecodeStep:
         `wait`, return only once the compile thread has ended (a process about to exit: nothing of it runs on
         while the interpreter tears down the native libraries under it)."""
         self._closed.set()
+        self._wants.set()  # (an on-demand compile thread waiting for wants wakes and ends)
         builder = self._builder
         if getattr(builder, "close", None) is not None:
             builder.close()
@@ -141,6 +146,17 @@ class DecodeStep:
         if self._thread is not None:
             self._built.wait(timeout)
         return len(self.ready_sizes) == len(self.sizes)
+
+    def want(self, rows: int) -> None:
+        """On demand: get the bucket that `rows` rows run in compiled (once; any thread)."""
+        size = next((size for size in self.sizes if size >= rows), None)
+        if not self.on_demand or size is None or size in self.wanted:
+            return
+        self.wanted.add(size)
+        logger.info("%s: batch %d pays; its bucket (%d) is compiled next", self.label, rows, size)
+        if size not in self.ready_sizes and self.status == "compiled":
+            self.status = "compiling"  # (/ready: not settled until it is built)
+        self._wants.set()
 
     @property
     def ready_sizes(self) -> list[int]:
@@ -159,8 +175,10 @@ class DecodeStep:
         eta = self.eta_s
         eta = None if eta is None else round(eta, 1)
         verdict = self.verdict.describe() if self.verdict is not None else None
+        wanted = {"wanted": sorted(self.wanted)} if self.on_demand else {}  # (the buckets asked for so far)
         return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes,
-                "eager_graphs": self.graph_sizes, "compiling": self.compiling, "eta_s": eta, "verdict": verdict}
+                "eager_graphs": self.graph_sizes, "compiling": self.compiling, "eta_s": eta, "verdict": verdict,
+                **wanted}
 
     # ------------------------------------------------------------------ engine thread
     def __call__(self, tokens: list[int], slots: list[int], positions: list[int]) -> DecodeOutputs:
@@ -232,8 +250,11 @@ class DecodeStep:
 
     # ------------------------------------------------------------------ compile thread
     def _next_size(self) -> int | None:
-        """The bucket traffic needs most (decode steps that ran eagerly for want of it), else the smallest."""
-        waiting = [size for size in self.sizes if size not in self.ready_sizes and size not in self._unavailable]
+        """The bucket traffic needs most (decode steps that ran eagerly for want of it), else the smallest; on
+        demand, only among those wanted or already in the cache."""
+        cached = getattr(self._builder, "cached", lambda _: False)
+        waiting = [size for size in self.sizes if size not in self.ready_sizes and size not in self._unavailable
+                   and (not self.on_demand or size in self.wanted or cached(size))]
         return max(waiting, key=lambda size: (self.demand.get(size, 0), -size)) if waiting else None
 
     def _compile_all(self) -> None:
@@ -260,6 +281,12 @@ class DecodeStep:
             self._built.set()
             if getattr(build, "close", None) is not None:
                 build.close()  # no idle compiler child while a provisional verdict waits (a miss starts one)
+            while self.on_demand and not self._closed.is_set():  # the buckets speculation asks for, as it does
+                self._wants.wait()
+                self._wants.clear()
+                if not self._closed.is_set():
+                    self._build_buckets(build)
+                    build.close()
             while self.verdict is not None and self.verdict.provisional and not self._closed.is_set():
                 if self._recheck() and self.verdict.decision == "compiled":
                     self._build_buckets(build)
@@ -323,7 +350,7 @@ class DecodeStep:
             logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
                         "bucket for batch %s in the cache; those batches run eagerly", sorted(self._unavailable))
         self.compiling, self._bucket_started = None, None
-        self.status = "compiled" if self.ready_sizes else "declined"
+        self.status = "compiled" if self.ready_sizes or self.on_demand else "declined"
 
     def _measure_verdict(self, size: int, program) -> Verdict:
         """Time `program` against eager at its bucket, each round holding the engine's step lock."""

@@ -79,11 +79,13 @@ def verify_widths(k: int) -> list[int]:
 
 class SpeculationPolicy:
     def __init__(self, default_method: str, k: int, eos_id: int | None, bucket_of, draft=None,
-                 widths: list[int] | None = None) -> None:
+                 widths: list[int] | None = None, paid=None) -> None:
         """`bucket_of(kind, rows) -> (size, compiled)`: where a program call of that many rows would run (kind
         "decode" or "verify{w}"); `draft`: the draft model (draft_model.DraftModel) when the server has one;
-        `widths`: the verification programs there are (drafts per step), at most k."""
+        `widths`: the verification programs there are (drafts per step), at most k; `paid(width, rows)`: told
+        whenever verification is chosen on its merits (not to be measured) — its program is worth compiling."""
         self.default_method, self.k, self.eos_id, self.bucket_of = default_method, k, eos_id, bucket_of
+        self.paid = paid or (lambda width, rows: None)
         self.draft, self.widths = draft, widths or [k]
         self.costs: dict[tuple[str, int, bool], float] = {}  # (kind, bucket, compiled) → seconds
         self.timings: dict[tuple[str, int, bool], deque[float]] = {}  # the recent timings behind each cost
@@ -150,6 +152,8 @@ class SpeculationPolicy:
                                                           self._expected(specs, map(len, drafts)), suffix)):
             return None
         plan = Plan(drafts, width, modelled)
+        if not probing:
+            self.paid(width, len(rows))
         if modelled:
             members = [rows[b] for b in modelled]
             self.draft.sync(members)
@@ -242,10 +246,13 @@ class SpeculativeDecoding:
         self.config, self.decode_step = config, decode_step
         self.verify_steps: dict[int, DecodeStep] = {}
         after = decode_step
+        # a verification bucket is compiled once verification pays there (always: all of them), else loaded
+        # from the cache if it is there: on 2 cores each takes minutes, and at 8 rows and more it rarely pays
+        on_demand = not config.speculative_always
         for width in sorted(verify_widths(config.speculative_k), reverse=True):  # compiled one after another
             after = self.verify_steps[width] = DecodeStep(model, pool, sampling, device, config.compile, max_rows,
                                                           config.compile_cache_dir, config.compile_autotune,
-                                                          kind=verify_kind(width), after=after)
+                                                          kind=verify_kind(width), after=after, on_demand=on_demand)
         self.draft = None
         if draft_model is not None:
             self.draft = DraftModel(draft_model, config.num_slots, device)
@@ -253,7 +260,7 @@ class SpeculativeDecoding:
                                          config.compile_cache_dir, config.compile_autotune,
                                          kind=DraftKind(f"draft{config.speculative_k}"), after=decode_step)
         self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_id, self.bucket_of, self.draft,
-                                        sorted(self.verify_steps))
+                                        sorted(self.verify_steps), paid=self.paid)
         self.policy.always = config.speculative_always
 
     def start(self, method: str) -> None:
@@ -286,6 +293,10 @@ class SpeculativeDecoding:
                 "always": self.config.speculative_always,
                 "verify_steps": {str(w): step.describe() for w, step in self.verify_steps.items()},
                 "draft_model": draft}
+
+    def paid(self, width: int, rows: int) -> None:
+        """Verification of `width` drafts paid for `rows` rows: its bucket is worth compiling."""
+        self.verify_steps[width].want(rows)
 
     def bucket_of(self, kind: str, rows: int) -> tuple[int, bool]:
         """Where a program call over `rows` rows runs now: (its bucket's size, compiled or eager)."""

@@ -254,7 +254,8 @@ def test_the_policy_verifies_only_while_it_pays():
     """Measured costs decide (injected here: the decision, not a timing, is under test): each width is timed
     once, the one with the best expected tokens per second is chosen while it beats decoding, a smaller width
     once the larger costs too much, and verification is timed again after REPROBE_STEPS refusals (then 2x, 4x...);
-    after a refusal the next QUIET_STEPS - 1 steps of that batch size are not weighed at all."""
+    after a refusal the next QUIET_STEPS - 1 steps of that batch size are not weighed at all. Only a choice made
+    on the merits (not a probe) tells the server the width's program is worth compiling at that batch size."""
     from types import SimpleNamespace
 
     from linserve.server.engine.spec.drafting import NgramDrafter
@@ -266,7 +267,9 @@ def test_the_policy_verifies_only_while_it_pays():
         return SimpleNamespace(live=SimpleNamespace(request=SimpleNamespace(params=params), session=None),
                                constraint=None, num_generated=1, slot=slot, next_token=2, speculation=spec)
 
-    policy = SpeculationPolicy("off", 4, 0, lambda kind, rows: (rows, True), widths=[2, 4])
+    paid = []
+    policy = SpeculationPolicy("off", 4, 0, lambda kind, rows: (rows, True), widths=[2, 4],
+                               paid=lambda width, n: paid.append((width, n)))
     rows = [row(s) for s in range(4)]
     assert policy.plan(rows) is None  # no decode step timed yet
     policy.observe("decode", 4, 0.010)
@@ -282,16 +285,19 @@ def test_the_policy_verifies_only_while_it_pays():
     policy.observe("verify2", 4, 0.030)
     assert policy.costs[("verify4", 4, True)] == 0.030  # the smallest recent timing: the first no longer weighs
     assert policy.plan(rows) is None  # neither pays
+    assert paid == []  # probes only so far: nothing worth compiling
     for spec in (r.speculation for r in rows):  # the rows' drafts turn out to be accepted all the time
         for _ in range(20):
             spec.observe(4, 4)
     # refused a moment ago: for a few steps of this batch size it is not weighed again (one lookup a step)...
     assert all(policy.plan(rows) is None for _ in range(QUIET_STEPS - 1))
     assert policy.plan(rows).width == 4  # ...then: 4 x ~5 tokens per 30 ms beat 4 per 10 ms (and 4 x ~3 at width 2)
+    assert paid == [(4, 4)]
     policy.observe("verify4", 4, 0.030)  # (the step ran)
     timed(policy, "verify4", 0.2)  # the wide one far too slow now, the narrow one at 20 ms:
     timed(policy, "verify2", 0.02)
     assert policy.plan(rows).width == 2  # 4 x ~3 tokens per 20 ms beat 4 per 10 ms
+    assert paid == [(4, 4), (2, 4)]
     policy.observe("verify2", 4, 0.030)
     timed(policy, "verify2", 1.0)  # and now nothing pays: back off...
     assert all(policy.plan(rows) is None for _ in range(REPROBE_STEPS))

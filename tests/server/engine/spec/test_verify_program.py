@@ -111,3 +111,49 @@ def test_the_compiled_verification_program_matches_eager(tiny_model, device, com
             assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
             for a, b in zip(got[3:], want[3:]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_verification_buckets_are_built_once_speculation_pays_there_and_loaded_from_the_cache(
+        tiny_model, device, compile_cache):
+    """Issue 48: each verification bucket takes minutes to build on 2 cores, and from 8 rows up speculation
+    rarely pays — so the server's verification steps are on demand: at start only what the cache holds is
+    loaded; a bucket is built once the policy reports that verification paid at that batch size (`want`); a
+    restart loads it without being asked."""
+    import os
+    import time
+
+    from linserve.server.engine.compile.program_compiler import artifact_path
+
+    pool, sampling, _, _ = steps(tiny_model, device)
+    eager = DecodeStep(tiny_model, pool, sampling, device, "off", max_rows=4, kind=verify_kind(K))
+
+    def on_demand() -> DecodeStep:
+        step = DecodeStep(tiny_model, pool, sampling, device, "on", max_rows=4, cache_dir=compile_cache,
+                          autotune=False, kind=verify_kind(K), on_demand=True)
+        step.sizes = [1, 4]  # (bucket 4 may be in the cache already: the test above builds it)
+        return step
+
+    step = on_demand()
+    cached = [s for s in step.sizes if os.path.exists(artifact_path(step.cache_dir, pool.num_slots, s, f"verify{K}"))]
+    step.start()
+    step.wait_compiled(600)  # the first pass: loading what the cache holds
+    assert step.ready_sizes == cached and step.status == "compiled" and step.describe()["wanted"] == []
+    step.want(1)  # verification paid for one row
+    deadline = time.monotonic() + 2400
+    while 1 not in step.ready_sizes and time.monotonic() < deadline and step.status != "failed":
+        time.sleep(0.5)
+    assert 1 in step.ready_sizes and step.describe()["wanted"] == [1], step.describe()
+    assert step.ready_sizes == sorted({1, *cached})  # nothing else was built
+    with torch.inference_mode():
+        io = [*[[(7 * j + 3) % 1024] for j in range(K + 1)], [K], [5], [40]]
+        got, want = step.run(io), eager.run(io)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    step.close(wait=True)
+
+    restarted = on_demand()
+    restarted.start()
+    restarted.wait_compiled(600)
+    assert 1 in restarted.ready_sizes and restarted.built_seconds == []  # loaded, not asked for, not built
+    restarted.close(wait=True)
