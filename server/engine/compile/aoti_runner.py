@@ -82,8 +82,19 @@ def check(status: int, what: str) -> None:
         raise RuntimeError(f"AOTInductor container {what} failed (status {status}; its message is on stderr)")
 
 
+def allow_amx() -> None:
+    """Ask Linux for the AMX tile state (x86 with AMX; a no-op elsewhere). A process must ask before its first
+    tile instruction (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); oneDNN asks for itself, but an artifact's AMX GEMM
+    kernels (max-autotune's templates) assume the process has: a server whose first bf16 GEMM was an
+    autotuned bucket's died of SIGILL at its first `tilezero`."""
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    if init is not None:
+        init()
+
+
 def load_program(package: str):
     """The package's program called without the GIL; torch's loader where that cannot be done."""
+    allow_amx()
     try:
         return ReleasingProgram(package)
     except (OSError, AttributeError, ValueError, RuntimeError) as error:

@@ -67,3 +67,30 @@ def test_a_package_without_a_library_falls_back_to_torch_loader(tmp_path, monkey
     assert load_program(str(broken)) == "loaded" and calls == [str(broken)]
     assert "through torch's loader" in caplog.text
     assert not [p for p in os.listdir(os.path.dirname(package)) if p.endswith(".so")]  # nothing left on disk
+
+
+def test_loading_a_program_asks_linux_for_the_amx_tile_state(built):
+    """A fresh process that loads an artifact may run AMX tile instructions (max-autotune's GEMM kernels) before
+    oneDNN ever asked Linux for the tile state: loading asks (else SIGILL at the first `tilezero`)."""
+    import subprocess
+    import sys
+
+    _, package, _ = built
+    check = f"""
+import ctypes, torch
+from linserve.server.engine.compile.aoti_runner import load_program
+def granted():
+    features = ctypes.c_uint64()  # arch_prctl(ARCH_GET_XCOMP_PERM): the state components this process may use
+    ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(features))
+    return bool(features.value & (1 << 18))  # XFEATURE_XTILEDATA
+supported = " amx_tile" in open("/proc/cpuinfo").read()
+before = granted()
+load_program({package!r})
+print(supported, before, granted())
+"""
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    supported, before, after = result.stdout.split()[-3:]
+    if supported == "False":
+        pytest.skip("no AMX on this CPU: nothing to ask for")
+    assert (before, after) == ("False", "True")
