@@ -36,6 +36,7 @@ from .api.sessions.idempotency import KeyedResults
 from .api.sessions.router import router as sessions_router
 from .api.web.router import router as web_router
 from .engine import Engine, EngineConfig
+from .engine.cpu_threads import in_passing_thread
 from .engine.state_pool import slots_for_budget
 from .settings import Settings
 from .version import package_version
@@ -107,7 +108,10 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     state = app.state
-    state.engine, state.tokenizer = await asyncio.to_thread(load_engine, state.settings, state.metrics)
+    # loading on every CPU, in a thread that ends with it: the engine's OpenMP team stays the only one
+    # (engine/cpu_threads.py)
+    state.engine, state.tokenizer = await asyncio.to_thread(in_passing_thread, load_engine, state.settings,
+                                                            state.metrics)
     state.limits = RequestLimits.of(state.settings, state.tokenizer)  # what one request may ask
     loop = asyncio.get_running_loop()
     state.engine.on_death.append(lambda error: loop.call_soon_threadsafe(engine_died, app))

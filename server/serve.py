@@ -15,6 +15,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app, drain
+from .engine.cpu_threads import one_thread_here
 from .settings import Settings
 
 ENGINE_DEAD_EXIT_STATUS = 3
@@ -163,6 +164,7 @@ def serve(settings: Settings) -> int:
         server.should_exit = True
 
     app.state.request_exit = request_exit
+    one_thread_here()  # the event loop's torch ops, if any: the engine's OpenMP team stays the only one
     try:
         server.run()
     except KeyboardInterrupt:  # Ctrl-C: asyncio re-raises the SIGINT once uvicorn has shut down cleanly

@@ -16,13 +16,25 @@ CPU) while it runs the chunked form, and back after.
 
 "CPUs this process may use" is the smaller of its affinity mask and its cgroup CPU quota (a container limited
 to 2 CPUs on a 64-core host gets 1 thread, not 63).
+
+One OpenMP team per process, the engine thread's. libgomp keeps a worker spinning between parallel regions only
+while the threads it manages — the pools of every live thread that ever ran a parallel region — fit the CPUs;
+past that it spins ~100 iterations and sleeps on a futex, and each of a decode step's ~200 regions then waits
+for a wake-up. fla's 340M `linear_attn`, compiled step on 2 threads: 48 ms alone, 77 ms while another live
+thread had once run a 2-thread op, 49 ms again once that thread ended. So the other threads that run torch ops
+(the event loop, the session store's worker, session commands, the compile thread) run them on one thread
+(`one_thread_here`), and work outside the engine thread that wants every CPU (loading the model, compile=auto's
+measurements) runs in a thread of its own that ends with it, taking its team along (`in_passing_thread`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -151,3 +163,49 @@ def prefill_threads(plan: ThreadPlan) -> Iterator[None]:
 def weight_bytes(model: torch.nn.Module) -> int:
     """The bytes of a model's parameters as they are (a decode step reads each once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@functools.cache
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch's kernels run on (libgomp, or Intel's), as this process loaded it: found in
+    /proc/self/maps, since wheels bundle it under their own names. None where there is no such file."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+        path = fields[5] if len(fields) == 6 else ""
+        if os.path.basename(path).startswith(("libgomp", "libiomp5")) and ".so" in path:
+            return ctypes.CDLL(path)
+    return None
+
+
+def one_thread_here() -> None:
+    """The calling thread's torch ops run on it alone from now on: OpenMP's per-thread count set to 1 (ATen's
+    own per-thread initialisation first, or it would set it back), the process's default — which the engine
+    thread runs on — untouched. For every long-lived thread but the engine's (see the module's docstring)."""
+    torch.get_num_threads()  # (ATen initialises a thread's count at its first use)
+    runtime = _openmp_runtime()
+    if runtime is not None:
+        runtime.omp_set_num_threads(1)
+
+
+def in_passing_thread(fn: Callable, *args):
+    """`fn(*args)` on a thread of its own, which ends with it: the OpenMP team its ops start ends too, so no idle
+    team is left to make the engine's workers sleep between parallel regions."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as error:  # noqa: BLE001 - re-raised on the caller's thread
+            result.append((False, error))
+
+    thread = threading.Thread(target=run, name="linserve-passing", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value

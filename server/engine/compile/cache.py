@@ -76,9 +76,11 @@ class ChildBuilder:
     there, else built by a compiler child process (started on the first miss; see program_compiler)."""
 
     def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool, autotune: bool,
-                 program: str = "decode", device: torch.device = CPU) -> None:
+                 program: str = "decode", device: torch.device = CPU, threads: int | None = None) -> None:
+        """`threads`: the intra-op count the programs are built for (default: this thread's)."""
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
         self.autotune, self.program, self.device = autotune, program, device
+        self.threads = threads or torch.get_num_threads()
         write_model(directory, model)
 
     def cached(self, size: int) -> bool:
@@ -91,7 +93,7 @@ class ChildBuilder:
         if program is None and self.can_compile:
             if self.child is None:
                 self.child = CompilerProcess(self.directory, self.num_slots, self.autotune, self.program,
-                                             self.device)
+                                             self.device, self.threads)
             self.child.compile(size)
             program = load_artifact(self.directory, self.num_slots, size, self.program, self.device)
         return program

@@ -33,6 +33,7 @@ import torch
 from linserve.model import LinearGPT, numerics
 from linserve.model.decode_step import state_names
 
+from ..cpu_threads import in_passing_thread, one_thread_here
 from ..decode_program import DECODE, DecodeOutputs, ProgramKind
 from ..sampling import SlotSampling
 from ..state_pool import StatePool
@@ -89,6 +90,7 @@ class DecodeStep:
         self.eager_program = kind.make(model)
         self.sizes = bucket_sizes(max_rows)
         self.autotune = autotune
+        self.threads = torch.get_num_threads()  # the engine's decode count (as apply_threads set it, on this thread)
         self.cache_dir = (compile_cache_dir(cache_dir, model, device, autotune, getattr(kind, "sources", ()))
                           if mode != "off" else None)
         self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
@@ -258,6 +260,7 @@ class DecodeStep:
         return max(waiting, key=lambda size: (self.demand.get(size, 0), -size)) if waiting else None
 
     def _compile_all(self) -> None:
+        one_thread_here()  # (its torch ops are small; the engine's OpenMP team stays the only one)
         build = None
         if self.after is not None:  # verification compiles once the decode step has settled (and as it decided)
             while not self.after._built.wait(1.0):
@@ -272,7 +275,7 @@ class DecodeStep:
         try:
             build = self._builder = self._compiler()
             if self.auto_cpu:
-                self.verdict = self.verdicts.load(torch.get_num_threads())
+                self.verdict = self.verdicts.load(self.threads)
                 if self.verdict is not None:
                     logger.info("compile=auto: using this machine's stored verdict: %s (compiled step %.2fx eager "
                                 "at batch %d)", self.verdict.decision, self.verdict.measurement.gain,
@@ -355,9 +358,14 @@ class DecodeStep:
     def _measure_verdict(self, size: int, program) -> Verdict:
         """Time `program` against eager at its bucket, each round holding the engine's step lock."""
         calls = self.calls
-        with torch.inference_mode():
-            measurement = self.measure(self.eager_program, program, self._dummy(size), hold=lambda: STEP_LOCK)
-        return judge(measurement, size, torch.get_num_threads(), served_meanwhile=self.calls != calls)
+
+        def measure():  # on the engine's thread count, in a thread that ends with it (cpu_threads.py)
+            torch.set_num_threads(self.threads)
+            with torch.inference_mode():
+                return self.measure(self.eager_program, program, self._dummy(size), hold=lambda: STEP_LOCK)
+
+        measurement = in_passing_thread(measure)
+        return judge(measurement, size, self.threads, served_meanwhile=self.calls != calls)
 
     def _set_verdict(self, verdict: Verdict) -> None:
         self.verdicts.save(verdict)  # (a quiet one; stored before it is seen, so whoever sees it finds it stored)
@@ -395,7 +403,7 @@ class DecodeStep:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # the child compiles for this one
         return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile, self.autotune,
-                            self.kind.name, device)
+                            self.kind.name, device, self.threads)
 
     def _dummy(self, size: int) -> tuple[torch.Tensor, ...]:
         """A bucket's arguments: rows 0 of the pool (zeroed copies: nothing real is read or written)."""

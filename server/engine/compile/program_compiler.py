@@ -84,11 +84,11 @@ class CompilerProcess:
     answers. The child lowers its own priority (nice +10) and logs to DIR/compile.log."""
 
     def __init__(self, directory: str, num_slots: int, autotune: bool, program: str = "decode",
-                 device: torch.device = CPU) -> None:
+                 device: torch.device = CPU, threads: int | None = None) -> None:
         directory = os.path.abspath(directory)
         # the child builds for this process's intra-op thread count (Inductor bakes it into the GEMM kernels)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor"),
-               "OMP_NUM_THREADS": str(torch.get_num_threads())}
+               "OMP_NUM_THREADS": str(threads or torch.get_num_threads())}
         with open(os.path.join(directory, "compile.log"), "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "linserve.server.engine.compile.program_compiler", directory, str(num_slots),

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from ..cpu_threads import one_thread_here
 from ..types import EngineError
 from .stores import OutcomeUnknown, SessionStore, StoreTimeout, StoreUnavailable
 
@@ -145,6 +146,7 @@ class StoreWorker:
 
     # ---------------------------------------------------------------- the store thread
     def _run(self) -> None:
+        one_thread_here()  # (the engine's OpenMP team stays the only one: cpu_threads.py)
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:

@@ -163,3 +163,55 @@ def test_prefill_runs_on_the_prefill_count_and_decode_on_the_decode_count(make_e
     assert [length for length, _ in spy.seen] == [16, 16, 8]  # the engine's chunks (max_prefill_chunk 16)
     assert {threads for _, threads in spy.seen} == {3}
     assert engine_thread_count(engine) == 1  # back for the decode steps
+
+
+def in_thread(fn):
+    """fn() on a new thread; its result (that thread then waits until the test lets it end: it stays alive)."""
+    import threading
+
+    result, release = [], threading.Event()
+
+    def run_it() -> None:
+        result.append(fn())
+        release.wait(30)
+
+    thread = threading.Thread(target=run_it, daemon=True)
+    thread.start()
+    while not result:
+        thread.join(0.01)
+    return result[0], release
+
+
+def test_one_thread_here_sets_this_threads_count_only(restore_threads):
+    """Only the engine thread keeps an OpenMP team: another thread's ops run on it alone, while the process's
+    default — what a new thread (the engine's) starts with — stays as it was."""
+    from linserve.server.engine.cpu_threads import _openmp_runtime, one_thread_here
+
+    if _openmp_runtime() is None:
+        pytest.skip("no OpenMP runtime found in this process's mappings")
+    torch.set_num_threads(2)
+
+    def single() -> int:
+        one_thread_here()
+        torch.ones(1 << 20).exp_()  # (an op big enough to split, were the count above 1)
+        return torch.get_num_threads()
+
+    count, release = in_thread(single)
+    fresh, release_fresh = in_thread(torch.get_num_threads)
+    release.set()
+    release_fresh.set()
+    assert (count, fresh, torch.get_num_threads()) == (1, 2, 2)
+
+
+def test_in_passing_thread_returns_raises_and_leaves_no_thread():
+    import threading
+
+    from linserve.server.engine.cpu_threads import in_passing_thread
+
+    before = threading.active_count()
+    assert in_passing_thread(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ValueError, match="bad"):
+        in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    assert threading.active_count() == before
+    assert all(t.name != "linserve-passing" for t in threading.enumerate())
+

@@ -97,3 +97,22 @@ def test_a_failure_makes_the_idle_worker_probe_within_a_second(store_and_worker)
     while not worker.up:
         assert time.monotonic() < deadline, "the probes never brought the store back"
         time.sleep(0.05)
+
+
+def test_the_worker_runs_its_torch_ops_on_one_thread(store_and_worker):
+    """The worker's thread lives as long as the server: an OpenMP team of its own would make the engine's
+    workers sleep between parallel regions (engine/cpu_threads.py: 48 -> 77 ms a step for fla's 340M shapes)."""
+    import torch
+
+    from linserve.server.engine.cpu_threads import _openmp_runtime
+
+    if _openmp_runtime() is None:
+        pytest.skip("no OpenMP runtime found in this process's mappings")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, _, worker = store_and_worker
+        done = worker.submit("get", lambda deadline: torch.get_num_threads())
+        assert done.result(10) == 1 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
