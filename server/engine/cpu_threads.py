@@ -22,7 +22,7 @@ while the threads it manages — the pools of every live thread that ever ran a 
 past that it spins ~100 iterations and sleeps on a futex, and each of a decode step's ~200 regions then waits
 for a wake-up. fla's 340M `linear_attn`, compiled step on 2 threads: 48 ms alone, 77 ms while another live
 thread had once run a 2-thread op, 49 ms again once that thread ended. So the other threads that run torch ops
-(the event loop, the session store's worker, session commands, the compile thread) run them on one thread
+(the event loop, the session store's worker, the compile thread) run them on one thread
 (`one_thread_here`), and work outside the engine thread that wants every CPU (loading the model, compile=auto's
 measurements) runs in a thread of its own that ends with it, taking its team along (`in_passing_thread`).
 """
@@ -33,8 +33,8 @@ import ctypes
 import functools
 import math
 import os
-import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -194,18 +194,5 @@ def one_thread_here() -> None:
 def in_passing_thread(fn: Callable, *args):
     """`fn(*args)` on a thread of its own, which ends with it: the OpenMP team its ops start ends too, so no idle
     team is left to make the engine's workers sleep between parallel regions."""
-    result: list = []
-
-    def run() -> None:
-        try:
-            result.append((True, fn(*args)))
-        except BaseException as error:  # noqa: BLE001 - re-raised on the caller's thread
-            result.append((False, error))
-
-    thread = threading.Thread(target=run, name="linserve-passing", daemon=True)
-    thread.start()
-    thread.join()
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
+    with ThreadPoolExecutor(1, thread_name_prefix="linserve-passing") as passing:  # (leaving joins the thread)
+        return passing.submit(fn, *args).result()

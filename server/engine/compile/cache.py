@@ -77,10 +77,9 @@ class ChildBuilder:
 
     def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool, autotune: bool,
                  program: str = "decode", device: torch.device = CPU, threads: int | None = None) -> None:
-        """`threads`: the intra-op count the programs are built for (default: this thread's)."""
+        """`threads`: the intra-op count the programs are built for (CompilerProcess: default this thread's)."""
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
-        self.autotune, self.program, self.device = autotune, program, device
-        self.threads = threads or torch.get_num_threads()
+        self.autotune, self.program, self.device, self.threads = autotune, program, device, threads
         write_model(directory, model)
 
     def cached(self, size: int) -> bool:

@@ -151,8 +151,8 @@ class DecodeStep:
 
     def want(self, rows: int) -> None:
         """On demand: get the bucket that `rows` rows run in compiled (once; any thread)."""
-        size = next((size for size in self.sizes if size >= rows), None)
-        if not self.on_demand or size is None or size in self.wanted:
+        size = self.bucket_size(rows) if self.on_demand else None
+        if size is None or size in self.wanted:
             return
         self.wanted.add(size)
         logger.info("%s: batch %d pays; its bucket (%d) is compiled next", self.label, rows, size)
@@ -210,9 +210,13 @@ class DecodeStep:
     def bucket_ready(self, rows: int) -> int | None:
         """The size of the compiled bucket `rows` would run in now (None: eagerly, or a graph of the eager
         program — its costs are not the compiled one's)."""
-        size = next((size for size in self.sizes if size >= rows), None)
+        size = self.bucket_size(rows)
         bucket = self._ready.get(size)
         return size if bucket is not None and bucket.final else None
+
+    def bucket_size(self, rows: int) -> int | None:
+        """The bucket `rows` rows run in (None: more than the largest)."""
+        return next((size for size in self.sizes if size >= rows), None)
 
     def _bucket_for(self, rows: int) -> Bucket | None:
         for size in self.sizes:
