@@ -208,10 +208,20 @@ def test_in_passing_thread_returns_raises_and_leaves_no_thread():
 
     from linserve.server.engine.cpu_threads import in_passing_thread
 
-    before = threading.active_count()
-    assert in_passing_thread(lambda a, b: a + b, 2, 3) == 5
-    with pytest.raises(ValueError, match="bad"):
-        in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
-    assert threading.active_count() == before
-    assert all(t.name != "linserve-passing" for t in threading.enumerate())
+    ran_on = []
 
+    def add(a, b):
+        ran_on.append(threading.current_thread())
+        return a + b
+
+    def fail():
+        ran_on.append(threading.current_thread())
+        raise ValueError("bad")
+
+    assert in_passing_thread(add, 2, 3) == 5
+    with pytest.raises(ValueError, match="bad"):
+        in_passing_thread(fail)
+    # each call ran on a thread of its own, not this one, and that thread has ended (other tests' threads may
+    # come and go meanwhile: only these two are asserted on)
+    assert len(ran_on) == 2 and threading.current_thread() not in ran_on and ran_on[0] is not ran_on[1]
+    assert all(thread.name.startswith("linserve-passing") and not thread.is_alive() for thread in ran_on)
