@@ -16,9 +16,11 @@ from .state import KVCacheState, LinearAttentionState
 
 
 def head_log_decays(config: ModelConfig) -> torch.Tensor:
-    """log γ_h with γ_h = 1 - 2^(-5 - 4h/H): slow heads remember ~thousands of tokens, fast ones ~32."""
-    exponents = -5.0 - 4.0 * torch.arange(config.n_heads, dtype=torch.float64) / config.n_heads  # (H,)
-    return torch.log1p(-torch.pow(2.0, exponents)).float()  # (H,)
+    """log γ_h with γ_h = 1 - 2^(-5 - 4h/H): slow heads remember ~thousands of tokens, fast ones ~32. Computed on
+    the CPU, then put where the module is being built (on the meta device, `arange`'s Python reference would
+    import torch._dynamo: a second of a server's start)."""
+    exponents = -5.0 - 4.0 * torch.arange(config.n_heads, dtype=torch.float64, device="cpu") / config.n_heads  # (H,)
+    return torch.log1p(-torch.pow(2.0, exponents)).float().to(torch.get_default_device())  # (H,)
 
 
 class _Heads(nn.Module):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from . import families
 from .families import UnsupportedCheckpoint
@@ -41,17 +42,12 @@ def read_config(path: Path) -> dict:
 
 
 def load_tokenizer(path: str | Path):
-    """The checkpoint's own tokenizer (`AutoTokenizer`). An fla model_type is unknown to transformers, so its
-    config.json is not read as a model config there (the tokenizer's own files say which class it is)."""
+    """The checkpoint's own tokenizer (`AutoTokenizer`; the tokenizer's own files say which class it is). Its
+    config.json is not read as a model config there: an fla model_type is unknown to transformers, and reading a
+    linear_gpt one would import transformers' modeling code (hf_config.py) that serving never needs."""
     from transformers import AutoTokenizer, PreTrainedConfig
 
-    config = Path(path) / "config.json"
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        model_type = None
-    bare = {"config": PreTrainedConfig()} if model_type in families.FLA_FAMILIES else {}
-    return AutoTokenizer.from_pretrained(str(path), **bare)
+    return AutoTokenizer.from_pretrained(str(path), config=PreTrainedConfig())
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -113,15 +109,40 @@ def check_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], path: Pa
                               + "; ".join(problems))
 
 
-def skeleton(raw: dict) -> nn.Module:
-    """The module a config.json describes, on the meta device (no memory, no init): linear_gpt's HF class (its
-    checkpoints are saved from it), an fla family's FlaCausalLM. UnsupportedCheckpoint for what is not served."""
-    with torch.device("meta"):
-        if raw.get("model_type") == families.LINEAR_GPT:
-            from .hf import LinearGPTConfig, LinearGPTForCausalLM
+class SavedLinearGPT(nn.Module):
+    """A LinearGPT in the layout its checkpoints are saved in — LinearGPTForCausalLM's, the model under `model.` —
+    without transformers' model class (the server never imports transformers' modeling code)."""
 
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model  # LinearGPT
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+class _NoDrawsOnMeta(TorchFunctionMode):
+    """Random initialisation of meta tensors skipped (they hold no values to draw): `normal_` has no meta kernel,
+    and its Python reference imports torch._dynamo — over a second of every start, for nothing. (A torch function
+    mode is this thread's alone.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.normal_, torch.nn.init.normal_):
+            tensor = args[0] if args else kwargs.get("tensor")
+            if getattr(tensor, "is_meta", False):
+                return tensor
+        return func(*args, **kwargs)
+
+
+def skeleton(raw: dict) -> nn.Module:
+    """The module a config.json describes, on the meta device (no memory, no init): a linear_gpt's LinearGPT in its
+    saved layout, an fla family's FlaCausalLM. UnsupportedCheckpoint for what is not served."""
+    with torch.device("meta"), _NoDrawsOnMeta():
+        if raw.get("model_type") == families.LINEAR_GPT:
             try:
-                return LinearGPTForCausalLM(LinearGPTConfig.from_dict(raw))
+                return SavedLinearGPT(families.build(raw))
             except (TypeError, ValueError) as error:
                 raise CheckpointError(f"config.json does not describe a linear_gpt model: {error}") from None
         try:
@@ -149,20 +170,21 @@ def _validated(path: Path, tokenizer=None) -> tuple[dict, nn.Module]:
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The served model of a checkpoint directory, in eval mode, parameters in `dtype` (buffers as saved)."""
+    """The served model of a checkpoint directory, in eval mode, on `device`: parameters in `dtype`, buffers as
+    saved (a head's decay stays fp32) — what `from_pretrained(dtype=…)` makes of it, for every family."""
     path = Path(path)
     raw, model = _validated(path)
-    if raw.get("model_type") == families.LINEAR_GPT:
-        from .loading import load_model
-
-        return load_model(path, device, dtype).model
-    tensors = read_weights(path)
-    model.load_state_dict(tensors, strict=False, assign=True)
+    model.load_state_dict(read_weights(path), strict=False, assign=True)  # (names and shapes checked above)
     if getattr(model.config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embeddings.weight
-    for parameter in model.parameters():
+    for parameter in model.parameters():  # each once: a tied head stays tied
         parameter.data = parameter.data.to(device=device, dtype=dtype)
-    return model.eval()
+    for buffer in model.buffers():
+        buffer.data = buffer.data.to(device=device)
+    left = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if left:  # (a tensor the skeleton has that nothing loaded: check_weights allows only a tied head to be absent)
+        raise CheckpointError(f"{path}: nothing in the weights for {', '.join(left[:5])}")
+    return (model.model if isinstance(model, SavedLinearGPT) else model).eval()
 
 
 def check_tokenizer(tokenizer, vocab_size: int, path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Hugging Face integration: LinearGPTConfig / LinearGPTForCausalLM, registered with the Auto classes.
+"""Hugging Face integration: LinearGPTForCausalLM (its config: hf_config.py), registered with AutoModelForCausalLM.
 
 The recurrent state travels through `generate()` as its cache, so each new token costs one recurrent step
 instead of re-running the prefix. It is a fixed-size `ModelState`, not a `transformers.Cache` (a growing
@@ -11,49 +11,15 @@ the final state as the output's cache (`.cache` from 5.24, `.past_key_values` be
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 
-from .config import ModelConfig
 from .gpt import LinearGPT
+from .hf_config import LinearGPTConfig
 from .state import ModelState
-
-MODEL_TYPE = "linear_gpt"
-
-
-class _ModelConfigBridge:
-    """Conversion between the HF config and linserve's own ModelConfig (whose defaults are the only ones)."""
-
-    def to_model_config(self) -> ModelConfig:
-        return ModelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)})
-
-    @classmethod
-    def from_model_config(cls, config: ModelConfig, **kwargs) -> LinearGPTConfig:
-        return cls(**config.to_dict(), **kwargs)
-
-
-def _config_namespace() -> dict:
-    """LinearGPTConfig's dataclass fields: exactly ModelConfig's, with its defaults."""
-    annotations, namespace = {}, {}
-    for f in dataclasses.fields(ModelConfig):
-        annotations[f.name] = f.type
-        namespace[f.name] = f.default
-    namespace.update(
-        __annotations__=annotations,
-        __module__=__name__,
-        __doc__="Hugging Face config of a LinearGPT; fields and defaults are those of model.ModelConfig.",
-        model_type=MODEL_TYPE,
-        keys_to_ignore_at_inference=["state"],
-        attribute_map={"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads"},
-    )
-    return namespace
-
-
-LinearGPTConfig = type("LinearGPTConfig", (PreTrainedConfig, _ModelConfigBridge), _config_namespace())
 
 
 @dataclass
@@ -137,5 +103,4 @@ def stateful_inputs(input_ids: torch.LongTensor, state, attention_mask: torch.Te
     return {"input_ids": input_ids, "state": None, "attention_mask": attention_mask, "use_cache": use_cache}
 
 
-AutoConfig.register(MODEL_TYPE, LinearGPTConfig, exist_ok=True)
 AutoModelForCausalLM.register(LinearGPTConfig, LinearGPTForCausalLM, exist_ok=True)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import torch
 
-from .hf import LinearGPTForCausalLM
-
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # weights; the recurrent state is fp32 whatever this is
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPUs that compute bf16 dot products in hardware
@@ -59,12 +57,15 @@ def in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return twin
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> LinearGPTForCausalLM:
-    """Load a LinearGPT checkpoint directory (config.json + model.safetensors) in eval mode."""
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A LinearGPT checkpoint directory (config.json + model.safetensors) as its Hugging Face model
+    (`LinearGPTForCausalLM`), in eval mode. (The server loads any family with checkpoint.load_checkpoint.)"""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
     from transformers.utils import logging as hf_logging
+
+    from .hf import LinearGPTForCausalLM
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar on every start
     lm = LinearGPTForCausalLM.from_pretrained(path, dtype=dtype)

@@ -100,3 +100,58 @@ def test_serve_exits_2_with_one_line_before_it_binds(shipped):
                              "--port", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "missing" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_shipped_model_loads_as_from_pretrained_loads_it(dtype):
+    """load_checkpoint (no transformers model class) makes of a linear_gpt directory exactly what
+    `LinearGPTForCausalLM.from_pretrained(dtype=…)` makes: every tensor's dtype and value, buffers fp32."""
+    import torch
+
+    from linserve.model.checkpoint import load_checkpoint
+    from linserve.model.loading import load_model
+
+    served = load_checkpoint(DEFAULT_CHECKPOINT, torch.device("cpu"), getattr(torch, dtype))
+    reference = load_model(DEFAULT_CHECKPOINT, torch.device("cpu"), getattr(torch, dtype)).model
+    ours, theirs = served.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys() and type(served) is type(reference) and not served.training
+    for name, tensor in ours.items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+    assert {buffer.dtype for buffer in served.buffers()} == {torch.float32}
+    ids = torch.randint(0, served.config.vocab_size, (2, 24))  # (B, T)
+    assert torch.equal(served(ids)[0], reference(ids)[0])
+
+
+SERVING_IMPORTS = """
+import sys
+import torch
+from linserve.model.checkpoint import load_checkpoint, load_tokenizer, validate
+from linserve.model.loading import DEFAULT_CHECKPOINT
+from linserve.server.app import create_app
+tokenizer = load_tokenizer(DEFAULT_CHECKPOINT)
+validate(DEFAULT_CHECKPOINT, tokenizer)
+load_checkpoint(DEFAULT_CHECKPOINT, torch.device("cpu"), torch.bfloat16)
+print(sorted(name for name in ("transformers.modeling_utils", "torch._dynamo") if name in sys.modules))
+"""
+
+REGISTERED = """
+import linserve.model
+from transformers import AutoConfig, AutoModelForCausalLM
+from linserve.model.loading import DEFAULT_CHECKPOINT
+print(type(AutoModelForCausalLM.from_pretrained(DEFAULT_CHECKPOINT)).__name__)
+config = AutoConfig.for_model("linear_gpt", n_layers=1, d_model=32, n_heads=2, vocab_size=50)
+print(type(AutoModelForCausalLM.from_config(config)).__name__)
+"""
+
+
+def test_serving_never_imports_transformers_modeling_code_and_the_auto_classes_still_find_linear_gpt():
+    """A server's start imports neither transformers' modeling code nor torch._dynamo (together 2–3 s of every
+    start; each in a fresh process); a bare `import linserve.model` still lets AutoModelForCausalLM load
+    linear_gpt, from a directory or from a config."""
+    run = [sys.executable, "-c"]
+    served = subprocess.run([*run, SERVING_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert served.returncode == 0, served.stderr
+    assert served.stdout.strip().splitlines()[-1] == "[]"
+    auto = subprocess.run([*run, REGISTERED], capture_output=True, text=True, timeout=300)
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout.split() == ["LinearGPTForCausalLM", "LinearGPTForCausalLM"]
