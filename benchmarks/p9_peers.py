@@ -16,7 +16,6 @@ the machine stayed quiet, and a ratio from a run that was not is not a result.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,8 @@ from common import add_compile_argument, emit, machine_check, reference_workload
 from serving_overhead import start_server  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
-from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
+from linserve.server.bench.client import LoadSpec  # noqa: E402
+from linserve.server.bench.processes import drive  # noqa: E402
 from linserve.server.bench.report import plot, summarize  # noqa: E402
 
 PEERS = Path(__file__).resolve().parents[1] / "data" / "peers"
@@ -46,10 +46,11 @@ def start_llama(gguf: Path, port: int, context_per_slot: int, threads: int) -> s
 def one_load(port: int, streams: int, tokens: int) -> tuple[dict, list]:
     spec = LoadSpec(url=f"http://127.0.0.1:{port}", concurrency=streams, requests=streams, warmup=0,
                     prompt_tokens=32, max_tokens=tokens, ignore_eos=True, temperature=0.8)
-    model, records, wall = asyncio.run(run_load(spec))
+    run = drive(spec)
+    records = run.records
     failed = [r.error or r.status for r in records if not r.ok]
     assert not failed, failed
-    return summarize(spec, model, records, wall, max(tokens // 16, 1)), records
+    return summarize(spec, run, max(tokens // 16, 1)), records
 
 
 def itl_p50_ms(records, low: int, high: int) -> float:

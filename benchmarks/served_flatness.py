@@ -10,7 +10,6 @@ client; compares ITL p50 of tokens 7k–8k with tokens 0–1k; writes JSON and a
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -26,7 +25,8 @@ from serving_overhead import start_server  # noqa: E402
 
 from linserve.model import LinearGPT  # noqa: E402
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
-from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
+from linserve.server.bench.client import LoadSpec  # noqa: E402
+from linserve.server.bench.processes import drive  # noqa: E402
 from linserve.server.bench.report import plot, summarize  # noqa: E402
 
 
@@ -61,9 +61,10 @@ def measure(port: int, streams: int, tokens: int) -> tuple[dict, list]:
         ignore_eos=True,
         temperature=0.8,
     )
-    model, records, wall = asyncio.run(run_load(spec))
+    run = drive(spec)
+    records = run.records
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
-    return summarize(spec, model, records, wall, max(tokens // 16, 1)), records
+    return summarize(spec, run, max(tokens // 16, 1)), records
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,6 @@ On CPU the same figures are reported without targets.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +21,8 @@ from common import add_compile_argument, add_device_argument, emit, resolve_devi
 from serving_overhead import start_server  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
-from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
+from linserve.server.bench.client import LoadSpec  # noqa: E402
+from linserve.server.bench.processes import drive  # noqa: E402
 from linserve.server.bench.report import summarize  # noqa: E402
 
 P11 = {1: ("itl_p50_ms", 0.8, "<="), 32: ("tokens_per_s", 20_000, ">="), 128: ("tokens_per_s", 40_000, ">=")}
@@ -31,10 +31,11 @@ P11 = {1: ("itl_p50_ms", 0.8, "<="), 32: ("tokens_per_s", 20_000, ">="), 128: ("
 def measure(port: int, streams: int, tokens: int) -> dict:
     spec = LoadSpec(url=f"http://127.0.0.1:{port}", concurrency=streams, requests=streams, warmup=0,
                     prompt_tokens=32, max_tokens=tokens, ignore_eos=True, temperature=0.8)
-    model, records, wall = asyncio.run(run_load(spec))
+    run = drive(spec)
+    records = run.records
     failed = [r.error or r.status for r in records if not r.ok]
     assert not failed, failed[:3]
-    summary = summarize(spec, model, records, wall, max(tokens // 16, 1))
+    summary = summarize(spec, run, max(tokens // 16, 1))
     return {"tokens_per_s": summary["token_throughput_per_s"], "itl_p50_ms": summary["itl_ms"]["p50"],
             "itl_p99_ms": summary["itl_ms"]["p99"], "ttft_p50_ms": summary["ttft_ms"]["p50"]}
 

@@ -10,7 +10,6 @@ Repetitions alternate between the two; medians are compared.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import subprocess
@@ -33,7 +32,8 @@ from common import (  # noqa: E402
 from engine_inprocess import DecodeTotals, run_streams  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype  # noqa: E402
-from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
+from linserve.server.bench.client import LoadSpec  # noqa: E402
+from linserve.server.bench.processes import drive  # noqa: E402
 from linserve.server.engine import Engine, EngineConfig  # noqa: E402
 from linserve.server.settings import Settings  # noqa: E402
 
@@ -67,7 +67,8 @@ def http_rate(port: int, streams: int, tokens: int) -> float:
         ignore_eos=True,
         temperature=0.8,
     )
-    _, records, wall = asyncio.run(run_load(spec))
+    run = drive(spec)
+    records, wall = run.records, run.wall_s
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
     return sum(r.completion_tokens for r in records) / wall
 

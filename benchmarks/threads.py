@@ -14,7 +14,6 @@ one thread there are no OpenMP waits or workers to pin, so only `default` runs f
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -27,7 +26,8 @@ from common import add_compile_argument, emit, machine_check, reference_workload
 from serving_overhead import start_server  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
-from linserve.server.bench.client import LoadSpec, run_load  # noqa: E402
+from linserve.server.bench.client import LoadSpec  # noqa: E402
+from linserve.server.bench.processes import drive  # noqa: E402
 from linserve.server.engine.cpu_threads import affinity_cpus, default_threads, usable_cpus  # noqa: E402
 
 VARIANTS = {
@@ -41,7 +41,8 @@ VARIANTS = {
 def rate(port: int, streams: int, tokens: int) -> float:
     spec = LoadSpec(url=f"http://127.0.0.1:{port}", concurrency=streams, requests=streams, warmup=0,
                     prompt_tokens=32, max_tokens=tokens, ignore_eos=True, temperature=0.8)
-    _, records, wall = asyncio.run(run_load(spec))
+    run = drive(spec)
+    records, wall = run.records, run.wall_s
     assert all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
     return sum(r.completion_tokens for r in records) / wall
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -26,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generate max-tokens even past end-of-text")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of each request's sampling")
+    parser.add_argument("--processes", type=int,
+                        help="load-generator processes sharing the load [default: 1 below 8 CPUs, else one per 8 "
+                             "streams, at most a quarter of the CPUs and 8]")
     parser.add_argument("--bin", type=int, help="position bin width for ITL vs position [default: max_tokens/16]")
     parser.add_argument("--out", default="bench.json", help="JSON result")
     parser.add_argument("--plot", default="bench.png", help="PNG plot")
@@ -34,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .client import BenchError, LoadSpec, run_load, server_info
+    from .client import BenchError, LoadSpec, server_info
+    from .processes import drive
     from .report import plot, render_text, summarize
     targets = [("A", args.url)] + ([("B", args.compare)] if args.compare else [])
     results = {}
@@ -46,13 +49,13 @@ def run(args: argparse.Namespace) -> int:
                         ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed)
         bar = tqdm(total=spec.requests, desc=f"bench {label}", unit="req", dynamic_ncols=True, file=sys.stderr)
         try:
-            model, records, wall = asyncio.run(run_load(spec, lambda record, bar=bar: bar.update(1)))
+            run = drive(spec, lambda record, bar=bar: bar.update(1), args.processes)
         except BenchError as error:
             bar.close()
             print(f"error: {error}", file=sys.stderr)
             return 2
         bar.close()
-        result = summarize(spec, model, records, wall, args.bin or max(args.max_tokens // 16, 1))
+        result = summarize(spec, run, args.bin or max(args.max_tokens // 16, 1))
         result["server"] = server_info(spec)  # threads, dtype, decode step: what the figures were measured with
         results[f"{label} {url}"] = result
         print(render_text(label, result))

@@ -9,6 +9,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 
 
@@ -55,14 +56,18 @@ def synthetic_prompt(n_tokens: int, rng: random.Random) -> str:
     return " ".join(rng.choice(words) for _ in range(n_tokens))
 
 
-async def discover_model(client: httpx.AsyncClient, spec: LoadSpec) -> str:
+async def discover_model(session: aiohttp.ClientSession, spec: LoadSpec) -> str:
     try:
-        response = await client.get("/v1/models")
-    except httpx.HTTPError as error:
+        async with session.get(f"{spec.url}/v1/models") as response:
+            status, text = response.status, await response.text()
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as error:
         raise BenchError(f"cannot reach {spec.url}: {error.__class__.__name__}: {error}") from None
-    if response.status_code != 200:
-        raise BenchError(f"{spec.url}/v1/models answered {response.status_code}: {response.text[:200]}")
-    models = response.json().get("data") or []
+    if status != 200:
+        raise BenchError(f"{spec.url}/v1/models answered {status}: {text[:200]}")
+    try:
+        models = json.loads(text).get("data") or []
+    except (ValueError, AttributeError):
+        models = []
     if not models:
         raise BenchError(f"{spec.url} serves no model")
     return models[0]["id"]
@@ -85,84 +90,123 @@ def server_info(spec: LoadSpec) -> dict | None:
     return {name: body[name] for name in SERVER_FIELDS if name in body} or None
 
 
-async def stream_one(client: httpx.AsyncClient, spec: LoadSpec, model: str, prompt: str, run_start: float,
+async def stream_one(session: aiohttp.ClientSession, spec: LoadSpec, model: str, prompt: str, epoch: float,
                      seed: int) -> RequestRecord:
-    record = RequestRecord(start=time.perf_counter() - run_start)
+    """One streamed completion, every token event timestamped as it arrives (SSE lines parsed from the raw bytes:
+    aiohttp's stream costs half of httpx's per event, and a load generator must cost less than the server)."""
+    record = RequestRecord(start=time.perf_counter() - epoch)
     body = {"model": model, "prompt": prompt, "max_tokens": spec.max_tokens, "temperature": spec.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "seed": seed, "ignore_eos": spec.ignore_eos}
     started = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            record.status = response.status_code
-            if response.status_code != 200:
-                record.error = (await response.aread()).decode(errors="replace")[:300]
+        async with session.post(f"{spec.url}/v1/completions", json=body) as response:
+            record.status = response.status
+            if response.status != 200:
+                record.error = (await response.text(errors="replace"))[:300]
                 return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
+            pending, done = b"", False
+            async for chunk in response.content.iter_any():
                 now = time.perf_counter() - started
-                event = json.loads(data)
-                if event.get("usage"):
-                    record.prompt_tokens = event["usage"].get("prompt_tokens")
-                    record.completion_tokens = event["usage"].get("completion_tokens")
-                for _ in event.get("choices") or []:
-                    record.token_times.append(now)  # servers send one event per token
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    if event.get("usage"):
+                        record.prompt_tokens = event["usage"].get("prompt_tokens")
+                        record.completion_tokens = event["usage"].get("completion_tokens")
+                    for _ in event.get("choices") or []:
+                        record.token_times.append(now)  # servers send one event per token
+                if done:
+                    break
         if record.completion_tokens is not None:
             del record.token_times[record.completion_tokens :]  # a finish-only event carries no token
-    except httpx.HTTPError as error:
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as error:
         record.error = f"{error.__class__.__name__}: {error}"
     finally:
-        record.end = time.perf_counter() - run_start
+        record.end = time.perf_counter() - epoch
     return record
 
 
-async def run_load(spec: LoadSpec, progress=None) -> tuple[str, list[RequestRecord], float]:
-    """Warm up, then drive the load; returns (model, records, wall seconds of the measured part)."""
+class Issuer:
+    """Hands out the indices of the requests to send, in the order they are sent, up to the budget and the
+    deadline: one per run, or shared by a run's processes (`counter`, a multiprocessing Value)."""
+
+    def __init__(self, budget: int, deadline: float | None, counter=None) -> None:
+        self.budget, self.deadline, self.counter, self.issued = budget, deadline, counter, 0
+
+    def next(self) -> int | None:
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return None
+        if self.counter is None:
+            index, self.issued = self.issued, self.issued + 1
+        else:
+            with self.counter.get_lock():
+                index = self.counter.value
+                self.counter.value = index + (index < self.budget)
+        return index if index < self.budget else None
+
+
+def open_session(spec: LoadSpec) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    limits = httpx.Limits(max_connections=max(spec.concurrency or 1, 64), max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=spec.url, headers=headers, timeout=spec.timeout_s, limits=limits) as client:
-        model = spec.model or await discover_model(client, spec)
-        rng = random.Random(spec.seed)
-        prompts = [synthetic_prompt(spec.prompt_tokens, rng) for _ in range(16)]
-        t0 = time.perf_counter()
-        for i in range(spec.warmup):
-            warm = await stream_one(client, spec, model, prompts[i % 16], t0, spec.seed + i)
-            if not warm.ok:
-                raise BenchError(f"warm-up request failed: status {warm.status}: {warm.error}")
+    return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=spec.timeout_s),
+                                 connector=aiohttp.TCPConnector(limit=0))  # (as many connections as streams)
 
-        records: list[RequestRecord] = []
-        run_start = time.perf_counter()
-        deadline = run_start + spec.duration_s if spec.duration_s else None
-        budget = spec.requests if spec.requests is not None else 10**9
-        issued = 0
 
-        def more() -> bool:
-            return issued < budget and (deadline is None or time.perf_counter() < deadline)
+def prompts_of(spec: LoadSpec) -> list[str]:
+    rng = random.Random(spec.seed)
+    return [synthetic_prompt(spec.prompt_tokens, rng) for _ in range(16)]
 
-        async def one(index: int) -> None:
-            record = await stream_one(client, spec, model, prompts[index % 16], run_start, spec.seed + 1000 + index)
-            records.append(record)
-            if progress is not None:
-                progress(record)
 
-        if spec.rate:  # open loop: Poisson arrivals, independent of completions
-            arrivals = random.Random(spec.seed + 1)
-            tasks = []
-            while more():
-                tasks.append(asyncio.create_task(one(issued)))
-                issued += 1
-                await asyncio.sleep(arrivals.expovariate(spec.rate))
-            await asyncio.gather(*tasks)
-        else:  # closed loop: each worker sends its next request when the last one ends
-            async def worker() -> None:
-                nonlocal issued
-                while more():
-                    index = issued
-                    issued += 1
-                    await one(index)
+async def warm_up(session: aiohttp.ClientSession, spec: LoadSpec) -> str:
+    """The model to ask for, and the warm-up requests sent (not measured)."""
+    model = spec.model or await discover_model(session, spec)
+    prompts, t0 = prompts_of(spec), time.perf_counter()
+    for i in range(spec.warmup):
+        warm = await stream_one(session, spec, model, prompts[i % 16], t0, spec.seed + i)
+        if not warm.ok:
+            raise BenchError(f"warm-up request failed: status {warm.status}: {warm.error}")
+    return model
 
-            await asyncio.gather(*(worker() for _ in range(spec.concurrency or 1)))
-        return model, records, time.perf_counter() - run_start
+
+async def drive_load(session: aiohttp.ClientSession, spec: LoadSpec, model: str, issuer: Issuer, epoch: float,
+                     progress=None, arrivals_seed: int | None = None) -> list[RequestRecord]:
+    """The measured load from `epoch` on: closed loop (spec.concurrency streams, each sending its next request
+    when the last ends) or open loop (Poisson arrivals at spec.rate, independent of completions)."""
+    prompts, records = prompts_of(spec), []
+
+    async def one(index: int) -> None:
+        record = await stream_one(session, spec, model, prompts[index % 16], epoch, spec.seed + 1000 + index)
+        records.append(record)
+        if progress is not None:
+            progress(record)
+
+    if spec.rate:
+        arrivals, tasks = random.Random(spec.seed + 1 if arrivals_seed is None else arrivals_seed), []
+        while (index := issuer.next()) is not None:
+            tasks.append(asyncio.create_task(one(index)))
+            await asyncio.sleep(arrivals.expovariate(spec.rate))
+        await asyncio.gather(*tasks)
+    else:
+        async def stream() -> None:
+            while (index := issuer.next()) is not None:
+                await one(index)
+
+        await asyncio.gather(*(stream() for _ in range(spec.concurrency or 1)))
+    return records
+
+
+async def run_load(spec: LoadSpec, progress=None) -> tuple[str, list[RequestRecord], float]:
+    """Warm up, then drive the load in this process; returns (model, records, wall seconds of the measured
+    part). `processes.drive` spreads a load over several processes."""
+    async with open_session(spec) as session:
+        model = await warm_up(session, spec)
+        epoch = time.perf_counter()
+        issuer = Issuer(spec.requests if spec.requests is not None else 10**9,
+                        epoch + spec.duration_s if spec.duration_s else None)
+        records = await drive_load(session, spec, model, issuer, epoch, progress)
+        return model, records, time.perf_counter() - epoch

@@ -7,6 +7,9 @@ from collections import Counter
 from pathlib import Path
 
 from .client import LoadSpec, RequestRecord
+from .processes import LoadRun
+
+BUSY_CLIENT = 0.85  # a load-generator process busier than this share of a core may be what limits the run
 
 
 def describe(values: list[float], scale: float = 1e3) -> dict:
@@ -33,13 +36,14 @@ def itl_by_position(records: list[RequestRecord], prompt_tokens: int, bin_size: 
     return [{"start": b * bin_size, "end": (b + 1) * bin_size, **describe(v)} for b, v in sorted(bins.items())]
 
 
-def summarize(spec: LoadSpec, model: str, records: list[RequestRecord], wall_s: float, bin_size: int) -> dict:
+def summarize(spec: LoadSpec, run: LoadRun, bin_size: int) -> dict:
+    records, wall_s = run.records, run.wall_s
     ok = [r for r in records if r.ok]
     tokens = sum(r.completion_tokens if r.completion_tokens is not None else len(r.token_times) for r in ok)
     errors = Counter(str(r.status or "connection") for r in records if not r.ok)
     return {
         "url": spec.url,
-        "model": model,
+        "model": run.model,
         "load": {"concurrency": None if spec.rate else spec.concurrency, "rate": spec.rate,
                  "prompt_tokens": spec.prompt_tokens, "max_tokens": spec.max_tokens, "ignore_eos": spec.ignore_eos,
                  "seed": spec.seed, "warmup": spec.warmup},
@@ -54,7 +58,16 @@ def summarize(spec: LoadSpec, model: str, records: list[RequestRecord], wall_s: 
         "e2e_ms": describe([r.token_times[-1] for r in ok]),
         "itl_by_position": itl_by_position(ok, spec.prompt_tokens, bin_size),
         "ttft_samples_ms": [r.token_times[0] * 1e3 for r in ok],
+        "client": client_load(run, tokens),
     }
+
+
+def client_load(run: LoadRun, tokens: int) -> dict:
+    """What the load generator itself cost: its processes, CPU seconds, per token, and its busiest process's
+    share of a core (near 1: the client, not the server, may be what limits the throughput)."""
+    cpu = sum(run.cpu_s)
+    return {"processes": run.processes, "cpu_s": cpu, "cpu_us_per_token": 1e6 * cpu / tokens if tokens else 0.0,
+            "busiest_process_share": max(run.cpu_s, default=0.0) / run.wall_s if run.wall_s else 0.0}
 
 
 def plot(results: dict[str, dict], path: str | Path) -> None:
@@ -95,6 +108,12 @@ def render_text(label: str, result: dict) -> str:
         step = server.get("decode_step") or {}
         lines.append(f"server: linserve {server.get('version')} on {server.get('device')}, {server.get('dtype')} "
                      f"weights, {server.get('threads')} CPU threads, decode step {step.get('status', 'n/a')}")
+    client = result.get("client")
+    if client:
+        lines.append(f"client: {client['processes']} process(es), {client['cpu_us_per_token']:.0f} us of CPU a token, "
+                     f"busiest at {100 * client['busiest_process_share']:.0f}% of a core"
+                     + (" - the load generator may be what limits this run: more --processes"
+                        if client["busiest_process_share"] > BUSY_CLIENT else ""))
     for name in ("ttft_ms", "itl_ms", "e2e_ms"):
         d = result[name]
         lines.append(f"{name[:-3].upper():>5} ms  mean {d['mean']:9.2f}  p50 {d['p50']:9.2f}  p90 {d['p90']:9.2f}  "

@@ -46,6 +46,50 @@ def test_open_loop_and_compare(server, tmp_path):
     assert len(data) == 2 and all(r["succeeded"] == 4 and r["load"]["rate"] == 20 for r in data.values())
 
 
+def completions_served(base: str) -> float:
+    """linserve_requests_total of /v1/completions answered 200, from the server's own metrics."""
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith("linserve_requests_total{") and 'endpoint="/v1/completions"' in line \
+                and 'status="200"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_several_processes_send_exactly_the_load_of_one(server, tmp_path):
+    """--processes 3: the closed loop's 7 requests are sent once each (the server counts 7 + the warm-up), every
+    token timestamped; the open loop's too; the result says what the client cost."""
+    before = completions_served(server["base"])
+    out = tmp_path / "p.json"
+    result = bench("--url", server["base"], "--processes", "3", "--concurrency", "3", "--requests", "7",
+                   "--max-tokens", "12", "--prompt-tokens", "8", "--out", str(out), "--plot", str(tmp_path / "p.png"))
+    assert result.returncode == 0, result.stderr
+    (only,) = json.loads(out.read_text()).values()
+    assert only["succeeded"] == only["requests"] == 7 and only["itl_ms"]["count"] == 7 * 11
+    assert only["client"]["processes"] == 3 and only["client"]["cpu_us_per_token"] > 0
+    assert "client: 3 process(es)" in result.stdout
+    assert completions_served(server["base"]) - before == 7 + 1
+    result = bench("--url", server["base"], "--processes", "2", "--rate", "20", "--requests", "5",
+                   "--max-tokens", "4", "--out", str(out), "--plot", str(tmp_path / "p.png"))
+    assert result.returncode == 0, result.stderr
+    (only,) = json.loads(out.read_text()).values()
+    assert only["succeeded"] == 5 and only["client"]["processes"] == 2
+    assert completions_served(server["base"]) - before == 7 + 1 + 5 + 1
+
+
+def test_how_many_processes_by_default(monkeypatch):
+    from linserve.server.bench import processes
+    from linserve.server.bench.client import LoadSpec
+
+    monkeypatch.setattr(processes, "usable_cpus", lambda: 2)
+    assert processes.processes_for(LoadSpec("u", concurrency=128), None) == 1  # a small machine's cores serve
+    monkeypatch.setattr(processes, "usable_cpus", lambda: 16)
+    assert [processes.processes_for(LoadSpec("u", concurrency=c), None) for c in (1, 8, 16, 32, 128)] == [1, 1, 2, 4, 4]
+    assert processes.processes_for(LoadSpec("u", concurrency=None, rate=5.0), None) == 1
+    assert processes.processes_for(LoadSpec("u", concurrency=3), 5) == 3  # at most one per stream
+    shares = processes._shares(LoadSpec("u", concurrency=10), 4)
+    assert [share.concurrency for share in shares] == [3, 3, 2, 2]
+
+
 def test_unreachable_server_is_a_clear_error(tmp_path):
     result = bench("--url", "http://127.0.0.1:9", "--requests", "1", "--out", str(tmp_path / "x.json"))
     assert result.returncode == 2 and "cannot reach" in result.stderr
