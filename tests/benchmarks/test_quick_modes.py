@@ -20,7 +20,7 @@ from tests.helpers import require_program
 pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 ON_ANY_DEVICE = {"decode_vs_context.py", "engine_inprocess.py", "serving_overhead.py", "served_flatness.py",
-                 "served_load.py"}
+                 "served_load.py", "serve_startup.py"}
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -126,6 +126,15 @@ def test_p13_store_outage(tmp_path):
     for scenario in data.values():
         assert scenario["ok"], scenario  # the ledger holds even in a 2-second run: nothing acknowledged is lost
         assert scenario["session_requests"]["outage"].get("503")  # the outage was seen as one
+
+
+def test_serve_startup_against_a_baseline_checkout(tmp_path):
+    """Start-up A/B (the baseline here is this same checkout, through the namespace shim): both starts answer."""
+    run("serve_startup.py", "--baseline", str(BENCHMARKS.parent), "--out", str(tmp_path / "s.json"), "--port", "8797")
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert set(data["median"]) == {"this tree", "baseline"} and data["verdict"] in ("PASS", "FAIL")
+    for median in data["median"].values():
+        assert 0 < median["health_s"] <= median["first_token_s"]
 
 
 def test_served_load(tmp_path):
