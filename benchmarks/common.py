@@ -20,9 +20,9 @@ def compile_settled(body: dict) -> bool:
 
 
 def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: float = 120.0,
-                  settled=None) -> subprocess.Popen:
-    """Poll `url` until it answers 200 (and `settled(json body)` holds, if given); kill the process and
-    raise if it exits or the time runs out."""
+                  settled=None, poll_s: float = 0.2) -> subprocess.Popen:
+    """Poll `url` every `poll_s` until it answers 200 (and `settled(json body)` holds, if given); kill the process
+    and raise if it exits or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -33,7 +33,7 @@ def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: flo
             pass
         if process.poll() is not None:
             raise RuntimeError(f"{what} exited with status {process.returncode}")
-        time.sleep(0.2)
+        time.sleep(poll_s)
     process.kill()
     raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s")
 

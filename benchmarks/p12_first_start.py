@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import httpx
-from common import compile_settled, emit, percentile
+from common import compile_settled, emit, percentile, wait_until_up
 
 TARGET_FIRST_TOKEN_S, TARGET_WARM_READY_S, TARGET_GRAPH_SPEED_S = 10.0, 20.0, 60.0
 DEVICE = "cpu"
@@ -70,19 +70,6 @@ def stream_gaps(base: str, max_tokens: int) -> tuple[float | None, list[float]]:
     return first, gaps
 
 
-def wait_health(base: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"linserve serve exited with status {process.returncode}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise RuntimeError("linserve serve did not answer /health in time")
-
-
 @contextlib.contextmanager
 def served(cache: str | None):
     """`linserve serve` on a free port until /health answers: yields (base URL, seconds since spawn)."""
@@ -91,7 +78,7 @@ def served(cache: str | None):
     spawned = time.perf_counter()
     process = spawn(port, cache)
     try:
-        wait_health(base, process)
+        wait_until_up(process, f"{base}/health", "linserve serve", poll_s=0.05)
         yield base, spawned
     finally:
         process.terminate()

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+from common import wait_until_up
 
 FIRST_TOKEN_TARGET_S = 10.0  # P12
 
@@ -45,15 +46,7 @@ def one_start(env: dict, port: int, device: str) -> dict:
                                device, "--compile-cache-dir", cache], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"linserve serve exited with status {server.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
+        wait_until_up(server, f"http://127.0.0.1:{port}/health", "linserve serve", poll_s=0.02)
         health = time.perf_counter() - started
         body = {"prompt": "ROMEO:", "max_tokens": 2, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
