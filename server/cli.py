@@ -244,7 +244,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     statuses = []
     for program_model, program_pool, kind in programs:
         step = DecodeStep(program_model, program_pool, sampling, device, "on", min(slots, settings.max_batch_tokens),
-                          settings.compile_cache_dir, settings.compile_autotune, kind=kind)
+                          settings.compile_cache_dir, settings.compile_autotune, kind=kind,
+                          cache_max_gb=settings.compile_cache_max_gb)
         step.start()
         step.wait_compiled()
         seconds = ", ".join(f"{size}: {s:.1f} s" for size, s in step.compile_seconds.items())
@@ -280,8 +281,8 @@ def exit_now(status: int) -> NoReturn:
 
 # what `linserve compile` reads: the decode program depends on these alone (the config file may hold the rest)
 COMPILE_SETTINGS = ("model", "device", "dtype", "num_slots", "state_memory_mb", "max_batch_tokens",
-                    "compile_cache_dir", "compile_autotune", "threads", "speculative", "speculative_k",
-                    "draft_model")
+                    "compile_cache_dir", "compile_cache_max_gb", "compile_autotune", "threads", "speculative",
+                    "speculative_k", "draft_model")
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:

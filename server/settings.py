@@ -111,6 +111,10 @@ class Settings(BaseSettings):
         None, description="the compiled programs, one subdirectory per model, program source, dtype, torch version "
         "and device; unset: "
         "$XDG_CACHE_HOME/linserve/compile (else ~/.cache/linserve/compile), shared by every working directory")
+    compile_cache_max_gb: float = Field(
+        20.0, gt=0, description="the compile cache's size limit: when a server starts compiling, the least recently "
+        "used model directories are removed until the cache holds at most this many GB — never one a live process "
+        "serves from (each holds a lock on its directories)")
     threads: int | None = Field(
         None, ge=1, le=1024, description="intra-op CPU threads for the model's ops (torch/OpenMP); unset: the CPUs "
         "this process may use (affinity mask and cgroup quota) less one for the event loop — all of them for a model "

@@ -71,7 +71,7 @@ def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: tor
                           check_context=lambda feed, max_tokens: check_context(feed, max_tokens, config.max_context))
     pool = StatePool(model, config.num_slots, device)
     decode_step = DecodeStep(model, pool, sampling, device, config.compile, max_rows, config.compile_cache_dir,
-                             config.compile_autotune)
+                             config.compile_autotune, cache_max_gb=config.compile_cache_max_gb)
     speculative = SpeculativeDecoding(model, pool, sampling, device, config, max_rows, decode_step, eos_id, draft_model)
     prefix_cache = PrefixCache(config.prefix_cache_entries, config.max_prefill_chunk, pool.slot_bytes)
     runner = StepRunner(model, pool, sampling, decode_step, prefix_cache, device, eos_id, threads,

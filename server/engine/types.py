@@ -47,6 +47,7 @@ class EngineConfig:
     compile: str  # the decode step: "off" (eager), "on" or "auto" (see compiled_decode)
     compile_autotune: bool  # CPU builds: max-autotune GEMM choices (slower builds, faster programs)
     compile_cache_dir: str | None
+    compile_cache_max_gb: float  # the least recently used model directories beyond it are removed
     speculative: str  # a request's speculative decoding when it does not say: "off", "ngram" or "draft"
     speculative_k: int  # drafts verified per step at most (the verification program's width)
     speculative_always: bool  # verify whenever a row has drafts, whatever it costs (else: while it pays)

@@ -7,6 +7,8 @@ process (program_compiler.py). compiled_decode.DecodeStep decides which buckets 
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import shutil
 
@@ -15,6 +17,11 @@ import torch
 from linserve.model import LinearGPT
 
 from .program_compiler import ARTIFACT_FORMAT, CPU, CompilerProcess, artifact_path, load_artifact, write_model
+
+logger = logging.getLogger(__name__)
+
+IN_USE = "in_use.lock"  # each process serving from a cache directory holds a shared flock on it for its life
+_claims: dict[str, object] = {}  # directory → the open lock file this process holds
 
 
 def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, autotune: bool = True,
@@ -50,6 +57,81 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key = f"{digest.hexdigest()[:16]}-{dtype}-torch{torch.__version__}-{where}".replace(" ", "_").replace("/", "_")
     return os.path.join(base, key)
+
+
+def claim(directory: str) -> None:
+    """This process uses `directory` (until it exits): `prune` never removes it. A shared flock on its lock file,
+    held for the process's life (released by the kernel however the process ends), and its mtime is the
+    directory's last use."""
+    if directory in _claims:
+        return
+    path = os.path.join(directory, IN_USE)
+    while True:
+        os.makedirs(directory, exist_ok=True)
+        handle = open(path, "a+")  # noqa: SIM115 - held open on purpose, for the process's life
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        try:
+            if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        handle.close()  # another process's prune removed the directory while this one waited: again
+    os.utime(path)
+    _claims[directory] = handle
+
+
+def prune(base: str, max_bytes: int) -> list[str]:
+    """Remove the least recently used model directories under `base` until it holds at most `max_bytes` —
+    never one that a live process has claimed (this one's included). Returns the directories removed."""
+    entries = []
+    for name in os.listdir(base) if os.path.isdir(base) else []:
+        path = os.path.join(base, name)
+        if os.path.isdir(path):
+            lock = os.path.join(path, IN_USE)
+            used = os.path.getmtime(lock if os.path.exists(lock) else path)
+            entries.append((used, path, directory_bytes(path)))
+    total, removed = sum(size for _, _, size in entries), []
+    for _, path, size in sorted(entries):  # least recently used first
+        if total <= max_bytes:
+            break
+        if path not in _claims and _remove_unclaimed(path):
+            total -= size
+            removed.append(path)
+    if removed:
+        logger.info("compile cache over its %.1f GB: removed %d least recently used model director%s (%s); "
+                    "%.1f GB left in %s", max_bytes / 1e9, len(removed), "y" if len(removed) == 1 else "ies",
+                    ", ".join(os.path.basename(path) for path in removed), total / 1e9, base)
+    return removed
+
+
+def _remove_unclaimed(path: str) -> bool:
+    """Remove `path` if no process holds it (an exclusive flock on its lock file, held while it is removed)."""
+    try:
+        handle = open(os.path.join(path, IN_USE), "a+")  # noqa: SIM115 - closed below
+    except OSError:
+        return False
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a live process serves from it
+        handle.close()
+        return False
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    finally:
+        handle.close()
+
+
+def directory_bytes(path: str) -> int:
+    """Bytes a directory tree occupies on disk."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def program_sources(extra: tuple[str, ...] = ()) -> list[str]:

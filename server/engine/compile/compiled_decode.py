@@ -25,6 +25,7 @@ without a C++ compiler unless the artifacts are already in the cache.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -38,7 +39,7 @@ from ..decode_program import DECODE, DecodeOutputs, ProgramKind
 from ..sampling import SlotSampling
 from ..state_pool import StatePool
 from . import verdict as compile_verdict
-from .cache import ChildBuilder, compile_cache_dir, cpp_compiler_available
+from .cache import ChildBuilder, claim, compile_cache_dir, cpp_compiler_available, prune
 from .cuda_graphs import STEP_LOCK, Bucket, capture, replay
 from .verdict import Verdict, VerdictStore, judge
 
@@ -73,11 +74,13 @@ class DecodeStep:
 
     def __init__(self, model: LinearGPT, pool: StatePool, sampling: SlotSampling, device: torch.device,
                  mode: str = "off", max_rows: int = 64, cache_dir: str | None = None, autotune: bool = True,
-                 kind: ProgramKind = DECODE, after: DecodeStep | None = None, on_demand: bool = False) -> None:
+                 kind: ProgramKind = DECODE, after: DecodeStep | None = None, on_demand: bool = False,
+                 cache_max_gb: float | None = None) -> None:
         """`kind`: the decode step, or speculative decoding's verification (verify_program.py), which is
         compiled after `after` (the decode step) has settled, follows its `auto` verdict, and is never
         measured itself (the speculation policy times both). `on_demand`: a bucket is compiled only once
-        `want` names it (speculation paid at that batch size) — or loaded at start when it is in the cache."""
+        `want` names it (speculation paid at that batch size) — or loaded at start when it is in the cache.
+        `cache_max_gb`: the compile cache is pruned to this size when the compile thread starts (cache.prune)."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
         self.model, self.pool, self.sampling, self.device, self.mode = model, pool, sampling, device, mode
@@ -93,6 +96,9 @@ class DecodeStep:
         self.threads = torch.get_num_threads()  # the engine's decode count (as apply_threads set it, on this thread)
         self.cache_dir = (compile_cache_dir(cache_dir, model, device, autotune, getattr(kind, "sources", ()))
                           if mode != "off" else None)
+        self.cache_max_gb = cache_max_gb
+        if self.cache_dir is not None:
+            claim(self.cache_dir)  # (before any compile thread of this process prunes the cache)
         self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
         # compiled only where it is not slower
         self.auto_cpu = mode == "auto" and device.type == "cpu" and after is None
@@ -402,6 +408,8 @@ class DecodeStep:
 
     def _compiler(self) -> ChildBuilder:
         """`build(size) -> program` for this device, holding the compiler child while it runs."""
+        if self.cache_max_gb is not None:
+            prune(os.path.dirname(self.cache_dir), int(self.cache_max_gb * 1e9))
         can_compile = self.mode == "on" or cpp_compiler_available()  # (Triton's launchers need one too)
         device = self.device
         if device.type == "cuda" and device.index is None:

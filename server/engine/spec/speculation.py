@@ -252,13 +252,15 @@ class SpeculativeDecoding:
         for width in sorted(verify_widths(config.speculative_k), reverse=True):  # compiled one after another
             after = self.verify_steps[width] = DecodeStep(model, pool, sampling, device, config.compile, max_rows,
                                                           config.compile_cache_dir, config.compile_autotune,
-                                                          kind=verify_kind(width), after=after, on_demand=on_demand)
+                                                          kind=verify_kind(width), after=after, on_demand=on_demand,
+                                                          cache_max_gb=config.compile_cache_max_gb)
         self.draft = None
         if draft_model is not None:
             self.draft = DraftModel(draft_model, config.num_slots, device)
             self.draft.step = DecodeStep(draft_model, self.draft.pool, sampling, device, config.compile, max_rows,
                                          config.compile_cache_dir, config.compile_autotune,
-                                         kind=DraftKind(f"draft{config.speculative_k}"), after=decode_step)
+                                         kind=DraftKind(f"draft{config.speculative_k}"), after=decode_step,
+                                         cache_max_gb=config.compile_cache_max_gb)
         self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_id, self.bucket_of, self.draft,
                                         sorted(self.verify_steps), paid=self.paid)
         self.policy.always = config.speculative_always

@@ -1,0 +1,81 @@
+"""The compile cache stays within its size: the least recently used model directories go first, never one that a
+live process serves from (a real second process holds its claim here; a real server's engine claims its own)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from linserve.server.engine.compile import cache
+
+HOLD = """
+import sys, time
+from linserve.server.engine.compile.cache import claim
+claim(sys.argv[1])
+print("claimed", flush=True)
+time.sleep(600)
+"""
+
+
+def model_dir(base, name: str, megabytes: int, used: float):
+    path = base / name
+    path.mkdir()
+    (path / "decode-s8-b1.pt2").write_bytes(os.urandom(megabytes * 1_000_000))
+    lock = path / cache.IN_USE
+    lock.touch()
+    os.utime(lock, (used, used))
+    return path
+
+
+def test_least_recently_used_go_first_and_claimed_ones_stay(tmp_path):
+    now = time.time()
+    oldest = model_dir(tmp_path, "a-oldest", 2, now - 3000)
+    held = model_dir(tmp_path, "b-held-by-another-process", 2, now - 2000)
+    older = model_dir(tmp_path, "c-older", 2, now - 1000)
+    newer = model_dir(tmp_path, "d-newer", 2, now - 500)
+    mine = tmp_path / "e-mine"
+    cache.claim(str(mine))  # this process serves from it (made now: the most recent)
+    (mine / "decode-s8-b1.pt2").write_bytes(os.urandom(2_000_000))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(held)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        removed = cache.prune(str(tmp_path), 4_500_000)  # five of ~2 MB: three must go, two may stay
+        # the oldest goes; the held one is skipped; then the next least recently used until it fits
+        assert removed == [str(oldest), str(older), str(newer)]
+        assert held.exists() and mine.exists() and not oldest.exists()
+        assert cache.prune(str(tmp_path), 1) == []  # over the limit, but what is left is in use
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cache.prune(str(tmp_path), 1) == [str(held)]  # its process ended: its claim with it
+    assert mine.exists()
+
+
+def test_a_claim_marks_the_directorys_last_use(tmp_path):
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / cache.IN_USE).touch()
+    os.utime(directory / cache.IN_USE, (0, 0))
+    cache.claim(str(directory))
+    assert time.time() - os.path.getmtime(directory / cache.IN_USE) < 60
+    assert cache.directory_bytes(str(tmp_path)) >= 0
+
+
+def test_a_server_prunes_its_cache_on_start_and_keeps_what_it_serves(start_server, tmp_path):
+    """A real server, its limit below what an old model directory occupies: the old one is removed when the server
+    starts compiling; the server's own directory stays."""
+    base = tmp_path / "compile"
+    base.mkdir()
+    old = model_dir(base, "old-model", 3, time.time() - 86_400)
+    server = start_server("--compile", "on", "--compile-cache-dir", str(base), "--compile-cache-max-gb", "0.001",
+                          "--log-level", "info")
+    deadline = time.monotonic() + 60
+    while old.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not old.exists()
+    used = [path for path in base.iterdir()]
+    assert len(used) == 1 and (used[0] / cache.IN_USE).exists()  # the server's own directory stays
+    assert "compile cache over its 0.0 GB: removed 1 least recently used model directory (old-model)" in \
+        server.log.read_text()
