@@ -62,21 +62,27 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
 def claim(directory: str) -> None:
     """This process uses `directory` (until it exits): `prune` never removes it. A shared flock on its lock file,
     held for the process's life (released by the kernel however the process ends), and its mtime is the
-    directory's last use."""
+    directory's last use. A cache that cannot be written or locked (read-only, a file system without locks) is
+    said in the log and left as it is: nothing here stops a server from starting."""
     if directory in _claims:
         return
     path = os.path.join(directory, IN_USE)
-    while True:
-        os.makedirs(directory, exist_ok=True)
-        handle = open(path, "a+")  # noqa: SIM115 - held open on purpose, for the process's life
-        fcntl.flock(handle, fcntl.LOCK_SH)
-        try:
-            if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        handle.close()  # another process's prune removed the directory while this one waited: again
-    os.utime(path)
+    try:
+        while True:
+            os.makedirs(directory, exist_ok=True)
+            handle = open(path, "a+")  # noqa: SIM115 - held open on purpose, for the process's life
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            try:
+                if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            handle.close()  # another process's prune removed the directory while this one waited: again
+        os.utime(path)
+    except OSError as error:
+        logger.warning("compile cache: cannot mark %s as in use (%s); a prune elsewhere may remove it", directory,
+                       error)
+        return
     _claims[directory] = handle
 
 
@@ -84,12 +90,19 @@ def prune(base: str, max_bytes: int) -> list[str]:
     """Remove the least recently used model directories under `base` until it holds at most `max_bytes` —
     never one that a live process has claimed (this one's included). Returns the directories removed."""
     entries = []
-    for name in os.listdir(base) if os.path.isdir(base) else []:
+    try:
+        names = os.listdir(base)
+    except OSError:  # (no cache yet, or not readable: nothing to prune)
+        names = []
+    for name in names:
         path = os.path.join(base, name)
-        if os.path.isdir(path):
-            lock = os.path.join(path, IN_USE)
-            used = os.path.getmtime(lock if os.path.exists(lock) else path)
-            entries.append((used, path, directory_bytes(path)))
+        lock = os.path.join(path, IN_USE)
+        try:
+            if os.path.isdir(path):
+                used = os.path.getmtime(lock if os.path.exists(lock) else path)
+                entries.append((used, path, directory_bytes(path)))
+        except OSError:  # removed meanwhile (another process's prune)
+            continue
     total, removed = sum(size for _, _, size in entries), []
     for _, path, size in sorted(entries):  # least recently used first
         if total <= max_bytes:

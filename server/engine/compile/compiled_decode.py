@@ -409,7 +409,10 @@ class DecodeStep:
     def _compiler(self) -> ChildBuilder:
         """`build(size) -> program` for this device, holding the compiler child while it runs."""
         if self.cache_max_gb is not None:
-            prune(os.path.dirname(self.cache_dir), int(self.cache_max_gb * 1e9))
+            try:
+                prune(os.path.dirname(self.cache_dir), int(self.cache_max_gb * 1e9))
+            except OSError as error:  # (the cache's upkeep never stops compiling)
+                logger.warning("compile cache: pruning %s failed: %s", os.path.dirname(self.cache_dir), error)
         can_compile = self.mode == "on" or cpp_compiler_available()  # (Triton's launchers need one too)
         device = self.device
         if device.type == "cuda" and device.index is None:

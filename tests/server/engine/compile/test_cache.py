@@ -53,6 +53,14 @@ def test_least_recently_used_go_first_and_claimed_ones_stay(tmp_path):
     assert mine.exists()
 
 
+def test_a_cache_that_cannot_be_written_is_said_and_nothing_stops(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cache.claim(str(blocker / "model"))  # its parent is a file: no directory, no lock — and no exception
+    assert "cannot mark" in caplog.text and str(blocker / "model") not in cache._claims
+    assert cache.prune(str(blocker), 1) == [] and cache.prune(str(tmp_path / "absent"), 1) == []
+
+
 def test_a_claim_marks_the_directorys_last_use(tmp_path):
     directory = tmp_path / "model"
     directory.mkdir()
