@@ -93,7 +93,8 @@ def server_info(spec: LoadSpec) -> dict | None:
 async def stream_one(session: aiohttp.ClientSession, spec: LoadSpec, model: str, prompt: str, epoch: float,
                      seed: int) -> RequestRecord:
     """One streamed completion, every token event timestamped as it arrives (SSE lines parsed from the raw bytes:
-    aiohttp's stream costs half of httpx's per event, and a load generator must cost less than the server)."""
+    aiohttp's stream costs a quarter of httpx's CPU per event, and a load generator must cost less than the
+    server)."""
     record = RequestRecord(start=time.perf_counter() - epoch)
     body = {"model": model, "prompt": prompt, "max_tokens": spec.max_tokens, "temperature": spec.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "seed": seed, "ignore_eos": spec.ignore_eos}
@@ -133,11 +134,13 @@ async def stream_one(session: aiohttp.ClientSession, spec: LoadSpec, model: str,
 
 
 class Issuer:
-    """Hands out the indices of the requests to send, in the order they are sent, up to the budget and the
-    deadline: one per run, or shared by a run's processes (`counter`, a multiprocessing Value)."""
+    """Hands out the indices of the requests to send, in the order they are sent, up to the spec's requests and
+    duration from `epoch`: one per run, or shared by a run's processes (`counter`, a multiprocessing Value)."""
 
-    def __init__(self, budget: int, deadline: float | None, counter=None) -> None:
-        self.budget, self.deadline, self.counter, self.issued = budget, deadline, counter, 0
+    def __init__(self, spec: LoadSpec, epoch: float, counter=None) -> None:
+        self.budget = spec.requests if spec.requests is not None else 10**9
+        self.deadline = epoch + spec.duration_s if spec.duration_s else None
+        self.counter, self.issued = counter, 0
 
     def next(self) -> int | None:
         if self.deadline is not None and time.perf_counter() >= self.deadline:
@@ -206,7 +209,5 @@ async def run_load(spec: LoadSpec, progress=None) -> tuple[str, list[RequestReco
     async with open_session(spec) as session:
         model = await warm_up(session, spec)
         epoch = time.perf_counter()
-        issuer = Issuer(spec.requests if spec.requests is not None else 10**9,
-                        epoch + spec.duration_s if spec.duration_s else None)
-        records = await drive_load(session, spec, model, issuer, epoch, progress)
+        records = await drive_load(session, spec, model, Issuer(spec, epoch), epoch, progress)
         return model, records, time.perf_counter() - epoch

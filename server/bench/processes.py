@@ -80,9 +80,8 @@ def _spread(spec: LoadSpec, count: int, progress) -> LoadRun:
     context = multiprocessing.get_context("spawn")
     counter, epoch, barrier, results = context.Value("q", 0), context.Value("d", 0.0), context.Barrier(count + 1), \
         context.Queue()
-    budget = spec.requests if spec.requests is not None else 10**9
     workers = [context.Process(target=_worker, name=f"linserve-bench-{index}", daemon=True,
-                               args=(share, index, budget, counter, epoch, barrier, results))
+                               args=(share, index, counter, epoch, barrier, results))
                for index, share in enumerate(_shares(spec, count))]
     for worker in workers:
         worker.start()
@@ -131,22 +130,21 @@ def _end(workers: list) -> None:
             worker.kill()
 
 
-def _worker(spec: LoadSpec, index: int, budget: int, counter, epoch, barrier, results) -> None:
+def _worker(spec: LoadSpec, index: int, counter, epoch, barrier, results) -> None:
     """One process's share of the load; every record is sent back as it completes, then ("done", end, CPU)."""
     try:
-        asyncio.run(_work(spec, index, budget, counter, epoch, barrier, results))
+        asyncio.run(_work(spec, index, counter, epoch, barrier, results))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which fails the run with it
         barrier.abort()
         results.put(("error", index, f"load-generator process {index}: {error.__class__.__name__}: {error}"))
 
 
-async def _work(spec: LoadSpec, index: int, budget: int, counter, epoch, barrier, results) -> None:
+async def _work(spec: LoadSpec, index: int, counter, epoch, barrier, results) -> None:
     async with open_session(spec) as session:
         barrier.wait(START_TIMEOUT_S)
         barrier.wait(START_TIMEOUT_S)
         start, cpu = epoch.value, time.process_time()
-        issuer = Issuer(budget, start + spec.duration_s if spec.duration_s else None, counter)
-        await drive_load(session, spec, spec.model, issuer, start,
+        await drive_load(session, spec, spec.model, Issuer(spec, start, counter), start,
                          progress=lambda record: results.put(("record", index, record)),
                          arrivals_seed=spec.seed + 1 + index)
         results.put(("done", index, (time.perf_counter(), time.process_time() - cpu)))

@@ -80,7 +80,8 @@ class DecodeStep:
         compiled after `after` (the decode step) has settled, follows its `auto` verdict, and is never
         measured itself (the speculation policy times both). `on_demand`: a bucket is compiled only once
         `want` names it (speculation paid at that batch size) — or loaded at start when it is in the cache.
-        `cache_max_gb`: the compile cache is pruned to this size when the compile thread starts (cache.prune)."""
+        `cache_max_gb`: the compile cache is pruned to this size when the compile thread of a step that follows no
+        other starts (cache.prune; every step claims its own directory when it is made)."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
         self.model, self.pool, self.sampling, self.device, self.mode = model, pool, sampling, device, mode
@@ -408,11 +409,8 @@ class DecodeStep:
 
     def _compiler(self) -> ChildBuilder:
         """`build(size) -> program` for this device, holding the compiler child while it runs."""
-        if self.cache_max_gb is not None:
-            try:
-                prune(os.path.dirname(self.cache_dir), int(self.cache_max_gb * 1e9))
-            except OSError as error:  # (the cache's upkeep never stops compiling)
-                logger.warning("compile cache: pruning %s failed: %s", os.path.dirname(self.cache_dir), error)
+        if self.cache_max_gb is not None and self.after is None:  # (once a start: the steps after it share it)
+            prune(os.path.dirname(self.cache_dir), int(self.cache_max_gb * 1e9))  # (never raises OSError)
         can_compile = self.mode == "on" or cpp_compiler_available()  # (Triton's launchers need one too)
         device = self.device
         if device.type == "cuda" and device.index is None:
