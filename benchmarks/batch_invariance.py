@@ -1,8 +1,9 @@
 """Same request, same tokens — and what it costs. Three servers of the shipped model, side by side in one run:
 
 - `exact`: the default configuration (dtype auto → bf16 on a CPU with bf16 in hardware; compiled programs that
-  compute what the eager model does, bit for bit: `compile_autotune` off);
-- `autotuned`: the same with `compile_autotune: true` (Inductor's max-autotune GEMM templates: faster, but a
+  compute what the eager model does, bit for bit: `compile_autotune` off; projections through linserve's kernel);
+- `exact_onednn`: the same with the kernel off (`LINSERVE_KERNELS=off`: oneDNN's inner product, wave 6's default);
+- `autotuned`: `compile_autotune: true` with the kernel off (Inductor's max-autotune GEMM templates: fast, but a
   row's result depends on its bucket) — the default before 2026-11-26, except that prefill then ran in fp32;
 - `fp32`: `--dtype float32` with `compile_autotune: true` (what the issue proposed as the fallback).
 
@@ -39,7 +40,8 @@ from linserve.model.training.corpus import load_corpus  # noqa: E402
 
 SERVERS = {
     "exact": ([], {}),
-    "autotuned": ([], {"LINSERVE_COMPILE_AUTOTUNE": "true"}),
+    "exact_onednn": ([], {"LINSERVE_KERNELS": "off"}),
+    "autotuned": ([], {"LINSERVE_COMPILE_AUTOTUNE": "true", "LINSERVE_KERNELS": "off"}),
     "fp32": (["--dtype", "float32"], {"LINSERVE_COMPILE_AUTOTUNE": "true"}),
 }
 

@@ -80,9 +80,11 @@ def make_checkpoint(name: str, shape: str = "340M") -> Path:
     return directory
 
 
-def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile_mode: str) -> dict:
-    """The engine's batch-1 decode step (gather, model, sampling, scatter) in the default dtype, compiled."""
-    from linserve.model import numerics
+def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile_mode: str,
+                           quantization: str = "none") -> dict:
+    """The engine's batch-1 decode step (gather, model, sampling, scatter) in the default dtype, compiled; against
+    one read of the weights as the step reads them (int8: the projections' at a byte a weight)."""
+    from linserve.model import numerics, projection
     from linserve.server.engine.compile.compiled_decode import DecodeStep
     from linserve.server.engine.cpu_threads import apply_threads, weight_bytes
     from linserve.server.engine.sampling import SlotSampling
@@ -90,7 +92,9 @@ def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile
 
     numerics.flush_subnormals()  # as the engine's thread does
     device = torch.device("cpu")
-    model = load_checkpoint(directory, device, resolve_dtype("auto", device))
+    dtype = resolve_dtype("auto", device)
+    projection.use_quantization(quantization, device, dtype)
+    model = load_checkpoint(directory, device, dtype)
     threads = apply_threads(None, None, weight_bytes(model))  # the server's decode thread count (cpu_threads.py)
     pool = StatePool(model, 2, device)
     sampling = SlotSampling(pool.num_slots, model.config.vocab_size, device)
@@ -101,11 +105,14 @@ def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile
     index = torch.tensor([0])
     times = [median_step(lambda: pool.scatter_tensors(index, step([1], [0], [0]).state), steps, device)
              for _ in range(3)]
-    read_ms = threads.weight_bytes / (bandwidth["dram_gb_s"] * 1e9) * 1e3
+    read_bytes = threads.weight_bytes
+    if quantization == "int8":  # the projections' weights at one byte each, the rest (embeddings, norms) as they are
+        read_bytes -= sum(w.numel() for w in projection.packed_weights()) * 1
+    read_ms = read_bytes / (bandwidth["dram_gb_s"] * 1e9) * 1e3
     step_ms = 1e3 * statistics.median(times)
     step.close(wait=True)
     return {"dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "compiled": step.status,
-            "threads": threads.threads, "weight_bytes": threads.weight_bytes, "weight_read_ms": read_ms,
+            "threads": threads.threads, "weight_bytes": read_bytes, "weight_read_ms": read_ms,
             "step_ms": step_ms, "ratio": step_ms / read_ms,
             "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5}
 
@@ -126,37 +133,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--families", nargs="+", default=list(P17_FAMILIES), choices=list(FAMILIES),
                         help="fla families at their 340M shape (default: linear_attn gla)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
+                        help="int8: linserve serves int8 weights, beside llama.cpp's Q8_0 of the same Mamba")
+    parser.add_argument("--no-long", action="store_true", help="skip the 1 x 8,192 load (ITL late/early)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     loads = {"1x512": (1, 512), "8x256": (8, 256), "1x8192": (1, 8192)}
+    if args.no_long:
+        del loads["1x8192"]
+    peer_model = "mamba-370m-q8_0" if args.quantization == "int8" else "mamba-370m"
+    quantized = ["--quantization", args.quantization]
     if args.quick:
         args.reps, args.steps, loads = 1, 5, {"1x32": (1, 32), "8x16": (8, 16), "1x128": (1, 128)}
+        if args.no_long:
+            del loads["1x128"]
     window = 1024 if not args.quick else 32
     with_peer = not args.quick
-    if with_peer and not (LLAMA_SERVER.exists() and (PEERS / "models" / "mamba-370m.gguf").exists()):
+    if with_peer and not (LLAMA_SERVER.exists() and (PEERS / "models" / f"{peer_model}.gguf").exists()):
         raise SystemExit("build the peer first: bash benchmarks/peers/build_llama_server.sh && "
-                         "python benchmarks/peers/make_models.py mamba-370m")
+                         f"python benchmarks/peers/make_models.py {peer_model}")
     checkpoints = {name: make_checkpoint(name, "quick" if args.quick else "340M") for name in args.families}
     reference_before = reference_workload_ms()
     weight_bytes = max(sum(p.numel() for p in load_checkpoint(d, torch.device("cpu")).parameters()) * 2
                        for d in checkpoints.values())
     bandwidth = bandwidths(torch.device("cpu"), weight_bytes, args.quick)
-    steps = {name: decode_step_vs_weights(d, bandwidth, args.steps, "off" if args.quick else "on")
+    steps = {name: decode_step_vs_weights(d, bandwidth, args.steps, "off" if args.quick else "on", args.quantization)
              for name, d in checkpoints.items()}
     if not args.quick and args.compile != "off":  # every bucket `serve --num-slots 8` uses, into serve's cache
         for directory in checkpoints.values():
             subprocess.run([sys.executable, "-m", "linserve.server.cli", "compile", "--model", str(directory),
-                            "--num-slots", "8"], check=True, stdout=subprocess.DEVNULL)
+                            "--num-slots", "8", *quantized], check=True, stdout=subprocess.DEVNULL)
     servers = {f"linserve {name}": 8971 + i for i, name in enumerate(checkpoints)}
     processes = {}
     for (label, port), directory in zip(servers.items(), checkpoints.values()):
-        processes[label] = start_server(str(directory), port, 8, extra=["--log-level", "warning"],
+        processes[label] = start_server(str(directory), port, 8, extra=["--log-level", "warning", *quantized],
                                         env={"LINSERVE_SESSION_STORE": "none"},
                                         compile="off" if args.quick else args.compile)
+    peer_label = f"llama.cpp {peer_model}"
     if with_peer:
-        servers["llama.cpp mamba-370m"] = 8979
-        processes["llama.cpp mamba-370m"] = start_llama(PEERS / "models" / "mamba-370m.gguf", 8979,
-                                                        loads["1x8192"][1] + 64, args.llama_threads)
+        servers[peer_label] = 8979
+        processes[peer_label] = start_llama(PEERS / "models" / f"{peer_model}.gguf", 8979,
+                                            max(tokens for _, tokens in loads.values()) + 64, args.llama_threads)
     rates = {(s, load): [] for s in servers for load in loads}
     flat = {s: [] for s in servers}
     try:
@@ -164,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                  for label, port in servers.items() if label.startswith("linserve")}
         for port in servers.values():
             one_load(port, 1, 8)  # warm-up
-        long_load = list(loads)[-1]
+        long_load = list(loads)[2] if len(loads) > 2 else None  # (the long one; --no-long: none)
         for _ in range(args.reps):
             for load, (streams, tokens) in loads.items():
                 if load == long_load and _ > 0:
@@ -189,10 +206,13 @@ def main(argv: list[str] | None = None) -> None:
         card = cards[label]
         entry = {"state_bytes_per_session": card["state_bytes"], "rss_bytes": rss[label],
                  "decode_step": steps[name],
-                 "itl_late_over_early": {"ratio": flat[label][0], "target": "<= 1.10", "pass": flat[label][0] <= 1.10}}
+                 "quantization": args.quantization}
+        if flat[label]:
+            ratio = flat[label][0]
+            entry["itl_late_over_early"] = {"ratio": ratio, "target": "<= 1.10", "pass": ratio <= 1.10}
         if with_peer:
             for load in list(loads)[:2]:
-                peer = table["llama.cpp mamba-370m"][load]
+                peer = table[peer_label][load]
                 entry[load] = {"linserve": table[label][load], "peer": peer, "ratio": table[label][load] / peer,
                                "target": ">= 1.0", "pass": table[label][load] >= peer}
         result["P17"][name] = entry

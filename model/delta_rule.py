@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import numerics
+from . import kernels, numerics
 
 CHUNK = 64  # tokens per chunk (fla's chunk size): one (C, C) triangular solve per chunk and head
 NEGLIGIBLE_LOG = -60.0  # decays below e^-60 (≈ 1e-26) count as 0: never a subnormal float in the products
@@ -78,6 +78,15 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, 
     B, H, T, dk = q.shape
     alpha = None if g is None else numerics.exp(g.float())  # (B, H, T)
     outs, states = [], []
+    if S.device.type == "cpu" and kernels.load():  # one pass over the state a token (kernels/delta_rule.cpp)
+        q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
+        for t in range(T):
+            o, S = torch.ops.linserve.delta_step(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t],
+                                                 None if alpha is None else alpha[:, :, t], S)  # (B, H, dv), state
+            outs.append(o)
+            if prefixes:
+                states.append(S)
+        T = 0
     for t in range(T):
         kt = k[:, :, t, :, None].float()  # (B, H, dk, 1)
         if alpha is not None:

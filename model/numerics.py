@@ -17,9 +17,12 @@ where one rounding moves a value by 2⁻⁸, such a difference reaches the logit
 - functions of one bf16 value (GELU, ELU+1) as lookups in a 65,536-entry table of the float64 value,
   rounded once (`bf16_table`); `exp` of fp32 values in float64 (any two faithful float64 implementations
   round to the same float32 unless the exact value lies within ~2⁻²⁹ of a rounding boundary);
-- matrix products through oneDNN's bf16 inner product over weights packed for one row (`linear`): its rows
-  do not depend on how many rows share the call (a plain bf16 GEMM switches kernels above 32 rows once
-  K > 256) — checked for every projection shape by tests/model/test_numerics.py;
+- matrix products through linserve's own kernel (`linear`, model/kernels/invariant_linear.cpp): each output one
+  fixed sequence of roundings whatever the number of rows, the blocking or the threads — AMX tiles over weights
+  packed once where the CPU has AMX, else bf16 dot-product lanes; a library GEMM picks its kernel by the shape
+  (a plain bf16 GEMM switches kernels above 32 rows once K > 256) — checked for every projection shape by
+  tests/model/test_numerics.py and tests/model/test_kernels.py (without a C++ compiler to build the kernel:
+  oneDNN's inner product over weights packed for one row, whose rows were measured invariant too);
 - linear attention's recurrence for every token in every form (linear_attention.scan).
 
 Elsewhere (training, fp32 weights, CUDA) the model keeps torch's fused kernels and the chunked form: the same
@@ -33,7 +36,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
+
+from .projection import linear  # noqa: F401 - the projections' function, part of this module's set
 
 
 def exact_inference(x: torch.Tensor) -> bool:
@@ -53,29 +57,6 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
         summed = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
         x = torch.cat([summed, x.narrow(dim, 2 * half, 1)], dim) if size % 2 else summed
     return x.squeeze(dim)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear through oneDNN's bf16 inner product over `packed` weights: every row the same bits whatever
-    else is in x. x (..., K) bf16; weight (N, K) bf16 → (..., N). A compiled program traces a plain F.linear,
-    which Inductor's freezing packs the same way (program_compiler.same_bits_as_eager)."""
-    if torch.compiler.is_compiling():
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
-
-
-_PACKED = WeakIdKeyDictionary()  # weight → (its version when packed, the packed weight)
-
-
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (N, K) in oneDNN's blocked layout for a batch of one: made once per weight (again if the
-    weight is written in place), dropped with it."""
-    version = 0 if weight.is_inference() else weight._version  # (an inference tensor keeps no version count)
-    hit = _PACKED.get(weight)
-    if hit is None or hit[0] != version:
-        hit = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
-        _PACKED[weight] = hit
-    return hit[1]
 
 
 _TABLES: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}

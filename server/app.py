@@ -14,6 +14,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from linserve.model import projection
 from linserve.model.checkpoint import check_tokenizer, load_checkpoint, load_tokenizer
 from linserve.model.loading import (
     DEFAULT_CHECKPOINT,
@@ -84,6 +85,7 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)  # every form's: prefill, decode steps and verification
+    projection.use_quantization(settings.quantization, device, dtype)
     model = load_checkpoint(path, device, dtype)  # any served family, strictly (model/checkpoint.py)
     if model.config.attention != "linear":  # the softmax baseline stays fp32: its KV cache is sized in it
         model = model.float()
@@ -97,7 +99,8 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     if engine.decode_step is not None:
         metrics.watch_decode_step(engine.decode_step.describe)
     plan = engine.threads
-    weights = str(dtype).removeprefix("torch.") + (" (auto)" if settings.dtype == "auto" else "")
+    weights = str(dtype).removeprefix("torch.") + (" (auto)" if settings.dtype == "auto" else "") + (
+        ", int8 projections" if settings.quantization == "int8" else "")
     logger.info("loaded %s on %s in %.1f s (%s weights; %d intra-op CPU threads, %s: %g CPUs usable, "
                 "OMP_WAIT_POLICY %s): %d slots x %d state bytes", path, device, time.perf_counter() - started,
                 weights, plan.threads, plan.source, plan.usable_cpus, plan.omp_wait_policy, config.num_slots,

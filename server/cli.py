@@ -143,13 +143,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_device(args.device)
     from tokenizers import Tokenizer
 
+    from linserve.model import projection
     from linserve.model.loading import load_model, resolve_device, resolve_dtype
     from linserve.model.training.corpus import load_corpus
     from linserve.model.training.evaluate import bits_per_byte
 
     device = resolve_device(args.device)
     path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
-    lm = load_model(path, device, resolve_dtype(args.dtype, device))
+    dtype = resolve_dtype(args.dtype, device)
+    projection.use_quantization(args.quantization, device, dtype)
+    lm = load_model(path, device, dtype)
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     window = args.window
     if window is None and lm.model.config.attention == "softmax":
@@ -160,6 +163,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = {
         "model": str(path),
         "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "window": window,
         "works": list(works),
         "bits_per_byte": result.bits_per_byte,
@@ -205,6 +209,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     `serve` would compile with the same settings, into the same cache directory, in the foreground — and, with
     `--speculative ngram|draft`, the verification program's buckets for `--speculative-k` drafts too (with
     `draft`, also the draft model's drafting program)."""
+    from linserve.model import projection
     from linserve.model.checkpoint import load_checkpoint
     from linserve.model.loading import resolve_device, resolve_dtype
     from linserve.server.app import engine_config, load_draft
@@ -220,7 +225,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     device = resolve_device(settings.device)
     from linserve.server.engine.cpu_threads import apply_threads, weight_bytes
 
-    model = load_checkpoint(checkpoint_dir(settings.model), device, resolve_dtype(settings.dtype, device))
+    dtype = resolve_dtype(settings.dtype, device)
+    projection.use_quantization(settings.quantization, device, dtype)  # the programs' projections, as `serve`
+    model = load_checkpoint(checkpoint_dir(settings.model), device, dtype)
     # the count `serve` will run with (Inductor builds it into the kernels)
     apply_threads(settings.threads, settings.prefill_threads, weight_bytes(model))
     if model.config.attention != "linear":
@@ -280,7 +287,7 @@ def exit_now(status: int) -> NoReturn:
 
 
 # what `linserve compile` reads: the decode program depends on these alone (the config file may hold the rest)
-COMPILE_SETTINGS = ("model", "device", "dtype", "num_slots", "state_memory_mb", "max_batch_tokens",
+COMPILE_SETTINGS = ("model", "device", "dtype", "quantization", "num_slots", "state_memory_mb", "max_batch_tokens",
                     "compile_cache_dir", "compile_cache_max_gb", "compile_autotune", "threads", "speculative",
                     "speculative_k", "draft_model")
 
@@ -342,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     from linserve.server.settings import Settings
 
     # the choices the settings allow (a test keeps them equal to model.loading's); read here, not repeated
-    devices, dtypes = (typing.get_args(Settings.model_fields[name].annotation) for name in ("device", "dtype"))
+    devices, dtypes, quantizations = (typing.get_args(Settings.model_fields[name].annotation)
+                                      for name in ("device", "dtype", "quantization"))
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="checkpoint directory [default: the shipped checkpoint]")
@@ -377,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--corpus-dir", default="data/corpus", help="where the corpus is (downloaded if absent)")
     evaluate.add_argument("--dtype", choices=dtypes, default="float32", help="weights' dtype")
+    evaluate.add_argument("--quantization", choices=quantizations, default="none",
+                          help="int8: the projections' weights in int8 (with --dtype bfloat16, on a CPU)")
     evaluate.add_argument("--max-works", type=int, help="score only the first N held-out works [default: all]")
     evaluate.set_defaults(func=cmd_eval)
 

@@ -62,10 +62,13 @@ def preflight(settings: Settings) -> None:
     check_port(settings.host, settings.port)
     check_checkpoint(settings.model)
     check_gpu_driver(settings.device)
-    from linserve.model.loading import resolve_device  # imports torch
+    from linserve.model import projection
+    from linserve.model.loading import resolve_device, resolve_dtype  # imports torch
 
-    resolve_device(settings.device)  # --device cuda without a GPU: a ValueError saying so
+    device = resolve_device(settings.device)  # --device cuda without a GPU: a ValueError saying so
     check_model(settings.model)
+    # int8 where it cannot run (fp32, CUDA, no kernel): said here, not as a failed start-up
+    projection.use_quantization(settings.quantization, device, resolve_dtype(settings.dtype, device))
 
 
 def check_model(model: str | None) -> None:

@@ -125,6 +125,10 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights' dtype; the (S, z) state stays fp32. auto: bfloat16 on a CPU with bf16 in "
         "hardware (AVX512-BF16, AMX), else float32")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="weight-only quantization of the projections: int8 — per output channel, made at load "
+        "from the served weights, widened exactly inside linserve's kernel: half the bytes a decode step reads, the "
+        "same batch invariance. Needs bf16 on a CPU (dtype auto or bfloat16) and the kernel (a C++ compiler)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     # set per load() call: which YAML file feeds this instance

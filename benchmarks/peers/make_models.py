@@ -1,10 +1,11 @@
 """The llama.cpp peers' models: GPT-2 (6 × 256, 8 heads, MLP 4×, 16,384 positions) and Mamba (12 × 256,
 inner 512, state 16) for P9, GGUF F32; and for P17 a Mamba of fla's 340M class (mamba-370m's shape: 48 ×
-1,024, inner 2,048, state 16), GGUF BF16 (the dtype linserve serves it beside). Random weights, linserve's
+1,024, inner 2,048, state 16), GGUF BF16 (the dtype linserve serves it beside), and the same in Q8_0 (the peer
+of linserve's int8 weights: `mamba-370m-q8_0`). Random weights, linserve's
 tokenizer, saved with transformers and converted by llama.cpp's own `convert_hf_to_gguf.py` (from the sdist
 `build_llama_server.sh` unpacked). Cached under data/peers/models/; nothing is downloaded.
 
-    python benchmarks/peers/make_models.py [NAME …]   → data/peers/models/{gpt2,mamba,mamba-370m}.gguf
+    python benchmarks/peers/make_models.py [NAME …]   → data/peers/models/{gpt2,mamba,mamba-370m,mamba-370m-q8_0}.gguf
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
-SHAPES = {"mamba": (256, 12), "mamba-370m": (1024, 48)}  # hidden, layers
-OUTTYPE = {"mamba-370m": "bf16"}
+SHAPES = {"mamba": (256, 12), "mamba-370m": (1024, 48), "mamba-370m-q8_0": (1024, 48)}  # hidden, layers
+# mamba-370m-q8_0: the same weights (seed 0) as llama.cpp's users run them — Q8_0, the peer of `quantization: int8`
+OUTTYPE = {"mamba-370m": "bf16", "mamba-370m-q8_0": "q8_0"}
 
 
 def vocab_size() -> int:

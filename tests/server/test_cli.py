@@ -43,6 +43,12 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         run_cli("serve", "--model", str(tmp_path), "--port", "0"))
 
 
+def test_int8_weights_where_they_cannot_run_are_one_line():
+    message = one_line_error(run_cli("serve", "--port", "0", "--device", "cpu", "--dtype", "float32",
+                                     "--quantization", "int8"))
+    assert "--quantization int8 needs bf16 weights on a CPU (here: torch.float32 on cpu)" in message
+
+
 def test_a_busy_port_is_one_line_before_the_model_loads():
     import socket
 

@@ -155,6 +155,9 @@ def test_tokenize_detokenize_version(client):
     assert version["threads"] == engine_threads == version["cpu_threads"]["threads"]
     assert version["cpu_threads"]["source"] in ("default", "setting") and version["cpu_threads"]["usable_cpus"] > 0
     assert version["dtype"] == "float32"
+    from linserve.model import kernels
+
+    assert version["projections"] == {"kernel": kernels.form() if kernels.load() else "onednn", "weights": "bf16"}
     assert version["decode_step"]["compile"] == "off" and version["decode_step"]["verdict"] is None
 
 

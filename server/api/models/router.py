@@ -7,6 +7,7 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
+from linserve.model import projection
 from linserve.model.loading import DEFAULT_CHECKPOINT
 
 from ..chat.prompt import chat_prompt
@@ -76,6 +77,7 @@ async def version(request: Request) -> VersionInfo:
                        threads=engine.threads.threads if engine is not None else torch.get_num_threads(),
                        cpu_threads=engine.threads.describe() if engine is not None else None,
                        dtype=weights_dtype(engine.model) if engine else None,
+                       projections=projection.describe(),
                        decode_step=step.describe() if step is not None else None)
 
 

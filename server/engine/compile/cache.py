@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from linserve.model import LinearGPT
+from linserve.model import LinearGPT, kernels, projection
 
 from .program_compiler import ARTIFACT_FORMAT, CPU, CompilerProcess, artifact_path, load_artifact, write_model
 
@@ -53,7 +53,9 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
         # them at run time — not Inductor's pick_vec_isa, which test-compiles with g++: a slim image has none —
         # and the intra-op thread count, which Inductor's GEMM templates bake in (`num_threads = 2`)
         capability = torch.backends.cpu.get_cpu_capability().lower()
-        where = f"cpu-{platform.machine()}-{capability}-threads{torch.get_num_threads()}"
+        # which kernel the programs call, over which weights
+        projections = f"{kernels.form()}-{projection.weight_format()}" if kernels.load() else "onednn"
+        where = f"cpu-{platform.machine()}-{capability}-threads{torch.get_num_threads()}-{projections}"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key = f"{digest.hexdigest()[:16]}-{dtype}-torch{torch.__version__}-{where}".replace(" ", "_").replace("/", "_")
     return os.path.join(base, key)
@@ -156,8 +158,9 @@ def program_sources(extra: tuple[str, ...] = ()) -> list[str]:
     model_dir = os.path.dirname(os.path.abspath(model_package.__file__))
     engine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     own = ["decode_program.py", "sampling.py", os.path.join("spec", "verify_program.py"), *extra]
-    return sorted(os.path.join(directory, name) for directory in (model_dir, os.path.join(model_dir, "families"))
-                  for name in os.listdir(directory) if name.endswith(".py")) + [
+    return sorted(os.path.join(directory, name) for directory in (model_dir, os.path.join(model_dir, "families"),
+                                                                  os.path.join(model_dir, "kernels"))
+                  for name in os.listdir(directory) if name.endswith((".py", ".cpp"))) + [
         os.path.join(engine, name) for name in own]
 
 
@@ -175,6 +178,7 @@ class ChildBuilder:
         """`threads`: the intra-op count the programs are built for (CompilerProcess: default this thread's)."""
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
         self.autotune, self.program, self.device, self.threads = autotune, program, device, threads
+        self.model = model  # (a CPU program reads its packed projection weights as inputs: this model's)
         write_model(directory, model)
 
     def cached(self, size: int) -> bool:
@@ -183,13 +187,13 @@ class ChildBuilder:
 
     def __call__(self, size: int):
         """The bucket's program; None when it is not in the cache and this builder may not compile."""
-        program = load_artifact(self.directory, self.num_slots, size, self.program, self.device)
+        program = load_artifact(self.directory, self.num_slots, size, self.program, self.device, self.model)
         if program is None and self.can_compile:
             if self.child is None:
                 self.child = CompilerProcess(self.directory, self.num_slots, self.autotune, self.program,
                                              self.device, self.threads)
             self.child.compile(size)
-            program = load_artifact(self.directory, self.num_slots, size, self.program, self.device)
+            program = load_artifact(self.directory, self.num_slots, size, self.program, self.device, self.model)
         return program
 
     def close(self) -> None:

@@ -29,15 +29,16 @@ import time
 
 import torch
 
-from linserve.model import LinearGPT, families, numerics
+from linserve.model import LinearGPT, families, kernels, numerics, projection
 
 logger = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
 
 MODEL_FILE = "model.pt"
-ARTIFACT_FORMAT = 3  # part of the cache key: raise it whenever `build` makes different artifacts (3: no add
-# fused into a projection, same_bits_as_eager)
+ARTIFACT_FORMAT = 5  # part of the cache key: raise it whenever `build` makes different artifacts (3: no add
+# fused into a projection, same_bits_as_eager; 4: projections through linserve's kernel; 5: their packed weights
+# as inputs, listed in the artifact's weights manifest)
 
 
 def artifact_path(directory: str, num_slots: int, size: int, program: str = "decode") -> str:
@@ -55,16 +56,46 @@ def write_model(directory: str, model: LinearGPT) -> None:
     os.makedirs(directory, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     payload = {"config": model.config.to_dict(), "model_type": getattr(model.config, "model_type", "linear_gpt"),
-               "dtype": dtype,
+               "dtype": dtype, "weights": projection.weight_format(),
                "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
     temp = f"{path}.{os.getpid()}.tmp"
     torch.save(payload, temp)
     os.replace(temp, path)
 
 
+def weights_manifest(path: str) -> str:
+    """Beside an artifact: the parameters whose packed projection weights are its trailing inputs, in order."""
+    return f"{os.path.splitext(path)[0]}.weights.json"
+
+
+class WithWeights:
+    """A compiled program that reads the projections' weights as inputs: called with the program's arguments, it
+    passes the engine's own packed weights after them — every bucket shares the process's one packed copy."""
+
+    def __init__(self, program, weights: list[torch.Tensor]) -> None:
+        self.program, self.weights = program, weights
+
+    def __call__(self, *args: torch.Tensor):
+        return self.program(*args, *self.weights)
+
+
+def shared_weights(path: str, model: LinearGPT) -> list[torch.Tensor]:
+    """The tensors an artifact takes after the program's arguments: each listed parameter's packed projection
+    weight (and int8 scale), from this process's packing — the eager program's own."""
+    with open(weights_manifest(path)) as manifest:
+        listed = json.load(manifest)
+    if listed["format"] != projection.weight_format():
+        raise RuntimeError(f"{path} was built for {listed['format']} weights, this process serves "
+                           f"{projection.weight_format()}")
+    packer = projection.PACKERS[listed["format"]]
+    return [t for name in listed["weights"] for t in projection.packed(model.get_parameter(name), packer)
+            if t is not None]
+
+
 def load_artifact(directory: str, num_slots: int, size: int, program: str = "decode",
-                  device: torch.device = CPU):
-    """A finished bucket's program (callable with the program's arguments), or None if there is none."""
+                  device: torch.device = CPU, model: LinearGPT | None = None):
+    """A finished bucket's program (callable with the program's arguments), or None if there is none. A CPU
+    program whose projections read their weights as inputs gets `model`'s (shared_weights)."""
     path = artifact_path(directory, num_slots, size, program)
     if not os.path.exists(path):
         return None
@@ -76,7 +107,14 @@ def load_artifact(directory: str, num_slots: int, size: int, program: str = "dec
             device.index if device.index is not None else torch.cuda.current_device()))
     from .aoti_runner import load_program
 
-    return load_program(path)  # called without holding the GIL (aoti_runner.py)
+    kernels.load()  # before the program: it calls the projection kernel's C shim by name
+    loaded = load_program(path)
+    if not os.path.exists(weights_manifest(path)):
+        return loaded
+    if model is None:
+        raise ValueError(f"{path} reads the projections' weights as inputs: load it with the model")
+    weights = shared_weights(path, model)
+    return WithWeights(loaded, weights) if weights else loaded  # called without holding the GIL (aoti_runner.py)
 
 
 class CompilerProcess:
@@ -124,6 +162,7 @@ def _load(directory: str, device: torch.device) -> LinearGPT:
     from linserve.model.loading import in_dtype
 
     payload = torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
+    projection.set_weight_format(payload.get("weights", "bf16"))  # the projections' format, as the server's
     model = families.build({**payload["config"], "model_type": payload.get("model_type", "linear_gpt")})
     model.load_state_dict(payload["state_dict"], assign=True)  # each tensor in its saved dtype
     return in_dtype(model, getattr(torch, payload["dtype"])).to(device).eval()
@@ -142,6 +181,7 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
 
     device = next(model.parameters()).device
     numerics.prepare_tables(device)  # real tensors, before export traces the program
+    kernels.load()  # (the projections' op, whose C shim the program calls)
     if name.startswith("draft"):
         from ..spec.draft_model import DraftKind
 
@@ -150,34 +190,62 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
         kind = ProgramKind(name)
     program = kind.make(model)
 
-    class Program(torch.nn.Module):  # export wants a module; the weights are its (frozen) parameters
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return program(*args)
-
     pool = StatePool(model, num_slots, device)
     sampling = SlotSampling(num_slots, model.config.vocab_size, device)
     io = torch.zeros(kind.io_rows, size, dtype=torch.long, device=device)  # (rows, P)
     args = (*kind.arguments(io), *pool.buffers.values(), *sampling.tensors())
+    tiled = projection_weights(model, program, args)
+    packer = projection.PACKERS[projection.weight_format()]
+    weights = [t for _, weight in tiled for t in packer(weight) if t is not None]  # the trailing inputs
+    count = len(args)
+
+    class Program(torch.nn.Module):  # export wants a module; the weights are its (frozen) parameters — but the
+        # projections': those are the program's trailing inputs, the engine's own packed tensors at every call
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            packed = iter(inputs[count:])
+            tiles = {id(self.model.get_parameter(name)): (next(packed), next(packed) if int8 else None)
+                     for name, _ in tiled}
+            with projection.traced_tiles(tiles):
+                return program(*inputs[:count])
+
+    int8 = projection.weight_format() == "int8"
+    args = (*args, *weights)
     inductor_config.freezing = True  # weights become constants
     inductor_config.autotune_num_choices_displayed = 0
     inductor_config.max_autotune_report_choices_stats = False
     with torch.no_grad():
         exported = torch.export.export(Program(), args, strict=False)
     temp = os.path.join(directory, f".{name}-s{num_slots}-b{size}.{os.getpid()}.pt2")
-    configs = ({**same_bits_as_eager(model), "max_autotune": autotune} if device.type == "cpu"
+    configs = ({**same_bits_as_eager(model), **kernels.inductor_configs(), "max_autotune": autotune}
+               if device.type == "cpu"
                else {"freezing": True})  # (CUDA: no bit-for-bit promise against eager's cuBLAS calls)
     torch._inductor.aoti_compile_and_package(exported, package_path=temp, inductor_configs=configs)
-    os.replace(temp, artifact_path(directory, num_slots, size, name))
+    path = artifact_path(directory, num_slots, size, name)
+    with open(f"{temp}.json", "w") as manifest:  # what the trailing inputs are (before the artifact appears)
+        json.dump({"weights": [name for name, _ in tiled], "format": projection.weight_format()}, manifest)
+    os.replace(f"{temp}.json", weights_manifest(path))
+    os.replace(temp, path)
+
+
+def projection_weights(model: LinearGPT, program, args: tuple) -> list[tuple[str, torch.Tensor]]:
+    """(name, weight) of every parameter the program's projections read through linserve's kernel: found by
+    running the program once eagerly (each projection packs its weight on first use); none without the kernel."""
+    if not kernels.load():
+        return []
+    with torch.no_grad():
+        program(*[a.clone() for a in args])  # (clones: the program writes nothing, but the pool is the child's own)
+    used = {id(weight) for weight in projection.packed_weights()}
+    return [(name, weight) for name, weight in model.named_parameters() if id(weight) in used]
 
 
 def same_bits_as_eager(model: LinearGPT) -> dict:
     """Inductor settings under which a program computes what the eager model does, bit for bit
     (model/numerics.py): bf16 roundings where eager rounds (`emulate_precision_casts`: a fused kernel would
-    otherwise keep fp32 between ops), bf16 weights packed by oneDNN for one row — as `numerics.packed` packs
+    otherwise keep fp32 between ops), bf16 weights packed by oneDNN for one row — as `projection.packed` packs
     them eagerly, whose rows do not depend on the batch — and fp32 weights left to the BLAS call eager makes
     (no prepacking: oneDNN's fp32 kernel rounds differently from MKL's). Max-autotune's own GEMM templates are
     off for the same reason: their rows are not eager's. And no addition joins a projection as oneDNN's post-op

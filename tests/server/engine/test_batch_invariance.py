@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from linserve.model import kernels, projection
 from linserve.server.engine import EngineRequest, SamplingParams
 from tests.helpers import Collector, prompt, run, tokens_of
 
@@ -28,16 +29,26 @@ def logprobs_of(outputs) -> list[float]:
     return [o.logprob.logprob for o in outputs if o.logprob is not None]
 
 
-@pytest.fixture(params=["eager", "compiled"])
+@pytest.fixture(params=["eager", "compiled", "eager-int8", "compiled-int8"])
 def default_engine(request, make_engine, compile_cache, device):
-    if request.param == "eager":
-        return make_engine(num_slots=12)
-    if device.type != "cpu":
-        pytest.skip("compiled buckets on CUDA are CUDA graphs of cuBLAS kernels: not batch-invariant")
-    engine = make_engine(num_slots=12, compile="on", compile_cache_dir=compile_cache)
-    engine.decode_step.sizes = [1, 8]  # 2 … 7 rows pad to 8 (each build takes a minute on 2 cores)
-    assert engine.decode_step.wait_compiled(BUILD_WAIT_S) and engine.decode_step.status == "compiled"
-    return engine
+    """The default configuration — and with int8 weights (`quantization: int8`: the same guarantee)."""
+    form, _, weights = request.param.partition("-")
+    if weights and (device.type != "cpu" or not kernels.load()):
+        pytest.skip("int8 weights: linserve's CPU kernel")
+    projection.set_weight_format(weights or "bf16")
+    try:
+        if form == "eager":
+            yield make_engine(num_slots=12)
+            return
+        if device.type != "cpu":
+            pytest.skip("compiled buckets on CUDA are CUDA graphs of cuBLAS kernels: not batch-invariant")
+        engine = make_engine(num_slots=12, compile="on", compile_cache_dir=compile_cache)
+        # 2 … 7 rows pad to 8 (each build takes a minute on 2 cores; int8: one bucket for every batch)
+        engine.decode_step.sizes = [8] if weights else [1, 8]
+        assert engine.decode_step.wait_compiled(BUILD_WAIT_S) and engine.decode_step.status == "compiled"
+        yield engine
+    finally:
+        projection.set_weight_format("bf16")
 
 
 @pytest.mark.slow

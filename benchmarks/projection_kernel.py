@@ -1,0 +1,85 @@
+"""The projection kernel per call, against the DRAM floor and the kernels it replaced (issue 55, item 1).
+
+For each projection shape of the shipped model and of fla's 340M models, at M = 1, 8 and 512 rows (decode, 8
+streams, a prefill chunk): linserve's batch-invariant kernel (`numerics.linear`: AMX tiles over weights packed
+once, or bf16 lanes), oneDNN's inner product over weights packed for one row (wave 6's exact default) and torch's
+F.linear (not batch-invariant) — interleaved, median of `--reps`; beside them one read of the weight at the DRAM
+read bandwidth measured in the same run (P6's floor: a buffer 4× the last-level cache).
+
+    python benchmarks/projection_kernel.py [--threads 1 2] [--reps 7] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import describe, emit  # noqa: E402
+from decode_vs_context import bandwidths  # noqa: E402
+
+from linserve.model import kernels, numerics  # noqa: E402
+
+SHAPES = {  # (N, K): what the projection reads
+    "shipped qkv": (768, 256), "shipped mlp up": (1024, 256), "shipped mlp down": (256, 1024),
+    "shipped head": (4096, 256), "340M q/k/v/o": (1024, 1024), "340M mlp gate+up": (5632, 1024),
+    "340M mlp down": (1024, 2816), "340M head (4,096 vocab)": (4096, 1024),
+}
+
+
+def per_call_us(call, calls: int) -> float:
+    call()
+    started = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - started) / calls * 1e6
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    if not kernels.load():
+        sys.exit(f"the kernel is unavailable: {kernels.load_error()}")
+    device = torch.device("cpu")
+    result = {"machine": describe(device), "kernel_form": kernels.form(),
+              "floor": bandwidths(device, 64 * 2**20, quick=False), "calls": {}}
+    dram = result["floor"]["dram_gb_s"]
+    generator = torch.Generator().manual_seed(0)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, (N, K) in SHAPES.items():
+            weight = torch.randn(N, K, generator=generator).bfloat16()  # (N, K)
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            for M in args.rows:
+                x = torch.randn(M, K, generator=generator).bfloat16()  # (M, K)
+                calls = max(3, min(300, int(2e5 / (N * K * M) * 100)))
+                forms = {"kernel": functools.partial(numerics.linear, x, weight),
+                         "onednn_one_row": functools.partial(torch.ops.mkldnn._linear_pointwise, x, onednn, None,
+                                                             "none", [], ""),
+                         "f_linear": functools.partial(torch.nn.functional.linear, x, weight)}
+                times = {form: [] for form in forms}
+                for _ in range(args.reps):  # interleaved: drift falls on every form alike
+                    for form, call in forms.items():
+                        times[form].append(per_call_us(call, calls))
+                row = {form: round(statistics.median(values), 1) for form, values in times.items()}
+                row["weight_read_us"] = round(N * K * 2 / dram / 1e3, 1)
+                row["kernel_vs_floor"] = round(row["kernel"] / row["weight_read_us"], 2)
+                row["kernel_vs_onednn"] = round(row["onednn_one_row"] / row["kernel"], 2)
+                result["calls"][f"{name} N={N} K={K} M={M} threads={threads}"] = row
+                print(f"{name:24} M={M:4} t={threads}: {row}", file=sys.stderr)
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

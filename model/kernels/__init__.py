@@ -1,0 +1,188 @@
+"""linserve's own CPU kernels, built from source on first use and cached (like the compiled programs).
+
+`delta_rule.cpp` holds one token of the (gated) delta rule for every row and head in one pass over the state
+(`torch.ops.linserve.delta_step`, scan's arithmetic exactly). `invariant_linear.cpp` holds the batch-invariant
+projection (`torch.ops.linserve.invariant_linear`): each output a
+fixed sequence of roundings whatever the number of rows, bf16 or int8 weights in the checkpoint's own (N, K)
+layout, AVX512-BF16 where the CPU has it and the same arithmetic in scalar code elsewhere. It is built once per
+(source, torch, CPU instruction set) with the C++ compiler Inductor uses into
+`$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
+process with its symbols global — a compiled program's C++ calls the op's C shim
+(`aoti_torch_cpu_invariant_linear`) by name — and its op registered with a shape function so that torch.export
+traces it as one call. Without a C++ compiler (a slim image), or with `LINSERVE_KERNELS=off` in the environment,
+`load()` says why and returns False: the model then keeps oneDNN's inner product (numerics.linear).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp")]
+LIBRARY = "liblinserve_kernels.so"
+C_SHIMS = {  # op → the C function a compiled program calls (defined in the sources)
+    "invariant_linear": "AOTITorchError aoti_torch_cpu_invariant_linear(AtenTensorHandle x, AtenTensorHandle weight, "
+                        "AtenTensorHandle* scale, AtenTensorHandle* bias, int64_t out_features, "
+                        "AtenTensorHandle* ret0)",
+    "delta_step": "AOTITorchError aoti_torch_cpu_delta_step(AtenTensorHandle q, AtenTensorHandle k, "
+                  "AtenTensorHandle v, AtenTensorHandle beta, AtenTensorHandle* alpha, AtenTensorHandle S, "
+                  "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "library": the loaded CDLL, or "error": why there is none
+
+
+def cpu_isa() -> str:
+    """The kernel form this CPU gets: "amx" (AMX-BF16 tiles), "avx512bf16" (bf16 dot products in vector
+    registers) or "scalar" — from Linux's CPU flags (elsewhere: scalar)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = set(next((line for line in info if line.startswith("flags")), "").split())
+    except OSError:
+        return "scalar"
+    if platform.machine() != "x86_64" or not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
+        return "scalar"
+    return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512bf16"
+
+
+def compiler() -> str | None:
+    """The C++ compiler: $CXX, else g++ or c++ on PATH (Inductor's own choice)."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def cache_dir() -> str:
+    base = os.environ.get("LINSERVE_KERNEL_DIR")
+    if not base:
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(root, "linserve", "kernels")
+    return base
+
+
+def build_command(cxx: str, output: str, isa: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    flags = {"scalar": [],
+             "avx512bf16": ["-DLINSERVE_AVX512BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]}
+    flags["amx"] = [*flags["avx512bf16"], "-DLINSERVE_AMX", "-mamx-tile", "-mamx-bf16"]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", abi, *flags[isa], *includes,
+            f"-I{sysconfig.get_paths()['include']}", *SOURCES, "-o", output, f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
+            f"-Wl,-rpath,{torch_lib}"]
+
+
+def library_path() -> tuple[str, str]:
+    """Where this source, torch and CPU's build lives, and its instruction set."""
+    isa = cpu_isa()
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    digest.update(" ".join(build_command("c++", "out", isa)).encode())
+    key = f"{digest.hexdigest()[:16]}-torch{torch.__version__}-{platform.machine()}-{isa}"
+    return os.path.join(cache_dir(), key.replace("/", "_"), LIBRARY), isa
+
+
+def build(path: str, isa: str) -> None:
+    """Compile into `path` once: under a lock on its directory (another process may be building it), by rename."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path):
+            return
+        cxx = compiler()
+        if cxx is None:
+            raise RuntimeError("no C++ compiler (g++ or c++ on PATH, or $CXX)")
+        temp = f"{path}.{os.getpid()}.tmp"
+        result = subprocess.run(build_command(cxx, temp, isa), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building linserve's kernels failed: {result.stderr[-2000:]}")
+        os.replace(temp, path)
+
+
+def load() -> bool:
+    """Build (first use) and load the kernels into this process; False, with the reason logged once, when they
+    cannot be — the caller then uses torch's own kernels."""
+    if "library" in _state:  # (every projection asks: no lock once loaded)
+        return True
+    with _lock:
+        if "library" in _state:
+            return True
+        if "error" in _state:
+            return False
+        if os.environ.get("LINSERVE_KERNELS", "on").lower() == "off":  # an operator's escape hatch (and A/B runs)
+            _state["error"] = "turned off by LINSERVE_KERNELS=off"
+            logger.info("linserve's projection kernel is off (LINSERVE_KERNELS=off): oneDNN's inner product")
+            return False
+        try:
+            path, isa = library_path()
+            if not os.path.exists(path):
+                build(path, isa)
+            _state["library"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # global: compiled programs call its shim
+            _register_fake()
+            logger.info("linserve kernels loaded from %s (%s)", path, form())
+            return True
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            _state["error"] = str(error)
+            logger.warning("linserve's batch-invariant projection kernel is unavailable (%s): projections use "
+                           "oneDNN's inner product", error)
+            return False
+
+
+def load_error() -> str | None:
+    return _state.get("error")  # type: ignore[return-value]
+
+
+FORMS = {2: "amx", 1: "avx512bf16", 0: "scalar"}
+
+
+def form() -> str | None:
+    """Which form the loaded kernel runs: "amx" (tiles over packed weights), "avx512bf16" or "scalar" (lanes over
+    the (N, K) weights, the same bits as each other); None when not loaded."""
+    library = _state.get("library")
+    return FORMS[library.linserve_kernel_form()] if library else None
+
+
+def _register_fake() -> None:
+    def shape(x, weight, scale, bias, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    for name in ("invariant_linear", "invariant_linear_scalar"):
+        torch.library.register_fake(f"linserve::{name}")(shape)
+
+    @torch.library.register_fake("linserve::delta_step")
+    def delta_shapes(q, k, v, beta, alpha, S):
+        return v.new_empty(v.shape), S.new_empty(S.shape)
+
+    @torch.library.register_fake("linserve::pack_weight")
+    def packed_shape(weight):
+        if form() != "amx":
+            return weight.new_empty(weight.shape)
+        n, k = weight.shape
+        return weight.new_empty(((n + 15) // 16, (k + 31) // 32, 16, 32))
+
+
+def inductor_configs() -> dict:
+    """What an AOTInductor build needs to call the op's C shim directly (no proxy executor, no dispatcher)."""
+    if "library" not in _state:
+        return {}
+    return {"aot_inductor.custom_ops_to_c_shims": {getattr(torch.ops.linserve, name).default: [shim]
+                                                   for name, shim in C_SHIMS.items()}}

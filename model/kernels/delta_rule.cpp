@@ -1,0 +1,153 @@
+// linserve::delta_step — one token of the (gated) delta rule for every row and head in one pass over the state,
+// each operation the one model/delta_rule.py's `scan` writes, in its order (so the bits are scan's):
+//
+//   S1 = S · α                          (gated; α = 1: S1 = S)
+//   p  = tree_sum_k(k ⊙ S1)             (the fixed tree of halves over d_k: x[i] + x[i + h], an odd last carried)
+//   u  = β · (v − p)
+//   S' = S1 + k ⊗ u
+//   o  = tree_sum_k(q ⊙ S')
+//
+// All fp32, elementwise IEEE operations (built without contraction), subnormals flushed as on the engine's
+// thread. The state is read once and written once per token — torch's form makes ~10 passes over a
+// 64 MiB state (fla's 340M Gated DeltaNet), which made a step's cost grow with every row. Rows and heads are
+// independent tasks: the result never depends on how many rows share the call, nor on the threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+#include <xmmintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t COLUMNS = 16;  // d_v columns per block: the tree's partials of a block stay in L1
+
+struct FlushSubnormals {
+  unsigned int saved;
+  FlushSubnormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+};
+
+// the tree of halves over rows 0..n-1 of buf (each row COLUMNS wide) into row 0
+inline void tree(float* buf, int64_t n) {
+  while (n > 1) {
+    const int64_t h = n / 2;
+    for (int64_t i = 0; i < h; ++i) {
+      float* __restrict a = buf + i * COLUMNS;
+      const float* __restrict b = buf + (i + h) * COLUMNS;
+#pragma GCC ivdep
+      for (int64_t c = 0; c < COLUMNS; ++c) a[c] = a[c] + b[c];
+    }
+    if (n % 2) std::copy(buf + 2 * h * COLUMNS, buf + (2 * h + 1) * COLUMNS, buf + h * COLUMNS);
+    n = h + n % 2;
+  }
+}
+
+// one column block of one (row, head); W: the block's width (COLUMNS, or the tail's with zeros past it)
+template <bool FULL>
+inline void block_step(const float* q, const float* k, const float* v, float beta, const float* alpha,
+                       const float* S, float* S_new, float* o, int64_t dk, int64_t dv, int64_t width, float* buf) {
+  const int64_t w = FULL ? COLUMNS : width;
+  const float a = alpha ? *alpha : 1.0f;
+  for (int64_t i = 0; i < dk; ++i) {  // S1 = S · α; k ⊙ S1 (past the width: zeros, never stored)
+    const float* __restrict s = S + i * dv;
+    float* __restrict s1 = S_new + i * dv;
+    float* __restrict row = buf + i * COLUMNS;
+    const float ki = k[i];
+    float value[COLUMNS] = {};
+    if (alpha) {
+      for (int64_t c = 0; c < w; ++c) value[c] = s[c] * a;
+    } else {
+      for (int64_t c = 0; c < w; ++c) value[c] = s[c];
+    }
+    for (int64_t c = 0; c < w; ++c) s1[c] = value[c];
+    for (int64_t c = 0; c < COLUMNS; ++c) row[c] = ki * value[c];
+  }
+  tree(buf, dk);
+  float u[COLUMNS];
+  for (int64_t c = 0; c < COLUMNS; ++c) u[c] = beta * ((c < w ? v[c] : 0.0f) - buf[c]);
+  for (int64_t i = 0; i < dk; ++i) {  // S' = S1 + k ⊗ u; q ⊙ S'
+    float* __restrict s1 = S_new + i * dv;
+    float* __restrict row = buf + i * COLUMNS;
+    const float ki = k[i], qi = q[i];
+    float updated[COLUMNS] = {};
+    for (int64_t c = 0; c < w; ++c) updated[c] = s1[c] + ki * u[c];
+    for (int64_t c = 0; c < w; ++c) s1[c] = updated[c];
+    for (int64_t c = 0; c < COLUMNS; ++c) row[c] = qi * updated[c];
+  }
+  tree(buf, dk);
+  for (int64_t c = 0; c < w; ++c) o[c] = buf[c];
+}
+
+// one (row, head): S (dk, dv) → S_new, o (dv)
+void head_step(const float* q, const float* k, const float* v, float beta, const float* alpha, const float* S,
+               float* S_new, float* o, int64_t dk, int64_t dv, float* buf) {
+  for (int64_t c0 = 0; c0 < dv; c0 += COLUMNS) {
+    const int64_t width = std::min(COLUMNS, dv - c0);
+    if (width == COLUMNS)
+      block_step<true>(q, k, v + c0, beta, alpha, S + c0, S_new + c0, o + c0, dk, dv, width, buf);
+    else
+      block_step<false>(q, k, v + c0, beta, alpha, S + c0, S_new + c0, o + c0, dk, dv, width, buf);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& beta, const c10::optional<at::Tensor>& alpha,
+                                              const at::Tensor& S) {
+  TORCH_CHECK(S.dim() == 4 && S.scalar_type() == at::kFloat, "delta_step: S must be fp32 (B, H, dk, dv)");
+  const int64_t B = S.size(0), H = S.size(1), dk = S.size(2), dv = S.size(3);
+  for (const at::Tensor* t : {&q, &k, &v, &beta})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "delta_step: q, k, v, beta must be fp32");
+  TORCH_CHECK(q.sizes() == at::IntArrayRef({B, H, dk}) && k.sizes() == q.sizes(), "delta_step: q, k must be (B, H, dk)");
+  TORCH_CHECK(v.sizes() == at::IntArrayRef({B, H, dv}), "delta_step: v must be (B, H, dv)");
+  TORCH_CHECK(beta.sizes() == at::IntArrayRef({B, H}), "delta_step: beta must be (B, H)");
+  const bool gated = alpha.has_value() && alpha->defined();
+  at::Tensor a;
+  if (gated) {
+    TORCH_CHECK(alpha->scalar_type() == at::kFloat && alpha->sizes() == beta.sizes(), "delta_step: alpha must be fp32 (B, H)");
+    a = alpha->contiguous();
+  }
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), bc = beta.contiguous();
+  const at::Tensor Sc = S.contiguous();
+  at::Tensor S_new = at::empty_like(Sc);
+  at::Tensor o = at::empty({B, H, dv}, S.options());
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const float *bp = bc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
+  float *np = S_new.data_ptr<float>(), *op = o.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    FlushSubnormals flushed;
+    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * COLUMNS));
+    for (int64_t bh = begin; bh < end; ++bh)
+      head_step(qp + bh * dk, kp + bh * dk, vp + bh * dv, bp[bh], ap ? ap + bh : nullptr, sp + bh * dk * dv,
+                np + bh * dk * dv, op + bh * dv, dk, dv, buf.data());
+  });
+  return {o, S_new};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? alpha, Tensor S) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("delta_step", &delta_step); }
+
+extern "C" AOTITorchError aoti_torch_cpu_delta_step(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                     AtenTensorHandle beta, AtenTensorHandle* alpha,
+                                                     AtenTensorHandle S, AtenTensorHandle* ret0,
+                                                     AtenTensorHandle* ret1) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+    auto [o, S_new] = delta_step(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
+                                 *tensor_handle_to_tensor_pointer(v), *tensor_handle_to_tensor_pointer(beta),
+                                 torch::aot_inductor::pointer_to_optional<at::Tensor>(alpha),
+                                 *tensor_handle_to_tensor_pointer(S));
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(o));
+    *ret1 = torch::aot_inductor::new_tensor_handle(std::move(S_new));
+  });
+}

@@ -1,0 +1,497 @@
+// linserve::invariant_linear — y = x Wᵀ + b whose every output is one fixed sequence of roundings, whatever the
+// number of rows, the blocking or the threads: a request's projections never depend on what shares its batch.
+//
+// One output y[m, n] (x bf16 (M, K), W bf16 (N, K) — the checkpoint's own layout, never repacked):
+//   lanes[j] = 0 (j < 16); for each 32-wide chunk c of K (the tail read as zeros), in order:
+//       lanes[j] = fma(x[32c + 2j + 1], w[32c + 2j + 1], lanes[j]);  lanes[j] = fma(x[32c + 2j], w[32c + 2j], lanes[j])
+//     (VDPBF16PS: bf16 products are exact in fp32, inputs' subnormals read as zero, results' flushed, RNE);
+//   s = Σ lanes as the fixed tree of halves (j + j+8, then j + j+4, j + j+2, j + j+1);
+//   y = bf16_rne(s + bias[n])                         (int8 weights: bf16_rne(s · scale[n] + bias[n]))
+// Rows and outputs are independent, so any split of M or N over threads and registers gives the same bits; the
+// threads set FTZ/DAZ for the kernel's length so their fp32 adds round alike. int8 weights are widened to bf16
+// exactly (every int8 is a bf16), so one definition serves both. With AVX512-BF16 the chunk is one instruction;
+// elsewhere the same sequence in scalar code (compiled without FMA contraction).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+#include <xmmintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#ifdef LINSERVE_AVX512BF16
+#include <immintrin.h>
+#endif
+#ifdef LINSERVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t CHUNK = 32;  // k's per chunk: 16 lanes × 2
+constexpr int64_t GROUP = 16;  // outputs reduced together (one vector of sums)
+
+struct FlushDenormals {  // FTZ and DAZ for the kernel's length, on whichever thread runs it
+  unsigned int saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even; an input subnormal reads as zero (as VCVTNEPS2BF16)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float daz(float v) {  // a subnormal input read as (signed) zero
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------ the scalar form
+template <typename W>
+inline float weight_value(W w);
+template <>
+inline float weight_value<uint16_t>(uint16_t w) { return bf16_to_float(w); }
+template <>
+inline float weight_value<int8_t>(int8_t w) { return static_cast<float>(w); }
+
+// lanes (16) of one output over all of K, as VDPBF16PS computes them (products of bf16 values are exact in fp32,
+// so a product then an add under FTZ/DAZ is the fused operation, but for products below fp32's normal range)
+template <typename W>
+void lanes_scalar(const uint16_t* x, const W* w, int64_t K, float* lanes) {
+  for (int j = 0; j < 16; ++j) lanes[j] = 0.0f;
+  for (int64_t c = 0; c < K; c += CHUNK) {
+    for (int j = 0; j < 16; ++j) {
+      for (int half = 1; half >= 0; --half) {
+        int64_t k = c + 2 * j + half;
+        float a = k < K ? daz(bf16_to_float(x[k])) : 0.0f;
+        float b = k < K ? daz(weight_value<W>(w[k])) : 0.0f;
+        volatile float product = a * b;  // (volatile: no contraction into an fma by the compiler)
+        lanes[j] = lanes[j] + product;
+      }
+    }
+  }
+}
+
+inline float tree16(float* v) {  // the fixed tree of halves
+  for (int h = 8; h >= 1; h /= 2)
+    for (int j = 0; j < h; ++j) v[j] = v[j] + v[j + h];
+  return v[0];
+}
+
+template <typename W>
+void rows_scalar(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
+                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+  float lanes[16];
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      lanes_scalar<W>(x + m * K, w + n * K, K, lanes);
+      float s = tree16(lanes);
+      if (scale) s = s * scale[n];
+      if (bias) s = s + bias[n];
+      y[m * N + n] = float_to_bf16(s);
+    }
+}
+
+#ifdef LINSERVE_AVX512BF16
+// ------------------------------------------------------------------------------------------ the AVX512-BF16 form
+inline __m512i load_chunk(const uint16_t* p, int64_t left) {  // 32 bf16, zeros past the end
+  if (left >= CHUNK) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p);
+}
+
+inline __m512i load_chunk(const int8_t* p, int64_t left) {  // 32 int8 widened exactly to bf16
+  __m256i bytes = left >= CHUNK ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << left) - 1), p);
+  __m512i words = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes));
+  __m512 low = _mm512_cvtepi32_ps(words);  // k 0..15
+  __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));  // k 16..31
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));  // exact: every int8 is a bf16
+}
+
+inline __m512 dot_chunk(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// R rows × O outputs of one group: lanes into out[r][o][16]
+template <int R, int O, typename W>
+void block_lanes(const uint16_t* x, const W* w, int64_t K, float* out) {
+  __m512 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K; c += CHUNK) {
+    const int64_t left = K - c;
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = load_chunk(x + r * K + c, left);
+    for (int o = 0; o < O; ++o) {
+      __m512i b = load_chunk(w + o * K + c, left);
+      for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], a[r], b);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) _mm512_storeu_ps(out + (r * GROUP + o) * 16, acc[r][o]);
+}
+
+inline __m512 pair_sum(__m512 a, __m512 b, __m512i low, __m512i high) {
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, low, b), _mm512_permutex2var_ps(a, high, b));
+}
+
+// 16 outputs' lanes (v[o][16]) → their 16 sums in order, each by the tree of halves (tree16's order exactly)
+inline __m512 tree16x16(const float* v) {
+  static const __m512i l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  static const __m512i h1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  static const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  static const __m512i h2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  static const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  static const __m512i h3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  static const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  static const __m512i h4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512 t[8], u[4], s[2];
+  for (int i = 0; i < 8; ++i) t[i] = pair_sum(_mm512_loadu_ps(v + 32 * i), _mm512_loadu_ps(v + 32 * i + 16), l1, h1);
+  for (int i = 0; i < 4; ++i) u[i] = pair_sum(t[2 * i], t[2 * i + 1], l2, h2);
+  for (int i = 0; i < 2; ++i) s[i] = pair_sum(u[2 * i], u[2 * i + 1], l3, h3);
+  return pair_sum(s[0], s[1], l4, h4);
+}
+
+template <typename W>
+void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
+                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+  alignas(64) float lanes[4 * GROUP * 16];
+  for (int64_t g = n0; g < n1; g += GROUP) {
+    const int64_t outputs = std::min(GROUP, n1 - g);
+    const W* wg = w + g * K;
+    for (int64_t m = m0; m < m1;) {
+      const int64_t rows = m1 - m >= 4 ? 4 : (m1 - m >= 2 ? 2 : 1);
+      std::memset(lanes, 0, sizeof(lanes));
+      const uint16_t* xm = x + m * K;
+      int64_t o = 0;
+      if (rows == 1) {
+        for (; o + 16 <= outputs; o += 16) block_lanes<1, 16, W>(xm, wg + o * K, K, lanes + o * 16);
+        for (; o + 4 <= outputs; o += 4) block_lanes<1, 4, W>(xm, wg + o * K, K, lanes + o * 16);
+        for (; o < outputs; ++o) block_lanes<1, 1, W>(xm, wg + o * K, K, lanes + o * 16);
+      } else if (rows == 2) {
+        for (; o + 8 <= outputs; o += 8) block_lanes<2, 8, W>(xm, wg + o * K, K, lanes + o * 16);
+        for (; o < outputs; ++o) block_lanes<2, 1, W>(xm, wg + o * K, K, lanes + o * 16);
+      } else {
+        for (; o + 4 <= outputs; o += 4) block_lanes<4, 4, W>(xm, wg + o * K, K, lanes + o * 16);
+        for (; o < outputs; ++o) block_lanes<4, 1, W>(xm, wg + o * K, K, lanes + o * 16);
+      }
+      const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
+      const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
+      const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512 s = tree16x16(lanes + r * GROUP * 16);
+        if (scale) s = _mm512_mul_ps(s, sc);
+        if (bias) s = _mm512_add_ps(s, bi);
+        __m256i out = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s));
+        _mm256_mask_storeu_epi16(y + (m + r) * N + g, keep, out);
+      }
+      m += rows;
+    }
+  }
+}
+#endif
+
+
+#ifdef LINSERVE_AMX
+// ------------------------------------------------------------------------------------------ the AMX form
+// Weights packed once into AMX's B-tile layout: (ceil(N/16), ceil(K/32), 16, 32) bf16, tile (nb, kb) row kp holding
+// w[16nb + n][32kb + 2kp + e] at column 2n + e (zeros past N and K). Each output is accumulated in a C tile over the
+// K blocks in order; AMX computes each tile row from its own A row alone (checked: a row's result is the same bits
+// with 1 or 16 rows configured), so a row's output never depends on the other rows.
+struct __attribute__((packed)) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_path = false;
+
+void configure_tiles(int rows0, int rows1) {  // C 0..3 (rows × 16 fp32), A 4, 5 (rows × 32 bf16), B 6, 7 (16 × 32 bf16)
+  TileConfig cfg;
+  const int rows[2] = {rows0, rows1};
+  for (int i = 0; i < 2; ++i) {
+    const int r = rows[i] > 0 ? rows[i] : 1;
+    cfg.rows[2 * i] = cfg.rows[2 * i + 1] = static_cast<uint8_t>(r);  // C tiles of row block i
+    cfg.colsb[2 * i] = cfg.colsb[2 * i + 1] = 64;
+    cfg.rows[4 + i] = static_cast<uint8_t>(r);
+    cfg.colsb[4 + i] = 64;
+    cfg.rows[6 + i] = 16;
+    cfg.colsb[6 + i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+template <typename W>
+inline const void* tile(const W* b, uint16_t* wide);
+template <>
+inline const void* tile<uint16_t>(const uint16_t* b, uint16_t*) { return b; }
+template <>
+inline const void* tile<int8_t>(const int8_t* b, uint16_t* wide) {
+  for (int i = 0; i < 16; ++i) _mm512_store_si512(wide + 32 * i, load_chunk(b + 32 * i, CHUNK));
+  asm volatile("" ::: "memory");  // (GCC's tile intrinsics are asm that names no memory: keep the stores before it)
+  return wide;
+}
+
+// rows [m0, m0 + rows) (≤ 32) × n blocks nb, nb + 1 (the second only if two): all of K
+template <typename W>
+inline void amx_block(const uint16_t* x, int64_t x_stride, const W* packed, int64_t Kb, int rows, int64_t nb,
+                      bool two, const float* scale, const float* bias, uint16_t* y, int64_t N, int64_t m0) {
+  const int r0 = rows > 16 ? 16 : rows, r1 = rows - r0;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (r1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const W* b0 = packed + nb * Kb * 512;
+  const W* b1 = two ? b0 + Kb * 512 : b0;
+  alignas(64) uint16_t wide[2][512];  // int8 weights: this block's tiles widened to bf16 (exact)
+  const uint16_t* a0 = x + m0 * x_stride;
+  const uint16_t* a1 = a0 + 16 * x_stride;
+  const int64_t stride = x_stride * 2;
+  for (int64_t kb = 0; kb < Kb; ++kb) {
+    _tile_loadd(4, a0 + 32 * kb, stride);
+    _tile_loadd(6, tile<W>(b0 + 512 * kb, wide[0]), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) {
+      _tile_loadd(7, tile<W>(b1 + 512 * kb, wide[1]), 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (r1) {
+      _tile_loadd(5, a1 + 32 * kb, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][16 * 16];
+  _tile_stored(0, c[0], 64);
+  if (two) _tile_stored(1, c[1], 64);
+  if (r1) {
+    _tile_stored(2, c[2], 64);
+    if (two) _tile_stored(3, c[3], 64);
+  }
+  asm volatile("" ::: "memory");  // (and read c only after the tile stores)
+  for (int j = 0; j < (two ? 2 : 1); ++j) {
+    const int64_t n0 = (nb + j) * 16;
+    const int64_t outputs = std::min<int64_t>(16, N - n0);
+    const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
+    const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + n0) : _mm512_setzero_ps();
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      const float* row = r < 16 ? c[j] + r * 16 : c[2 + j] + (r - 16) * 16;
+      __m512 s = _mm512_load_ps(row);
+      if (scale) s = _mm512_mul_ps(s, sc);
+      if (bias) s = _mm512_add_ps(s, bi);
+      _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, keep, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s)));
+    }
+  }
+}
+
+template <typename W>
+void run_amx(const uint16_t* x, int64_t x_stride, const W* packed, const float* scale, const float* bias,
+             uint16_t* y, int64_t M, int64_t N, int64_t Kb) {
+  const int64_t Nb = (N + 15) / 16, pairs = (Nb + 1) / 2;
+  const int64_t row_blocks = (M + 31) / 32;
+  at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals flushed;
+    int configured = -1;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = t % pairs, b = t / pairs;
+      const int64_t m0 = b * 32;
+      const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
+      if (rows != configured) {
+        configure_tiles(rows > 16 ? 16 : rows, rows > 16 ? rows - 16 : 0);
+        configured = rows;
+      }
+      amx_block<W>(x, x_stride, packed, Kb, rows, 2 * p, 2 * p + 1 < Nb, scale, bias, y, N, m0);
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool avx512_path = false;  // set at load when the CPU has AVX512-BF16 (and the library was built with it)
+
+template <typename W>
+void run(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t M, int64_t N,
+         int64_t K, bool force_scalar) {
+  // tasks: groups of outputs × blocks of rows; every output's arithmetic is the same whichever task holds it
+  const int64_t groups = (N + GROUP - 1) / GROUP;
+  const int64_t row_block = M <= 64 ? M : 64;
+  const int64_t row_blocks = (M + row_block - 1) / row_block;
+  const int64_t per_task = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * std::min<int64_t>(M, 64)));
+  at::parallel_for(0, groups * row_blocks, per_task, [&](int64_t begin, int64_t end) {
+    FlushDenormals flushed;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t % groups, b = t / groups;
+      const int64_t n0 = g * GROUP, n1 = std::min(N, n0 + GROUP);
+      const int64_t m0 = b * row_block, m1 = std::min(M, m0 + row_block);
+#ifdef LINSERVE_AVX512BF16
+      if (avx512_path && !force_scalar) {
+        rows_avx512<W>(x, w, scale, bias, y, m0, m1, n0, n1, K, N);
+        continue;
+      }
+#endif
+      rows_scalar<W>(x, w, scale, bias, y, m0, m1, n0, n1, K, N);
+    }
+  });
+}
+
+at::Tensor pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_weight: weight must be (N, K)");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kChar,
+              "pack_weight: weight must be bfloat16 or int8");
+#ifdef LINSERVE_AMX
+  if (amx_path) {  // (N, K) → (Nb, Kb, 16, 32): tile (nb, kb), row kp, column 2n + e = w[16nb + n][32kb + 2kp + e]
+    const int64_t N = weight.size(0), K = weight.size(1), Nb = (N + 15) / 16, Kb = (K + 31) / 32;
+    at::Tensor padded = at::zeros({Nb * 16, Kb * 32}, weight.options());
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+    return padded.view({Nb, 16, Kb, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous().view({Nb, Kb, 16, 32});
+  }
+#endif
+  return weight.contiguous();
+}
+
+at::Tensor invariant_linear_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                                 const c10::optional<at::Tensor>& bias, int64_t N, bool force_scalar) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "invariant_linear: x must be bfloat16");
+  TORCH_CHECK(weight.is_contiguous() && (weight.dim() == 2 || weight.dim() == 4),
+              "invariant_linear: weight must be pack_weight's (contiguous (N, K) or AMX tiles)");
+  const bool int8 = weight.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || weight.scalar_type() == at::kBFloat16, "invariant_linear: weight must be bfloat16 or int8");
+  TORCH_CHECK(int8 == (scale.has_value() && scale->defined()), "invariant_linear: int8 weights take a scale, bf16 none");
+  const bool tiles = weight.dim() == 4;
+  const int64_t K = x.size(-1);
+  if (tiles) {
+    TORCH_CHECK(weight.size(0) == (N + 15) / 16 && weight.size(1) == (K + 31) / 32,
+                "invariant_linear: packed tiles ", weight.sizes(), " are not (N, K) = (", N, ", ", K, ")");
+  } else {
+    TORCH_CHECK(weight.size(0) == N && weight.size(1) == K, "invariant_linear: weight ", weight.sizes(),
+                " is not (N, K) = (", N, ", ", K, ")");
+  }
+  TORCH_CHECK(!(tiles && force_scalar), "invariant_linear_scalar: takes (N, K) weights");
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor s, b;
+  if (int8) s = scale->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* sp = s.defined() ? s.data_ptr<float>() : nullptr;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#ifdef LINSERVE_AMX
+  if (tiles) {
+    TORCH_CHECK(amx_path, "invariant_linear: AMX tiles on a CPU without AMX");
+    const int64_t Kb = weight.size(1);
+    if (K % 32) x2 = at::constant_pad_nd(x2, {0, Kb * 32 - K});  // the tiles read whole 32-wide blocks
+    const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+    if (int8)
+      run_amx<int8_t>(xp, Kb * 32, weight.data_ptr<int8_t>(), sp, bp, yp, M, N, Kb);
+    else
+      run_amx<uint16_t>(xp, Kb * 32, reinterpret_cast<const uint16_t*>(weight.data_ptr()), sp, bp, yp, M, N, Kb);
+    return y;
+  }
+#endif
+  TORCH_CHECK(!tiles, "invariant_linear: AMX tiles, but this build has no AMX");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  if (int8)
+    run<int8_t>(xp, weight.data_ptr<int8_t>(), sp, bp, yp, M, N, K, force_scalar);
+  else
+    run<uint16_t>(xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), sp, bp, yp, M, N, K, force_scalar);
+  return y;
+}
+
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return invariant_linear_impl(x, weight, scale, bias, out_features, false);
+}
+
+at::Tensor invariant_linear_scalar(const at::Tensor& x, const at::Tensor& weight,
+                                   const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
+                                   int64_t out_features) {
+  return invariant_linear_impl(x, weight, scale, bias, out_features, true);
+}
+
+bool has_avx512_bf16() {
+#ifdef LINSERVE_AVX512BF16
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+bool has_amx() {
+#ifdef LINSERVE_AMX
+  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+  return false;
+#endif
+}
+
+struct Init {
+  Init() {
+    avx512_path = has_avx512_bf16();
+#ifdef LINSERVE_AMX
+    amx_path = avx512_path && has_amx();
+#endif
+  }
+} init;
+
+}  // namespace
+
+TORCH_LIBRARY(linserve, m) {
+  m.def("invariant_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int out_features) -> Tensor");
+  m.def("invariant_linear_scalar(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int out_features) -> Tensor");
+  m.def("pack_weight(Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("invariant_linear", &invariant_linear);
+  m.impl("invariant_linear_scalar", &invariant_linear_scalar);
+  m.impl("pack_weight", &pack_weight);
+}
+
+// AOTInductor's C shim for the op: a compiled program calls this directly (no dispatcher, no Python)
+extern "C" AOTITorchError aoti_torch_cpu_invariant_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                           AtenTensorHandle* scale, AtenTensorHandle* bias,
+                                                           int64_t out_features, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    auto result = invariant_linear(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
+                                   *torch::aot_inductor::tensor_handle_to_tensor_pointer(weight),
+                                   torch::aot_inductor::pointer_to_optional<at::Tensor>(scale),
+                                   torch::aot_inductor::pointer_to_optional<at::Tensor>(bias), out_features);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(result));
+  });
+}
+
+extern "C" int linserve_kernel_form() {  // 2: AMX tiles, 1: AVX512-BF16 lanes, 0: scalar lanes
+#ifdef LINSERVE_AMX
+  if (amx_path) return 2;
+#endif
+  return avx512_path ? 1 : 0;
+}

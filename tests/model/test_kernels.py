@@ -1,0 +1,141 @@
+"""linserve's projection kernel (model/kernels): the function it computes, batch invariance in every form, int8."""
+
+import os
+
+import pytest
+import torch
+
+from linserve.model import kernels, numerics, projection
+
+OP = torch.ops.linserve if kernels.load() else None
+
+
+@pytest.fixture(autouse=True)
+def kernel_built():
+    """The kernel is built with the C++ compiler: missing, a skip on a developer's machine, a failure in CI."""
+    if not kernels.load():
+        message = f"the kernel could not be built: {kernels.load_error()}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+SHAPES = [(1, 768, 256), (3, 50, 77), (7, 1024, 1024), (33, 33, 300), (130, 256, 1024), (40, 40, 64), (5, 17, 31)]
+
+
+def operands(M, N, K, seed=0, dtype=torch.bfloat16):
+    generator = torch.Generator().manual_seed(seed + M * 131 + N * 7 + K)
+    x = torch.randn(M, K, generator=generator).bfloat16()  # (M, K)
+    w = torch.randn(N, K, generator=generator)  # (N, K)
+    b = torch.randn(N, generator=generator).bfloat16()  # (N,)
+    return x, (w.bfloat16() if dtype == torch.bfloat16 else w.mul(20).round().clamp(-127, 127).to(torch.int8)), b
+
+
+def lanes_reference(x, w, scale=None, bias=None):
+    """The lanes form's definition in float64-free torch: per output, 16 lanes each accumulating its pairs of
+    every 32-wide chunk (odd then even product, fp32 roundings), then the tree of halves, then bias, then bf16."""
+    M, K = x.shape
+    pad = (-K) % 32
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(M, 1, -1, 16, 2)  # (M, 1, chunks, 16, 2)
+    wf = torch.nn.functional.pad(w.float(), (0, pad)).view(1, w.shape[0], -1, 16, 2)  # (1, N, chunks, 16, 2)
+    lanes = torch.zeros(M, w.shape[0], 16)  # (M, N, 16)
+    for c in range(xf.shape[2]):
+        lanes = lanes + xf[:, :, c, :, 1] * wf[:, :, c, :, 1]
+        lanes = lanes + xf[:, :, c, :, 0] * wf[:, :, c, :, 0]
+    for half in (8, 4, 2, 1):
+        lanes = lanes[..., :half] + lanes[..., half : 2 * half]
+    out = lanes[..., 0]  # (M, N)
+    if scale is not None:
+        out = out * scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.bfloat16()
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_the_lanes_form_computes_its_definition_in_avx512_and_in_scalar_code(M, N, K):
+    x, w, b = operands(M, N, K)
+    want = lanes_reference(x, w, bias=b)
+    assert torch.equal(OP.invariant_linear_scalar(x, w, None, b, N), want)
+    assert torch.equal(OP.invariant_linear(x, w, None, b, N), want)  # (N, K) weights: the lanes form
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_every_row_is_the_same_bits_alone_or_in_any_batch(M, N, K, dtype):
+    """The property: a row's output never depends on the other rows — for whichever form this CPU runs (AMX tiles
+    over packed weights, or lanes), bf16 and int8 weights, any number of rows, any offset, any thread count."""
+    x, w, b = operands(M + 40, N, K, dtype=dtype)
+    scale = torch.rand(N, generator=torch.Generator().manual_seed(1)) / 20 if dtype == torch.int8 else None
+    tiles = OP.pack_weight(w)
+    alone = torch.cat([OP.invariant_linear(x[i : i + 1], tiles, scale, b, N) for i in range(x.shape[0])])
+    assert torch.isfinite(alone.float()).all()
+    reference = x.float() @ (w.float() * (scale[:, None] if scale is not None else 1)).T + b.float()
+    torch.testing.assert_close(alone.float(), reference, rtol=0.02, atol=0.05 * K**0.5)
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            for rows in (M, 2, 17, 31, 33):
+                for start in (0, 40 - (rows % 40)):
+                    got = OP.invariant_linear(x[start : start + rows], tiles, scale, b, N)
+                    assert torch.equal(got, alone[start : start + rows]), (count, rows, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_kernel_refuses_what_it_cannot_compute_with_a_message():
+    x, w, b = operands(2, 16, 32)
+    with pytest.raises(RuntimeError, match="not \\(N, K\\)"):
+        OP.invariant_linear(x, w, None, b, 17)
+    with pytest.raises(RuntimeError, match="int8 weights take a scale"):
+        OP.invariant_linear(x, w.to(torch.int8), None, b, 16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        OP.invariant_linear(x.float(), w, None, b, 16)
+
+
+def test_numerics_linear_uses_the_kernel_over_weights_packed_once():
+    x, w, b = operands(3, 48, 64)
+    with torch.no_grad():
+        first = numerics.linear(x, w, b)
+        tiles, scale = projection.packed(w, projection.PACKERS["bf16"])
+        assert projection.packed(w, projection.PACKERS["bf16"])[0] is tiles and scale is None  # once, not per call
+        assert torch.equal(first, OP.invariant_linear(x, tiles, None, b, 48))
+        assert any(weight is w for weight in projection.packed_weights())
+
+
+def test_the_loaded_form_follows_the_cpu():
+    assert kernels.form() == {"amx": "amx", "avx512bf16": "avx512bf16", "scalar": "scalar"}[kernels.cpu_isa()]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("dk,dv", [(37, 40), (64, 16), (16, 33)])
+def test_the_delta_step_is_torchs_scan_to_the_bit_in_any_batch(gated, dk, dv, monkeypatch):
+    """kernels/delta_rule.cpp computes `delta_rule.scan`'s operations in its order: the same bits as torch's form
+    (the kernel turned off), a row alone the same as among others, every prefix's state too."""
+    from linserve.model import delta_rule
+
+    B, H, T = 4, 3, 6
+    generator = torch.Generator().manual_seed(dk * dv)
+    q, k = torch.randn(B, H, T, dk, generator=generator), torch.randn(B, H, T, dk, generator=generator)
+    k = k / k.norm(dim=-1, keepdim=True)
+    v = torch.randn(B, H, T, dv, generator=generator)
+    beta, S = torch.rand(B, H, T, generator=generator), torch.randn(B, H, dk, dv, generator=generator)
+    g = -torch.rand(B, H, T, generator=generator) if gated else None
+    o, state = delta_rule.scan(q, k, v, beta, g, S, prefixes=True)  # the kernel
+    alone_o, alone_state = delta_rule.scan(q[2:3], k[2:3], v[2:3], beta[2:3], None if g is None else g[2:3], S[2:3],
+                                           prefixes=True)
+    assert torch.equal(alone_o[0], o[2]) and torch.equal(alone_state[0], state[2])
+    with monkeypatch.context() as patch:  # torch's own ops
+        patch.setitem(kernels._state, "error", "off for the comparison")
+        patch.delitem(kernels._state, "library")
+        torch_o, torch_state = delta_rule.scan(q, k, v, beta, g, S, prefixes=True)
+    assert kernels.load()
+    assert torch.equal(o, torch_o) and torch.equal(state, torch_state)
+
+
+def test_the_delta_step_refuses_mismatched_shapes_with_a_message():
+    S = torch.zeros(2, 1, 8, 4)
+    with pytest.raises(RuntimeError, match="q, k must be \\(B, H, dk\\)"):
+        OP.delta_step(torch.zeros(2, 1, 7), torch.zeros(2, 1, 7), torch.zeros(2, 1, 4), torch.zeros(2, 1), None, S)
+    with pytest.raises(RuntimeError, match="fp32"):
+        OP.delta_step(*(t.double() for t in (torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 4),
+                                              torch.zeros(2, 1))), None, S)
