@@ -45,6 +45,8 @@ def test_the_wheel_holds_linserve_only(tmp_path):
     assert {name.split("/")[0] for name in names} == {"linserve", wheel.name.split("-py3")[0] + ".dist-info"}
     assert "linserve/model/checkpoints/default/model.safetensors" in names
     assert "linserve/server/engine/compile/program_compiler.py" in names
+    # the kernels' sources: built on first use where the package is installed
+    assert {"linserve/model/kernels/invariant_linear.cpp", "linserve/model/kernels/delta_rule.cpp"} <= set(names)
     page = ("index.html", "chart.js", "app.js", "style.css")
     assert {f"linserve/server/api/web/static/{name}" for name in page} <= set(names)
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
