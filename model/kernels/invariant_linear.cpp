@@ -1,16 +1,19 @@
 // linserve::invariant_linear — y = x Wᵀ + b whose every output is one fixed sequence of roundings, whatever the
 // number of rows, the blocking or the threads: a request's projections never depend on what shares its batch.
+// Threads and register blocks split rows and outputs only, never K. Two families of forms, one per kind of CPU:
 //
-// One output y[m, n] (x bf16 (M, K), W bf16 (N, K) — the checkpoint's own layout, never repacked):
+// AMX (AMX-BF16 CPUs): W packed once into B tiles (pack_weight: (N/16, K/32, 16, 32)); each output accumulates in
+// a C tile over the K blocks in order (TDPBF16PS). A tile row is computed from its own A row alone — checked: a
+// row's bits are the same with 1 or 16 rows configured — so one row, a decode batch and a prefill chunk agree.
+// AMX's internal rounding is its own (it matched no sequential or fused emulation), hence no scalar twin.
+//
+// Lanes (AVX512-BF16, else scalar code, the same bits), over W as it is (N, K), one output y[m, n]:
 //   lanes[j] = 0 (j < 16); for each 32-wide chunk c of K (the tail read as zeros), in order:
 //       lanes[j] = fma(x[32c + 2j + 1], w[32c + 2j + 1], lanes[j]);  lanes[j] = fma(x[32c + 2j], w[32c + 2j], lanes[j])
 //     (VDPBF16PS: bf16 products are exact in fp32, inputs' subnormals read as zero, results' flushed, RNE);
-//   s = Σ lanes as the fixed tree of halves (j + j+8, then j + j+4, j + j+2, j + j+1);
-//   y = bf16_rne(s + bias[n])                         (int8 weights: bf16_rne(s · scale[n] + bias[n]))
-// Rows and outputs are independent, so any split of M or N over threads and registers gives the same bits; the
-// threads set FTZ/DAZ for the kernel's length so their fp32 adds round alike. int8 weights are widened to bf16
-// exactly (every int8 is a bf16), so one definition serves both. With AVX512-BF16 the chunk is one instruction;
-// elsewhere the same sequence in scalar code (compiled without FMA contraction).
+//   s = Σ lanes as the fixed tree of halves (j + j+8, then j + j+4, j + j+2, j + j+1).
+// Both: y = bf16_rne(s + bias[n]) (int8 weights: bf16_rne(s · scale[n] + bias[n]); every int8 is a bf16, so the
+// weights are widened exactly). The threads set FTZ/DAZ for the kernel's length so their fp32 adds round alike.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -310,20 +313,28 @@ inline void amx_block(const uint16_t* x, int64_t x_stride, const W* packed, int6
 template <typename W>
 void run_amx(const uint16_t* x, int64_t x_stride, const W* packed, const float* scale, const float* bias,
              uint16_t* y, int64_t M, int64_t N, int64_t Kb) {
+  // tasks: groups of output pairs × groups of 32-row blocks, so a prefill chunk reads each weight tile once per
+  // 128 rows (a group's tiles stay in L2) rather than once per 32; a decode batch (≤ 32 rows): one pair a task
   const int64_t Nb = (N + 15) / 16, pairs = (Nb + 1) / 2;
   const int64_t row_blocks = (M + 31) / 32;
-  at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t pair_group = row_blocks > 1 ? 8 : 1, row_group = row_blocks > 1 ? 4 : 1;
+  const int64_t pair_groups = (pairs + pair_group - 1) / pair_group;
+  const int64_t row_groups = (row_blocks + row_group - 1) / row_group;
+  at::parallel_for(0, pair_groups * row_groups, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals flushed;
     int configured = -1;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t p = t % pairs, b = t / pairs;
-      const int64_t m0 = b * 32;
-      const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
-      if (rows != configured) {
-        configure_tiles(rows > 16 ? 16 : rows, rows > 16 ? rows - 16 : 0);
-        configured = rows;
+      const int64_t pg = t % pair_groups, rg = t / pair_groups;
+      for (int64_t b = rg * row_group; b < std::min(row_blocks, (rg + 1) * row_group); ++b) {
+        const int64_t m0 = b * 32;
+        const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
+        if (rows != configured) {
+          configure_tiles(rows > 16 ? 16 : rows, rows > 16 ? rows - 16 : 0);
+          configured = rows;
+        }
+        for (int64_t p = pg * pair_group; p < std::min(pairs, (pg + 1) * pair_group); ++p)
+          amx_block<W>(x, x_stride, packed, Kb, rows, 2 * p, 2 * p + 1 < Nb, scale, bias, y, N, m0);
       }
-      amx_block<W>(x, x_stride, packed, Kb, rows, 2 * p, 2 * p + 1 < Nb, scale, bias, y, N, m0);
     }
     _tile_release();
   });
