@@ -107,7 +107,7 @@ def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile
              for _ in range(3)]
     read_bytes = threads.weight_bytes
     if quantization == "int8":  # the projections' weights at one byte each, the rest (embeddings, norms) as they are
-        read_bytes -= sum(w.numel() for w in projection.packed_weights()) * 1
+        read_bytes -= sum(w.numel() for w in projection.packed_weights())
     read_ms = read_bytes / (bandwidth["dram_gb_s"] * 1e9) * 1e3
     step_ms = 1e3 * statistics.median(times)
     step.close(wait=True)

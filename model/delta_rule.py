@@ -78,23 +78,22 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, 
     B, H, T, dk = q.shape
     alpha = None if g is None else numerics.exp(g.float())  # (B, H, T)
     outs, states = [], []
-    if S.device.type == "cpu" and kernels.load():  # one pass over the state a token (kernels/delta_rule.cpp)
+    on_kernel = S.device.type == "cpu" and kernels.load()  # one pass over the state a token (kernels/delta_rule.cpp)
+    if on_kernel:
         q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
-        for t in range(T):
+    for t in range(T):
+        if on_kernel:
             o, S = torch.ops.linserve.delta_step(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t],
                                                  None if alpha is None else alpha[:, :, t], S)  # (B, H, dv), state
             outs.append(o)
-            if prefixes:
-                states.append(S)
-        T = 0
-    for t in range(T):
-        kt = k[:, :, t, :, None].float()  # (B, H, dk, 1)
-        if alpha is not None:
-            S = S * alpha[:, :, t, None, None]  # (B, H, dk, dv)
-        predicted = numerics.tree_sum(kt * S, -2)  # (B, H, dv): S_{t-1}ᵀ k_t, decayed
-        u = beta[:, :, t, None].float() * (v[:, :, t].float() - predicted)  # (B, H, dv)
-        S = S + kt * u[:, :, None, :]  # (B, H, dk, dv)
-        outs.append(numerics.tree_sum(q[:, :, t, :, None].float() * S, -2))  # (B, H, dv)
+        else:
+            kt = k[:, :, t, :, None].float()  # (B, H, dk, 1)
+            if alpha is not None:
+                S = S * alpha[:, :, t, None, None]  # (B, H, dk, dv)
+            predicted = numerics.tree_sum(kt * S, -2)  # (B, H, dv): S_{t-1}ᵀ k_t, decayed
+            u = beta[:, :, t, None].float() * (v[:, :, t].float() - predicted)  # (B, H, dv)
+            S = S + kt * u[:, :, None, :]  # (B, H, dk, dv)
+            outs.append(numerics.tree_sum(q[:, :, t, :, None].float() * S, -2))  # (B, H, dv)
         if prefixes:
             states.append(S)
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, v.shape[-1], dtype=torch.float32)

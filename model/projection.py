@@ -74,6 +74,12 @@ def _tiles_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 PACKERS = {"bf16": _tiles_bf16, "int8": _tiles_int8}
 
 
+def as_inputs(entries) -> list[torch.Tensor]:
+    """Packed forms — (tiles, scale or None) each — as a compiled program's trailing inputs, in order: the tiles,
+    then the scale where there is one."""
+    return [t for entry in entries for t in entry if t is not None]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ + b with every row the same bits whatever else is in x. x (..., K) bf16; weight (N, K) bf16 → (..., N).
     Eager and compiled alike, one `invariant_linear` call over the weight's packed form."""

@@ -31,6 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp")]
+HEADERS = [os.path.join(os.path.dirname(__file__), "flush_subnormals.h")]  # (part of the build's key)
 LIBRARY = "liblinserve_kernels.so"
 C_SHIMS = {  # op → the C function a compiled program calls (defined in the sources)
     "invariant_linear": "AOTITorchError aoti_torch_cpu_invariant_linear(AtenTensorHandle x, AtenTensorHandle weight, "
@@ -59,19 +60,21 @@ def cpu_isa() -> str:
 
 
 def compiler() -> str | None:
-    """The C++ compiler: $CXX, else g++ or c++ on PATH (Inductor's own choice)."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
+    """The C++ compiler: $CXX, else g++, c++ or clang++ on PATH (Inductor's own choice); None in a slim image."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
 
 
+def user_cache(name: str) -> str:
+    """linserve's cache directory `name` for this user: `$XDG_CACHE_HOME/linserve/NAME`, else `~/.cache/…`."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "linserve", name)
+
+
 def cache_dir() -> str:
-    base = os.environ.get("LINSERVE_KERNEL_DIR")
-    if not base:
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(root, "linserve", "kernels")
-    return base
+    return os.environ.get("LINSERVE_KERNEL_DIR") or user_cache("kernels")
 
 
 def build_command(cxx: str, output: str, isa: str) -> list[str]:
@@ -92,7 +95,7 @@ def library_path() -> tuple[str, str]:
     """Where this source, torch and CPU's build lives, and its instruction set."""
     isa = cpu_isa()
     digest = hashlib.sha256()
-    for path in SOURCES:
+    for path in (*SOURCES, *HEADERS):
         with open(path, "rb") as source:
             digest.update(source.read())
     digest.update(" ".join(build_command("c++", "out", isa)).encode())

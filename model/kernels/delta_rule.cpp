@@ -18,6 +18,8 @@
 #include <torch/library.h>
 #include <xmmintrin.h>
 
+#include "flush_subnormals.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
@@ -26,12 +28,6 @@
 namespace {
 
 constexpr int64_t COLUMNS = 16;  // d_v columns per block: the tree's partials of a block stay in L1
-
-struct FlushSubnormals {
-  unsigned int saved;
-  FlushSubnormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
-  ~FlushSubnormals() { _mm_setcsr(saved); }
-};
 
 // the tree of halves over rows 0..n-1 of buf (each row COLUMNS wide) into row 0
 inline void tree(float* buf, int64_t n) {
@@ -120,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& q, const at::Ten
   const float *bp = bc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
   float *np = S_new.data_ptr<float>(), *op = o.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    FlushSubnormals flushed;
+    linserve::FlushSubnormals flushed;
     std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * COLUMNS));
     for (int64_t bh = begin; bh < end; ++bh)
       head_step(qp + bh * dk, kp + bh * dk, vp + bh * dv, bp[bh], ap ? ap + bh : nullptr, sp + bh * dk * dv,

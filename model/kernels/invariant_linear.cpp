@@ -21,6 +21,8 @@
 #include <torch/library.h>
 #include <xmmintrin.h>
 
+#include "flush_subnormals.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -36,12 +38,6 @@ namespace {
 
 constexpr int64_t CHUNK = 32;  // k's per chunk: 16 lanes × 2
 constexpr int64_t GROUP = 16;  // outputs reduced together (one vector of sums)
-
-struct FlushDenormals {  // FTZ and DAZ for the kernel's length, on whichever thread runs it
-  unsigned int saved;
-  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
-  ~FlushDenormals() { _mm_setcsr(saved); }
-};
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -321,7 +317,7 @@ void run_amx(const uint16_t* x, int64_t x_stride, const W* packed, const float* 
   const int64_t pair_groups = (pairs + pair_group - 1) / pair_group;
   const int64_t row_groups = (row_blocks + row_group - 1) / row_group;
   at::parallel_for(0, pair_groups * row_groups, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals flushed;
+    linserve::FlushSubnormals flushed;
     int configured = -1;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t pg = t % pair_groups, rg = t / pair_groups;
@@ -352,7 +348,7 @@ void run(const uint16_t* x, const W* w, const float* scale, const float* bias, u
   const int64_t row_blocks = (M + row_block - 1) / row_block;
   const int64_t per_task = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * std::min<int64_t>(M, 64)));
   at::parallel_for(0, groups * row_blocks, per_task, [&](int64_t begin, int64_t end) {
-    FlushDenormals flushed;
+    linserve::FlushSubnormals flushed;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t % groups, b = t / groups;
       const int64_t n0 = g * GROUP, n1 = std::min(N, n0 + GROUP);

@@ -37,8 +37,7 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
     import platform
 
     if base is None:
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(root, "linserve", "compile")
+        base = kernels.user_cache("compile")
     digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
@@ -166,7 +165,7 @@ def program_sources(extra: tuple[str, ...] = ()) -> list[str]:
 
 def cpp_compiler_available() -> bool:
     """Inductor builds its CPU kernels with a C++ compiler ($CXX, else g++): a slim image may have none."""
-    return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
+    return kernels.compiler() is not None
 
 
 class ChildBuilder:

@@ -88,8 +88,7 @@ def shared_weights(path: str, model: LinearGPT) -> list[torch.Tensor]:
         raise RuntimeError(f"{path} was built for {listed['format']} weights, this process serves "
                            f"{projection.weight_format()}")
     packer = projection.PACKERS[listed["format"]]
-    return [t for name in listed["weights"] for t in projection.packed(model.get_parameter(name), packer)
-            if t is not None]
+    return projection.as_inputs(projection.packed(model.get_parameter(name), packer) for name in listed["weights"])
 
 
 def load_artifact(directory: str, num_slots: int, size: int, program: str = "decode",
@@ -196,8 +195,8 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
     args = (*kind.arguments(io), *pool.buffers.values(), *sampling.tensors())
     tiled = projection_weights(model, program, args)
     packer = projection.PACKERS[projection.weight_format()]
-    weights = [t for _, weight in tiled for t in packer(weight) if t is not None]  # the trailing inputs
-    count = len(args)
+    weights = projection.as_inputs(packer(weight) for _, weight in tiled)  # the trailing inputs
+    count, int8 = len(args), projection.weight_format() == "int8"
 
     class Program(torch.nn.Module):  # export wants a module; the weights are its (frozen) parameters — but the
         # projections': those are the program's trailing inputs, the engine's own packed tensors at every call
@@ -212,7 +211,6 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
             with projection.traced_tiles(tiles):
                 return program(*inputs[:count])
 
-    int8 = projection.weight_format() == "int8"
     args = (*args, *weights)
     inductor_config.freezing = True  # weights become constants
     inductor_config.autotune_num_choices_displayed = 0
