@@ -13,7 +13,8 @@ Measured, side by side in one run:
   this large) against one read of the weights at the DRAM read bandwidth measured in the same run (≤ 1.5×;
   decode_vs_context.py's definition);
 - tokens/s at 1 stream × 512 and 8 streams × 256 against llama-server's (≥ 1.0×), servers in turn per load;
-- memory: state bytes per session (the family's formula, /v1/models) and each server's RSS after the loads.
+- memory: state bytes per session (the family's formula, /v1/models) and each server's RSS after the loads, against
+  weights (bf16) + state pool (8 slots) + 1 GiB.
 Servers: `linserve serve --model DIR --num-slots 8` (every other setting its default: dtype auto, compile auto,
 threads; `linserve compile` builds their buckets first) and `llama-server -np 8 -cb -t 2`. --quick: 2-layer ×
 64 models, short loads, eager, no peer.
@@ -154,8 +155,9 @@ def main(argv: list[str] | None = None) -> None:
                          f"python benchmarks/peers/make_models.py {peer_model}")
     checkpoints = {name: make_checkpoint(name, "quick" if args.quick else "340M") for name in args.families}
     reference_before = reference_workload_ms()
-    weight_bytes = max(sum(p.numel() for p in load_checkpoint(d, torch.device("cpu")).parameters()) * 2
-                       for d in checkpoints.values())
+    bf16_bytes = {name: sum(p.numel() for p in load_checkpoint(d, torch.device("cpu")).parameters()) * 2
+                  for name, d in checkpoints.items()}
+    weight_bytes = max(bf16_bytes.values())
     bandwidth = bandwidths(torch.device("cpu"), weight_bytes, args.quick)
     steps = {name: decode_step_vs_weights(d, bandwidth, args.steps, "off" if args.quick else "on", args.quantization)
              for name, d in checkpoints.items()}
@@ -204,7 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in checkpoints:
         label = f"linserve {name}"
         card = cards[label]
+        limit = bf16_bytes[name] + 8 * card["state_bytes"] + 2**30  # weights + the pool (--num-slots 8) + 1 GiB
         entry = {"state_bytes_per_session": card["state_bytes"], "rss_bytes": rss[label],
+                 "rss": {"bytes": rss[label], "limit": limit, "target": "<= weights + state pool + 1 GiB",
+                         "pass": rss[label] <= limit},
                  "decode_step": steps[name],
                  "quantization": args.quantization}
         if flat[label]:

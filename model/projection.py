@@ -128,6 +128,27 @@ def packed(weight: torch.Tensor, pack):
     version = 0 if weight.is_inference() else weight._version  # (an inference tensor keeps no version count)
     hit = _PACKED.get(weight)
     if hit is None or hit[0] != version or hit[1] is not pack:
+        if released(weight):
+            raise RuntimeError(f"a projection weight {tuple(weight.shape)} was released after packing "
+                               "(weights.keep_one_copy): it cannot be packed again in another form")
         hit = (version, pack, pack(weight.detach()))
         _PACKED[weight] = hit
     return hit[2]
+
+
+_RELEASED = WeakIdKeyDictionary()  # a weight whose original was dropped → True
+
+
+def released(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s original values were dropped (release_original): only its packed form holds them."""
+    return weight in _RELEASED
+
+
+def release_original(weight: torch.Tensor) -> int:
+    """Keep only `weight`'s packed form (in this process's format): the original's storage becomes one NaN
+    element expanded to its shape (shape, dtype and device unchanged); the bytes freed."""
+    packed(weight, PACKERS[weight_format()])
+    freed = weight.untyped_storage().nbytes()
+    weight.data = torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    _RELEASED[weight] = True
+    return freed

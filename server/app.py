@@ -22,6 +22,7 @@ from linserve.model.loading import (
     resolve_device,
     resolve_dtype,
 )
+from linserve.model.weights import keep_one_copy
 
 from .api.chat.router import router as chat_router
 from .api.common.dependencies import require_key
@@ -93,6 +94,9 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     tokenizer = load_tokenizer(path)
     check_tokenizer(tokenizer, model.config.vocab_size, path)
     config = engine_config(settings, model)
+    freed = keep_one_copy(model)  # the projections' packed weights are the only copy from here on
+    if freed:
+        logger.info("projection weights packed for the kernel: their originals released (%.0f MB)", freed / 2**20)
     draft = load_draft(settings, model, tokenizer, device)
     engine = Engine(model, tokenizer, config, device, metrics.observe, draft_model=draft).start()
     metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)

@@ -107,7 +107,7 @@ def test_the_loaded_form_follows_the_cpu():
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("dk,dv", [(37, 40), (64, 16), (16, 33)])
+@pytest.mark.parametrize("dk,dv", [(37, 40), (64, 16), (16, 33), (5, 1030)])
 def test_the_delta_step_is_torchs_scan_to_the_bit_in_any_batch(gated, dk, dv, monkeypatch):
     """kernels/delta_rule.cpp computes `delta_rule.scan`'s operations in its order: the same bits as torch's form
     (the kernel turned off), a row alone the same as among others, every prefix's state too."""

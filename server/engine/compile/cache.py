@@ -15,6 +15,7 @@ import shutil
 import torch
 
 from linserve.model import LinearGPT, kernels, projection
+from linserve.model.weights import content_digest
 
 from .program_compiler import ARTIFACT_FORMAT, CPU, CompilerProcess, artifact_path, load_artifact, write_model
 
@@ -32,16 +33,11 @@ def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, 
     (autotuned or not), dtype, torch version and device (GPU name; CPU architecture, vector instruction set
     and intra-op threads) — so every working directory shares one cache, and nothing compiled for another
     model, program version, machine or thread count is ever reused."""
-    import hashlib
-    import json
     import platform
 
     if base is None:
         base = kernels.user_cache("compile")
-    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digest = content_digest(model)  # (the config and every weight)
     digest.update(f"artifact format {ARTIFACT_FORMAT}, autotune {autotune}".encode())
     for path in program_sources(sources):
         with open(path, "rb") as source:

@@ -30,6 +30,7 @@ import time
 import torch
 
 from linserve.model import LinearGPT, families, kernels, numerics, projection
+from linserve.model.weights import state_dict_for_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def write_model(directory: str, model: LinearGPT) -> None:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     payload = {"config": model.config.to_dict(), "model_type": getattr(model.config, "model_type", "linear_gpt"),
                "dtype": dtype, "weights": projection.weight_format(),
-               "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+               "state_dict": state_dict_for_compiler(model)}
     temp = f"{path}.{os.getpid()}.tmp"
     torch.save(payload, temp)
     os.replace(temp, path)

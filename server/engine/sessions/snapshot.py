@@ -5,7 +5,6 @@ indistinguishable from never having left, penalties included. Decoding validates
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from linserve.model import LinearGPT
+from linserve.model.weights import content_digest
 
 from ..types import EngineError
 from .records import MAX_SESSION_TOKENS, TAIL_TOKENS, Turn
@@ -29,11 +29,7 @@ MAX_STATE_MAGNITUDE = 1e12
 
 def model_fingerprint(model: LinearGPT) -> str:
     """sha256 over the config and every weight: a snapshot only resumes on the model that made it."""
-    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return content_digest(model).hexdigest()
 
 
 def _snapshot_tensors(state: dict[str, torch.Tensor], history: dict, prefix: str = "") -> dict[str, torch.Tensor]:
