@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import families
 from .families import UnsupportedCheckpoint
+from .vocabulary import serve_tokenizer_vocabulary
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -188,12 +189,24 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype =
 
 
 def check_tokenizer(tokenizer, vocab_size: int, path: Path) -> None:
-    """The tokenizer must be the model's vocabulary: every id it makes embeddable, every id the model can
-    emit decodable."""
+    """Every id the tokenizer makes must be embeddable: its size at most the model's vocab_size. A vocabulary
+    padded past the tokenizer is served as the tokenizer's (vocabulary.serve_tokenizer_vocabulary)."""
     size = len(tokenizer)
-    if size != vocab_size:
+    if size > vocab_size:
         raise CheckpointError(f"{path}: the tokenizer has {size} tokens but the model's vocab_size is {vocab_size} "
-                              "(config.json): they must be the same vocabulary")
+                              f"(config.json): the model has no rows for ids {vocab_size}..{size - 1}")
 
 
-__all__ = ["CheckpointError", "UnsupportedCheckpoint", "load_checkpoint", "check_tokenizer", "read_config"]
+def load_served(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) as a server serves them: `load_checkpoint`, the checkpoint's tokenizer, checked against
+    the model, and a vocabulary padded past the tokenizer cut to it — every form (serve, compile, generate) the
+    same model, so the compile cache and session snapshots name the same weights."""
+    model = load_checkpoint(path, device, dtype)
+    tokenizer = load_tokenizer(path)
+    check_tokenizer(tokenizer, model.config.vocab_size, Path(path))
+    serve_tokenizer_vocabulary(model, len(tokenizer))
+    return model, tokenizer
+
+
+__all__ = ["CheckpointError", "UnsupportedCheckpoint", "load_checkpoint", "load_served", "check_tokenizer",
+           "read_config"]

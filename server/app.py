@@ -15,13 +15,14 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from linserve.model import projection
-from linserve.model.checkpoint import check_tokenizer, load_checkpoint, load_tokenizer
+from linserve.model.checkpoint import load_served, load_tokenizer
 from linserve.model.loading import (
     DEFAULT_CHECKPOINT,
     load_model,
     resolve_device,
     resolve_dtype,
 )
+from linserve.model.vocabulary import checkpoint_vocab_size, serve_tokenizer_vocabulary
 from linserve.model.weights import keep_one_copy
 
 from .api.chat.router import router as chat_router
@@ -72,6 +73,8 @@ def load_draft(settings: Settings, model, tokenizer, device):
     import torch
 
     draft = load_model(draft_path, device, torch.float32).model
+    if draft.config.vocab_size > model.config.vocab_size:  # (the served model's padding is cut: the draft's too)
+        serve_tokenizer_vocabulary(draft, model.config.vocab_size)
     if draft.config.attention != "linear" or draft.config.vocab_size != model.config.vocab_size or (
             load_tokenizer(draft_path).get_vocab() != tokenizer.get_vocab()):
         raise ValueError(f"the draft model {draft_path} must be a linear-attention model with the served model's "
@@ -87,12 +90,14 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)  # every form's: prefill, decode steps and verification
     projection.use_quantization(settings.quantization, device, dtype)
-    model = load_checkpoint(path, device, dtype)  # any served family, strictly (model/checkpoint.py)
+    # any served family, strictly (model/checkpoint.py); a vocabulary padded past the tokenizer served as its
+    model, tokenizer = load_served(path, device, dtype)
     if model.config.attention != "linear":  # the softmax baseline stays fp32: its KV cache is sized in it
         model = model.float()
         dtype = next(model.parameters()).dtype
-    tokenizer = load_tokenizer(path)
-    check_tokenizer(tokenizer, model.config.vocab_size, path)
+    if checkpoint_vocab_size(model) != model.config.vocab_size:
+        logger.info("vocab_size %d is padded past the tokenizer's %d tokens: ids %d.. have no token and are never "
+                    "served", checkpoint_vocab_size(model), len(tokenizer), len(tokenizer))
     config = engine_config(settings, model)
     freed = keep_one_copy(model)  # the projections' packed weights are the only copy from here on
     if freed:

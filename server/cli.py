@@ -33,9 +33,9 @@ def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",))
 
 
 def _load_for_generation(path: Path, device):
-    from linserve.model.checkpoint import load_checkpoint, load_tokenizer
+    from linserve.model.checkpoint import load_served
 
-    return load_checkpoint(path, device), load_tokenizer(path)
+    return load_served(path, device)
 
 
 def check_sampling(**values) -> None:
@@ -210,7 +210,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     `--speculative ngram|draft`, the verification program's buckets for `--speculative-k` drafts too (with
     `draft`, also the draft model's drafting program)."""
     from linserve.model import projection
-    from linserve.model.checkpoint import load_checkpoint
+    from linserve.model.checkpoint import load_served
     from linserve.model.loading import resolve_device, resolve_dtype
     from linserve.server.app import engine_config, load_draft
     from linserve.server.engine.compile.compiled_decode import DecodeStep
@@ -227,7 +227,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(settings.dtype, device)
     projection.use_quantization(settings.quantization, device, dtype)  # the programs' projections, as `serve`
-    model = load_checkpoint(checkpoint_dir(settings.model), device, dtype)
+    model, _ = load_served(checkpoint_dir(settings.model), device, dtype)  # the model `serve` serves
     # the count `serve` will run with (Inductor builds it into the kernels)
     apply_threads(settings.threads, settings.prefill_threads, weight_bytes(model))
     if model.config.attention != "linear":

@@ -18,16 +18,19 @@ def check_request(request: EngineRequest, config, reserved_slots: int, vocab_siz
     if params.top_k > vocab_size:
         raise EngineError(f"top_k must be <= the vocabulary size {vocab_size} (0 disables it)", param="top_k")
     check_token_ids(request.prompt_ids, vocab_size)
-    if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
-        raise EngineError(f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1})",
+    outside = next((t for t, _ in params.logit_bias if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise EngineError(f"logit_bias names token id {outside}, outside the vocabulary (0..{vocab_size - 1})",
                           param="logit_bias")
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
-    """A prompt's token ids are in the vocabulary (the one check: every request, and a session created with a
-    prompt before it exists)."""
-    if any(not 0 <= t < vocab_size for t in ids):
-        raise EngineError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    """A prompt's token ids are in the vocabulary — the tokenizer's ids: a checkpoint's padding past it is not
+    served (model/vocabulary.py) — (the one check: every request, and a session created with a prompt before it
+    exists). The message names the first id outside."""
+    outside = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise EngineError(f"prompt token ids must be in [0, {vocab_size}): {outside} is not", param="prompt")
 
 
 def pool_stats(pool, registry, scheduler) -> PoolStats:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .json_numbers import NumberGuard, NumberTables
+
 CLOSING_ORDERS = ('"}]0', '}]"0')  # preferences of the greedy closing walks (then any character)
 CLOSE_MARGIN = 6  # the most one token can lengthen the way (a `\\u` escape needs 4 hex digits and a quote)
 NEARLY_FORCED = 16  # this few tokens allowed: a forced word, taken in its longest token
@@ -43,6 +45,7 @@ class Grammar:
 
     source: str  # llguidance grammar (from grammar_from_json_schema / _regex / _lark)
     description: str  # what the client asked for, for errors and logs
+    finite_numbers: bool = False  # JSON: every number bounded to a finite double (json_numbers.py)
 
 
 class GrammarRuntime:
@@ -66,7 +69,9 @@ class GrammarRuntime:
                 self.char_tokens[char] = ids[0]
         words = (vocab_size + 31) // 32
         self.shifts = torch.arange(32, dtype=torch.int32)  # (32,)
-        self.token_chars = torch.tensor([len(tokenizer.decode([i])) for i in range(vocab_size)])  # (V,)
+        texts = [tokenizer.decode([i]) for i in range(vocab_size)]
+        self.token_chars = torch.tensor([len(text) for text in texts])  # (V,)
+        self.numbers = NumberTables(texts)  # (JSON grammars' bound on numbers)
         self.words = words
 
     def compile(self, kind: str, value) -> Grammar:
@@ -78,7 +83,8 @@ class GrammarRuntime:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         try:
-            grammar = Grammar(self._source(kind, value), f"{kind} {key[1][:200]}")
+            grammar = Grammar(self._source(kind, value), f"{kind} {key[1][:200]}",
+                              finite_numbers=kind in ("json_schema", "json_object"))
         except Exception as error:  # noqa: BLE001 - the library's complaint about the client's grammar
             raise ValueError(str(error) or type(error).__name__) from None
         error, messages = self._llguidance.LLMatcher.validate_grammar_with_warnings(grammar.source, self.tokenizer)
@@ -123,7 +129,12 @@ def write_rows(constraints: list[GrammarConstraint], bias_rows: torch.Tensor, re
     runtime = constraints[0].runtime
     masks = torch.stack([c.next_mask(left) for c, left in zip(constraints, remaining)])  # (R, V/32)
     allowed = ((masks[:, :, None] >> runtime.shifts) & 1).reshape(len(constraints), -1)  # (R, V/32 * 32)
-    allowed = allowed[:, : runtime.vocab_size].bool().to(bias_rows.device)  # (R, V)
+    allowed = allowed[:, : runtime.vocab_size].bool()  # (R, V)
+    for row, constraint in enumerate(constraints):  # JSON: numbers kept finite, unless nothing else is left
+        bounded = constraint.numbers_allowed()
+        if bounded is not None and bool((allowed[row] & bounded).any()):
+            allowed[row] &= bounded
+    allowed = allowed.to(bias_rows.device)
     bases = torch.stack([c.base for c in constraints]).to(bias_rows.device)  # (R, V)
     bias_rows.copy_(torch.where(allowed, bases, torch.tensor(float("-inf"), device=bias_rows.device)))
     return bias_rows
@@ -142,12 +153,22 @@ class GrammarConstraint:
         self.bitmask = lgt.allocate_token_bitmask(1, runtime.vocab_size)  # (1, V/32) int32
         self.closing: list[int] | None = None  # once forced: the rest of the closing way
         self.check_at = WATCH_TOKENS  # the next `remaining` at which the closing way is measured
+        self.numbers = NumberGuard(runtime.numbers) if grammar.finite_numbers else None
 
     def accept(self, token: int) -> None:
         if self.closing:
             self.closing.pop(0)
         if not self.matcher.is_stopped():
             self.matcher.consume_token(token)
+        if self.numbers is not None:
+            self.numbers.accept(token)
+
+    def numbers_allowed(self) -> torch.Tensor | None:
+        """(V,) bool: the tokens that keep the JSON's numbers finite next (None: no bound applies); not while
+        forced (a closing way or end-of-text)."""
+        if self.numbers is None or self.closing or self.matcher.is_stopped():
+            return None
+        return self.numbers.allowed()
 
     def write(self, bias_row: torch.Tensor, remaining: int) -> None:
         """Allowed tokens for the next position into `bias_row` (V,) (-inf elsewhere); `remaining` tokens left,

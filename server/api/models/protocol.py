@@ -62,6 +62,7 @@ class TokenizerInfo(BaseModel):
     bos_token: str | None
     pad_token: str | None
     vocab_size: int
+    checkpoint_vocab_size: int | None = None  # config.json's; larger when padded past the tokenizer (never served)
     model_max_length: int  # max_prompt_tokens: the model itself has no context limit
     chat_template: str | None
 
@@ -91,6 +92,10 @@ class ModelCard(BaseModel):
     root: str | None = Field(None, description="the checkpoint directory served")
     model_type: str | None = Field(None, description="the checkpoint's family: linear_gpt, linear_attn, gla, retnet")
     state_bytes: int | None = Field(None, description="bytes of one session's state, whatever its length")
+    vocab_size: int | None = Field(None, description="the served vocabulary: the tokenizer's ids, every one the model "
+                                   "can emit")
+    checkpoint_vocab_size: int | None = Field(None, description="the checkpoint's vocab_size (config.json): larger "
+                                              "when padded past the tokenizer — those ids are never served")
 
 
 class ModelList(BaseModel):

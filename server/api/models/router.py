@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from linserve.model import projection
 from linserve.model.loading import DEFAULT_CHECKPOINT
+from linserve.model.vocabulary import checkpoint_vocab_size
 
 from ..chat.prompt import chat_prompt
 from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt, get_engine
@@ -58,6 +59,7 @@ async def tokenizer_info(request: Request, tokenizer: TokenizerDep, owner: Owner
     return TokenizerInfo(
         tokenizer_class=type(tokenizer).__name__, eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token,
         pad_token=tokenizer.pad_token, vocab_size=len(tokenizer),
+        checkpoint_vocab_size=checkpoint_vocab_size(get_engine(request).model),
         model_max_length=request.app.state.settings.max_prompt_tokens,
         chat_template=getattr(tokenizer, "chat_template", None) or None,
     )
@@ -96,7 +98,8 @@ def model_card(request: Request, settings) -> ModelCard:
     return ModelCard(id=settings.served_model_name, created=request.app.state.started,
                      root=str(settings.model or DEFAULT_CHECKPOINT),
                      model_type=getattr(model.config, "model_type", "linear_gpt"),
-                     state_bytes=model.state_bytes() if model.config.attention == "linear" else None)
+                     state_bytes=model.state_bytes() if model.config.attention == "linear" else None,
+                     vocab_size=model.config.vocab_size, checkpoint_vocab_size=checkpoint_vocab_size(model))
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(*AUTH, 404))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 
 import jsonschema
@@ -117,3 +118,55 @@ def test_a_session_turn_is_constrained_too(make_engine):
     outputs = run(engine, prompt(4, 2), params, "s1", session_id=session.id)
     assert outputs[-1].finish_reason.value == "stop" and len(text_of(engine, outputs)) == 6
     assert_slots_balance(engine)
+
+
+def test_json_numbers_stay_finite_doubles_however_hard_the_model_pushes(make_engine, hf_tokenizer):
+    """Digits and exponent markers favoured by +40: unbounded, the number grows until the budget closes it (an
+    integer part of ~100 digits, an exponent of dozens); bounded, it reads as a finite double."""
+    engine = make_engine(num_slots=4)
+    schema = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "integer"}},
+              "required": ["x", "y"], "additionalProperties": False}
+    pushed = [t for t in range(len(hf_tokenizer)) if hf_tokenizer.decode([t]) in ("1", "9", "99", "E", "e", "e+")]
+    assert len(pushed) >= 4
+    for grammar in (engine.grammars.compile("json_schema", schema), engine.grammars.compile("json_object", None)):
+        params = SamplingParams(max_tokens=120, temperature=0, grammar=grammar,
+                                logit_bias=tuple((t, 40.0) for t in pushed))
+        outputs = run(engine, prompt(6, 1), params, f"n{grammar.description[:9]}")
+        text = text_of(engine, outputs)
+        numbers = []
+        json.loads(text, parse_float=lambda s: numbers.append(s) or float(s),
+                   parse_int=lambda s: numbers.append(s) or int(s))
+        assert all(math.isfinite(float(n)) for n in numbers), text
+        if grammar.description.startswith("json_schema"):  # (there the push reaches a bound: x and y are numbers)
+            assert len(numbers) == 2 and any("e" in n.lower() or len(n) >= 19 for n in numbers), text
+    assert_slots_balance(engine)
+
+
+@pytest.mark.parametrize("text,finite", [
+    ('{"a":1e288}', True), ('{"a":1e289}', False), ('{"a":-12.5E-288,"b":[3]}', True), ('{"a":1e0288}', False),
+    ('[' + "9" * 19 + ']', True), ('[' + "9" * 20 + ']', False), ('["1e999999", 2]', True), ('{"k\\"1e999":1}', True),
+    ('[1.' + "9" * 50 + 'e+2]', True)])
+def test_the_number_lexer_bounds_integer_digits_and_exponents(text, finite):
+    from linserve.server.engine.json_numbers import START, lex
+
+    assert (lex(START, text) is not None) == finite
+    state = START  # character by character (as tokens arrive): the same verdict
+    for char in text:
+        state = lex(state, char) if state is not None else None
+    assert (state is not None) == finite
+
+
+def test_the_tables_agree_with_the_lexer_for_every_token_and_state(hf_tokenizer):
+    from linserve.server.engine.json_numbers import EXP, INT, START, NumberTables, lex
+
+    texts = [hf_tokenizer.decode([t]) for t in range(len(hf_tokenizer))]
+    tables = NumberTables(texts)
+    for prefix in ('{"a":', '{"a":12345678901234567', '{"a":1e2', '{"a":1e28', '{"a":1.5', '{"a":1e', '{"a":"x\\',
+                   '{"a":-', '{"a":' + "9" * 19):
+        state = lex(START, prefix)
+        allowed = tables.allowed(state)
+        expected = torch.tensor([lex(state, t) is not None for t in texts])
+        assert torch.equal(allowed if allowed is not None else torch.ones(len(texts), dtype=torch.bool), expected), (
+            prefix, state)
+        if prefix in ('{"a":1e28', '{"a":' + "9" * 19):  # near a bound: some digits are forbidden
+            assert state[0] in (INT, EXP) and not bool(expected.all())
