@@ -41,6 +41,7 @@ from .api.web.router import router as web_router
 from .engine import Engine, EngineConfig
 from .engine.cpu_threads import in_passing_thread
 from .engine.state_pool import slots_for_budget
+from .generation_defaults import GenerationDefaults
 from .settings import Settings
 from .version import package_version
 
@@ -84,7 +85,7 @@ def load_draft(settings: Settings, model, tokenizer, device):
     return draft
 
 
-def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
+def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object, GenerationDefaults]:
     started = time.perf_counter()
     path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
     device = resolve_device(settings.device)
@@ -99,11 +100,18 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
         logger.info("vocab_size %d is padded past the tokenizer's %d tokens: ids %d.. have no token and are never "
                     "served", checkpoint_vocab_size(model), len(tokenizer), len(tokenizer))
     config = engine_config(settings, model)
+    generation = (GenerationDefaults.read(path, model.config.vocab_size) if settings.generation_config == "auto"
+                  else GenerationDefaults())
+    if generation.source:
+        logger.info("%s: end-of-text ids %s, request defaults %s", generation.source,
+                    sorted({*generation.eos_token_ids, tokenizer.eos_token_id} - {None}),
+                    {**generation.sampling, **({"max_tokens": generation.max_tokens} if generation.max_tokens else {})})
     freed = keep_one_copy(model)  # the projections' packed weights are the only copy from here on
     if freed:
         logger.info("projection weights packed for the kernel: their originals released (%.0f MB)", freed / 2**20)
     draft = load_draft(settings, model, tokenizer, device)
-    engine = Engine(model, tokenizer, config, device, metrics.observe, draft_model=draft).start()
+    engine = Engine(model, tokenizer, config, device, metrics.observe, draft_model=draft,
+                    eos_token_ids=generation.eos_token_ids).start()
     metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)
     if engine.decode_step is not None:
         metrics.watch_decode_step(engine.decode_step.describe)
@@ -114,7 +122,7 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object]:
                 "OMP_WAIT_POLICY %s): %d slots x %d state bytes", path, device, time.perf_counter() - started,
                 weights, plan.threads, plan.source, plan.usable_cpus, plan.omp_wait_policy, config.num_slots,
                 engine.pool.slot_bytes)
-    return engine, tokenizer
+    return engine, tokenizer, generation
 
 
 @asynccontextmanager
@@ -122,9 +130,9 @@ async def lifespan(app: FastAPI):
     state = app.state
     # loading on every CPU, in a thread that ends with it: the engine's OpenMP team stays the only one
     # (engine/cpu_threads.py)
-    state.engine, state.tokenizer = await asyncio.to_thread(in_passing_thread, load_engine, state.settings,
-                                                            state.metrics)
-    state.limits = RequestLimits.of(state.settings, state.tokenizer)  # what one request may ask
+    state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
+        in_passing_thread, load_engine, state.settings, state.metrics)
+    state.limits = RequestLimits.of(state.settings, state.tokenizer, state.generation)  # what a request may ask
     loop = asyncio.get_running_loop()
     state.engine.on_death.append(lambda error: loop.call_soon_threadsafe(engine_died, app))
     state.ready = True

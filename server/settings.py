@@ -76,7 +76,12 @@ class Settings(BaseSettings):
                                      "as measured on this machine")
     max_context: int = Field(8192, ge=16, description="softmax models: KV-cache tokens per slot (400 beyond)")
     kv_memory_mb: float = Field(1024, gt=0, description="softmax models: slots = min(num_slots, this / slot bytes)")
-    max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it")
+    max_tokens_default: int = Field(16, ge=0, description="max_tokens when a request omits it (and the checkpoint's "
+                                    "generation_config.json names no max_new_tokens, or this is set explicitly)")
+    generation_config: Literal["auto", "none"] = Field(
+        "auto", description="auto: the checkpoint's generation_config.json gives the end-of-text ids and the defaults "
+        "of temperature, top_p, top_k, min_p, repetition_penalty and max_tokens for a request that leaves them out "
+        "(as vLLM); none: OpenAI's defaults and the tokenizer's end-of-text alone")
     max_tokens_limit: int = Field(1_000_000, ge=1)
     max_prompt_tokens: int = Field(131_072, ge=1, description="longest prompt accepted (400 beyond)")
     logprobs_memory_mb: float = Field(
@@ -160,9 +165,12 @@ class Settings(BaseSettings):
             _yaml_file = path
 
         try:
-            return cls(**_FromFile(**overrides).model_dump())
+            loaded = _FromFile(**overrides)
         except ValidationError as error:
             raise ValueError(describe_invalid(error, path)) from None
+        # as the base class, validated once, remembering which settings were given (flag, env or file) and which
+        # are defaults (a checkpoint's generation_config.json gives way to an operator's own max_tokens_default)
+        return cls.model_construct(_fields_set=loaded.model_fields_set, **loaded.model_dump())
 
 
 def describe_invalid(error: ValidationError, path: Path | None) -> str:

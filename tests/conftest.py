@@ -14,6 +14,10 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # fixtures): every server it starts, in process or not, loads fp32 weights unless a test says otherwise.
 # `dtype=auto` (bf16 where the CPU computes it) has its own tests.
 os.environ.setdefault("LINSERVE_DTYPE", "float32")
+# OpenAI's request defaults (temperature 1, 16 tokens) rather than the shipped checkpoint's generation_config.json
+# (0.8, top_k 50, 200 tokens): the suite's requests were written against them; tests/server/test_generation_defaults.py
+# serves with the checkpoint's
+os.environ.setdefault("LINSERVE_GENERATION_CONFIG", "none")
 
 
 def pytest_addoption(parser):

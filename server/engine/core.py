@@ -73,7 +73,7 @@ STEP_FAILED = "the engine failed while serving this request (see the server log)
 class Engine:
     def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
                  stats_sink: StatsSink | None = None, dtype: torch.dtype | None = None,
-                 draft_model: LinearGPT | None = None) -> None:
+                 draft_model: LinearGPT | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         """`model` serves every form — prefill, prompt scoring, decode steps, verification — with its weights in
         `dtype` (None: as they are; else a copy): one function for every token, so a token's logits and state
         never depend on which form computed it (docs/engine.md, "Same request, same tokens"). `draft_model`:
@@ -87,11 +87,14 @@ class Engine:
         self.tokenizer = tokenizer
         self._grammars: GrammarRuntime | None = None
         self._grammars_lock = threading.Lock()
-        self.vocab_size, self.eos_id = model.config.vocab_size, tokenizer.eos_token_id
+        # end-of-text: the tokenizer's, and any other the checkpoint names (generation_config.json: several ids)
+        self.eos_ids = frozenset(t for t in (tokenizer.eos_token_id, *eos_token_ids) if t is not None)
+        self.vocab_size = model.config.vocab_size
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids, default=None)
         self.stats_sink = stats_sink or (lambda stats: None)
         self.sampling = SlotSampling(config.num_slots, self.vocab_size, device)
         # the model's kind (a fixed-size state, or the softmax baseline's KV cache) brings its parts: model_kind.py
-        self.parts = parts = model_parts(self.model, config, self.sampling, device, self.eos_id, self.threads,
+        self.parts = parts = model_parts(self.model, config, self.sampling, device, self.eos_ids, self.threads,
                                          draft_model)
         self.pool, self.runner, self.prefix_cache = parts.pool, parts.runner, parts.prefix_cache
         self.decode_step, self.speculative, self.speculation = parts.decode_step, parts.speculative, parts.speculation
@@ -267,7 +270,7 @@ class Engine:
             raise EngineError("the prompt is empty", param="prompt")
         self.parts.check_context(len(feed), params.max_tokens)  # the softmax baseline's KV cache must hold it
         live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.decoder,
-                           eos_id=self.eos_id, arrival=time.monotonic(),
+                           eos_ids=self.eos_ids, arrival=time.monotonic(),
                            text_chars=self.registry.text_chars if session is not None else 0)
         self.live[request.request_id] = live
         self.scheduler.add(SchedSeq(request.request_id, to_prefill=len(feed), rows=params.n,

@@ -45,7 +45,7 @@ class Row:
         """The position of the token this row chooses next (its counter for the random draw)."""
         return self.live.base_position + self.num_generated
 
-    def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_id: int | None,
+    def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_ids: frozenset[int],
                latencies: list[tuple[int, float]]) -> RequestOutput:
         """Record a sampled token (its latency into `latencies`); decide whether the row ends; build the output."""
         params = self.live.request.params
@@ -63,7 +63,7 @@ class Row:
         self.next_token = token
 
         reason, text, hit = None, "", False
-        if token == eos_id and (not params.ignore_eos or self.constraint is not None):  # a grammar's end is final
+        if token in eos_ids and (not params.ignore_eos or self.constraint is not None):  # a grammar's end is final
             reason = FinishReason.STOP
         elif self.stop.stops:  # stop strings are matched only for rows that have them
             text, hit = self.stop.push(self.detokenizer.add(token))
@@ -77,7 +77,8 @@ class Row:
             text += self.stop.flush()
         self.finished, self.reason = reason is not None, reason
         self._keep(text)
-        return self.live.output(self.index, token, text, logprob, reason, self.num_generated, position)
+        return self.live.output(self.index, token, text, logprob, reason, self.num_generated, position,
+                                end_of_text=token in eos_ids)
 
     def _say(self, text: str) -> None:
         if self.said is not None and text:
@@ -106,7 +107,7 @@ class LiveRequest:
     feed: list[int]  # tokens to consume: the session's pending token(s), then the prompt
     session: Session | None
     decoder: object
-    eos_id: int | None
+    eos_ids: frozenset[int]  # the model's end-of-text ids (the tokenizer's, generation_config.json's)
     arrival: float
     rows: list[Row] = field(default_factory=list)
     prefix_hit: bool | None = None
@@ -137,7 +138,7 @@ class LiveRequest:
     def assign_slots(self, slots: list[int], now: float, sampling: SlotSampling,
                      grammars: GrammarRuntime | None = None) -> None:
         params = self.request.params
-        skip = frozenset() if self.eos_id is None else frozenset({self.eos_id})
+        skip = self.eos_ids
         self.admitted_time = now
         history = self.session.seen if self.session is not None else None
         for index, slot in enumerate(slots):
@@ -187,11 +188,12 @@ class LiveRequest:
         for row in self.rows[1:]:
             pool.copy(self.rows[0].slot, row.slot)
 
-    def output(self, index, token, text, logprob, reason, generated, position, error=None) -> RequestOutput:
+    def output(self, index, token, text, logprob, reason, generated, position, error=None,
+               end_of_text: bool = False) -> RequestOutput:
         return RequestOutput(
             request_id=self.request.request_id, index=index, token_id=token, text=text, logprob=logprob,
             finish_reason=reason, prompt_tokens=len(self.request.prompt_ids), generated_tokens=generated,
-            position=position, session_id=self.request.session_id, error=error,
+            position=position, session_id=self.request.session_id, error=error, end_of_text=end_of_text,
         )
 
     def final_outputs(self, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:

@@ -60,21 +60,22 @@ class ModelParts:
         return self.speculative.describe() if self.speculative is not None else None
 
 
-def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: torch.device, eos_id: int | None,
+def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: torch.device, eos_ids: frozenset[int],
                 threads, draft_model=None) -> ModelParts:
     max_rows = min(config.num_slots, config.max_batch_tokens)
     if model.config.attention != "linear":
         pool = KVCachePool(model, config.num_slots, config.max_context, device)
         prefix_cache = PrefixCache(0, config.max_prefill_chunk, pool.slot_bytes)
-        runner = KVCacheRunner(model, pool, sampling, None, prefix_cache, device, eos_id, threads)
+        runner = KVCacheRunner(model, pool, sampling, None, prefix_cache, device, eos_ids, threads)
         return ModelParts(pool, runner, prefix_cache, store=NoStore(), text_chars=0, preemptible=False,
                           check_context=lambda feed, max_tokens: check_context(feed, max_tokens, config.max_context))
     pool = StatePool(model, config.num_slots, device)
     decode_step = DecodeStep(model, pool, sampling, device, config.compile, max_rows, config.compile_cache_dir,
                              config.compile_autotune, cache_max_gb=config.compile_cache_max_gb)
-    speculative = SpeculativeDecoding(model, pool, sampling, device, config, max_rows, decode_step, eos_id, draft_model)
+    speculative = SpeculativeDecoding(model, pool, sampling, device, config, max_rows, decode_step, eos_ids,
+                                      draft_model)
     prefix_cache = PrefixCache(config.prefix_cache_entries, config.max_prefill_chunk, pool.slot_bytes)
-    runner = StepRunner(model, pool, sampling, decode_step, prefix_cache, device, eos_id, threads,
+    runner = StepRunner(model, pool, sampling, decode_step, prefix_cache, device, eos_ids, threads,
                         speculative.verify_steps, speculative.policy)
     store = open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
     return ModelParts(pool, runner, prefix_cache, store, config.session_text_chars, preemptible=True,

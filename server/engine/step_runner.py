@@ -62,11 +62,11 @@ def with_prompt_logprobs(output: RequestOutput, scored: list[TokenLogprob | None
 
 class StepRunner:
     def __init__(self, model, pool, sampling: SlotSampling, decode_step, prefix_cache: PrefixCache,
-                 device: torch.device, eos_id: int | None, threads: ThreadPlan | None = None,
+                 device: torch.device, eos_ids: frozenset[int], threads: ThreadPlan | None = None,
                  verify_steps: dict | None = None, speculation: SpeculationPolicy | None = None) -> None:
         self.model, self.pool, self.sampling, self.decode_step = model, pool, sampling, decode_step
         self.verify_steps, self.speculation = verify_steps, speculation  # width → verification DecodeStep
-        self.prefix_cache, self.device, self.eos_id = prefix_cache, device, eos_id
+        self.prefix_cache, self.device, self.eos_ids = prefix_cache, device, eos_ids
         self.threads = threads if device.type == "cpu" else None  # CPU threads for the chunked form
 
     # ------------------------------------------------------------------ phases
@@ -212,13 +212,13 @@ class StepRunner:
             if row.live.request.request_id not in failed:
                 output = None
                 for draft in accepted[b] if accepted is not None else ():
-                    output = row.accept(draft, None, now, self.eos_id, delivery.latencies)
+                    output = row.accept(draft, None, now, self.eos_ids, delivery.latencies)
                     delivery.outputs.append((row, output))
                     if output.finished:
                         break
                 if output is not None and output.finished:
                     continue
-                output = row.accept(token, logprob, now, self.eos_id, delivery.latencies)
+                output = row.accept(token, logprob, now, self.eos_ids, delivery.latencies)
                 delivery.outputs.append((row, output))
                 if row.constraint is not None and not output.finished:
                     row.constraint.accept(token)

@@ -205,6 +205,7 @@ class RequestOutput:
     # on each row's first output when the request asked for prompt_logprobs: one entry per prompt token, the
     # first None unless a session's history predicts it
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    end_of_text: bool = False  # the token is one of the model's end-of-text ids (it adds no text)
 
     @property
     def finished(self) -> bool:

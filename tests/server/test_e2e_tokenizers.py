@@ -2,7 +2,9 @@
 byte fallback, <s> prepended, a chat template), served by a real `linserve serve` of a GLA checkpoint: bos
 where a sequence starts and not where a session continues, exact incremental detokenisation (multi-byte
 characters, leading spaces), stop strings, /tokenize, /detokenize, /tokenizer_info, the chat template, a
-`json_schema` request through the grammar engine's view of this vocabulary."""
+`json_schema` request through the grammar engine's view of this vocabulary. And a GPT-NeoX-style byte-level BPE
+(the Pile's layout: nothing prepended, ChatML's added special tokens) over a padded vocabulary, with its
+generation_config.json's second end-of-text id."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from transformers import AutoTokenizer
 from linserve.server.engine.detokenize import IncrementalDetokenizer
 from tests.helpers import ServerProcess
 from tests.model.families.checkpoints import write_checkpoint
+from tests.model.families.neox_style import make_tokenizer as make_neox_tokenizer
 from tests.model.families.sentencepiece_style import make_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -87,3 +90,68 @@ def test_a_json_schema_request_answers_valid_json_in_this_vocabulary(served):
         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
     assert reply.status_code == 200, reply.text
     assert isinstance(json.loads(reply.json()["choices"][0]["message"]["content"])["name"], str)
+
+
+@pytest.fixture(scope="module")
+def neox_served(tmp_path_factory):
+    """A GPT-NeoX-style byte-level BPE (1,002 ids with ChatML's added special tokens) over a model vocabulary
+    padded to 1,024, generation_config.json naming <|im_end|> as a second end-of-text; served with
+    `generation_config: auto`."""
+    root = tmp_path_factory.mktemp("neox")
+    checkpoint = write_checkpoint(root / "checkpoint", {"model_type": "gla", "vocab_size": 1024},
+                                  tokenizer=make_neox_tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    (checkpoint / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [0, im_end]}))
+    server = ServerProcess(checkpoint, root / "serve.log", "--num-slots", "4",
+                           env={"LINSERVE_GENERATION_CONFIG": "auto"})
+    yield tokenizer, server.base
+    server.stop()
+
+
+def test_a_byte_level_bpe_detokenises_exactly_at_every_split(tmp_path):
+    tokenizer = make_neox_tokenizer(tmp_path)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids)  # a character split across tokens
+    for split in range(1, len(ids)):
+        stream = IncrementalDetokenizer(tokenizer, context=ids[:split])
+        text = "".join(stream.add(i) for i in ids[split:])
+        whole, before = tokenizer.decode(ids), tokenizer.decode(ids[:split])
+        if not before.endswith("\ufffd"):  # (a prompt that ends inside a character: its text is not whole yet)
+            assert text == whole[len(before):], split
+
+
+def test_the_neox_layout_is_served_as_its_tokenizer_says(neox_served):
+    tokenizer, base = neox_served
+    with httpx.Client(base_url=base, timeout=60) as http:
+        ids = http.post("/tokenize", json={"prompt": TEXT}).json()["tokens"]
+        assert ids == tokenizer.encode(TEXT) and ids[0] != tokenizer.bos_token_id  # nothing prepended
+        assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == TEXT
+        info = http.get("/tokenizer_info").json()
+        assert (info["vocab_size"], info["checkpoint_vocab_size"]) == (len(tokenizer), 1024) == (1002, 1024)
+        assert info["eos_token"] == "<|endoftext|>" and "<|im_start|>" in info["chat_template"]
+        card = http.get("/v1/models").json()["data"][0]
+        assert card["generation_defaults"]["eos_token_ids"] == [0, 1001]
+        rendered = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hail"}]}).json()["tokens"]
+        template = tokenizer.apply_chat_template([{"role": "user", "content": "Hail"}], tokenize=False,
+                                                 add_generation_prompt=True)
+        assert rendered == tokenizer(template)["input_ids"] and 1000 in rendered  # <|im_start|>: one token
+        body = {"prompt": TEXT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
+                               if line.startswith("data: {"))
+        assert streamed == whole and len(whole) > 4
+
+
+def test_the_chat_templates_end_token_ends_a_reply(neox_served):
+    """<|im_end|> is an end-of-text by generation_config.json: pushed to be the first token, it ends the reply
+    with nothing said; told to go on (ignore_eos), the reply runs to its budget."""
+    _, base = neox_served
+    chat = {"messages": [{"role": "user", "content": "Hail"}], "max_tokens": 6, "temperature": 0,
+            "logit_bias": {"1001": 100}}
+    ended = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60).json()
+    assert ended["choices"][0]["finish_reason"] == "stop" and ended["choices"][0]["message"]["content"] == ""
+    assert ended["usage"]["completion_tokens"] == 1
+    going_on = httpx.post(f"{base}/v1/chat/completions", json={**chat, "ignore_eos": True}, timeout=60).json()
+    assert going_on["choices"][0]["finish_reason"] == "length" and going_on["usage"]["completion_tokens"] == 6

@@ -221,7 +221,6 @@ class ChoiceLogprobs:
 
     def __init__(self, tokenizer, start: int = 0) -> None:
         self.tokenizer = tokenizer
-        self.eos_id = getattr(tokenizer, "eos_token_id", None)
         self.returned = start  # characters of the choice's text returned so far
         self.next_at = start  # where the next generated token's text starts
         self.waiting: collections.deque = collections.deque()  # (TokenLogprob, offset), not yet released
@@ -239,10 +238,10 @@ class ChoiceLogprobs:
         lp = output.logprob
         if lp is not None:
             self.waiting.append((lp, self.next_at))
-            if lp.token_id != self.eos_id:  # end-of-text (generated with ignore_eos) adds no text
+            if not output.end_of_text:  # end-of-text (generated with ignore_eos) adds no text
                 self.next_at += len(token_text(self.tokenizer, lp.token_id))
         self.returned += len(output.text)
-        stopped_by_string = output.finish_reason is FinishReason.STOP and output.token_id != self.eos_id
+        stopped_by_string = output.finish_reason is FinishReason.STOP and not output.end_of_text
         everything = output.finished and not stopped_by_string
         released = []
         while self.waiting and (everything or self.waiting[0][1] < self.returned):

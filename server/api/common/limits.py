@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...engine import SamplingParams
+from ...generation_defaults import GenerationDefaults
 from .errors import APIError
 
 
@@ -30,12 +31,22 @@ class RequestLimits:
     max_chat_messages: int
     max_token_bytes: int  # the most UTF-8 bytes one token decodes to: B bytes of text are ≥ B / this tokens
     prompt_prefix: tuple[int, ...]  # what the tokenizer puts before a text that starts a sequence ([bos] or ())
+    generation: GenerationDefaults = GenerationDefaults()  # the checkpoint's defaults (generation_defaults.py)
 
     @classmethod
-    def of(cls, settings, tokenizer) -> RequestLimits:
-        return cls(settings.max_tokens_limit, settings.max_tokens_default, settings.speculative_k,
+    def of(cls, settings, tokenizer, generation: GenerationDefaults | None = None) -> RequestLimits:
+        generation = generation or GenerationDefaults()
+        default_max_tokens = settings.max_tokens_default  # an operator's own setting wins over the checkpoint's
+        if generation.max_tokens is not None and "max_tokens_default" not in settings.model_fields_set:
+            default_max_tokens = min(generation.max_tokens, settings.max_tokens_limit)
+        return cls(settings.max_tokens_limit, default_max_tokens, settings.speculative_k,
                    settings.scheduling_policy, settings.max_prompt_tokens, settings.max_prompts_per_request,
-                   settings.max_chat_messages, max_token_bytes(tokenizer), tuple(prompt_prefix(tokenizer)))
+                   settings.max_chat_messages, max_token_bytes(tokenizer), tuple(prompt_prefix(tokenizer)),
+                   generation)
+
+    def sampling_default(self, request, name: str):
+        """`request.<name>` if the client sent it, else the checkpoint's default, else the request model's."""
+        return self.generation.value(name, name in request.model_fields_set, getattr(request, name))
 
     def max_tokens_of(self, field: str, value: int | None) -> int:
         """A request's token budget named by `field` (the default when absent), within max_tokens_limit."""

@@ -160,8 +160,11 @@ class SamplingFields(StructuredFields):
         knows which field named it)."""
         return limits.check_sampling(SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            temperature=limits.sampling_default(self, "temperature"),
+            top_k=max(limits.sampling_default(self, "top_k"), 0), top_p=limits.sampling_default(self, "top_p"),
+            min_p=limits.sampling_default(self, "min_p"),
+            repetition_penalty=limits.sampling_default(self, "repetition_penalty"),
+            presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, n=self.n,
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,

@@ -96,6 +96,9 @@ class ModelCard(BaseModel):
                                    "can emit")
     checkpoint_vocab_size: int | None = Field(None, description="the checkpoint's vocab_size (config.json): larger "
                                               "when padded past the tokenizer — those ids are never served")
+    generation_defaults: dict | None = Field(None, description="what the checkpoint's generation_config.json sets "
+                                             "(setting generation_config: auto): its file, end-of-text ids and the "
+                                             "defaults of a request that leaves those fields out")
 
 
 class ModelList(BaseModel):

@@ -99,7 +99,8 @@ def model_card(request: Request, settings) -> ModelCard:
                      root=str(settings.model or DEFAULT_CHECKPOINT),
                      model_type=getattr(model.config, "model_type", "linear_gpt"),
                      state_bytes=model.state_bytes() if model.config.attention == "linear" else None,
-                     vocab_size=model.config.vocab_size, checkpoint_vocab_size=checkpoint_vocab_size(model))
+                     vocab_size=model.config.vocab_size, checkpoint_vocab_size=checkpoint_vocab_size(model),
+                     generation_defaults=request.app.state.generation.describe())
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(*AUTH, 404))

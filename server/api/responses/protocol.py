@@ -161,8 +161,9 @@ class ResponseCreateRequest(BaseModel):
 
     def to_sampling_params(self, limits: RequestLimits) -> SamplingParams:
         return limits.check_sampling(SamplingParams(
-            max_tokens=limits.max_tokens_of("max_output_tokens", self.max_output_tokens), temperature=self.temperature,
-            top_p=self.top_p, seed=self.seed, priority=self.priority,
+            max_tokens=limits.max_tokens_of("max_output_tokens", self.max_output_tokens),
+            temperature=limits.sampling_default(self, "temperature"), top_p=limits.sampling_default(self, "top_p"),
+            seed=self.seed, priority=self.priority,
             speculative=self.speculative.to_engine() if self.speculative else None))
 
     def messages(self) -> list:

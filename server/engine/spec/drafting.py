@@ -19,8 +19,8 @@ MAX_MATCH, MIN_MATCH = 3, 1
 class NgramDrafter:
     """A row's bounded recent tokens and the prompt-lookup search over them."""
 
-    def __init__(self, context: list[int], window: int = WINDOW, eos_id: int | None = None) -> None:
-        self.window, self.eos_id = window, eos_id
+    def __init__(self, context: list[int], window: int = WINDOW, eos_ids: frozenset[int] = frozenset()) -> None:
+        self.window, self.eos_ids = window, eos_ids
         self.buffer = np.zeros(2 * window, dtype=np.int64)  # the newest `length` tokens start at 0
         self.length = 0
         self.extend(context[-window:])
@@ -57,8 +57,13 @@ class NgramDrafter:
                 whole = found[found + n + k <= len(history)]  # the latest with a whole draft after it, if any
                 start = int(whole[-1] if len(whole) else found[-1]) + n
                 draft = history[start : start + k].tolist()
-                if self.eos_id is not None and self.eos_id in draft:
-                    draft = draft[: draft.index(self.eos_id)]
+                draft = until_end(draft, self.eos_ids)
                 if draft:
                     return draft
         return []
+
+
+def until_end(draft: list[int], eos_ids: frozenset[int]) -> list[int]:
+    """The draft up to (not including) its first end-of-text token, of any of the model's ids."""
+    end = next((i for i, token in enumerate(draft) if token in eos_ids), None)
+    return draft if end is None else draft[:end]

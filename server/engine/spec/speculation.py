@@ -28,7 +28,7 @@ from ..decode_program import verify_kind
 from ..live import Row
 from ..types import EngineConfig, EngineError, SamplingParams
 from .draft_model import DraftKind, DraftModel
-from .drafting import NgramDrafter
+from .drafting import NgramDrafter, until_end
 
 REPROBE_STEPS = 64  # decode steps chosen over verification before verification is timed again...
 REPROBE_MAX = 256  # ...doubling (to this) each time it still does not pay: a long generation keeps asking
@@ -78,13 +78,13 @@ def verify_widths(k: int) -> list[int]:
 
 
 class SpeculationPolicy:
-    def __init__(self, default_method: str, k: int, eos_id: int | None, bucket_of, draft=None,
+    def __init__(self, default_method: str, k: int, eos_ids: frozenset[int], bucket_of, draft=None,
                  widths: list[int] | None = None, paid=None) -> None:
         """`bucket_of(kind, rows) -> (size, compiled)`: where a program call of that many rows would run (kind
         "decode" or "verify{w}"); `draft`: the draft model (draft_model.DraftModel) when the server has one;
         `widths`: the verification programs there are (drafts per step), at most k; `paid(width, rows)`: told
         whenever verification is chosen on its merits (not to be measured) — its program is worth compiling."""
-        self.default_method, self.k, self.eos_id, self.bucket_of = default_method, k, eos_id, bucket_of
+        self.default_method, self.k, self.eos_ids, self.bucket_of = default_method, k, eos_ids, bucket_of
         self.paid = paid or (lambda width, rows: None)
         self.draft, self.widths = draft, widths or [k]
         self.costs: dict[tuple[str, int, bool], float] = {}  # (kind, bucket, compiled) → seconds
@@ -119,7 +119,7 @@ class SpeculationPolicy:
                 return None
             live = row.live
             context = (live.session.tail if live.session is not None else []) + live.request.prompt_ids[-4096:]
-            row.speculation = RowSpeculation(NgramDrafter(context + [row.next_token], eos_id=self.eos_id), k, method)
+            row.speculation = RowSpeculation(NgramDrafter(context + [row.next_token], eos_ids=self.eos_ids), k, method)
         return row.speculation
 
     # ------------------------------------------------------------------ steps
@@ -160,7 +160,7 @@ class SpeculationPolicy:
             proposed, plan.draft_states = self.draft.propose(members)
             for b, draft in zip(modelled, proposed):
                 draft = draft[: limits[b]]
-                drafts[b] = draft[: draft.index(self.eos_id)] if self.eos_id in draft else draft
+                drafts[b] = until_end(draft, self.eos_ids)
         return plan
 
     @staticmethod
@@ -242,7 +242,7 @@ class SpeculativeDecoding:
     (when the server has one) and the policy."""
 
     def __init__(self, model, pool, sampling, device, config: EngineConfig, max_rows: int, decode_step: DecodeStep,
-                 eos_id: int | None, draft_model=None) -> None:
+                 eos_ids: frozenset[int], draft_model=None) -> None:
         self.config, self.decode_step = config, decode_step
         self.verify_steps: dict[int, DecodeStep] = {}
         after = decode_step
@@ -261,7 +261,7 @@ class SpeculativeDecoding:
                                          config.compile_cache_dir, config.compile_autotune,
                                          kind=DraftKind(f"draft{config.speculative_k}"), after=decode_step,
                                          cache_max_gb=config.compile_cache_max_gb)
-        self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_id, self.bucket_of, self.draft,
+        self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_ids, self.bucket_of, self.draft,
                                         sorted(self.verify_steps), paid=self.paid)
         self.policy.always = config.speculative_always
 

@@ -133,9 +133,9 @@ def test_json_numbers_stay_finite_doubles_however_hard_the_model_pushes(make_eng
                                 logit_bias=tuple((t, 40.0) for t in pushed))
         outputs = run(engine, prompt(6, 1), params, f"n{grammar.description[:9]}")
         text = text_of(engine, outputs)
-        numbers = []
-        json.loads(text, parse_float=lambda s: numbers.append(s) or float(s),
-                   parse_int=lambda s: numbers.append(s) or int(s))
+        numbers: list[str] = []
+        json.loads(text, parse_float=lambda s, seen=numbers: seen.append(s) or float(s),
+                   parse_int=lambda s, seen=numbers: seen.append(s) or int(s))
         assert all(math.isfinite(float(n)) for n in numbers), text
         if grammar.description.startswith("json_schema"):  # (there the push reaches a bound: x and y are numbers)
             assert len(numbers) == 2 and any("e" in n.lower() or len(n) >= 19 for n in numbers), text

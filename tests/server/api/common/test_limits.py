@@ -64,8 +64,10 @@ def test_token_ids_are_checked_once_by_the_engine_and_a_session_create_leaves_no
     assert refused(limited.post("/v1/completions", json={"prompt": [1, vocab]}), "prompt")["message"] == (
         f"{message}: {vocab} is not")
     batch = {"prompt": [[1, 2], [3, vocab + 7]], "max_tokens": 2}  # the first prompt is accepted, then withdrawn
-    assert refused(limited.post("/v1/completions", json=batch), "prompt")["message"] == f"{message}: {vocab + 7} is not"
-    assert refused(limited.post("/v1/sessions", json={"prompt": [5, -1]}), "prompt")["message"] == f"{message}: -1 is not"
+    assert refused(limited.post("/v1/completions", json=batch), "prompt")["message"] == (
+        f"{message}: {vocab + 7} is not")
+    session = limited.post("/v1/sessions", json={"prompt": [5, -1]})
+    assert refused(session, "prompt")["message"] == f"{message}: -1 is not"
     assert limited.app.state.engine.registry.by_id == {}  # checked before the session existed
     assert limited.get("/v1/sessions").json()["data"] == []
     accounting = assert_slots_balance(limited.app.state.engine)

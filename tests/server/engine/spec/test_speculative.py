@@ -57,7 +57,7 @@ class OracleDrafter:
 
     expected: list[int] = []
 
-    def __init__(self, context, eos_id=None, **_):
+    def __init__(self, context, eos_ids=frozenset(), **_):
         self.pushed = 0  # tokens generated after the first (which arrives in the context)
 
     def push(self, token):
@@ -268,7 +268,7 @@ def test_the_policy_verifies_only_while_it_pays():
                                constraint=None, num_generated=1, slot=slot, next_token=2, speculation=spec)
 
     paid = []
-    policy = SpeculationPolicy("off", 4, 0, lambda kind, rows: (rows, True), widths=[2, 4],
+    policy = SpeculationPolicy("off", 4, frozenset({0}), lambda kind, rows: (rows, True), widths=[2, 4],
                                paid=lambda width, n: paid.append((width, n)))
     rows = [row(s) for s in range(4)]
     assert policy.plan(rows) is None  # no decode step timed yet
