@@ -4,6 +4,7 @@ from the settings' defaults), real server processes and real programs (redis-ser
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -39,6 +40,18 @@ def require_program(name: str, package: str) -> str:
 
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # the engine tests' usual request
+
+
+def require_kernel() -> None:
+    """linserve's kernels (model/kernels) are built with the C++ compiler: missing, a skip on a developer's
+    machine, a failure in CI."""
+    from linserve.model import kernels
+
+    if not kernels.load():
+        message = f"the kernel could not be built: {kernels.load_error()}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 def prompt(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
@@ -147,6 +160,18 @@ class ServerProcess:
 
     def __getitem__(self, key: str):
         return getattr(self, key)
+
+
+def assert_json_schema_answer(base: str) -> None:
+    """A chat request under a small `json_schema` answers JSON that the schema's type holds (a served model of any
+    family or vocabulary, through the grammar engine's view of it)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    reply = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Answer."}], "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+    assert reply.status_code == 200, reply.text
+    assert isinstance(json.loads(reply.json()["choices"][0]["message"]["content"])["ok"], bool)
 
 
 def start_redis(directory, port: int | None = None, durable: bool = False) -> tuple[str, subprocess.Popen]:

@@ -1,23 +1,19 @@
 """linserve's projection kernel (model/kernels): the function it computes, batch invariance in every form, int8."""
 
-import os
-
 import pytest
 import torch
 
 from linserve.model import kernels, numerics, projection
+from tests.helpers import require_kernel
 
 OP = torch.ops.linserve if kernels.load() else None
 
 
 @pytest.fixture(autouse=True)
 def kernel_built():
-    """The kernel is built with the C++ compiler: missing, a skip on a developer's machine, a failure in CI."""
-    if not kernels.load():
-        message = f"the kernel could not be built: {kernels.load_error()}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_kernel()
+
+
 SHAPES = [(1, 768, 256), (3, 50, 77), (7, 1024, 1024), (33, 33, 300), (130, 256, 1024), (40, 40, 64), (5, 17, 31)]
 
 

@@ -1,19 +1,16 @@
 """model/projection.py: the projections' weight formats (bf16, int8) over linserve's kernel."""
 
-import os
 
 import pytest
 import torch
 
-from linserve.model import kernels, projection
+from linserve.model import projection
+from tests.helpers import require_kernel
 
 
 @pytest.fixture
 def int8_weights():
-    if not kernels.load():
-        if os.environ.get("CI"):
-            pytest.fail(f"the kernel could not be built: {kernels.load_error()}")
-        pytest.skip(f"the kernel could not be built: {kernels.load_error()}")
+    require_kernel()
     projection.set_weight_format("int8")
     yield
     projection.set_weight_format("bf16")

@@ -1,24 +1,21 @@
 """model/weights.py: one copy of the projection weights (their packed form), and the digest that names them."""
 
-import os
 
 import pytest
 import torch
 
-from linserve.model import kernels, projection
+from linserve.model import projection
 from linserve.model.checkpoint import load_checkpoint
 from linserve.model.loading import DEFAULT_CHECKPOINT
 from linserve.model.weights import content_digest, keep_one_copy, state_dict_for_compiler
+from tests.helpers import require_kernel
 
 from .families.checkpoints import FAMILY_CASES, write_checkpoint
 
 
 @pytest.fixture
 def kernel():
-    if not kernels.load():
-        if os.environ.get("CI"):
-            pytest.fail(f"the kernel could not be built: {kernels.load_error()}")
-        pytest.skip(f"the kernel could not be built: {kernels.load_error()}")
+    require_kernel()
 
 
 def logits_and_state(model, ids):
@@ -27,7 +24,7 @@ def logits_and_state(model, ids):
     return logits, state
 
 
-@pytest.mark.parametrize("case", ["shipped", "gated_deltanet", "hybrid"])
+@pytest.mark.parametrize("case", ["shipped", *FAMILY_CASES])
 def test_after_the_release_the_model_computes_the_same_bits_from_one_copy(kernel, tmp_path, case):
     path = DEFAULT_CHECKPOINT if case == "shipped" else write_checkpoint(tmp_path / case, FAMILY_CASES[case])
     model = load_checkpoint(path, torch.device("cpu"), torch.bfloat16)

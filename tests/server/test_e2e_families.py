@@ -4,7 +4,6 @@ decoding with the text of plain decoding; a `json_schema` request; (gla) the com
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
@@ -13,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from linserve.model.checkpoint import load_checkpoint
-from tests.helpers import ServerProcess, metric
+from tests.helpers import ServerProcess, assert_json_schema_answer, metric
 from tests.model.families.checkpoints import FAMILY_CASES, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -92,14 +91,7 @@ def test_speculative_decoding_gives_plain_decodings_text(served):
 
 
 def test_a_json_schema_request_answers_valid_json(served):
-    _, _, base = served
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    reply = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "Answer."}], "max_tokens": 40, "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
-    assert reply.status_code == 200, reply.text
-    assert isinstance(json.loads(reply.json()["choices"][0]["message"]["content"])["ok"], bool)
+    assert_json_schema_answer(served[2])
 
 
 @pytest.mark.parametrize("family", ["gla", "hybrid"])  # hybrid: a Gated DeltaNet layer and a window layer

@@ -5,15 +5,13 @@ json_schema request never see a padded id; prompts and logit_bias naming one are
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from linserve.model.checkpoint import load_checkpoint
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, assert_json_schema_answer
 from tests.model.families.checkpoints import FAMILY_CASES
 from tests.model.test_vocabulary import PADDED, TOKENS, padded_checkpoint
 
@@ -78,13 +76,7 @@ def test_speculation_and_a_json_schema_never_see_the_padding(served):
     drafted = httpx.post(f"{base}/v1/completions", json={**body, "speculative": {"method": "ngram"}}, timeout=120)
     assert drafted.status_code == plain.status_code == 200, drafted.text
     assert drafted.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    reply = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "Answer."}], "max_tokens": 40, "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
-    assert reply.status_code == 200, reply.text
-    assert isinstance(json.loads(reply.json()["choices"][0]["message"]["content"])["ok"], bool)
+    assert_json_schema_answer(base)
 
 
 @pytest.mark.parametrize("body,param", [
