@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from linserve.model import projection
 from linserve.model.checkpoint import load_served, load_tokenizer
+from linserve.model.interface import fixed_state
 from linserve.model.loading import (
     DEFAULT_CHECKPOINT,
     load_model,
@@ -51,7 +52,7 @@ access_log = logging.getLogger("linserve.access")
 
 def engine_config(settings: Settings, model) -> EngineConfig:
     """Slots from the settings: a count, or a memory budget ÷ bytes per slot (a KV cache's at max_context)."""
-    linear = model.config.attention == "linear"
+    linear = fixed_state(model)
     slot_bytes = model.state_bytes() if linear else model.state_bytes(settings.max_context)
     slots = settings.num_slots
     budget_mb = settings.state_memory_mb if linear else (settings.state_memory_mb or settings.kv_memory_mb)
@@ -67,7 +68,7 @@ def load_draft(settings: Settings, model, tokenizer, device):
     """The draft model (fp32) for `speculative: draft`: `draft_model`, or None when unset (none is shipped: on a
     CPU the shipped model is too small for a draft model to pay). It must share the served model's tokenizer."""
     draft_path = Path(settings.draft_model) if settings.draft_model else None
-    if draft_path is None or model.config.attention != "linear":
+    if draft_path is None or not fixed_state(model):
         if settings.speculative == "draft":
             raise ValueError("speculative: draft needs a draft model (--draft-model) for a linear-attention model")
         return None
@@ -76,7 +77,7 @@ def load_draft(settings: Settings, model, tokenizer, device):
     draft = load_model(draft_path, device, torch.float32).model
     if draft.config.vocab_size > model.config.vocab_size:  # (the served model's padding is cut: the draft's too)
         serve_tokenizer_vocabulary(draft, model.config.vocab_size)
-    if draft.config.attention != "linear" or draft.config.vocab_size != model.config.vocab_size or (
+    if not fixed_state(draft) or draft.config.vocab_size != model.config.vocab_size or (
             load_tokenizer(draft_path).get_vocab() != tokenizer.get_vocab()):
         raise ValueError(f"the draft model {draft_path} must be a linear-attention model with the served model's "
                          "tokenizer (the same vocabulary and ids)")
@@ -93,7 +94,7 @@ def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object, G
     projection.use_quantization(settings.quantization, device, dtype)
     # any served family, strictly (model/checkpoint.py); a vocabulary padded past the tokenizer served as its
     model, tokenizer = load_served(path, device, dtype)
-    if model.config.attention != "linear":  # the softmax baseline stays fp32: its KV cache is sized in it
+    if not fixed_state(model):  # the softmax baseline stays fp32: its KV cache is sized in it
         model = model.float()
         dtype = next(model.parameters()).dtype
     if checkpoint_vocab_size(model) != model.config.vocab_size:

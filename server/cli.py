@@ -211,6 +211,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     `draft`, also the draft model's drafting program)."""
     from linserve.model import projection
     from linserve.model.checkpoint import load_served
+    from linserve.model.interface import fixed_state
     from linserve.model.loading import resolve_device, resolve_dtype
     from linserve.server.app import engine_config, load_draft
     from linserve.server.engine.compile.compiled_decode import DecodeStep
@@ -230,7 +231,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     model, _ = load_served(checkpoint_dir(settings.model), device, dtype)  # the model `serve` serves
     # the count `serve` will run with (Inductor builds it into the kernels)
     apply_threads(settings.threads, settings.prefill_threads, weight_bytes(model))
-    if model.config.attention != "linear":
+    if not fixed_state(model):
         print("error: only linear-attention models have a compiled decode step", file=sys.stderr)
         return 2
     # the programs read the pool's and the samplers' buffers: compiled for the slot count `serve` would have

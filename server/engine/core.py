@@ -30,7 +30,8 @@ from dataclasses import replace
 
 import torch
 
-from linserve.model import LinearGPT, numerics
+from linserve.model import numerics
+from linserve.model.interface import ServedModel
 from linserve.model.loading import in_dtype
 
 from . import heap
@@ -71,9 +72,9 @@ STEP_FAILED = "the engine failed while serving this request (see the server log)
 
 
 class Engine:
-    def __init__(self, model: LinearGPT, tokenizer, config: EngineConfig, device: torch.device,
+    def __init__(self, model: ServedModel, tokenizer, config: EngineConfig, device: torch.device,
                  stats_sink: StatsSink | None = None, dtype: torch.dtype | None = None,
-                 draft_model: LinearGPT | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 draft_model: ServedModel | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         """`model` serves every form — prefill, prompt scoring, decode steps, verification — with its weights in
         `dtype` (None: as they are; else a copy): one function for every token, so a token's logits and state
         never depend on which form computed it (docs/engine.md, "Same request, same tokens"). `draft_model`:

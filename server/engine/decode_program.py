@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from linserve.model import LinearGPT
 from linserve.model.decode_step import flat_decode_step, state_names
+from linserve.model.interface import ServedModel
 
 from .sampling import choose_tokens
 
@@ -47,7 +47,7 @@ class ProgramKind:
     def io_rows(self) -> int:
         return 3 if self.drafts == 0 else self.drafts + 4
 
-    def make(self, model: LinearGPT):
+    def make(self, model: ServedModel):
         if self.drafts == 0:
             return decode_program(model)
         from .spec.verify_program import verify_program
@@ -70,7 +70,7 @@ def verify_kind(k: int) -> ProgramKind:
     return ProgramKind(f"verify{k}")
 
 
-def decode_program(model: LinearGPT):
+def decode_program(model: ServedModel):
     """The whole decode step as one function of tensors — what gets compiled per bucket:
 
         program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from linserve.model.interface import fixed_state
+
 from .compile.compiled_decode import DecodeStep
 from .prefix_cache import PrefixCache
 from .sampling import SlotSampling
@@ -63,7 +65,7 @@ class ModelParts:
 def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: torch.device, eos_ids: frozenset[int],
                 threads, draft_model=None) -> ModelParts:
     max_rows = min(config.num_slots, config.max_batch_tokens)
-    if model.config.attention != "linear":
+    if not fixed_state(model):
         pool = KVCachePool(model, config.num_slots, config.max_context, device)
         prefix_cache = PrefixCache(0, config.max_prefill_chunk, pool.slot_bytes)
         runner = KVCacheRunner(model, pool, sampling, None, prefix_cache, device, eos_ids, threads)

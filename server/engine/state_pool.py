@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from linserve.model import LinearGPT, ModelState
+from linserve.model import ModelState
+from linserve.model.interface import ServedModel, fixed_state
 
 
 def slots_for_budget(memory_bytes: int, state_bytes: int) -> int:
@@ -77,8 +78,8 @@ class SlotPool:
 class StatePool(SlotPool):
     """Fixed-size (S, z, conv window) states of a linear-attention model."""
 
-    def __init__(self, model: LinearGPT, num_slots: int, device: torch.device) -> None:
-        if model.config.attention != "linear":
+    def __init__(self, model: ServedModel, num_slots: int, device: torch.device) -> None:
+        if not fixed_state(model):
             raise ValueError("the state pool holds fixed-size (S, z) states: attention must be 'linear'")
         template = model.init_state(1, device).tensors()  # name → (1, …) fp32
         buffers = {

@@ -8,6 +8,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from linserve.model import projection
+from linserve.model.interface import fixed_state, model_type
 from linserve.model.loading import DEFAULT_CHECKPOINT
 from linserve.model.vocabulary import checkpoint_vocab_size
 
@@ -97,8 +98,8 @@ def model_card(request: Request, settings) -> ModelCard:
     model = get_engine(request).model
     return ModelCard(id=settings.served_model_name, created=request.app.state.started,
                      root=str(settings.model or DEFAULT_CHECKPOINT),
-                     model_type=getattr(model.config, "model_type", "linear_gpt"),
-                     state_bytes=model.state_bytes() if model.config.attention == "linear" else None,
+                     model_type=model_type(model.config),
+                     state_bytes=model.state_bytes() if fixed_state(model) else None,
                      vocab_size=model.config.vocab_size, checkpoint_vocab_size=checkpoint_vocab_size(model),
                      generation_defaults=request.app.state.generation.describe())
 

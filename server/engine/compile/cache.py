@@ -14,7 +14,8 @@ import shutil
 
 import torch
 
-from linserve.model import LinearGPT, kernels, projection
+from linserve.model import kernels, projection
+from linserve.model.interface import ServedModel
 from linserve.model.weights import content_digest
 
 from .program_compiler import ARTIFACT_FORMAT, CPU, CompilerProcess, artifact_path, load_artifact, write_model
@@ -25,7 +26,7 @@ IN_USE = "in_use.lock"  # each process serving from a cache directory holds a sh
 _claims: dict[str, object] = {}  # directory → the open lock file this process holds
 
 
-def compile_cache_dir(base: str | None, model: LinearGPT, device: torch.device, autotune: bool = True,
+def compile_cache_dir(base: str | None, model: ServedModel, device: torch.device, autotune: bool = True,
                       sources: tuple[str, ...] = ()) -> str:
     """Where this model's compiled buckets live: under `base` (unset: the user's cache directory,
     `$XDG_CACHE_HOME/linserve/compile`, else `~/.cache/linserve/compile`), one subdirectory per model
@@ -168,7 +169,7 @@ class ChildBuilder:
     """Each bucket's program is an AOTInductor artifact for `device` in the cache directory — loaded if
     there, else built by a compiler child process (started on the first miss; see program_compiler)."""
 
-    def __init__(self, directory: str, model: LinearGPT, num_slots: int, can_compile: bool, autotune: bool,
+    def __init__(self, directory: str, model: ServedModel, num_slots: int, can_compile: bool, autotune: bool,
                  program: str = "decode", device: torch.device = CPU, threads: int | None = None) -> None:
         """`threads`: the intra-op count the programs are built for (CompilerProcess: default this thread's)."""
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None

@@ -31,8 +31,9 @@ import time
 
 import torch
 
-from linserve.model import LinearGPT, numerics
+from linserve.model import numerics
 from linserve.model.decode_step import state_names
+from linserve.model.interface import ServedModel
 
 from ..cpu_threads import in_passing_thread, one_thread_here
 from ..decode_program import DECODE, DecodeOutputs, ProgramKind
@@ -72,7 +73,7 @@ class DecodeStep:
     Called on the engine thread only; the compile thread hands over buckets through `_ready`.
     """
 
-    def __init__(self, model: LinearGPT, pool: StatePool, sampling: SlotSampling, device: torch.device,
+    def __init__(self, model: ServedModel, pool: StatePool, sampling: SlotSampling, device: torch.device,
                  mode: str = "off", max_rows: int = 64, cache_dir: str | None = None, autotune: bool = True,
                  kind: ProgramKind = DECODE, after: DecodeStep | None = None, on_demand: bool = False,
                  cache_max_gb: float | None = None) -> None:

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from linserve.model import LinearGPT, families, kernels, numerics, projection
+from linserve.model import families, kernels, numerics, projection
+from linserve.model.interface import LINEAR_GPT, ServedModel, model_type
 from linserve.model.weights import state_dict_for_compiler
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def artifact_path(directory: str, num_slots: int, size: int, program: str = "dec
     return os.path.join(directory, f"{program}-s{num_slots}-b{size}.pt2")
 
 
-def write_model(directory: str, model: LinearGPT) -> None:
+def write_model(directory: str, model: ServedModel) -> None:
     """What the child needs to rebuild the program (config, dtype, weights), once per cache directory
     (which is keyed by exactly these), atomically."""
     path = os.path.join(directory, MODEL_FILE)
@@ -56,7 +57,7 @@ def write_model(directory: str, model: LinearGPT) -> None:
         return
     os.makedirs(directory, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    payload = {"config": model.config.to_dict(), "model_type": getattr(model.config, "model_type", "linear_gpt"),
+    payload = {"config": model.config.to_dict(), "model_type": model_type(model.config),
                "dtype": dtype, "weights": projection.weight_format(),
                "state_dict": state_dict_for_compiler(model)}
     temp = f"{path}.{os.getpid()}.tmp"
@@ -80,7 +81,7 @@ class WithWeights:
         return self.program(*args, *self.weights)
 
 
-def shared_weights(path: str, model: LinearGPT) -> list[torch.Tensor]:
+def shared_weights(path: str, model: ServedModel) -> list[torch.Tensor]:
     """The tensors an artifact takes after the program's arguments: each listed parameter's packed projection
     weight (and int8 scale), from this process's packing — the eager program's own."""
     with open(weights_manifest(path)) as manifest:
@@ -93,7 +94,7 @@ def shared_weights(path: str, model: LinearGPT) -> list[torch.Tensor]:
 
 
 def load_artifact(directory: str, num_slots: int, size: int, program: str = "decode",
-                  device: torch.device = CPU, model: LinearGPT | None = None):
+                  device: torch.device = CPU, model: ServedModel | None = None):
     """A finished bucket's program (callable with the program's arguments), or None if there is none. A CPU
     program whose projections read their weights as inputs gets `model`'s (shared_weights)."""
     path = artifact_path(directory, num_slots, size, program)
@@ -155,7 +156,7 @@ class CompilerProcess:
 
 
 # ---------------------------------------------------------------------------------------------- the child
-def _load(directory: str, device: torch.device) -> LinearGPT:
+def _load(directory: str, device: torch.device) -> ServedModel:
     """The served model as the parent has it, on its device: parameters in its dtype, buffers as saved (a
     head's decay stays fp32 — `in_dtype`, as `from_pretrained` loads it; cast to bf16 it would decay another
     state)."""
@@ -163,12 +164,12 @@ def _load(directory: str, device: torch.device) -> LinearGPT:
 
     payload = torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
     projection.set_weight_format(payload.get("weights", "bf16"))  # the projections' format, as the server's
-    model = families.build({**payload["config"], "model_type": payload.get("model_type", "linear_gpt")})
+    model = families.build({**payload["config"], "model_type": payload.get("model_type", LINEAR_GPT)})
     model.load_state_dict(payload["state_dict"], assign=True)  # each tensor in its saved dtype
     return in_dtype(model, getattr(torch, payload["dtype"])).to(device).eval()
 
 
-def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune: bool,
+def build(directory: str, model: ServedModel, num_slots: int, size: int, autotune: bool,
           name: str = "decode") -> None:
     """Export and AOT-compile the program `name` ("decode" or "verify{k}") for `size` rows on the model's
     device into its artifact (atomically); with `autotune` (CPU), Inductor times its GEMM choices
@@ -230,7 +231,7 @@ def build(directory: str, model: LinearGPT, num_slots: int, size: int, autotune:
     os.replace(temp, path)
 
 
-def projection_weights(model: LinearGPT, program, args: tuple) -> list[tuple[str, torch.Tensor]]:
+def projection_weights(model: ServedModel, program, args: tuple) -> list[tuple[str, torch.Tensor]]:
     """(name, weight) of every parameter the program's projections read through linserve's kernel: found by
     running the program once eagerly (each projection packs its weight on first use); none without the kernel."""
     if not kernels.load():
@@ -241,7 +242,7 @@ def projection_weights(model: LinearGPT, program, args: tuple) -> list[tuple[str
     return [(name, weight) for name, weight in model.named_parameters() if id(weight) in used]
 
 
-def same_bits_as_eager(model: LinearGPT) -> dict:
+def same_bits_as_eager(model: ServedModel) -> dict:
     """Inductor settings under which a program computes what the eager model does, bit for bit
     (model/numerics.py): bf16 roundings where eager rounds (`emulate_precision_casts`: a fused kernel would
     otherwise keep fp32 between ops), bf16 weights packed by oneDNN for one row — as `projection.packed` packs

@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-from linserve.model import LinearGPT
+from linserve.model.interface import ServedModel
 
 from ..accounting import check_token_ids
 from ..state_pool import StatePool
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 
 class SessionRegistry:
-    def __init__(self, pool: StatePool, model: LinearGPT, max_host_sessions: int, ttl_s: float,
+    def __init__(self, pool: StatePool, model: ServedModel, max_host_sessions: int, ttl_s: float,
                  reserved_slots: int = 0, turns_kept: int = 8, store: SessionStore | None = None,
                  worker: StoreWorker | None = None, text_chars: int = 0, entries_bytes: int = 64 * 2**20) -> None:
         self.pool = pool

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from linserve.model import LinearGPT
+from linserve.model.interface import ServedModel
 from linserve.model.weights import content_digest
 
 from ..types import EngineError
@@ -27,7 +27,7 @@ SNAPSHOT_VERSION = "2"  # 1 had no `seen`/`tail`: still imported, with an empty 
 MAX_STATE_MAGNITUDE = 1e12
 
 
-def model_fingerprint(model: LinearGPT) -> str:
+def model_fingerprint(model: ServedModel) -> str:
     """sha256 over the config and every weight: a snapshot only resumes on the model that made it."""
     return content_digest(model).hexdigest()
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from linserve.model import LinearGPT
 from linserve.model.decode_step import flat_decode_step, state_names
+from linserve.model.interface import ServedModel
 
 from ..state_pool import StatePool
 
@@ -42,14 +42,14 @@ class DraftKind:
     def label(self) -> str:
         return f"draft model step (k={self.k})"
 
-    def make(self, model: LinearGPT):
+    def make(self, model: ServedModel):
         return draft_program(model, self.k)
 
     def arguments(self, io: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return io[0], io[1]
 
 
-def draft_program(model: LinearGPT, k: int):
+def draft_program(model: ServedModel, k: int):
     """program(pending (P,), slots (P,), *draft pool buffers, *ignored) -> (drafts (P, k), *states (P, k+1, …))
 
     states[:, i] is the draft state after pending + d1 … di (in `state_names` order)."""
@@ -74,7 +74,7 @@ def draft_program(model: LinearGPT, k: int):
 class DraftModel:
     """The draft model's per-slot state and its drafting step (a `DecodeStep` of kind "draft{k}")."""
 
-    def __init__(self, model: LinearGPT, num_slots: int, device: torch.device) -> None:
+    def __init__(self, model: ServedModel, num_slots: int, device: torch.device) -> None:
         self.model, self.device = model.eval(), device
         self.pool = StatePool(model, num_slots, device)
         self.step = None  # compiled_decode.DecodeStep of kind "draft{k}", set by the engine

@@ -4,7 +4,7 @@ pass from the rows' (S, z), and the state rolled back to the last accepted token
 A row feeds [pending, d1 … dk]: its pending token (chosen last step, not yet in the state) and its drafts.
 The model runs those k + 1 tokens from the row's state (the projections over all of them at once, the
 recurrence token by token: `linear_attention.scan`) and keeps the state after
-every prefix (`LinearGPT.forward(prefixes=True)`), so position j's logits are what a plain decode step
+every prefix (the model's `forward(prefixes=True)`), so position j's logits are what a plain decode step
 would see after d1 … dj, and the state after any accepted prefix is already there: rolling back is
 picking it (`ModelState.select_prefix`), never recomputing.
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from linserve.model import LinearGPT
 from linserve.model.decode_step import flat_verify_step, state_names
+from linserve.model.interface import ServedModel
 
 from ..sampling import counter_uniforms, process_logits, sample_plain
 
@@ -85,7 +85,7 @@ def accept_drafts(logits: torch.Tensor, ids: torch.Tensor, limits: torch.Tensor,
     return chosen, kept, finite, uniforms.view(P, T)[rows, kept], processed[rows, kept], logits[rows, kept]
 
 
-def verify_program(model: LinearGPT, k: int):
+def verify_program(model: ServedModel, k: int):
     """The verification step as one function of tensors — what gets compiled per bucket:
 
         program(ids (k+1, P), limits (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)
