@@ -9,9 +9,11 @@ from linserve.server.engine.types import FinishReason, RequestOutput, TokenLogpr
 
 
 def outputs(tokenizer, ids: list[int], texts: list[str], reason: FinishReason) -> list[RequestOutput]:
+    """As the engine makes them: an end-of-text token says so (`end_of_text`)."""
     return [RequestOutput(request_id="r", index=0, token_id=i, text=t,
                           logprob=TokenLogprob(token_id=i, logprob=-1.0, top=()),
-                          finish_reason=reason if n == len(ids) - 1 else None)
+                          finish_reason=reason if n == len(ids) - 1 else None,
+                          end_of_text=i == tokenizer.eos_token_id)
             for n, (i, t) in enumerate(zip(ids, texts))]
 
 
