@@ -83,6 +83,7 @@ class NumberTables:
         self.lead_value = torch.tensor([int(t[: min(n, 4)] or 0) for t, n in zip(texts, lead)])  # (V,) ≤ 9999
         self.bad = {kind: self._bad(lambda t, k=kind: lex((k, 0, 0), t)) for kind in (OUT, STRING, ESCAPE, FRACTION,
                                                                                       EXP_SIGN)}
+        self.binds = {kind: bool(bad.any()) for kind, bad in self.bad.items()}  # (most states forbid nothing)
         # the rest after the leading digits (which begins with something else: the count no longer matters)
         self.rest_bad_int = self._bad(lambda t, n: lex((INT, 1, 0), t[n:]), with_lead=True)
         self.rest_bad_exp = self._bad(lambda t, n: lex((EXP, 1, 0), t[n:]), with_lead=True)
@@ -101,9 +102,9 @@ class NumberTables:
             bad = (self.lead + digits > MAX_EXP_DIGITS) | (value * scale + self.lead_value > MAX_EXPONENT)
             bad |= self.rest_bad_exp
         else:
-            bad = self.bad[kind]
-            if not bool(bad.any()):
+            if not self.binds[kind]:
                 return None
+            bad = self.bad[kind]
         return ~bad
 
 
