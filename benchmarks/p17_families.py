@@ -6,6 +6,8 @@ made here, against llama.cpp's `llama-server` serving a Mamba of the same class 
     python benchmarks/p17_families.py [--reps 2] [--families linear_attn gla] [--quick] [--out FILE]
 
 `--families gated_deltanet`: fla's Gated DeltaNet 340M config (21 layers × 1,024, 6 heads of 256).
+`--families mamba2 --peer mamba2-370m`: mamba2-370m's shape (48 × 1,024, 32 heads of 64, state 128) beside
+llama.cpp's Mamba2 of the same shape (`make_models.py mamba2-370m`).
 
 Measured, side by side in one run:
 - ITL flat: 1 stream × 8,192 tokens, ITL p50 of the last 1,024 tokens / the first 1,024 (≤ 1.10);
@@ -54,7 +56,10 @@ FAMILIES = {"linear_attn": {"model_type": "linear_attn", "feature_map": "elu"}, 
             "retnet": {"model_type": "retnet"},
             # fla's Gated DeltaNet 340M / 1.3B configs: 6 heads of 256 (values 512), 21 layers
             "gated_deltanet": {"model_type": "gated_deltanet", "num_heads": 6, "head_dim": 256, "expand_v": 2,
-                               "num_hidden_layers": 21}}
+                               "num_hidden_layers": 21},
+            # state-spaces/mamba2-370m's shape: 48 layers × 1,024, 32 heads of 64, state 128, one group
+            "mamba2": {"model_type": "mamba2", "num_hidden_layers": 48, "head_dim": 64, "state_size": 128,
+                       "n_groups": 1, "expand": 2}}
 P17_FAMILIES = ("linear_attn", "gla")
 
 
@@ -136,13 +141,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="fla families at their 340M shape (default: linear_attn gla)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"],
                         help="int8: linserve serves int8 weights, beside llama.cpp's Q8_0 of the same Mamba")
+    parser.add_argument("--peer", default=None, choices=["mamba-370m", "mamba2-370m"],
+                        help="llama.cpp's model beside linserve (default mamba-370m; its Q8_0 with --quantization int8)")
     parser.add_argument("--no-long", action="store_true", help="skip the 1 x 8,192 load (ITL late/early)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     loads = {"1x512": (1, 512), "8x256": (8, 256), "1x8192": (1, 8192)}
     if args.no_long:
         del loads["1x8192"]
-    peer_model = "mamba-370m-q8_0" if args.quantization == "int8" else "mamba-370m"
+    peer_model = args.peer or ("mamba-370m-q8_0" if args.quantization == "int8" else "mamba-370m")
     quantized = ["--quantization", args.quantization]
     if args.quick:
         args.reps, args.steps, loads = 1, 5, {"1x32": (1, 32), "8x16": (8, 16), "1x128": (1, 128)}

@@ -177,7 +177,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype =
     raw, model = _validated(path)
     model.load_state_dict(read_weights(path), strict=False, assign=True)  # (names and shapes checked above)
     if getattr(model.config, "tie_word_embeddings", False):
-        model.lm_head.weight = model.model.embeddings.weight
+        model.lm_head.weight = model.body.embeddings.weight
     for parameter in model.parameters():  # each once: a tied head stays tied
         parameter.data = parameter.data.to(device=device, dtype=dtype)
     for buffer in model.buffers():

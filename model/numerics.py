@@ -170,6 +170,16 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.double()).to(x.dtype)
 
 
+SOFTPLUS_THRESHOLD = 20.0  # torch's: above it softplus(x) is x
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + eˣ) of fp32 values in float64, rounded once to float32 (x itself above torch's threshold of 20):
+    the same bits from any backend, as `exp`."""
+    h = x.double()
+    return torch.where(h > SOFTPLUS_THRESHOLD, h, torch.log1p(torch.exp(h))).to(torch.float32)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm over the last dimension, computed in fp32 with tree sums and returned in x's dtype."""
     h = x.float()  # (..., C)

@@ -1,11 +1,12 @@
 """The llama.cpp peers' models: GPT-2 (6 × 256, 8 heads, MLP 4×, 16,384 positions) and Mamba (12 × 256,
 inner 512, state 16) for P9, GGUF F32; and for P17 a Mamba of fla's 340M class (mamba-370m's shape: 48 ×
 1,024, inner 2,048, state 16), GGUF BF16 (the dtype linserve serves it beside), and the same in Q8_0 (the peer
-of linserve's int8 weights: `mamba-370m-q8_0`). Random weights, linserve's
+of linserve's int8 weights: `mamba-370m-q8_0`); for P17's Mamba2 a Mamba2 of mamba2-370m's shape (48 × 1,024,
+32 heads of 64, state 128), GGUF BF16 (`mamba2-370m`). Random weights, linserve's
 tokenizer, saved with transformers and converted by llama.cpp's own `convert_hf_to_gguf.py` (from the sdist
 `build_llama_server.sh` unpacked). Cached under data/peers/models/; nothing is downloaded.
 
-    python benchmarks/peers/make_models.py [NAME …]   → data/peers/models/{gpt2,mamba,mamba-370m,mamba-370m-q8_0}.gguf
+    python benchmarks/peers/make_models.py [NAME …]   → data/peers/models/{gpt2,mamba,mamba-370m,mamba-370m-q8_0,mamba2-370m}.gguf
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
-SHAPES = {"mamba": (256, 12), "mamba-370m": (1024, 48), "mamba-370m-q8_0": (1024, 48)}  # hidden, layers
+SHAPES = {"mamba": (256, 12), "mamba-370m": (1024, 48), "mamba-370m-q8_0": (1024, 48),  # hidden, layers
+          "mamba2-370m": (1024, 48)}  # state-spaces/mamba2-370m's shape: 32 heads of 64, state 128, one group
 # mamba-370m-q8_0: the same weights (seed 0) as llama.cpp's users run them — Q8_0, the peer of `quantization: int8`
-OUTTYPE = {"mamba-370m": "bf16", "mamba-370m-q8_0": "q8_0"}
+OUTTYPE = {"mamba-370m": "bf16", "mamba-370m-q8_0": "q8_0", "mamba2-370m": "bf16"}
 
 
 def vocab_size() -> int:
@@ -57,13 +59,18 @@ def build(name: str) -> Path:
     out = PEERS / "models" / f"{name}.gguf"
     if out.exists():
         return out
-    from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
 
     torch.manual_seed(0)
     vocab = vocab_size()
     if name == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=16384, n_embd=256, n_layer=6, n_head=8,
                                            n_inner=1024, bos_token_id=0, eos_token_id=0))
+    elif name.startswith("mamba2"):
+        hidden, layers = SHAPES[name]
+        model = Mamba2ForCausalLM(Mamba2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                               expand=2, head_dim=64, num_heads=2 * hidden // 64, state_size=128,
+                                               n_groups=1, bos_token_id=0, eos_token_id=0, pad_token_id=0))
     else:
         hidden, layers = SHAPES[name]
         model = MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,

@@ -12,13 +12,13 @@ from typing import Callable
 
 from torch import nn
 
-from . import delta_net, gated_deltanet, gla, linear_attn, retnet
+from . import delta_net, gated_deltanet, gla, linear_attn, mamba2, retnet
 from .fla_base import FlaCausalLM, RecurrentState, UnsupportedCheckpoint
 
 LINEAR_GPT = "linear_gpt"
 FLA_FAMILIES: dict[str, Callable[[dict], nn.Module]] = {"linear_attn": linear_attn.build, "gla": gla.build,
                                                        "retnet": retnet.build, "delta_net": delta_net.build,
-                                                       "gated_deltanet": gated_deltanet.build}
+                                                       "gated_deltanet": gated_deltanet.build, "mamba2": mamba2.build}
 MODEL_TYPES = (LINEAR_GPT, *FLA_FAMILIES)
 
 

@@ -297,6 +297,9 @@ class Backbone(nn.Module):
                   else make_mixer(config, i)) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
+    def final_norm(self, x: Tensor, exact: bool) -> Tensor:
+        return self.norm(x, exact)
+
 
 class FlaCausalLM(nn.Module):
     """An fla linear-family causal LM with the model interface the server uses:
@@ -304,15 +307,25 @@ class FlaCausalLM(nn.Module):
         forward(ids (B, T), state | None, key_mask=None, prefixes=False) -> (logits (B, T, V), state)
         init_state(B, device) · state_from_tensors(name → tensor) · state_bytes() · config
 
-    `prefixes`: the state after every prefix, each tensor (B, T, …) (speculative verification)."""
+    `prefixes`: the state after every prefix, each tensor (B, T, …) (speculative verification).
 
-    def __init__(self, config: FlaConfig, make_mixer: Callable[[FlaConfig, int], nn.Module]) -> None:
+    The backbone (embeddings, layers, final_norm) is `model` as fla names it for the attention-like families;
+    a family laid out otherwise (Mamba2's `backbone`) passes its own and the attribute's name."""
+
+    def __init__(self, config: FlaConfig, make_mixer: Callable[[FlaConfig, int], nn.Module] | None = None,
+                 backbone: nn.Module | None = None, backbone_name: str = "model") -> None:
         super().__init__()
         self.config = config
-        self.model = Backbone(config, make_mixer)
+        self.backbone_name = backbone_name
+        self.add_module(backbone_name, backbone if backbone is not None else Backbone(config, make_mixer))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embeddings.weight
+            self.lm_head.weight = self.body.embeddings.weight
+
+    @property
+    def body(self) -> nn.Module:
+        """The backbone: `embeddings`, `layers` (each block(x, layer state, prefixes)) and `final_norm`."""
+        return getattr(self, self.backbone_name)
 
     def init_state(self, batch: int, device: torch.device | str | None = None) -> RecurrentState:
         device = device if device is not None else self.lm_head.weight.device
@@ -338,11 +351,11 @@ class FlaCausalLM(nn.Module):
         B, T = ids.shape
         if state is None:
             state = self.init_state(B, ids.device)
-        x = self.model.embeddings(ids).to(self.lm_head.weight.dtype)  # (B, T, C)
+        x = self.body.embeddings(ids).to(self.lm_head.weight.dtype)  # (B, T, C)
         layers = []
-        for index, (block, layer_state) in enumerate(zip(self.model.layers, state.layers)):
+        for index, (block, layer_state) in enumerate(zip(self.body.layers, state.layers)):
             x, layer_state = block(x, layer_state, prefixes)  # (B, T, C)
             layers.append({name: layer_state[name] for name in self.config.layer_state_shapes(index)})  # pool order
-        x = self.model.norm(x, numerics.exact_inference(x))  # (B, T, C)
+        x = self.body.final_norm(x, numerics.exact_inference(x))  # (B, T, C)
         head = numerics.linear if numerics.exact_inference(x) else F.linear
         return head(x, self.lm_head.weight), RecurrentState(layers=tuple(layers))  # (B, T, V)

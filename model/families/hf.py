@@ -60,7 +60,7 @@ class FamilyForCausalLM(PreTrainedModel, GenerationMixin):
         return False  # the cache is the family's fixed-size state
 
     def get_input_embeddings(self) -> torch.nn.Module:
-        return self.family.model.embeddings
+        return self.family.body.embeddings
 
     def get_output_embeddings(self) -> None:
         return None  # the head belongs to the family model (tied there if its config says so)

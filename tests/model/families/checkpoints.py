@@ -23,6 +23,7 @@ FAMILY_CASES = {  # one checkpoint per family, with its state-shaping options on
     "gated_deltanet": {"model_type": "gated_deltanet", "head_dim": 16, "num_heads": 2, "num_v_heads": 4},
     "hybrid": {"model_type": "gated_deltanet", "head_dim": 16, "attn": {"layers": [1], "num_heads": 4,
                                                                        "num_kv_heads": 2, "window_size": 8}},
+    "mamba2": {"model_type": "mamba2", "head_dim": 16, "num_heads": 8, "state_size": 8, "n_groups": 2},
 }
 
 

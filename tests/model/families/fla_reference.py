@@ -94,12 +94,13 @@ CLASSES = {
     "gla": (fla_models.GLAConfig, fla_models.GLAForCausalLM),
 }
 for name, config_cls, model_cls in (("delta_net", "DeltaNetConfig", "DeltaNetForCausalLM"),
-                                    ("gated_deltanet", "GatedDeltaNetConfig", "GatedDeltaNetForCausalLM")):
+                                    ("gated_deltanet", "GatedDeltaNetConfig", "GatedDeltaNetForCausalLM"),
+                                    ("mamba2", "Mamba2Config", "Mamba2ForCausalLM")):
     if hasattr(fla_models, config_cls):
         CLASSES[name] = (getattr(fla_models, config_cls), getattr(fla_models, model_cls))
 
 
-VALUE_FIRST = ("gated_deltanet",)  # fla keeps these states (H, dv, dk); linserve (H, dk, dv)
+VALUE_FIRST = ("gated_deltanet", "mamba2")  # fla keeps these states (H, dv, dk); linserve (H, dk, dv)
 
 
 def layer_states(cache, n_layers: int, model_type: str) -> dict[str, torch.Tensor]:
@@ -119,7 +120,41 @@ def layer_states(cache, n_layers: int, model_type: str) -> dict[str, torch.Tenso
     return out
 
 
+def transformers_classes(model_type: str):
+    """transformers' own classes of a model type that both fla and transformers define (a spec's "source":
+    "transformers"): Mamba2 with n_groups > 1, where fla's CPU prefill tiles the groups (mamba2.py)."""
+    import transformers
+
+    return {"mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM)}[model_type]
+
+
+def make_with_transformers(spec: dict, tokenizer_dir: str) -> None:
+    """transformers' model as the reference: prompt log-probabilities, each layer's final recurrent state and
+    `generate()`'s greedy tokens (its own cache)."""
+    config_cls, model_cls = transformers_classes(spec["model_type"])
+    torch.manual_seed(spec.get("seed", 0))
+    model = model_cls(config_cls(**spec["config"])).float()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * spec.get("noise", 0.05))
+    model.eval()
+    model.save_pretrained(spec["dir"])
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(spec["dir"])
+    ids = torch.tensor([spec["prompt"]])
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        logprobs = out.logits.float().log_softmax(-1)[0]  # (T, V)
+        states = {f"layers.{i}.S": out.cache.get_recurrent_state(i)[0].float().transpose(-1, -2)
+                  for i in range(model.config.num_hidden_layers)}  # (H, P, N) → linserve's (H, N, P)
+        generated = model.generate(ids, max_new_tokens=spec.get("greedy", 0), do_sample=False,
+                                   min_new_tokens=spec.get("greedy", 0), pad_token_id=0, eos_token_id=None)
+    torch.save({"logprobs": logprobs, "states": states, "greedy": generated[0, ids.shape[1]:].tolist()},
+               os.path.join(spec["dir"], "reference.pt"))
+
+
 def make(spec: dict, tokenizer_dir: str) -> None:
+    if spec.get("source") == "transformers":
+        return make_with_transformers(spec, tokenizer_dir)
     config_cls, model_cls = CLASSES[spec["model_type"]]
     torch.manual_seed(spec.get("seed", 0))
     options = dict(fuse_cross_entropy=False, **spec["config"])

@@ -21,15 +21,17 @@ PROMPT_LEN, GREEDY = 64, 64
 TOLERANCE = 1e-4  # fp32
 
 
-def make_references(root: Path, cases: dict[str, tuple[str, dict]]) -> dict[str, Path]:
-    """cases: name → (model_type, fla config fields). One fla process makes every checkpoint and reference."""
+def make_references(root: Path, cases: dict[str, tuple]) -> dict[str, Path]:
+    """cases: name → (model_type, fla config fields[, source]): source "transformers" takes transformers' class
+    of the model type as the reference instead of fla's. fla processes make every checkpoint and reference."""
     generator = torch.Generator().manual_seed(1234)
     prompt = torch.randint(0, 4096, (PROMPT_LEN,), generator=generator).tolist()
     # attn_mode picks fla's kernel, not the function: "chunk" runs under the interpreter ("fused_chunk" does not)
     base = dict(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=4096, attn_mode="chunk")
-    specs = [{"dir": str(root / name), "model_type": model_type, "config": {**base, **fields}, "prompt": prompt,
-              "greedy": GREEDY, "seed": index, "tokenizer": str(DEFAULT_CHECKPOINT)}
-             for index, (name, (model_type, fields)) in enumerate(cases.items())]
+    specs = [{"dir": str(root / name), "model_type": case[0], "config": {**base, **case[1]}, "prompt": prompt,
+              "greedy": GREEDY, "seed": index, "tokenizer": str(DEFAULT_CHECKPOINT),
+              "source": case[2] if len(case) > 2 else "fla"}
+             for index, (name, case) in enumerate(cases.items())]
     (root / "specs.json").write_text(json.dumps(specs))  # compare_with_fla reads the prompt here
     # fla under Triton's interpreter is Python on one core: the references are made by one process per core
     # (at most 4), each with every n-th spec, one torch thread each

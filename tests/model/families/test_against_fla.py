@@ -60,6 +60,15 @@ CASES = {
     "gla-window-hybrid-biased": ("gla", {"attn": {"layers": [0], "num_heads": 2, "window_size": 8,
                                                   "qkv_bias": True, "rope_theta": 500.0}}),
     "delta_net-window-hybrid-filling": ("delta_net", {"attn": [{"layers": [0], "num_heads": 4, "window_size": 100}]}),
+    # mamba2: fla's (one group: its CPU prefill tiles groups, mamba2.py), then transformers' layout and defaults
+    "mamba2": ("mamba2", {"head_dim": 32, "state_size": 16}),
+    "mamba2-hdim_D-norm_first-tied-conv3-limited": ("mamba2", {
+        "head_dim": 16, "num_heads": 8, "state_size": 8, "D_has_hdim": True, "norm_before_gate": True, "tie_word_embeddings": True,
+        "conv_kernel": 3, "dt_limit": [0.01, 0.5], "use_bias": True}),
+    "mamba2-ungated_norm-gelu": ("mamba2", {"head_dim": 32, "state_size": 16, "rmsnorm": False,
+                                            "hidden_act": "gelu", "use_conv_bias": False}),
+    "mamba2-transformers-groups": ("mamba2", {"head_dim": 16, "num_heads": 8, "state_size": 16, "n_groups": 4,
+                                              "chunk_size": 16}, "transformers"),
 }
 
 
