@@ -7,7 +7,9 @@ made here, against llama.cpp's `llama-server` serving a Mamba of the same class 
 
 `--families gated_deltanet`: fla's Gated DeltaNet 340M config (21 layers × 1,024, 6 heads of 256).
 `--families mamba2 --peer mamba2-370m`: mamba2-370m's shape (48 × 1,024, 32 heads of 64, state 128) beside
-llama.cpp's Mamba2 of the same shape (`make_models.py mamba2-370m`).
+llama.cpp's Mamba2 of the same shape (`make_models.py mamba2-370m`); `--families rwkv7 --peer rwkv7-0.4b`:
+fla-hub's RWKV-7 0.4B shape (24 × 1,024) beside llama.cpp serving the same weights (`make_models.py rwkv7-0.4b`
+converts P17's own checkpoint).
 
 Measured, side by side in one run:
 - ITL flat: 1 stream × 8,192 tokens, ITL p50 of the last 1,024 tokens / the first 1,024 (≤ 1.10);
@@ -59,7 +61,10 @@ FAMILIES = {"linear_attn": {"model_type": "linear_attn", "feature_map": "elu"}, 
                                "num_hidden_layers": 21},
             # state-spaces/mamba2-370m's shape: 48 layers × 1,024, 32 heads of 64, state 128, one group
             "mamba2": {"model_type": "mamba2", "num_hidden_layers": 48, "head_dim": 64, "state_size": 128,
-                       "n_groups": 1, "expand": 2}}
+                       "n_groups": 1, "expand": 2},
+            # fla-hub's RWKV-7 0.4B: 24 layers × 1,024, heads of 64, FFN 4,096, fla's default LoRA ranks
+            "rwkv7": {"model_type": "rwkv7", "head_dim": 64, "intermediate_size": 4096, "decay_low_rank_dim": 64,
+                      "gate_low_rank_dim": 128, "a_low_rank_dim": 64, "v_low_rank_dim": 16, "norm_eps": 1e-5}}
 P17_FAMILIES = ("linear_attn", "gla")
 
 
@@ -141,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="fla families at their 340M shape (default: linear_attn gla)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"],
                         help="int8: linserve serves int8 weights, beside llama.cpp's Q8_0 of the same Mamba")
-    parser.add_argument("--peer", default=None, choices=["mamba-370m", "mamba2-370m"],
-                        help="llama.cpp's model beside linserve (default mamba-370m; its Q8_0 with --quantization int8)")
+    parser.add_argument("--peer", default=None, choices=["mamba-370m", "mamba2-370m", "rwkv7-0.4b"],
+                        help="llama.cpp's model beside linserve (default mamba-370m; Q8_0 with --quantization int8)")
     parser.add_argument("--no-long", action="store_true", help="skip the 1 x 8,192 load (ITL late/early)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ code that only serves a model never loads transformers' modeling code.
 """
 
 from .config import ModelConfig
-from .gpt import LinearGPT
+from .families.linear_gpt import LinearGPT
 from .hf_config import LinearGPTConfig
 from .state import BlockState, KVCacheState, LinearAttentionState, ModelState
 

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 ATTENTION_KINDS = ("linear", "softmax")
 FEATURE_MAPS = ("elu1", "relu", "favor")
@@ -37,6 +37,7 @@ class ModelConfig:
     """
 
     vocab_size: int = 4096
+    model_type: ClassVar[str] = "linear_gpt"  # the family (config.json's field; model/families/linear_gpt.py)
     d_model: int = 256
     n_layers: int = 6
     n_heads: int = 8

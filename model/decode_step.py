@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .gpt import LinearGPT
+from .families.linear_gpt import LinearGPT
 
 FlatStep = Callable[..., tuple[torch.Tensor, ...]]
 

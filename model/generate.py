@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .gpt import LinearGPT
+from .families.linear_gpt import LinearGPT
 from .state import ModelState
 
 

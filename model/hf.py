@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 
-from .gpt import LinearGPT
+from .families.linear_gpt import LinearGPT
 from .hf_config import LinearGPTConfig
 from .state import ModelState
 

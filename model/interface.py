@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from .families import LINEAR_GPT  # the shipped family's model_type (its config predates the field)
+from .families import LINEAR_GPT  # noqa: F401 - the shipped family's model_type, re-exported for the server
 
 
 class ServedState(Protocol):
@@ -24,6 +24,7 @@ class ServedState(Protocol):
 
 
 class ServedConfig(Protocol):
+    model_type: str  # the family (config.json's `model_type`): model/families/<model_type>.py
     attention: str  # "linear": a fixed-size state; "softmax": the baseline's KV cache
     n_layers: int
     vocab_size: int  # the served vocabulary (vocabulary.py: a padded checkpoint's cut to its tokenizer)
@@ -58,7 +59,7 @@ class ServedModel(Protocol):
 
 def model_type(config: ServedConfig) -> str:
     """The family a config is (config.json's `model_type`)."""
-    return getattr(config, "model_type", LINEAR_GPT)
+    return config.model_type
 
 
 def fixed_state(model_or_config: ServedModel | ServedConfig) -> bool:

@@ -98,6 +98,7 @@ def prepare_tables(device: torch.device | str) -> None:
 ACTIVATIONS64 = {  # functions of one value, as float64 (the tables' source) — fla's ACT2FN names
     "silu": lambda h: h * torch.sigmoid(h),
     "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
     "logsigmoid": F.logsigmoid,
     "relu": torch.relu,
     "sqrelu": lambda h: torch.relu(h) ** 2,

@@ -6,7 +6,8 @@ of linserve's int8 weights: `mamba-370m-q8_0`); for P17's Mamba2 a Mamba2 of mam
 tokenizer, saved with transformers and converted by llama.cpp's own `convert_hf_to_gguf.py` (from the sdist
 `build_llama_server.sh` unpacked). Cached under data/peers/models/; nothing is downloaded.
 
-    python benchmarks/peers/make_models.py [NAME …]   → data/peers/models/{gpt2,mamba,mamba-370m,mamba-370m-q8_0,mamba2-370m}.gguf
+    python benchmarks/peers/make_models.py [NAME …]   → data/peers/models/NAME.gguf
+    (gpt2, mamba, mamba-370m, mamba-370m-q8_0, mamba2-370m, rwkv7-0.4b)
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 
 
 SHAPES = {"mamba": (256, 12), "mamba-370m": (1024, 48), "mamba-370m-q8_0": (1024, 48),  # hidden, layers
-          "mamba2-370m": (1024, 48)}  # state-spaces/mamba2-370m's shape: 32 heads of 64, state 128, one group
+          # state-spaces/mamba2-370m's shape (32 heads of 64, state 128, one group); fla-hub's RWKV-7 0.4B
+          "mamba2-370m": (1024, 48), "rwkv7-0.4b": (1024, 24)}
 # mamba-370m-q8_0: the same weights (seed 0) as llama.cpp's users run them — Q8_0, the peer of `quantization: int8`
-OUTTYPE = {"mamba-370m": "bf16", "mamba-370m-q8_0": "q8_0", "mamba2-370m": "bf16"}
+OUTTYPE = {"mamba-370m": "bf16", "mamba-370m-q8_0": "q8_0", "mamba2-370m": "bf16", "rwkv7-0.4b": "bf16"}
 
 
 def vocab_size() -> int:
@@ -55,9 +57,49 @@ def save(model, directory: Path) -> None:
         shutil.copy(TOKENIZER / name, directory / name)
 
 
+def rwkv_world_vocabulary(directory: Path) -> None:
+    """llama.cpp converts RWKV-7 only with RWKV's world tokenizer (`rwkv_vocab_v20230424.txt`: one line per token,
+    `id repr(bytes) length`; id 0 is its `<s>`). Written from linserve's byte-level BPE: ids 1.. its tokens' bytes,
+    so both servers have the same vocabulary size (the head's cost)."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json")).get_vocab()
+    byte_of = {chr(c): c for c in range(33, 127)} | {chr(c): c for c in range(161, 173)} | {
+        chr(c): c for c in range(174, 256)}  # GPT-2's printable bytes as themselves, the rest shifted past 255
+    shifted = 0
+    for c in range(256):
+        if c not in byte_of.values():
+            byte_of[chr(256 + shifted)] = c
+            shifted += 1
+    lines = []
+    for token, index in sorted(vocab.items(), key=lambda item: item[1])[1:]:
+        data = bytes(byte_of[ch] for ch in token) if all(ch in byte_of for ch in token) else token.encode()
+        lines.append(f"{index} {data!r} {len(data)}")
+    (directory / "rwkv_vocab_v20230424.txt").write_text("\n".join(lines) + "\n")
+
+
+def rwkv7_checkpoint(name: str) -> Path:
+    """The peer's RWKV-7: P17's own checkpoint of the family at this shape (linserve serves the same weights), its
+    config naming fla's class (the converter picks its model by `architectures`) and the world vocabulary."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from p17_families import make_checkpoint
+
+    hf_dir = PEERS / "models" / f"{name}-hf"
+    shutil.copytree(make_checkpoint("rwkv7"), hf_dir, dirs_exist_ok=True)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "architectures": ["RWKV7ForCausalLM"]}, indent=2))
+    rwkv_world_vocabulary(hf_dir)
+    return hf_dir
+
+
 def build(name: str) -> Path:
     out = PEERS / "models" / f"{name}.gguf"
     if out.exists():
+        return out
+    if name.startswith("rwkv7"):
+        hf_dir = rwkv7_checkpoint(name)
+        subprocess.run([sys.executable, "-c", CONVERT, str(CONVERTER), str(hf_dir), "--outtype", OUTTYPE[name],
+                        "--outfile", str(out)], check=True)
         return out
     from transformers import GPT2Config, GPT2LMHeadModel, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
 

@@ -18,16 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import numerics
+from .common import UnsupportedCheckpoint, rope_cos_sin, rotate  # noqa: F401 - re-exported to the families
+from .window_attention import SlidingWindowAttention, read_window_layers, window_state_shapes
 
 Tensor = torch.Tensor
-
-
-class UnsupportedCheckpoint(ValueError):
-    """A checkpoint linserve will not serve: names the field, the value and what is supported."""
-
-    def __init__(self, field_name: str, value, supported: str) -> None:
-        super().__init__(f"config.json: {field_name}={value!r} is not served: {supported}")
-        self.field_name, self.value = field_name, value
 
 
 MLP_ACTIVATIONS = ("swish", "powlu")  # what fla's GatedMLP computes (SwiGLU, PowGLU)
@@ -69,8 +63,6 @@ class FlaConfig:
     @cached_property
     def _layer_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
         """Every layer's state shapes, made once (after the family's reader set `state_shapes`)."""
-        from .window_attention import window_state_shapes
-
         return tuple(window_state_shapes(self, self.attn_layers[i]) if i in self.attn_layers else self.state_shapes
                      for i in range(self.n_layers))
 
@@ -101,8 +93,6 @@ def read_shared(raw: dict, defaults: dict, dims: tuple[int, int] | None = None) 
     """The fields every fla family has, with fla 0.6.0's defaults for the family (`defaults`), refusing what
     would not keep a fixed-size state or what linserve does not compute. `dims`: the family's own (key_dim,
     value_dim) where it does not size them by expand_k / expand_v."""
-    from .window_attention import read_window_layers
-
     get = lambda name: raw.get(name, defaults.get(name))  # noqa: E731 - fla's default when the field is absent
     if get("attnres_block_size") is not None:
         raise UnsupportedCheckpoint("attnres_block_size", get("attnres_block_size"),
@@ -245,21 +235,6 @@ def project_qkv(mixer: nn.Module, x: Tensor, state: dict, prefixes: bool, new: d
     return q, k, v
 
 
-def rope_cos_sin(positions: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """fla's RotaryEmbedding angles at absolute `positions` (B, T): cos and sin (B, T, 1, dim/2), computed in
-    float64 and rounded once to `dtype`."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    angles = (positions.float()[..., None] * inv_freq).double()  # (B, T, dim/2)
-    return angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the two halves of x's last dimension (GPT-NeoX layout): [x₁cos − x₂sin, x₂cos + x₁sin]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 def repeat_groups(x: Tensor, heads: int, dim: int) -> Tensor:
     """(B, T, kv·dim) → (B, T, heads, dim): each kv head repeated heads/kv times in place (fla's
     '... (h d) -> ... (h g) d')."""
@@ -290,8 +265,6 @@ class Backbone(nn.Module):
     def __init__(self, config: FlaConfig, make_mixer: Callable[[FlaConfig, int], nn.Module]) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        from .window_attention import SlidingWindowAttention
-
         self.layers = nn.ModuleList(
             Block(config, SlidingWindowAttention(config, config.attn_layers[i]) if i in config.attn_layers
                   else make_mixer(config, i)) for i in range(config.n_layers))
@@ -352,10 +325,15 @@ class FlaCausalLM(nn.Module):
         if state is None:
             state = self.init_state(B, ids.device)
         x = self.body.embeddings(ids).to(self.lm_head.weight.dtype)  # (B, T, C)
-        layers = []
-        for index, (block, layer_state) in enumerate(zip(self.body.layers, state.layers)):
-            x, layer_state = block(x, layer_state, prefixes)  # (B, T, C)
-            layers.append({name: layer_state[name] for name in self.config.layer_state_shapes(index)})  # pool order
+        if hasattr(self.body, "run_layers"):  # layers that pass more than x along (RWKV-7's v_first)
+            x, states = self.body.run_layers(x, state.layers, prefixes)  # (B, T, C)
+        else:
+            states = []
+            for block, layer_state in zip(self.body.layers, state.layers):
+                x, layer_state = block(x, layer_state, prefixes)  # (B, T, C)
+                states.append(layer_state)
+        layers = [{name: layer_state[name] for name in self.config.layer_state_shapes(index)}  # pool order
+                  for index, layer_state in enumerate(states)]
         x = self.body.final_norm(x, numerics.exact_inference(x))  # (B, T, C)
         head = numerics.linear if numerics.exact_inference(x) else F.linear
         return head(x, self.lm_head.weight), RecurrentState(layers=tuple(layers))  # (B, T, V)

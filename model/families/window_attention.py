@@ -12,11 +12,16 @@ bf16 path runs query by query with fixed-order sums, so a row's bits do not depe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 
 from .. import numerics
-from .fla_base import FlaConfig, UnsupportedCheckpoint, rope_cos_sin, rotate
+from .common import UnsupportedCheckpoint, rope_cos_sin, rotate
+
+if TYPE_CHECKING:
+    from .fla_base import FlaConfig
 
 QUERY_BLOCK = 128  # queries per block of a prompt: scores (B, H, 128, W + 128)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from ..gpt import LinearGPT
+from ..families.linear_gpt import LinearGPT
 from .tokenizer import EOT_TOKEN
 
 

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from ..config import ModelConfig
-from ..gpt import LinearGPT
+from ..families.linear_gpt import LinearGPT
 from ..hf import LinearGPTConfig, LinearGPTForCausalLM
 from .corpus import load_corpus
 from .data import WindowSampler, cached_tokens

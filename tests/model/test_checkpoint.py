@@ -47,7 +47,7 @@ def test_the_shipped_checkpoint_and_each_family_validate(shipped, tmp_path, capl
 
 
 @pytest.mark.parametrize("fields, named", [
-    ({"model_type": "mamba2"}, "model_type='mamba2'"),
+    ({"model_type": "hgrn2"}, "model_type='hgrn2'"),
     ({"model_type": "linear_attn", "feature_map": "favor"}, "feature_map='favor'"),
     ({"model_type": "gla", "attn": {"layers": [1], "num_heads": 4}}, "attn.window_size=None"),  # full softmax
     ({"model_type": "gla", "attn": {"layers": [1], "num_heads": 4, "window_size": 0}}, "attn.window_size=0"),

@@ -190,7 +190,7 @@ def test_softmax_left_padded_batch_equals_rows_alone(decay):
 def test_short_conv_is_a_causal_depthwise_convolution():
     import torch.nn.functional as F
 
-    from linserve.model.gpt import ShortConv
+    from linserve.model.families.linear_gpt import ShortConv
 
     conv = ShortConv(tiny(conv_kernel=4))
     torch.nn.init.normal_(conv.weight)

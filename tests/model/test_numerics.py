@@ -135,7 +135,7 @@ def test_the_compiled_decode_step_is_the_eager_one_bit_for_bit(device):
 
 @pytest.mark.slow
 @torch.no_grad()
-@pytest.mark.parametrize("family", ["linear_attn", "gla", "gated_deltanet", "mamba2"])
+@pytest.mark.parametrize("family", ["linear_attn", "gla", "gated_deltanet", "mamba2", "rwkv7"])
 def test_an_fla_decode_step_compiled_with_frozen_weights_is_the_eager_one_bit_for_bit(family, tmp_path):
     """fla's block layout adds each projection's output to the residual stream; compiled with the weights
     frozen (as the AOTInductor builds are), Inductor fused that add into oneDNN's projection call — one rounding

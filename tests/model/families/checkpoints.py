@@ -24,6 +24,8 @@ FAMILY_CASES = {  # one checkpoint per family, with its state-shaping options on
     "hybrid": {"model_type": "gated_deltanet", "head_dim": 16, "attn": {"layers": [1], "num_heads": 4,
                                                                        "num_kv_heads": 2, "window_size": 8}},
     "mamba2": {"model_type": "mamba2", "head_dim": 16, "num_heads": 8, "state_size": 8, "n_groups": 2},
+    "rwkv7": {"model_type": "rwkv7", "head_dim": 16, "value_dim": 128, "decay_low_rank_dim": 8,
+              "gate_low_rank_dim": 16, "a_low_rank_dim": 8, "v_low_rank_dim": 8},
 }
 
 

@@ -95,11 +95,13 @@ CLASSES = {
 }
 for name, config_cls, model_cls in (("delta_net", "DeltaNetConfig", "DeltaNetForCausalLM"),
                                     ("gated_deltanet", "GatedDeltaNetConfig", "GatedDeltaNetForCausalLM"),
-                                    ("mamba2", "Mamba2Config", "Mamba2ForCausalLM")):
+                                    ("mamba2", "Mamba2Config", "Mamba2ForCausalLM"),
+                                    ("rwkv7", "RWKV7Config", "RWKV7ForCausalLM")):
     if hasattr(fla_models, config_cls):
         CLASSES[name] = (getattr(fla_models, config_cls), getattr(fla_models, model_cls))
 
 
+RECURRENT_PREFILL = ("rwkv7",)
 VALUE_FIRST = ("gated_deltanet", "mamba2")  # fla keeps these states (H, dv, dk); linserve (H, dk, dv)
 
 
@@ -170,7 +172,17 @@ def make(spec: dict, tokenizer_dir: str) -> None:
     model.to(device)
     ids = torch.tensor([spec["prompt"]], device=device)
     with torch.no_grad():
-        out = model(ids, use_cache=True)
+        if spec["model_type"] in RECURRENT_PREFILL and not ON_GPU:
+            # RWKV-7's layer takes its chunk kernels from 64 tokens on, which fail under the interpreter: the
+            # prompt in pieces of 63 through fla's recurrent kernel, the cache carried between them
+            cache, pieces = None, []
+            for start in range(0, ids.shape[1], 63):
+                out = model(ids[:, start:start + 63], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                pieces.append(out.logits)
+            out.logits = torch.cat(pieces, dim=1)
+        else:
+            out = model(ids, use_cache=True)
         logprobs = out.logits.float().log_softmax(-1)[0]  # (T, V)
         cache = out.past_key_values
         states = layer_states(cache, config.num_hidden_layers, spec["model_type"])

@@ -63,12 +63,20 @@ CASES = {
     # mamba2: fla's (one group: its CPU prefill tiles groups, mamba2.py), then transformers' layout and defaults
     "mamba2": ("mamba2", {"head_dim": 32, "state_size": 16}),
     "mamba2-hdim_D-norm_first-tied-conv3-limited": ("mamba2", {
-        "head_dim": 16, "num_heads": 8, "state_size": 8, "D_has_hdim": True, "norm_before_gate": True, "tie_word_embeddings": True,
-        "conv_kernel": 3, "dt_limit": [0.01, 0.5], "use_bias": True}),
+        "head_dim": 16, "num_heads": 8, "state_size": 8, "D_has_hdim": True, "norm_before_gate": True,
+        "tie_word_embeddings": True, "conv_kernel": 3, "dt_limit": [0.01, 0.5], "use_bias": True}),
     "mamba2-ungated_norm-gelu": ("mamba2", {"head_dim": 32, "state_size": 16, "rmsnorm": False,
                                             "hidden_act": "gelu", "use_conv_bias": False}),
     "mamba2-transformers-groups": ("mamba2", {"head_dim": 16, "num_heads": 8, "state_size": 16, "n_groups": 4,
                                               "chunk_size": 16}, "transformers"),
+    # rwkv7: fla's defaults at this width (LoRA ranks by fla's formulas), then every option
+    "rwkv7": ("rwkv7", {"head_dim": 16, "decay_low_rank_dim": None, "gate_low_rank_dim": None,
+                        "a_low_rank_dim": None, "v_low_rank_dim": None}),
+    "rwkv7-unfused-relu-nobias": ("rwkv7", {"head_dim": 16, "fuse_norm": False,
+                                                    "hidden_act": "relu", "norm_bias": False, "norm_first": False,
+                                                    "intermediate_size": 96, "tie_word_embeddings": True,
+                                                    "decay_low_rank_dim": 8, "gate_low_rank_dim": 16,
+                                                    "a_low_rank_dim": 8, "v_low_rank_dim": 8}),
 }
 
 

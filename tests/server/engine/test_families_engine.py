@@ -22,7 +22,8 @@ def model_of(family: str, root, device):
     return load_checkpoint(directory, device, torch.float32)
 
 
-@pytest.fixture(scope="module", params=["gla", "retnet", "delta_net", "gated_deltanet", "hybrid", "mamba2"])
+@pytest.fixture(scope="module", params=["gla", "retnet", "delta_net", "gated_deltanet", "hybrid", "mamba2",
+                                                     "rwkv7"])
 def family_model(request, tmp_path_factory, device):
     return model_of(request.param, tmp_path_factory.mktemp(request.param), device)
 

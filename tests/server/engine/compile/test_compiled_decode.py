@@ -356,5 +356,6 @@ def test_every_model_family_module_keys_the_compile_cache():
     from linserve.server.engine.compile.cache import program_sources
 
     keyed = {"/".join(Path(path).parts[-2:]) for path in program_sources()}
-    assert {"model/gpt.py", "model/recurrence.py", "model/numerics.py", "families/fla_base.py", "families/gla.py",
-            "families/retnet.py", "families/linear_attn.py", "families/gated.py"} <= keyed
+    assert {"families/linear_gpt.py", "model/recurrence.py", "model/numerics.py", "families/fla_base.py",
+            "families/gla.py", "families/retnet.py", "families/linear_attn.py", "families/gated.py",
+            "families/rwkv7.py", "families/mamba2.py", "model/generalized_delta.py"} <= keyed

@@ -1,4 +1,6 @@
-"""LinearGPT: token embedding → pre-LN blocks → final norm → tied LM head, state passed explicitly."""
+"""linserve's own family, `linear_gpt` (the shipped model; what `linserve train` writes) — LinearGPT: token
+embedding → pre-LN blocks → final norm → tied LM head, state passed explicitly. Its attention kinds, feature maps
+and state live beside it in model/ (attention.py, linear_attention.py, state.py), shared with training."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import numerics
-from .attention import build_attention
-from .config import ModelConfig
-from .state import BlockState, LinearAttentionState, ModelState
+from .. import numerics
+from ..attention import build_attention
+from ..config import ModelConfig
+from ..state import BlockState, LinearAttentionState, ModelState
 
 
 class ShortConv(nn.Module):
@@ -152,3 +154,8 @@ class LinearGPT(nn.Module):
         head = numerics.linear if numerics.exact_inference(x) else F.linear
         logits = head(x, self.wte.weight)  # (B, T, V) tied head
         return logits, ModelState(blocks=tuple(new_blocks))
+
+
+def build(raw: dict) -> LinearGPT:
+    """The family's model of a config.json's fields (random weights)."""
+    return LinearGPT(ModelConfig.from_dict(raw))

@@ -1,0 +1,31 @@
+"""What fla_base.py and window_attention.py share, below both (no import cycle): the refusal every family raises,
+and fla's rotary position embedding."""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint linserve will not serve: names the field, the value and what is supported."""
+
+    def __init__(self, field_name: str, value, supported: str) -> None:
+        super().__init__(f"config.json: {field_name}={value!r} is not served: {supported}")
+        self.field_name, self.value = field_name, value
+
+
+def rope_cos_sin(positions: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """fla's RotaryEmbedding angles at absolute `positions` (B, T): cos and sin (B, T, 1, dim/2), computed in
+    float64 and rounded once to `dtype`."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = (positions.float()[..., None] * inv_freq).double()  # (B, T, dim/2)
+    return angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the two halves of x's last dimension (GPT-NeoX layout): [x₁cos − x₂sin, x₂cos + x₁sin]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
