@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import numerics
+from . import kernels, numerics
 
 CHUNK = 32  # tokens per chunk: the (C, C, d_k) decay tensors stay small
 
@@ -69,12 +69,19 @@ def scan(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     `chunked`; with `prefixes` the state after every prefix (B, T, H, dk, dv)."""
     B, H, T, dk = r.shape
     decay = numerics.exp(w.float())  # (B, H, T, dk)
+    r, k, v, a, b = (t.float() for t in (r, k, v, a, b))
     outs, states = [], []
+    on_kernel = S.device.type == "cpu" and kernels.load()  # one pass over the state a token (kernels/delta_rule.cpp)
     for t in range(T):
-        read_back = numerics.tree_sum(a[:, :, t, :, None].float() * S, -2)  # (B, H, dv): a_tᵀ S_{t-1}
-        S = decay[:, :, t, :, None] * S + b[:, :, t, :, None].float() * read_back[:, :, None, :]  # (B, H, dk, dv)
-        S = S + k[:, :, t, :, None].float() * v[:, :, t, None, :].float()
-        outs.append(numerics.tree_sum(r[:, :, t, :, None].float() * S, -2))  # (B, H, dv)
+        if on_kernel:
+            o, S = torch.ops.linserve.dplr_step(r[:, :, t], decay[:, :, t], k[:, :, t], v[:, :, t], a[:, :, t],
+                                                b[:, :, t], S)  # (B, H, dv), state
+            outs.append(o)
+        else:
+            read_back = numerics.tree_sum(a[:, :, t, :, None] * S, -2)  # (B, H, dv): a_tᵀ S_{t-1}
+            S = decay[:, :, t, :, None] * S + b[:, :, t, :, None] * read_back[:, :, None, :]  # (B, H, dk, dv)
+            S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
+            outs.append(numerics.tree_sum(r[:, :, t, :, None] * S, -2))  # (B, H, dv)
         if prefixes:
             states.append(S)
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, v.shape[-1], dtype=torch.float32)

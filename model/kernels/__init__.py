@@ -1,7 +1,8 @@
 """linserve's own CPU kernels, built from source on first use and cached (like the compiled programs).
 
-`delta_rule.cpp` holds one token of the (gated) delta rule for every row and head in one pass over the state
-(`torch.ops.linserve.delta_step`, scan's arithmetic exactly). `invariant_linear.cpp` holds the batch-invariant
+`delta_rule.cpp` holds one token of the (gated) delta rule, of the gated linear recurrence and of RWKV-7's
+generalised delta rule for every row and head in one pass over the state (`torch.ops.linserve.delta_step` /
+`linear_step` / `dplr_step`, their scans' arithmetic exactly). `invariant_linear.cpp` holds the batch-invariant
 projection (`torch.ops.linserve.invariant_linear`): each output a
 fixed sequence of roundings whatever the number of rows, bf16 or int8 weights in the checkpoint's own (N, K)
 layout, AVX512-BF16 where the CPU has it and the same arithmetic in scalar code elsewhere. It is built once per
@@ -40,6 +41,12 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
     "delta_step": "AOTITorchError aoti_torch_cpu_delta_step(AtenTensorHandle q, AtenTensorHandle k, "
                   "AtenTensorHandle v, AtenTensorHandle beta, AtenTensorHandle* alpha, AtenTensorHandle S, "
                   "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+    "linear_step": "AOTITorchError aoti_torch_cpu_linear_step(AtenTensorHandle q, AtenTensorHandle k, "
+                   "AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle S, AtenTensorHandle* ret0, "
+                   "AtenTensorHandle* ret1)",
+    "dplr_step": "AOTITorchError aoti_torch_cpu_dplr_step(AtenTensorHandle r, AtenTensorHandle d, AtenTensorHandle k, "
+                 "AtenTensorHandle v, AtenTensorHandle a, AtenTensorHandle b, AtenTensorHandle S, "
+                 "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
 }
 
 _lock = threading.Lock()
@@ -173,6 +180,14 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("linserve::delta_step")
     def delta_shapes(q, k, v, beta, alpha, S):
+        return v.new_empty(v.shape), S.new_empty(S.shape)
+
+    @torch.library.register_fake("linserve::linear_step")
+    def linear_shapes(q, k, v, alpha, S):
+        return v.new_empty(v.shape), S.new_empty(S.shape)
+
+    @torch.library.register_fake("linserve::dplr_step")
+    def dplr_shapes(r, d, k, v, a, b, S):
         return v.new_empty(v.shape), S.new_empty(S.shape)
 
     @torch.library.register_fake("linserve::pack_weight")

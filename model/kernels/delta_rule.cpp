@@ -1,3 +1,15 @@
+// linserve::linear_step — one token of the gated linear recurrence (model/recurrence.py's `scan`: linear_attn, GLA,
+// RetNet, Mamba2) for every row and head in one pass over the state, scan's operations in scan's order:
+//
+//   S' = S · α + k ⊗ v                  (α per key dimension, or none; the product k_i·v_c rounded on its own)
+//   o  = tree_sum_k(q ⊙ S')
+//
+// linserve::dplr_step — one token of RWKV-7's generalised delta rule (model/generalized_delta.py's `scan`):
+//
+//   p  = tree_sum_k(a ⊙ S)              (the read-back along a, from the state before the token)
+//   S' = d ⊙ S + b ⊗ p + k ⊗ v          (d = e^w per key dimension; (d·s + b·p), then + k·v)
+//   o  = tree_sum_k(r ⊙ S')
+//
 // linserve::delta_step — one token of the (gated) delta rule for every row and head in one pass over the state,
 // each operation the one model/delta_rule.py's `scan` writes, in its order (so the bits are scan's):
 //
@@ -89,6 +101,127 @@ void head_step(const float* q, const float* k, const float* v, float beta, const
     block_step(q, k, v + c0, beta, alpha, S + c0, S_new + c0, o + c0, dk, dv, std::min(MAX_COLUMNS, dv - c0), buf);
 }
 
+// one column block [c0, c0 + w) of one (row, head) of the gated linear recurrence
+inline void linear_block(const float* q, const float* k, const float* v, const float* alpha, const float* S,
+                         float* S_new, float* o, int64_t dk, int64_t dv, int64_t w, float* buf) {
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* __restrict s = S + i * dv;
+    float* __restrict s1 = S_new + i * dv;
+    float* __restrict row = buf + i * w;
+    const float ki = k[i], qi = q[i];
+    if (alpha) {
+      const float a = alpha[i];
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) s1[c] = s[c] * a;
+    } else {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) s1[c] = s[c];
+    }
+#pragma GCC ivdep
+    for (int64_t c = 0; c < w; ++c) {
+      const float outer = ki * v[c];
+      s1[c] = s1[c] + outer;
+    }
+#pragma GCC ivdep
+    for (int64_t c = 0; c < w; ++c) row[c] = qi * s1[c];
+  }
+  tree(buf, dk, w);
+  std::copy(buf, buf + w, o);
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const c10::optional<at::Tensor>& alpha, const at::Tensor& S) {
+  TORCH_CHECK(S.dim() == 4 && S.scalar_type() == at::kFloat, "linear_step: S must be fp32 (B, H, dk, dv)");
+  const int64_t B = S.size(0), H = S.size(1), dk = S.size(2), dv = S.size(3);
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "linear_step: q, k, v must be fp32");
+  TORCH_CHECK(q.sizes() == at::IntArrayRef({B, H, dk}) && k.sizes() == q.sizes(), "linear_step: q, k must be (B, H, dk)");
+  TORCH_CHECK(v.sizes() == at::IntArrayRef({B, H, dv}), "linear_step: v must be (B, H, dv)");
+  const bool gated = alpha.has_value() && alpha->defined();
+  at::Tensor a;
+  if (gated) {
+    TORCH_CHECK(alpha->scalar_type() == at::kFloat && alpha->sizes() == q.sizes(), "linear_step: alpha must be fp32 (B, H, dk)");
+    a = alpha->contiguous();
+  }
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), Sc = S.contiguous();
+  at::Tensor S_new = at::empty_like(Sc);
+  at::Tensor o = at::empty({B, H, dv}, S.options());
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const float *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
+  float *np = S_new.data_ptr<float>(), *op = o.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    linserve::FlushSubnormals flushed;
+    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
+    for (int64_t bh = begin; bh < end; ++bh)
+      for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS)
+        linear_block(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr,
+                     sp + bh * dk * dv + c0, np + bh * dk * dv + c0, op + bh * dv + c0, dk, dv,
+                     std::min(MAX_COLUMNS, dv - c0), buf.data());
+  });
+  return {o, S_new};
+}
+
+// one column block [c0, c0 + w) of one (row, head) of RWKV-7's rule
+inline void dplr_block(const float* r, const float* d, const float* k, const float* v, const float* a, const float* b,
+                       const float* S, float* S_new, float* o, int64_t dk, int64_t dv, int64_t w, float* buf) {
+  for (int64_t i = 0; i < dk; ++i) {  // a ⊙ S
+    const float* __restrict s = S + i * dv;
+    float* __restrict row = buf + i * w;
+    const float ai = a[i];
+#pragma GCC ivdep
+    for (int64_t c = 0; c < w; ++c) row[c] = ai * s[c];
+  }
+  tree(buf, dk, w);
+  float p[MAX_COLUMNS];
+  std::copy(buf, buf + w, p);
+  for (int64_t i = 0; i < dk; ++i) {  // S' = d ⊙ S + b ⊗ p + k ⊗ v; r ⊙ S'
+    const float* __restrict s = S + i * dv;
+    float* __restrict s1 = S_new + i * dv;
+    float* __restrict row = buf + i * w;
+    const float di = d[i], bi = b[i], ki = k[i], ri = r[i];
+#pragma GCC ivdep
+    for (int64_t c = 0; c < w; ++c) {
+      const float decayed = di * s[c], read = bi * p[c];
+      const float mixed = decayed + read, outer = ki * v[c];
+      s1[c] = mixed + outer;
+    }
+#pragma GCC ivdep
+    for (int64_t c = 0; c < w; ++c) row[c] = ri * s1[c];
+  }
+  tree(buf, dk, w);
+  std::copy(buf, buf + w, o);
+}
+
+std::tuple<at::Tensor, at::Tensor> dplr_step(const at::Tensor& r, const at::Tensor& d, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& a, const at::Tensor& b,
+                                             const at::Tensor& S) {
+  TORCH_CHECK(S.dim() == 4 && S.scalar_type() == at::kFloat, "dplr_step: S must be fp32 (B, H, dk, dv)");
+  const int64_t B = S.size(0), H = S.size(1), dk = S.size(2), dv = S.size(3);
+  for (const at::Tensor* t : {&r, &d, &k, &v, &a, &b})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "dplr_step: every operand must be fp32");
+  for (const at::Tensor* t : {&r, &d, &k, &a, &b})
+    TORCH_CHECK(t->sizes() == at::IntArrayRef({B, H, dk}), "dplr_step: r, decay, k, a, b must be (B, H, dk)");
+  TORCH_CHECK(v.sizes() == at::IntArrayRef({B, H, dv}), "dplr_step: v must be (B, H, dv)");
+  const at::Tensor rc = r.contiguous(), dc = d.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous(), Sc = S.contiguous();
+  at::Tensor S_new = at::empty_like(Sc);
+  at::Tensor o = at::empty({B, H, dv}, S.options());
+  const float *rp = rc.data_ptr<float>(), *dp = dc.data_ptr<float>(), *kp = kc.data_ptr<float>();
+  const float *vp = vc.data_ptr<float>(), *ap = ac.data_ptr<float>(), *bp = bc.data_ptr<float>();
+  const float* sp = Sc.data_ptr<float>();
+  float *np = S_new.data_ptr<float>(), *op = o.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    linserve::FlushSubnormals flushed;
+    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
+    for (int64_t bh = begin; bh < end; ++bh)
+      for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS)
+        dplr_block(rp + bh * dk, dp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap + bh * dk, bp + bh * dk,
+                   sp + bh * dk * dv + c0, np + bh * dk * dv + c0, op + bh * dv + c0, dk, dv,
+                   std::min(MAX_COLUMNS, dv - c0), buf.data());
+  });
+  return {o, S_new};
+}
+
 std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& beta, const c10::optional<at::Tensor>& alpha,
                                               const at::Tensor& S) {
@@ -126,9 +259,43 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& q, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? alpha, Tensor S) -> (Tensor, Tensor)");
+  m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor? alpha, Tensor S) -> (Tensor, Tensor)");
+  m.def("dplr_step(Tensor r, Tensor d, Tensor k, Tensor v, Tensor a, Tensor b, Tensor S) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("delta_step", &delta_step); }
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("delta_step", &delta_step);
+  m.impl("linear_step", &linear_step);
+  m.impl("dplr_step", &dplr_step);
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_dplr_step(AtenTensorHandle r, AtenTensorHandle d, AtenTensorHandle k,
+                                                    AtenTensorHandle v, AtenTensorHandle a, AtenTensorHandle b,
+                                                    AtenTensorHandle S, AtenTensorHandle* ret0, AtenTensorHandle* ret1) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+    auto [o, S_new] = dplr_step(*tensor_handle_to_tensor_pointer(r), *tensor_handle_to_tensor_pointer(d),
+                                *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
+                                *tensor_handle_to_tensor_pointer(a), *tensor_handle_to_tensor_pointer(b),
+                                *tensor_handle_to_tensor_pointer(S));
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(o));
+    *ret1 = torch::aot_inductor::new_tensor_handle(std::move(S_new));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_linear_step(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                      AtenTensorHandle* alpha, AtenTensorHandle S,
+                                                      AtenTensorHandle* ret0, AtenTensorHandle* ret1) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+    auto [o, S_new] = linear_step(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
+                                  *tensor_handle_to_tensor_pointer(v),
+                                  torch::aot_inductor::pointer_to_optional<at::Tensor>(alpha),
+                                  *tensor_handle_to_tensor_pointer(S));
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(o));
+    *ret1 = torch::aot_inductor::new_tensor_handle(std::move(S_new));
+  });
+}
 
 extern "C" AOTITorchError aoti_torch_cpu_delta_step(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
                                                      AtenTensorHandle beta, AtenTensorHandle* alpha,

@@ -128,6 +128,57 @@ def test_the_delta_step_is_torchs_scan_to_the_bit_in_any_batch(gated, dk, dv, mo
     assert torch.equal(o, torch_o) and torch.equal(state, torch_state)
 
 
+@pytest.mark.parametrize("gate", ["per_key", "per_head_token", "per_head", "none"])
+@pytest.mark.parametrize("dk,dv", [(37, 40), (64, 16), (16, 33), (5, 1030)])
+def test_the_linear_step_is_torchs_scan_to_the_bit_in_any_batch(gate, dk, dv, monkeypatch):
+    """kernels/delta_rule.cpp's `linear_step` computes `recurrence.scan`'s operations in its order for every kind
+    of decay (GLA's per key, Mamba2's per head and token, RetNet's per head, none): torch's bits (the kernel
+    off), a row alone the same as among others, every prefix's state too."""
+    from linserve.model import recurrence
+
+    B, H, T = 4, 3, 6
+    generator = torch.Generator().manual_seed(dk * dv)
+    q, k = torch.randn(B, H, T, dk, generator=generator), torch.randn(B, H, T, dk, generator=generator)
+    v, S = torch.randn(B, H, T, dv, generator=generator), torch.randn(B, H, dk, dv, generator=generator)
+    shapes = {"per_key": (B, H, T, dk), "per_head_token": (B, H, T, 1), "per_head": (H,), "none": None}
+    g = None if shapes[gate] is None else -torch.rand(shapes[gate], generator=generator)
+    row = (lambda t: t[2:3]) if g is None or g.dim() > 1 else (lambda t: t)  # noqa: E731 - (H,) has no batch
+    o, state = recurrence.scan(q, k, v, g, S, prefixes=True)  # the kernel
+    alone_o, alone_state = recurrence.scan(q[2:3], k[2:3], v[2:3], None if g is None else row(g), S[2:3],
+                                           prefixes=True)
+    assert torch.equal(alone_o[0], o[2]) and torch.equal(alone_state[0], state[2])
+    with monkeypatch.context() as patch:  # torch's own ops
+        patch.setitem(kernels._state, "error", "off for the comparison")
+        patch.delitem(kernels._state, "library")
+        torch_o, torch_state = recurrence.scan(q, k, v, g, S, prefixes=True)
+    assert kernels.load()
+    assert torch.equal(o, torch_o) and torch.equal(state, torch_state)
+
+
+@pytest.mark.parametrize("dk,dv", [(37, 40), (64, 64), (16, 33), (5, 1030)])
+def test_rwkv7s_step_is_torchs_scan_to_the_bit_in_any_batch(dk, dv, monkeypatch):
+    """kernels/delta_rule.cpp's `dplr_step` computes `generalized_delta.scan`'s operations in its order: torch's
+    bits (the kernel off), a row alone the same as among others, every prefix's state too."""
+    from linserve.model import generalized_delta
+
+    B, H, T = 4, 3, 6
+    generator = torch.Generator().manual_seed(dk * dv)
+    r, k = torch.randn(B, H, T, dk, generator=generator), torch.randn(B, H, T, dk, generator=generator)
+    w = -0.6 * torch.rand(B, H, T, dk, generator=generator)
+    kk = torch.nn.functional.normalize(torch.randn(B, H, T, dk, generator=generator), dim=-1)
+    a, b = -kk, kk * torch.rand(B, H, T, dk, generator=generator)
+    v, S = torch.randn(B, H, T, dv, generator=generator), torch.randn(B, H, dk, dv, generator=generator)
+    o, state = generalized_delta.scan(r, w, k, v, a, b, S, prefixes=True)  # the kernel
+    alone_o, alone_state = generalized_delta.scan(*(t[2:3] for t in (r, w, k, v, a, b, S)), prefixes=True)
+    assert torch.equal(alone_o[0], o[2]) and torch.equal(alone_state[0], state[2])
+    with monkeypatch.context() as patch:  # torch's own ops
+        patch.setitem(kernels._state, "error", "off for the comparison")
+        patch.delitem(kernels._state, "library")
+        torch_o, torch_state = generalized_delta.scan(r, w, k, v, a, b, S, prefixes=True)
+    assert kernels.load()
+    assert torch.equal(o, torch_o) and torch.equal(state, torch_state)
+
+
 def test_the_delta_step_refuses_mismatched_shapes_with_a_message():
     S = torch.zeros(2, 1, 8, 4)
     with pytest.raises(RuntimeError, match="q, k must be \\(B, H, dk\\)"):
