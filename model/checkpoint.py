@@ -43,11 +43,17 @@ def read_config(path: Path) -> dict:
 
 
 def load_tokenizer(path: str | Path):
-    """The checkpoint's own tokenizer (`AutoTokenizer`; the tokenizer's own files say which class it is). Its
+    """The checkpoint's own tokenizer (`AutoTokenizer`; the tokenizer's own files say which class it is — or, for
+    RWKV's world vocabulary file without a tokenizer.json, model/world_tokenizer.py, never the checkpoint's code). Its
     config.json is not read as a model config there: an fla model_type is unknown to transformers, and reading a
     linear_gpt one would import transformers' modeling code (hf_config.py) that serving never needs."""
     from transformers import AutoTokenizer, PreTrainedConfig
 
+    from .world_tokenizer import VOCAB_FILE, WorldTokenizer
+
+    if (Path(path) / VOCAB_FILE).is_file() and not (Path(path) / "tokenizer.json").is_file():
+        # RWKV's world vocabulary: its own tokenizer class is checkpoint code (trust_remote_code); ours reads it
+        return WorldTokenizer.from_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path), config=PreTrainedConfig())
 
 

@@ -20,11 +20,13 @@ from linserve.server.version import package_version
 SOFTMAX_EVAL_WINDOW = 1024  # a KV cache over a whole play would be quadratic; softmax is scored in windows
 
 
-def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",)) -> Path:
-    """The checkpoint directory to use (the shipped one by default); a clear error if it is not one."""
-    from linserve.server.preflight import check_checkpoint
+def checkpoint_dir(model: str | None, files: tuple[str, ...] = ("config.json",),
+                   tokenizer_files: tuple[str, ...] | None = None) -> Path:
+    """The checkpoint directory to use (the shipped one by default); a clear error if it is not one. Its
+    tokenizer: any layout `serve` reads unless `tokenizer_files` narrows it."""
+    from linserve.server.preflight import TOKENIZER_FILES, check_checkpoint
 
-    check_checkpoint(model, files)
+    check_checkpoint(model, files, TOKENIZER_FILES if tokenizer_files is None else tokenizer_files)
     if model is None:
         from linserve.model.loading import DEFAULT_CHECKPOINT
 
@@ -65,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # the arguments are checked before torch loads (seconds): a typo is reported at once
     check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     check_device(args.device)
-    path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
+    path = checkpoint_dir(args.model)
     from linserve.model.generate import generate_tokens
     from linserve.model.loading import resolve_device
 
@@ -97,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     check_device(args.device)
-    path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
+    path = checkpoint_dir(args.model)
     from linserve.model.loading import resolve_device
 
     device = resolve_device(args.device)
@@ -149,7 +151,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from linserve.model.training.evaluate import bits_per_byte
 
     device = resolve_device(args.device)
-    path = checkpoint_dir(args.model, ("config.json", "tokenizer.json"))
+    path = checkpoint_dir(args.model, tokenizer_files=("tokenizer.json",))
     dtype = resolve_dtype(args.dtype, device)
     projection.use_quantization(args.quantization, device, dtype)
     lm = load_model(path, device, dtype)

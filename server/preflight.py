@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .settings import Settings
 
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+CHECKPOINT_FILES = ("config.json", "model.safetensors")
+TOKENIZER_FILES = ("tokenizer.json", "rwkv_vocab_v20230424.txt")  # a Rust tokenizer, or RWKV's world vocabulary
 
 
 def check_port(host: str, port: int) -> None:
@@ -33,14 +34,18 @@ def check_port(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}{hint}") from None
 
 
-def check_checkpoint(model: str | None, files: tuple[str, ...] = CHECKPOINT_FILES) -> None:
-    """`--model` names a directory holding `files` (None: the shipped checkpoint, always there)."""
+def check_checkpoint(model: str | None, files: tuple[str, ...] = CHECKPOINT_FILES,
+                     tokenizer_files: tuple[str, ...] = TOKENIZER_FILES) -> None:
+    """`--model` names a directory holding `files` and one of `tokenizer_files` (None: the shipped checkpoint,
+    always there)."""
     if model is None:
         return
     path = Path(model)
     if not path.is_dir():
         raise ValueError(f"--model {model}: no such directory")
     missing = [name for name in files if not (path / name).is_file()]
+    if tokenizer_files and not any((path / name).is_file() for name in tokenizer_files):
+        missing.append(" or ".join(tokenizer_files))
     if missing:
         raise ValueError(f"--model {model}: not a checkpoint directory (missing {', '.join(missing)})")
 

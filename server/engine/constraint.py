@@ -48,6 +48,20 @@ class Grammar:
     finite_numbers: bool = False  # JSON: every number bounded to a finite double (json_numbers.py)
 
 
+class ByteVocabulary:
+    """What llguidance's TokenizerWrapper reads of a tokenizer that is not a Rust one: every id's bytes, the
+    special ids, and encoding bytes to ids."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokens = tokenizer.token_bytes()
+        self.eos_token_id, self.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        self.special_token_ids = sorted(set(tokenizer.all_special_ids))
+        self._encode = tokenizer.encode_bytes
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self._encode(data)
+
+
 class GrammarRuntime:
     """The tokenizer's view for llguidance and the single-character tokens of the closing search (one per
     engine; built lazily, at the first constrained request)."""
@@ -61,7 +75,11 @@ class GrammarRuntime:
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
         self.eos_id = tokenizer.eos_token_id
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        if hasattr(tokenizer, "token_bytes"):  # a slow tokenizer that knows its tokens' bytes (RWKV's world)
+            self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteVocabulary(tokenizer)),
+                                                    n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
+        else:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.char_tokens: dict[str, int] = {}
         for char in CLOSING_CHARS:
             ids = tokenizer.encode(char, add_special_tokens=False)

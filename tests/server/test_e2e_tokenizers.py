@@ -4,7 +4,8 @@ where a sequence starts and not where a session continues, exact incremental det
 characters, leading spaces), stop strings, /tokenize, /detokenize, /tokenizer_info, the chat template, a
 `json_schema` request through the grammar engine's view of this vocabulary. And a GPT-NeoX-style byte-level BPE
 (the Pile's layout: nothing prepended, ChatML's added special tokens) over a padded vocabulary, with its
-generation_config.json's second end-of-text id."""
+generation_config.json's second end-of-text id. And RWKV's world vocabulary under an RWKV-7 checkpoint, read
+natively (the checkpoint's own tokenizer code is never run)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from transformers import AutoTokenizer
 
 from linserve.server.engine.detokenize import IncrementalDetokenizer
 from tests.helpers import ServerProcess
-from tests.model.families.checkpoints import write_checkpoint
+from tests.model.families.checkpoints import FAMILY_CASES, write_checkpoint
 from tests.model.families.neox_style import make_tokenizer as make_neox_tokenizer
 from tests.model.families.sentencepiece_style import make_tokenizer
+from tests.model.families.world_style import make_tokenizer as make_world_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -155,3 +157,45 @@ def test_the_chat_templates_end_token_ends_a_reply(neox_served):
     assert ended["usage"]["completion_tokens"] == 1
     going_on = httpx.post(f"{base}/v1/chat/completions", json={**chat, "ignore_eos": True}, timeout=60).json()
     assert going_on["choices"][0]["finish_reason"] == "length" and going_on["usage"]["completion_tokens"] == 6
+
+
+@pytest.fixture(scope="module")
+def world_served(tmp_path_factory):
+    """An RWKV-7 checkpoint with RWKV's world vocabulary (1,023 entries + <s>: 1,024 ids)."""
+    root = tmp_path_factory.mktemp("world")
+    checkpoint = write_checkpoint(root / "checkpoint", {**FAMILY_CASES["rwkv7"], "vocab_size": 1024},
+                                  tokenizer=make_world_tokenizer)
+    server = ServerProcess(checkpoint, root / "serve.log", "--num-slots", "4")
+    yield make_world_tokenizer(root / "tokenizer"), server.base
+    server.stop()
+
+
+def test_the_world_vocabulary_is_served_natively(world_served):
+    tokenizer, base = world_served
+    with httpx.Client(base_url=base, timeout=60) as http:
+        ids = http.post("/tokenize", json={"prompt": TEXT}).json()["tokens"]
+        assert ids == tokenizer.encode(TEXT) and ids[0] != 0  # nothing prepended
+        assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == TEXT
+        info = http.get("/tokenizer_info").json()
+        assert info["vocab_size"] == 1024 and info["eos_token"] == "<s>" and info["chat_template"]
+        rendered = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hail"}]}).json()["tokens"]
+        assert rendered == tokenizer.encode("User: Hail\n\nAssistant:")
+        body = {"prompt": TEXT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
+                               if line.startswith("data: {"))
+        assert streamed == whole and len(whole) > 4
+
+
+def test_a_json_schema_request_answers_valid_json_in_the_world_vocabulary(world_served):
+    """The grammar engine reads this slow tokenizer's bytes (no Rust tokenizer to hand it)."""
+    _, base = world_served
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 8}},
+              "required": ["n", "s"], "additionalProperties": False}
+    reply = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "prompt": "Answer:", "max_tokens": 60, "temperature": 0.8, "seed": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert reply.status_code == 200, reply.text
+    value = json.loads(reply.json()["choices"][0]["text"])
+    assert isinstance(value["n"], int) and isinstance(value["s"], str)
