@@ -59,22 +59,37 @@ inline void tree(float* buf, int64_t n, int64_t w) {
   }
 }
 
+// s1 = s · (*factor), or a copy without a factor (w columns)
+inline void scaled_copy(const float* __restrict s, float* __restrict s1, const float* factor, int64_t w) {
+  if (factor) {
+    const float a = *factor;
+#pragma GCC ivdep
+    for (int64_t c = 0; c < w; ++c) s1[c] = s[c] * a;
+  } else {
+    std::copy(s, s + w, s1);
+  }
+}
+
+// fn(bh, c0, w, buf) for every (row, head) bh of n and column block [c0, c0 + w) of d_v: (row, head)s are the
+// parallel tasks, each thread with its own d_k × block scratch and subnormals flushed
+template <class Fn>
+void for_each_block(int64_t n, int64_t dk, int64_t dv, const Fn& fn) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    linserve::FlushSubnormals flushed;
+    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
+    for (int64_t bh = begin; bh < end; ++bh)
+      for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS) fn(bh, c0, std::min(MAX_COLUMNS, dv - c0), buf.data());
+  });
+}
+
 // one column block [c0, c0 + w) of one (row, head); S, S_new, v, o point at the block's first column
 inline void block_step(const float* q, const float* k, const float* v, float beta, const float* alpha,
                        const float* S, float* S_new, float* o, int64_t dk, int64_t dv, int64_t w, float* buf) {
-  const float a = alpha ? *alpha : 1.0f;
   for (int64_t i = 0; i < dk; ++i) {  // S1 = S · α; k ⊙ S1
-    const float* __restrict s = S + i * dv;
     float* __restrict s1 = S_new + i * dv;
     float* __restrict row = buf + i * w;
     const float ki = k[i];
-    if (alpha) {
-#pragma GCC ivdep
-      for (int64_t c = 0; c < w; ++c) s1[c] = s[c] * a;
-    } else {
-#pragma GCC ivdep
-      for (int64_t c = 0; c < w; ++c) s1[c] = s[c];
-    }
+    scaled_copy(S + i * dv, s1, alpha, w);
 #pragma GCC ivdep
     for (int64_t c = 0; c < w; ++c) row[c] = ki * s1[c];
   }
@@ -94,29 +109,14 @@ inline void block_step(const float* q, const float* k, const float* v, float bet
   std::copy(buf, buf + w, o);
 }
 
-// one (row, head): S (dk, dv) → S_new, o (dv)
-void head_step(const float* q, const float* k, const float* v, float beta, const float* alpha, const float* S,
-               float* S_new, float* o, int64_t dk, int64_t dv, float* buf) {
-  for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS)
-    block_step(q, k, v + c0, beta, alpha, S + c0, S_new + c0, o + c0, dk, dv, std::min(MAX_COLUMNS, dv - c0), buf);
-}
-
 // one column block [c0, c0 + w) of one (row, head) of the gated linear recurrence
 inline void linear_block(const float* q, const float* k, const float* v, const float* alpha, const float* S,
                          float* S_new, float* o, int64_t dk, int64_t dv, int64_t w, float* buf) {
   for (int64_t i = 0; i < dk; ++i) {
-    const float* __restrict s = S + i * dv;
     float* __restrict s1 = S_new + i * dv;
     float* __restrict row = buf + i * w;
     const float ki = k[i], qi = q[i];
-    if (alpha) {
-      const float a = alpha[i];
-#pragma GCC ivdep
-      for (int64_t c = 0; c < w; ++c) s1[c] = s[c] * a;
-    } else {
-#pragma GCC ivdep
-      for (int64_t c = 0; c < w; ++c) s1[c] = s[c];
-    }
+    scaled_copy(S + i * dv, s1, alpha ? alpha + i : nullptr, w);
 #pragma GCC ivdep
     for (int64_t c = 0; c < w; ++c) {
       const float outer = ki * v[c];
@@ -149,14 +149,9 @@ std::tuple<at::Tensor, at::Tensor> linear_step(const at::Tensor& q, const at::Te
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const float *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
   float *np = S_new.data_ptr<float>(), *op = o.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    linserve::FlushSubnormals flushed;
-    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
-    for (int64_t bh = begin; bh < end; ++bh)
-      for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS)
-        linear_block(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr,
-                     sp + bh * dk * dv + c0, np + bh * dk * dv + c0, op + bh * dv + c0, dk, dv,
-                     std::min(MAX_COLUMNS, dv - c0), buf.data());
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
+    linear_block(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr, sp + bh * dk * dv + c0,
+                 np + bh * dk * dv + c0, op + bh * dv + c0, dk, dv, w, buf);
   });
   return {o, S_new};
 }
@@ -210,14 +205,9 @@ std::tuple<at::Tensor, at::Tensor> dplr_step(const at::Tensor& r, const at::Tens
   const float *vp = vc.data_ptr<float>(), *ap = ac.data_ptr<float>(), *bp = bc.data_ptr<float>();
   const float* sp = Sc.data_ptr<float>();
   float *np = S_new.data_ptr<float>(), *op = o.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    linserve::FlushSubnormals flushed;
-    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
-    for (int64_t bh = begin; bh < end; ++bh)
-      for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS)
-        dplr_block(rp + bh * dk, dp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap + bh * dk, bp + bh * dk,
-                   sp + bh * dk * dv + c0, np + bh * dk * dv + c0, op + bh * dv + c0, dk, dv,
-                   std::min(MAX_COLUMNS, dv - c0), buf.data());
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
+    dplr_block(rp + bh * dk, dp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap + bh * dk, bp + bh * dk,
+               sp + bh * dk * dv + c0, np + bh * dk * dv + c0, op + bh * dv + c0, dk, dv, w, buf);
   });
   return {o, S_new};
 }
@@ -245,12 +235,9 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& q, const at::Ten
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const float *bp = bc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
   float *np = S_new.data_ptr<float>(), *op = o.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    linserve::FlushSubnormals flushed;
-    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
-    for (int64_t bh = begin; bh < end; ++bh)
-      head_step(qp + bh * dk, kp + bh * dk, vp + bh * dv, bp[bh], ap ? ap + bh : nullptr, sp + bh * dk * dv,
-                np + bh * dk * dv, op + bh * dv, dk, dv, buf.data());
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
+    block_step(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, bp[bh], ap ? ap + bh : nullptr, sp + bh * dk * dv + c0,
+               np + bh * dk * dv + c0, op + bh * dv + c0, dk, dv, w, buf);
   });
   return {o, S_new};
 }

@@ -111,6 +111,16 @@ def neox_served(tmp_path_factory):
     server.stop()
 
 
+def assert_streamed_is_whole(http: httpx.Client) -> None:
+    """40 greedy tokens of TEXT's continuation: the streamed deltas join to the whole answer's text."""
+    body = {"prompt": TEXT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
+                           if line.startswith("data: {"))
+    assert streamed == whole and len(whole) > 4
+
+
 def test_a_byte_level_bpe_detokenises_exactly_at_every_split(tmp_path):
     tokenizer = make_neox_tokenizer(tmp_path)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
@@ -138,12 +148,7 @@ def test_the_neox_layout_is_served_as_its_tokenizer_says(neox_served):
         template = tokenizer.apply_chat_template([{"role": "user", "content": "Hail"}], tokenize=False,
                                                  add_generation_prompt=True)
         assert rendered == tokenizer(template)["input_ids"] and 1000 in rendered  # <|im_start|>: one token
-        body = {"prompt": TEXT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-        whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
-            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
-                               if line.startswith("data: {"))
-        assert streamed == whole and len(whole) > 4
+        assert_streamed_is_whole(http)
 
 
 def test_the_chat_templates_end_token_ends_a_reply(neox_served):
@@ -180,12 +185,7 @@ def test_the_world_vocabulary_is_served_natively(world_served):
         assert info["vocab_size"] == 1024 and info["eos_token"] == "<s>" and info["chat_template"]
         rendered = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hail"}]}).json()["tokens"]
         assert rendered == tokenizer.encode("User: Hail\n\nAssistant:")
-        body = {"prompt": TEXT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-        whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
-            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
-                               if line.startswith("data: {"))
-        assert streamed == whole and len(whole) > 4
+        assert_streamed_is_whole(http)
 
 
 def test_a_json_schema_request_answers_valid_json_in_the_world_vocabulary(world_served):
