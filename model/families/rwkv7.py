@@ -15,14 +15,12 @@ and the channel mix: W_value · act(W_key (x + δ'·μ_k)) with its own shift st
 v_first is layer 0's v of the same token, carried through the layers of one forward (not a state).
 
 State per layer (fp32): the two shift inputs (hidden,) each and S (H, head_dim, head_v_dim). Options: head_dim /
-num_heads, value_dim (per layer), the four LoRA ranks (fla's formulas when null), hidden_ratio /
+num_heads, value_dim (one for every layer), the four LoRA ranks (fla's formulas when null), hidden_ratio /
 intermediate_size, hidden_act, norm_first, norm_bias, norm_eps, fuse_norm (fla's l2norm vs F.normalize for κ̂),
 tie_word_embeddings. fla's softmax layers inside RWKV-7 (`attn`) are refused.
 """
 
 from __future__ import annotations
-
-from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -82,7 +80,7 @@ class RWKV7Config(FlaConfig):
                      num_heads=heads, num_kv_heads=heads, key_dim=hidden, value_dim=values[0],
                      norm_eps=float(get("norm_eps")), elementwise_affine=True, intermediate_size=int(intermediate),
                      tie_word_embeddings=bool(get("tie_word_embeddings")), hidden_act=act)
-        config.head_dim, config.value_dims = head_dim, values
+        config.head_dim = head_dim
         config.ranks = dict(
             w=lora_rank(get("decay_low_rank_dim"), 2.5, hidden, head_dim, True),
             g=lora_rank(get("gate_low_rank_dim"), 5.0, hidden, head_dim, False),
@@ -93,12 +91,6 @@ class RWKV7Config(FlaConfig):
         config.state_shapes = {"shift_attn": (hidden,), "S": (heads, head_dim, values[0] // heads),
                                "shift_ffn": (hidden,)}
         return config
-
-    @cached_property
-    def _layer_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
-        """Each layer's state: its S has that layer's value_dim."""
-        return tuple({"shift_attn": (self.hidden_size,), "S": (self.num_heads, self.head_dim, v // self.num_heads),
-                      "shift_ffn": (self.hidden_size,)} for v in self.value_dims)
 
 
 def lora(x: torch.Tensor, module: nn.Sequential, inner: str | None, exact: bool) -> torch.Tensor:
@@ -132,7 +124,7 @@ class TimeMix(nn.Module):
         super().__init__()
         c, C = config, config.hidden_size
         self.config, self.layer_index = config, layer_index
-        self.value_dim = c.value_dims[layer_index]
+        self.value_dim = c.value_dim
         for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
             setattr(self, name, nn.Parameter(torch.zeros(1, 1, C)))
         self.k_k, self.k_a = nn.Parameter(torch.zeros(C)), nn.Parameter(torch.zeros(C))
@@ -182,15 +174,10 @@ class TimeMix(nn.Module):
 
     def group_norm(self, o: torch.Tensor, exact: bool) -> torch.Tensor:
         """GroupNorm over each head's values (fp32): (B, T, H, dv) → (B, T, H, dv)."""
-        n = o.shape[-1]
+        weight, bias = (p.float().view(o.shape[-2:]) for p in (self.g_norm.weight, self.g_norm.bias))  # (H, dv)
         if exact:
-            mean = numerics.tree_sum(o, -1)[..., None] / n
-            centred = o - mean
-            y = centred / numerics.sqrt(numerics.tree_sum(centred * centred, -1) + self.g_norm.eps)[..., None]
-        else:
-            y = F.layer_norm(o, (n,), eps=self.g_norm.eps)
-        shape = o.shape[-2:]
-        return y * self.g_norm.weight.float().view(shape) + self.g_norm.bias.float().view(shape)
+            return numerics.layer_norm(o, weight, bias, self.g_norm.eps)
+        return F.layer_norm(o, o.shape[-1:], eps=self.g_norm.eps) * weight + bias
 
 
 class ChannelMix(nn.Module):
