@@ -223,6 +223,7 @@ class ReplyDroppingProxy:
         import socketserver
 
         self.redis_port, self.armed, self.dropped = redis_port, None, 0
+        self.swallowing = None  # bytes: the next command carrying them never reaches Redis (nor does any answer)
         proxy = self
 
         class Relay(socketserver.BaseRequestHandler):
@@ -245,6 +246,9 @@ class ReplyDroppingProxy:
                         if proxy.armed is not None and proxy.armed in data:
                             proxy.armed, state["drop"] = None, True
                             proxy.dropped += 1
+                        if proxy.swallowing is not None and proxy.swallowing in data:
+                            proxy.swallowing, state["drop"] = None, True
+                            continue  # lost on the way: it never runs
                         upstream.sendall(data)
                 except OSError:
                     pass
@@ -262,6 +266,10 @@ class ReplyDroppingProxy:
 
     def arm(self, marker: bytes) -> None:
         self.armed = marker
+
+    def swallow(self, marker: bytes) -> None:
+        """The next command carrying `marker` is lost before Redis: it times out having changed nothing."""
+        self.swallowing = marker
 
     def close(self) -> None:
         self.server.shutdown()

@@ -162,3 +162,27 @@ def test_creates_and_deletes_with_lost_answers_leave_exactly_what_was_asked(repl
     assert httpx.get(f"{base}/v1/sessions/{sid}").status_code == 404
     assert httpx.delete(f"{base}/v1/sessions/{sid}").status_code == 404  # without the key: plainly gone
     assert listed() == before
+
+
+def test_a_create_whose_first_turn_landed_unanswered_is_removed_even_when_its_cleanup_is_lost(replica):
+    """A session created with a prompt whose first turn's record landed but whose answer was lost (a frozen or
+    partitioned Redis), and whose first cleanup delete is lost too: the record is removed as soon as the store
+    answers — nothing its client was told failed stays listed (P13 found this under load)."""
+    base, proxy = replica
+
+    def listed() -> set[str]:
+        return {s["id"] for s in httpx.get(f"{base}/v1/sessions", params={"limit": 100}).json()["data"]}
+
+    before = listed()
+    client = __import__("redis").Redis(port=proxy.redis_port)
+    client.script_load(_PUT)
+    client.script_load(_DELETE)
+    proxy.arm(PUT_SHA)  # the first turn's record lands; its answer is lost
+    proxy.swallow(DELETE_SHA)  # and the first delete that follows never reaches Redis
+    unknown(httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}, timeout=60))
+    wait_store(base, up=True)
+    deadline = time.monotonic() + 15
+    while listed() != before:
+        assert time.monotonic() < deadline, "the unanswered create's record stayed"
+        time.sleep(0.1)
+    assert proxy.swallowing is None  # the cleanup was lost indeed

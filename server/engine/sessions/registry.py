@@ -170,15 +170,22 @@ class SessionRegistry:
         def settle(error: BaseException | None, _: object) -> SessionInfo:
             if error is not None:
                 self.discard(session)
-                if new and isinstance(error, OutcomeUnknown):
-                    access, session_id, owner = self.access, session.id, session.owner or ""
-                    self.worker.submit("delete", lambda deadline: access.undo(session_id, owner), None)
+                if new:
+                    self._undo_if_landed(session, error)
                 raise store_failure(error, failed)
             session.busy, session.stored = False, True
             self.touch(session)
             return self.info(session)
 
         return self.through(StoreStep("put", self._record_write(session, also), settle))
+
+    def _undo_if_landed(self, session: Session, error: BaseException) -> None:
+        """A new session whose first write may have landed (outcome unknown) is deleted from the store again —
+        retried until the store answers: its caller was told it failed and never learnt its id, so nothing
+        may be left behind."""
+        if isinstance(error, OutcomeUnknown):
+            access, session_id, owner = self.access, session.id, session.owner or ""
+            self.worker.submit("delete", lambda deadline: access.undo(session_id, owner), None)
 
     def add(self, session: Session) -> StoreStep | SessionInfo:
         self.by_id[session.id] = session
@@ -267,10 +274,13 @@ class SessionRegistry:
                 "turn": session.turn_count, "tokens": session.tokens, "created": time.time(),
                 "prompt": turn.text[0], "completion": turn.text[1]}, self.text_chars)
         also = self._remember(session, turn.applied) if turn.applied is not None else None
+        new = not session.stored  # created with its first prompt: this turn's write creates its record
 
         def settle(error: BaseException | None, entry_kept: object) -> None:
             if error is not None:
                 self.discard(session)  # the store keeps the last acknowledged turn; the next access loads it
+                if new:
+                    self._undo_if_landed(session, error)  # created with its first prompt: no record before
                 raise store_failure(error, "this turn was not stored and is not part of the session")
             if entry_kept is False:
                 session.entries_full = True
