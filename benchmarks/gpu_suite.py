@@ -131,10 +131,12 @@ def rows(results: dict) -> list[str]:
                          f"{'PASS' if entry.get('pass') else 'FAIL'} | `{parts['p1p6']['command']}` |")
     p5 = parts.get("p5", {}).get("result")
     if p5:
-        for streams, entry in p5.get("P5", {}).items():
-            lines.append(f"| P5 {streams} ({where}) | {entry['ratio']:.3g} ({entry['http_tokens_per_s']:.0f} vs "
-                         f"{entry['engine_tokens_per_s']:.0f} tok/s) | {entry['target']} | "
-                         f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['p5']['command']}` |")
+        for placement, by_streams in p5.get("P5", {}).items():
+            for streams, entry in by_streams.items():
+                lines.append(f"| P5 {placement} {streams} ({where}) | {entry['ratio']:.3g} "
+                             f"({entry['http_tokens_per_s']:.0f} vs {entry['engine_tokens_per_s']:.0f} tok/s) | "
+                             f"{entry['target']} | {'PASS' if entry['pass'] else 'FAIL'} | "
+                             f"`{parts['p5']['command']}` |")
     served = parts.get("served", {}).get("result")
     if served:
         for key, entry in served.get("P11", {}).items():

@@ -1,10 +1,12 @@
 """SPEC P5: tokens/s over HTTP/SSE versus in-engine, at 1 and 32 streams, side by side in one run.
 
-    python benchmarks/serving_overhead.py [--model DIR] [--tokens 128] [--reps 3] [--quick] [--out FILE]
+    python benchmarks/serving_overhead.py [--model DIR] [--tokens 128] [--reps 3] [--api-servers 0 1] [--quick]
+                                          [--out FILE]
 
 In-engine: N streams submitted straight to an Engine in this process. HTTP: the same N streams sent by
-`linserve bench`'s client to a `linserve serve` process on 127.0.0.1 with the same engine settings.
-Repetitions alternate between the two; medians are compared.
+`linserve bench`'s client to a `linserve serve` process on 127.0.0.1 with the same engine settings — one
+server per `--api-servers` value (0: the engine a thread of the HTTP process; 1: the engine core a process of
+its own), all running side by side. Repetitions alternate between them; medians are compared.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--api-servers", type=int, nargs="+", default=[0, 1], choices=[0, 1],
+                        help="one server per value: the engine in the HTTP process (0) or its own (1)")
     parser.add_argument("--out")
     add_device_argument(parser)
     add_compile_argument(parser)
@@ -106,12 +110,15 @@ def main(argv: list[str] | None = None) -> None:
     extra = ["--log-level", "warning", "--dtype", args.dtype,
              *(["--threads", str(args.threads)] if args.threads else []),
              *(["--prefill-threads", str(args.prefill_threads)] if args.prefill_threads else [])]
-    server = start_server(args.model, args.port, 64, extra=extra, device=device.type, compile=args.compile)
-    rates = {(where, n): [] for where in ("engine", "http") for n in sizes}
+    placements = {f"http_api_servers_{a}": a for a in args.api_servers}
+    servers = {where: start_server(args.model, args.port + a, 64, extra=[*extra, "--api-servers", str(a)],
+                                   device=device.type, compile=args.compile) for where, a in placements.items()}
+    rates = {(where, n): [] for where in ("engine", *placements) for n in sizes}
     python_us = {n: [] for n in sizes}
     step_ms = {n: [] for n in sizes}  # (program, engine step) per decode step
     try:
-        http_rate(args.port, 1, 4)  # warm-up
+        for a in placements.values():
+            http_rate(args.port + a, 1, 4)  # warm-up
         for rep in range(args.reps):
             for n in sizes:
                 mark = totals.mark()
@@ -119,39 +126,42 @@ def main(argv: list[str] | None = None) -> None:
                 rates[("engine", n)].append(generated / seconds)
                 python_us[n].append(totals.python_us_per_row(mark))
                 step_ms[n].append(totals.per_step_ms(mark))
-                rates[("http", n)].append(http_rate(args.port, n, args.tokens))
+                for where, a in placements.items():
+                    rates[(where, n)].append(http_rate(args.port + a, n, args.tokens))
     finally:
         engine.stop()
-        server.terminate()
-        server.wait(30)
+        for server in servers.values():
+            server.terminate()
+            server.wait(30)
     result = {**describe(device), "threads": engine.threads.describe(), "dtype": str(dtype),
               "tokens_per_stream": args.tokens, "reps": args.reps}
     targets = {1: 0.9, 32: 0.9}  # SPEC P5: 0.9 at both
-    for n in sizes:
-        engine_rate = statistics.median(rates[("engine", n)])
-        http = statistics.median(rates[("http", n)])
-        result.setdefault("P5", {})[f"streams_{n}"] = {
-            "engine_tokens_per_s": engine_rate,
-            "http_tokens_per_s": http,
-            "ratio": http / engine_rate,
-            "target": f">= {targets[n]}",
-            "pass": http / engine_rate >= targets[n],
-            "engine_python_us_per_row": statistics.median(python_us[n]),
-            "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
-            "http_spread": [min(rates[("http", n)]), max(rates[("http", n)])],
-        }
-    result["per_token_1_stream"] = breakdown(rates, step_ms)
+    for where in placements:
+        for n in sizes:
+            engine_rate = statistics.median(rates[("engine", n)])
+            http = statistics.median(rates[(where, n)])
+            result.setdefault("P5", {}).setdefault(where, {})[f"streams_{n}"] = {
+                "engine_tokens_per_s": engine_rate,
+                "http_tokens_per_s": http,
+                "ratio": http / engine_rate,
+                "target": f">= {targets[n]}",
+                "pass": http / engine_rate >= targets[n],
+                "engine_python_us_per_row": statistics.median(python_us[n]),
+                "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
+                "http_spread": [min(rates[(where, n)]), max(rates[(where, n)])],
+            }
+        result.setdefault("per_token_1_stream", {})[where] = breakdown(rates, step_ms, where)
     emit(result, args.out)
 
 
-def breakdown(rates: dict, step_ms: dict) -> dict:
+def breakdown(rates: dict, step_ms: dict, where: str) -> dict:
     """Where a token's time goes at one stream (docs/engine.md): the decode program; the engine step's Python
     around it (gather of the rows, the scatter back, sampling's bookkeeping, detokenizing, delivery); the engine
     loop between steps (scheduling, commands, the stats sink); and the HTTP path (event loop, SSE, the client)."""
     program = statistics.median(p for p, _ in step_ms[1])
     step = statistics.median(s for _, s in step_ms[1])
     engine_token = 1e3 / statistics.median(rates[("engine", 1)])
-    http_token = 1e3 / statistics.median(rates[("http", 1)])
+    http_token = 1e3 / statistics.median(rates[(where, 1)])
     return {
         "program_ms": program,
         "step_python_ms": step - program,

@@ -1,4 +1,5 @@
-"""The FastAPI application: factory, lifespan (model, state pool and engine thread), operational routes."""
+"""The FastAPI application: factory, lifespan (the engine: a thread here, or the engine core process), operational
+routes."""
 
 from __future__ import annotations
 
@@ -14,18 +15,6 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from linserve.model import projection
-from linserve.model.checkpoint import load_served, load_tokenizer
-from linserve.model.interface import fixed_state
-from linserve.model.loading import (
-    DEFAULT_CHECKPOINT,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-)
-from linserve.model.vocabulary import checkpoint_vocab_size, serve_tokenizer_vocabulary
-from linserve.model.weights import keep_one_copy
-
 from .api.chat.router import router as chat_router
 from .api.common.dependencies import require_key
 from .api.common.errors import APIError, RequestBody, ServerErrors, error_response, install_handlers
@@ -39,10 +28,9 @@ from .api.responses.router import router as responses_router
 from .api.sessions.idempotency import KeyedResults
 from .api.sessions.router import router as sessions_router
 from .api.web.router import router as web_router
-from .engine import Engine, EngineConfig
 from .engine.cpu_threads import in_passing_thread
-from .engine.state_pool import slots_for_budget
-from .generation_defaults import GenerationDefaults
+from .engine_process.remote import start_core
+from .loading import load_engine
 from .settings import Settings
 from .version import package_version
 
@@ -50,89 +38,21 @@ logger = logging.getLogger(__name__)
 access_log = logging.getLogger("linserve.access")
 
 
-def engine_config(settings: Settings, model) -> EngineConfig:
-    """Slots from the settings: a count, or a memory budget ÷ bytes per slot (a KV cache's at max_context)."""
-    linear = fixed_state(model)
-    slot_bytes = model.state_bytes() if linear else model.state_bytes(settings.max_context)
-    slots = settings.num_slots
-    budget_mb = settings.state_memory_mb if linear else (settings.state_memory_mb or settings.kv_memory_mb)
-    if budget_mb is not None:
-        budget_slots = slots_for_budget(int(budget_mb * 2**20), slot_bytes)
-        if budget_slots < 1:
-            raise ValueError(f"a memory budget of {budget_mb} MB holds no slot of {slot_bytes} bytes")
-        slots = budget_slots if linear else min(slots, budget_slots)
-    return EngineConfig.from_settings(settings, num_slots=slots)
-
-
-def load_draft(settings: Settings, model, tokenizer, device):
-    """The draft model (fp32) for `speculative: draft`: `draft_model`, or None when unset (none is shipped: on a
-    CPU the shipped model is too small for a draft model to pay). It must share the served model's tokenizer."""
-    draft_path = Path(settings.draft_model) if settings.draft_model else None
-    if draft_path is None or not fixed_state(model):
-        if settings.speculative == "draft":
-            raise ValueError("speculative: draft needs a draft model (--draft-model) for a linear-attention model")
-        return None
-    import torch
-
-    draft = load_model(draft_path, device, torch.float32).model
-    if draft.config.vocab_size > model.config.vocab_size:  # (the served model's padding is cut: the draft's too)
-        serve_tokenizer_vocabulary(draft, model.config.vocab_size)
-    if not fixed_state(draft) or draft.config.vocab_size != model.config.vocab_size or (
-            load_tokenizer(draft_path).get_vocab() != tokenizer.get_vocab()):
-        raise ValueError(f"the draft model {draft_path} must be a linear-attention model with the served model's "
-                         "tokenizer (the same vocabulary and ids)")
-    logger.info("draft model %s: %.2f M parameters, %d state bytes per slot", draft_path,
-                draft.num_parameters() / 1e6, draft.state_bytes())
-    return draft
-
-
-def load_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, object, GenerationDefaults]:
-    started = time.perf_counter()
-    path = Path(settings.model) if settings.model else DEFAULT_CHECKPOINT
-    device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)  # every form's: prefill, decode steps and verification
-    projection.use_quantization(settings.quantization, device, dtype)
-    # any served family, strictly (model/checkpoint.py); a vocabulary padded past the tokenizer served as its
-    model, tokenizer = load_served(path, device, dtype)
-    if not fixed_state(model):  # the softmax baseline stays fp32: its KV cache is sized in it
-        model = model.float()
-        dtype = next(model.parameters()).dtype
-    if checkpoint_vocab_size(model) != model.config.vocab_size:
-        logger.info("vocab_size %d is padded past the tokenizer's %d tokens: ids %d.. have no token and are never "
-                    "served", checkpoint_vocab_size(model), len(tokenizer), len(tokenizer))
-    config = engine_config(settings, model)
-    generation = (GenerationDefaults.read(path, model.config.vocab_size) if settings.generation_config == "auto"
-                  else GenerationDefaults())
-    if generation.source:
-        logger.info("%s: end-of-text ids %s, request defaults %s", generation.source,
-                    sorted({*generation.eos_token_ids, tokenizer.eos_token_id} - {None}),
-                    {**generation.sampling, **({"max_tokens": generation.max_tokens} if generation.max_tokens else {})})
-    freed = keep_one_copy(model)  # the projections' packed weights are the only copy from here on
-    if freed:
-        logger.info("projection weights packed for the kernel: their originals released (%.0f MB)", freed / 2**20)
-    draft = load_draft(settings, model, tokenizer, device)
-    engine = Engine(model, tokenizer, config, device, metrics.observe, draft_model=draft,
-                    eos_token_ids=generation.eos_token_ids).start()
-    metrics.set_pool(engine.pool.slot_bytes, engine.pool.bytes_total)
-    if engine.decode_step is not None:
-        metrics.watch_decode_step(engine.decode_step.describe)
-    plan = engine.threads
-    weights = str(dtype).removeprefix("torch.") + (" (auto)" if settings.dtype == "auto" else "") + (
-        ", int8 projections" if settings.quantization == "int8" else "")
-    logger.info("loaded %s on %s in %.1f s (%s weights; %d intra-op CPU threads, %s: %g CPUs usable, "
-                "OMP_WAIT_POLICY %s): %d slots x %d state bytes", path, device, time.perf_counter() - started,
-                weights, plan.threads, plan.source, plan.usable_cpus, plan.omp_wait_policy, config.num_slots,
-                engine.pool.slot_bytes)
-    return engine, tokenizer, generation
-
-
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     state = app.state
     # loading on every CPU, in a thread that ends with it: the engine's OpenMP team stays the only one
     # (engine/cpu_threads.py)
-    state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
-        in_passing_thread, load_engine, state.settings, state.metrics)
+    if state.settings.api_servers:  # the engine core in a process of its own (engine_process/)
+        state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
+            start_core, state.settings, state.metrics.observe)
+    else:
+        state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
+            in_passing_thread, load_engine, state.settings, state.metrics.observe)
+    facts = state.engine.facts
+    state.metrics.set_pool(facts.slot_bytes, facts.pool_bytes)
+    if facts.decode_step:
+        state.metrics.watch_decode_step(state.engine.describe_decode_step)
     state.limits = RequestLimits.of(state.settings, state.tokenizer, state.generation)  # what a request may ask
     loop = asyncio.get_running_loop()
     state.engine.on_death.append(lambda error: loop.call_soon_threadsafe(engine_died, app))
@@ -141,6 +61,12 @@ async def lifespan(app: FastAPI):
         yield
     finally:
         await drain(app)
+
+
+def engine_status(engine) -> dict:
+    """What /ready says of the engine beside its device (asked of the engine core when it is another process)."""
+    return {"decode_step": engine.describe_decode_step(), "speculation": engine.describe_speculation(),
+            "session_store": engine.store_status()}
 
 
 def engine_died(app: FastAPI) -> None:
@@ -293,13 +219,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if not request.app.state.ready or not engine_alive(request.app):
             return error_response(503, "not ready: loading, draining or failed", code="not_ready",
                                   headers={"Retry-After": str(settings.retry_after_s)})
-        step = getattr(request.app.state.engine, "decode_step", None)
         # stateless work needs no store: ready stays 200 while it is down, and says so
         engine = request.app.state.engine
-        return JSONResponse({"status": "ready", "model": settings.served_model_name, "device": str(engine.device),
-                             "decode_step": step.describe() if step is not None else None,
-                             "speculation": engine.describe_speculation(),
-                             "session_store": engine.store_status()})
+        return JSONResponse({"status": "ready", "model": settings.served_model_name, "device": engine.facts.device,
+                             **await asyncio.to_thread(engine_status, engine)})
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},

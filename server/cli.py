@@ -215,12 +215,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from linserve.model.checkpoint import load_served
     from linserve.model.interface import fixed_state
     from linserve.model.loading import resolve_device, resolve_dtype
-    from linserve.server.app import engine_config, load_draft
     from linserve.server.engine.compile.compiled_decode import DecodeStep
     from linserve.server.engine.decode_program import DECODE, verify_kind
     from linserve.server.engine.sampling import SlotSampling
     from linserve.server.engine.spec.speculation import verify_widths
     from linserve.server.engine.state_pool import StatePool
+    from linserve.server.loading import engine_config, load_draft
     from linserve.server.settings import Settings
 
     settings = Settings.load(args.config, **{name: getattr(args, name, None) for name in Settings.model_fields})

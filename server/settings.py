@@ -28,6 +28,10 @@ class Settings(BaseSettings):
     web_ui: bool = Field(True, description="serve the web page at / (playground, sessions, per-token latency); "
                          "its API calls need the key like any client's")
 
+    api_servers: int = Field(
+        0, ge=0, le=1, description="0: the engine runs in the HTTP server's process (a thread); 1: the engine core "
+        "runs in a process of its own (the device, model, state pool, scheduler and sessions) and the HTTP frontend "
+        "talks to it over one channel of per-step batches (docs/engine.md, \"The engine core process\")")
     num_slots: int = Field(64, ge=1, description="state pool slots (device-resident sessions + running rows)")
     state_memory_mb: float | None = Field(None, gt=0, description="if set, slots = this budget / state bytes")
     max_batch_tokens: int = Field(640, ge=1, description="decode rows + prefill tokens per engine step")

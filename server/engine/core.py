@@ -21,6 +21,7 @@ error output, and `on_death` callbacks run (the server turns /health to 503 and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -30,9 +31,10 @@ from dataclasses import replace
 
 import torch
 
-from linserve.model import numerics
-from linserve.model.interface import ServedModel
+from linserve.model import numerics, projection
+from linserve.model.interface import ServedModel, fixed_state, model_type
 from linserve.model.loading import in_dtype
+from linserve.model.vocabulary import checkpoint_vocab_size
 
 from . import heap
 from .accounting import check_request, pool_stats, slot_accounting
@@ -53,6 +55,7 @@ from .step_runner import Delivery
 from .types import (
     EngineConfig,
     EngineError,
+    EngineFacts,
     EngineRequest,
     FinishReason,
     RecordSkipped,
@@ -169,6 +172,22 @@ class Engine:
                 self._grammars = GrammarRuntime(self.tokenizer, self.vocab_size)
         return self._grammars
 
+    @functools.cached_property
+    def facts(self) -> EngineFacts:
+        model = self.model
+        return EngineFacts(
+            device=str(self.device), threads=self.threads.threads, cpu_threads=self.threads.describe(),
+            weights_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            projections=projection.describe(), model_type=model_type(model.config),
+            state_bytes=model.state_bytes() if fixed_state(model) else None, vocab_size=self.vocab_size,
+            checkpoint_vocab_size=checkpoint_vocab_size(model), reserved_slots=self.reserved_slots,
+            slot_bytes=self.pool.slot_bytes, pool_bytes=self.pool.bytes_total,
+            decode_step=self.decode_step is not None)
+
+    def describe_decode_step(self) -> dict | None:
+        """The decode step's compile status (None: the softmax baseline has none), for /ready, /version, /metrics."""
+        return None if self.decode_step is None else self.decode_step.describe()
+
     def store_status(self) -> dict | None:
         """The session store's health (None: no store), for /ready."""
         return None if self.store_worker is None else self.store_worker.status()
@@ -188,6 +207,8 @@ class Engine:
                     logger.error("request %s could not be admitted", seq_id, exc_info=error)
                     self._end(seq_id, FinishReason.ERROR, STEP_FAILED)
                 if plan.empty:
+                    if plan.failed:  # their outputs are out: the pool changed (and an engine core sends them now)
+                        self._emit_pool_stats()
                     continue
                 try:
                     with torch.inference_mode(), STEP_LOCK:  # (compile=auto measures between steps)

@@ -63,12 +63,23 @@ class EngineConfig:
         return cls(**{**values, **overrides})
 
 
+def _rebuilt_error(cls: type, args: tuple, state: dict) -> Exception:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class EngineError(Exception):
-    """A request the engine cannot serve; `kind` maps to an HTTP status in the server."""
+    """A request the engine cannot serve; `kind` maps to an HTTP status in the server. Pickles whole (kind,
+    param and a subclass's own fields): the engine core process answers its frontends with it."""
 
     def __init__(self, message: str, kind: str = "invalid", param: str | None = None) -> None:
         super().__init__(message)
         self.message, self.kind, self.param = message, kind, param
+
+    def __reduce__(self):
+        return _rebuilt_error, (type(self), self.args, dict(self.__dict__))
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
@@ -210,6 +221,26 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the HTTP side reads about a started engine and its model — fixed while it runs, so a frontend
+    in another process holds a copy (engine_process/) instead of asking."""
+
+    device: str
+    threads: int  # the decode step's intra-op CPU threads
+    cpu_threads: dict  # cpu_threads.ThreadPlan, described
+    weights_dtype: str
+    projections: dict  # model.projection.describe(): how the projections run in the engine's process
+    model_type: str
+    state_bytes: int | None  # one session's state (None: the softmax baseline's KV cache grows)
+    vocab_size: int  # served (the tokenizer's)
+    checkpoint_vocab_size: int  # as the checkpoint has it (padded past the tokenizer, maybe)
+    reserved_slots: int
+    slot_bytes: int
+    pool_bytes: int
+    decode_step: bool  # whether there is a decode step to describe (compile status)
 
 
 @dataclass(frozen=True)

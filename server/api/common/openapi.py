@@ -53,7 +53,7 @@ def _limits(app: FastAPI, vocab: int | None) -> dict[str, dict[str, int]]:
     """Bounds that only the loaded model and the settings know: property → {JSON-schema keyword: value}."""
     state, settings = app.state, app.state.settings
     engine = getattr(state, "engine", None)
-    n_max = min(settings.max_n, engine.reserved_slots) if engine is not None else settings.max_n
+    n_max = min(settings.max_n, engine.facts.reserved_slots) if engine is not None else settings.max_n
     limits = {"max_tokens": {"maximum": settings.max_tokens_limit},
               "max_completion_tokens": {"maximum": settings.max_tokens_limit},
               "n": {"maximum": n_max}}

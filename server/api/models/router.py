@@ -8,9 +8,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from linserve.model import projection
-from linserve.model.interface import fixed_state, model_type
 from linserve.model.loading import DEFAULT_CHECKPOINT
-from linserve.model.vocabulary import checkpoint_vocab_size
 
 from ..chat.prompt import chat_prompt
 from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt, get_engine
@@ -60,7 +58,7 @@ async def tokenizer_info(request: Request, tokenizer: TokenizerDep, owner: Owner
     return TokenizerInfo(
         tokenizer_class=type(tokenizer).__name__, eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token,
         pad_token=tokenizer.pad_token, vocab_size=len(tokenizer),
-        checkpoint_vocab_size=checkpoint_vocab_size(get_engine(request).model),
+        checkpoint_vocab_size=get_engine(request).facts.checkpoint_vocab_size,
         model_max_length=request.app.state.settings.max_prompt_tokens,
         chat_template=getattr(tokenizer, "chat_template", None) or None,
     )
@@ -74,18 +72,14 @@ async def version(request: Request) -> VersionInfo:
     import transformers
 
     engine = getattr(request.app.state, "engine", None)
-    step = getattr(engine, "decode_step", None)
+    facts = engine.facts if engine is not None else None
     return VersionInfo(version=request.app.version, torch=torch.__version__, transformers=transformers.__version__,
-                       device=str(engine.device) if engine is not None else None,
-                       threads=engine.threads.threads if engine is not None else torch.get_num_threads(),
-                       cpu_threads=engine.threads.describe() if engine is not None else None,
-                       dtype=weights_dtype(engine.model) if engine else None,
-                       projections=projection.describe(),
-                       decode_step=step.describe() if step is not None else None)
-
-
-def weights_dtype(model) -> str:
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+                       device=facts.device if facts else None,
+                       threads=facts.threads if facts else torch.get_num_threads(),
+                       cpu_threads=facts.cpu_threads if facts else None,
+                       dtype=facts.weights_dtype if facts else None,
+                       projections=facts.projections if facts else projection.describe(),
+                       decode_step=await asyncio.to_thread(engine.describe_decode_step) if facts else None)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=errors(*AUTH))
@@ -95,12 +89,11 @@ async def list_models(request: Request, settings: SettingsDep, owner: Owner) -> 
 
 def model_card(request: Request, settings) -> ModelCard:
     """The served model: its id, the checkpoint directory, its family and one session's state bytes."""
-    model = get_engine(request).model
+    facts = get_engine(request).facts
     return ModelCard(id=settings.served_model_name, created=request.app.state.started,
-                     root=str(settings.model or DEFAULT_CHECKPOINT),
-                     model_type=model_type(model.config),
-                     state_bytes=model.state_bytes() if fixed_state(model) else None,
-                     vocab_size=model.config.vocab_size, checkpoint_vocab_size=checkpoint_vocab_size(model),
+                     root=str(settings.model or DEFAULT_CHECKPOINT), model_type=facts.model_type,
+                     state_bytes=facts.state_bytes, vocab_size=facts.vocab_size,
+                     checkpoint_vocab_size=facts.checkpoint_vocab_size,
                      generation_defaults=request.app.state.generation.describe())
 
 

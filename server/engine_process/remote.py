@@ -1,0 +1,255 @@
+"""A frontend's engine when the engine core runs in a process of its own: `RemoteEngine` has the surface the
+API uses of the in-process `Engine` — submit, abort, sessions, the questions /ready asks, facts, grammars,
+alive, on_death, stop — and carries each over the channel (channel.py).
+
+One reader thread receives the core's batches: each output goes to its request's sink (the same sinks as in
+one process: OutputStream hands them to the event loop), each stats object to the metrics, each answer to
+its future. The core's end — its "dead" word, or its connection closing without "stopped" — fails every
+pending call and every open request (finish reason `error`) and runs `on_death`: /health and /ready turn
+503 and the server exits for a restart, as when the engine thread dies in one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from linserve.model.checkpoint import load_tokenizer
+from linserve.model.loading import DEFAULT_CHECKPOINT
+
+from ..engine.command_queue import ENGINE_DEAD
+from ..engine.types import EngineError, EngineFacts, EngineRequest, FinishReason, RequestOutput
+from . import core_main
+
+logger = logging.getLogger("linserve.server.engine_process")
+
+STOP_WAIT_S = 60.0  # the core's drain: running requests aborted, the session store flushed
+START_POLL_S = 0.5
+ANSWER_WAIT_S = 10.0  # a question (/ready's) the core answers at once
+
+
+@dataclass
+class OpenRequest:
+    sink: Callable[[RequestOutput], None]
+    rows: int
+    finished: set[int] = field(default_factory=set)
+
+
+class RemoteSessions:
+    """`engine.sessions` across the boundary: each command a call whose future the core's answer resolves."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Callable[..., Future]:
+        return lambda *args, **kwargs: self._engine.call(f"sessions.{name}", *args, **kwargs)
+
+
+class RemoteEngine:
+    def __init__(self, conn: Connection, process, facts: EngineFacts, tokenizer,
+                 stats_sink: Callable[[object], None]) -> None:
+        self.conn, self.process, self.facts, self.tokenizer = conn, process, facts, tokenizer
+        self.stats_sink = stats_sink
+        self.sessions = RemoteSessions(self)
+        self.on_death: list[Callable[[BaseException], None]] = []
+        self.death: BaseException | None = None
+        self._open: dict[str, OpenRequest] = {}
+        self._calls: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # orders registering against the core's death
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="linserve-engine-channel", daemon=True)
+        self._reader.start()
+
+    # ---------------------------------------------------------------- the engine's surface
+    @property
+    def alive(self) -> bool:
+        return self.death is None and self.process.is_alive()
+
+    def submit(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> Future:
+        future: Future = Future()
+        with self._state_lock:
+            if self.death is not None:
+                future.set_exception(EngineError(ENGINE_DEAD, kind="dead"))
+                return future
+            call_id = next(self._ids)
+            self._calls[call_id] = future
+            self._open[request.request_id] = OpenRequest(sink, request.params.n)
+        future.add_done_callback(lambda done: self._refused(request.request_id, done))
+        self._send(("submit", call_id, request))
+        return future
+
+    def abort(self, request_id: str) -> None:
+        if self.death is None:
+            self._send(("abort", request_id))
+
+    def call(self, name: str, *args, **kwargs) -> Future:
+        future: Future = Future()
+        with self._state_lock:
+            if self.death is not None:
+                future.set_exception(EngineError(ENGINE_DEAD, kind="dead"))
+                return future
+            call_id = next(self._ids)
+            self._calls[call_id] = future
+        self._send(("call", call_id, name, args, kwargs))
+        return future
+
+    def counts(self) -> Future:
+        return self.call("counts")
+
+    def slot_accounting(self) -> Future:
+        return self.call("slot_accounting")
+
+    def store_status(self) -> dict | None:
+        return self._answer("store_status")
+
+    def describe_speculation(self) -> dict | None:
+        return self._answer("describe_speculation")
+
+    def describe_decode_step(self) -> dict | None:
+        return self._answer("describe_decode_step") if self.facts.decode_step else None
+
+    @property
+    def grammars(self):
+        """Structured outputs' grammars compile here (a bad one is the frontend's 400); the core gets their
+        source and builds the token masks itself."""
+        from ..engine.constraint import GrammarRuntime
+
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarRuntime(self.tokenizer, self.facts.vocab_size)
+        return self._grammars
+
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        """Drain the core (it aborts what runs, flushes the session store) and wait for its exit."""
+        self._stopping = True
+        if self.death is None and self.process.is_alive():
+            try:
+                self._send(("stop",))
+                self._stopped.wait(timeout)
+            except EngineError:
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            logger.error("the engine core did not stop within %.0f s: killing it", timeout)
+            self.process.kill()
+            self.process.join(5)
+
+    # ---------------------------------------------------------------- internals
+    def _answer(self, name: str):
+        if self.death is not None:
+            return None
+        try:
+            return self.call(name).result(ANSWER_WAIT_S)
+        except Exception:  # noqa: BLE001 - the core is gone or slow: the question has no answer now
+            return None
+
+    def _refused(self, request_id: str, future: Future) -> None:
+        if future.exception() is not None:
+            self._open.pop(request_id, None)
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except (OSError, ValueError) as error:
+            raise EngineError(ENGINE_DEAD, kind="dead") from error
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self.conn.recv()
+                if message[0] == "batch":
+                    self._dispatch(message[1])
+                elif message[0] == "dead":
+                    self._die(RuntimeError(message[1]))
+                elif message[0] == "stopped":
+                    self._stopped.set()
+                    return
+        except (EOFError, OSError) as error:
+            if not self._stopped.is_set():
+                self.process.join(1)
+                self._die(RuntimeError(f"the engine core process ended (exit status {self.process.exitcode})"),
+                          error)
+
+    def _dispatch(self, events: list[tuple]) -> None:
+        for event in events:
+            tag = event[0]
+            if tag == "o":
+                output: RequestOutput = event[1]
+                entry = self._open.get(output.request_id)
+                if entry is None:
+                    continue
+                if output.finished:
+                    entry.finished.add(output.index)
+                    if len(entry.finished) >= entry.rows:
+                        del self._open[output.request_id]
+                entry.sink(output)
+            elif tag == "s":
+                self.stats_sink(event[1])
+            else:
+                _, call_id, ok, value = event
+                future = self._calls.pop(call_id, None)
+                if future is not None:
+                    future.set_result(value) if ok else future.set_exception(value)
+
+    def _die(self, error: BaseException, cause: BaseException | None = None) -> None:
+        with self._state_lock:
+            if self.death is not None:
+                return
+            self.death = error
+            calls, self._calls = self._calls, {}
+            opened, self._open = self._open, {}
+        if not self._stopping:
+            logger.critical("the engine core has died: %s", error, exc_info=cause)
+        for future in calls.values():
+            future.set_exception(EngineError(ENGINE_DEAD, kind="dead"))
+        for request_id, entry in opened.items():
+            for index in sorted(set(range(entry.rows)) - entry.finished):
+                try:
+                    entry.sink(RequestOutput(request_id, index, None, "", finish_reason=FinishReason.ERROR,
+                                             error=ENGINE_DEAD))  # (as the engine thread's death says it)
+                except Exception:  # noqa: BLE001 - best effort: the core is gone
+                    logger.exception("output sink failed while the engine core was gone")
+        self._stopped.set()
+        if not self._stopping:
+            for callback in self.on_death:
+                try:
+                    callback(error)
+                except Exception:  # noqa: BLE001
+                    logger.exception("on_death callback failed")
+
+
+def start_core(settings, stats_sink: Callable[[object], None]):
+    """Spawn the engine core process, load the tokenizer meanwhile, wait until the core is ready:
+    (RemoteEngine, tokenizer, GenerationDefaults). A core that cannot start raises with its reason."""
+    context = multiprocessing.get_context("spawn")  # (torch and threads: never fork)
+    ours, theirs = context.Pipe(duplex=True)
+    process = context.Process(target=core_main.run, args=(settings, theirs), name="linserve-engine-core")
+    process.start()
+    theirs.close()
+    tokenizer = load_tokenizer(Path(settings.model) if settings.model else DEFAULT_CHECKPOINT)
+    while not ours.poll(START_POLL_S):
+        if not process.is_alive():
+            raise RuntimeError(f"the engine core process ended while starting (exit status {process.exitcode})")
+    try:
+        message = ours.recv()
+    except EOFError:
+        process.join(5)
+        raise RuntimeError(f"the engine core process ended while starting (exit status {process.exitcode})") from None
+    if message[0] != "ready":
+        process.join(10)
+        raise RuntimeError(f"the engine core could not start: {message[1]}")
+    _, facts, generation = message
+    return RemoteEngine(ours, process, facts, tokenizer, stats_sink), tokenizer, generation
