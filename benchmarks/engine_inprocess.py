@@ -84,8 +84,10 @@ def p3_prefill(model, n_tokens: int, reps: int, threads=None, chunk: int | None 
     }
 
 
-def run_streams(engine: Engine, n_streams: int, max_tokens: int, tag: str, prompt_len: int = 16) -> tuple[float, int]:
-    """Start n streams at once; returns (seconds until all finished, tokens generated)."""
+def run_streams(engine: Engine, n_streams: int, max_tokens: int, tag: str, prompt_len: int = 16,
+                sampling: dict | None = None) -> tuple[float, int]:
+    """Start n streams at once; returns (seconds until all finished, tokens generated). `sampling`: SamplingParams
+    fields beside temperature 0.8 (e.g. the checkpoint's generation defaults, as a server applies them)."""
     done = threading.Event()
     remaining = [n_streams]
     lock = threading.Lock()
@@ -101,7 +103,8 @@ def run_streams(engine: Engine, n_streams: int, max_tokens: int, tag: str, promp
                 if remaining[0] == 0:
                     done.set()
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, ignore_eos=True)
+    params = SamplingParams(**{**(sampling or {}), "max_tokens": max_tokens, "temperature": 0.8, "seed": 1,
+                               "ignore_eos": True})
     started = time.perf_counter()
     accepted = [
         engine.submit(EngineRequest(f"{tag}-{i}", list(range(1, prompt_len + 1)), params), sink)

@@ -37,6 +37,7 @@ from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype
 from linserve.server.bench.client import LoadSpec  # noqa: E402
 from linserve.server.bench.processes import drive  # noqa: E402
 from linserve.server.engine import Engine, EngineConfig  # noqa: E402
+from linserve.server.generation_defaults import GenerationDefaults  # noqa: E402
 from linserve.server.settings import Settings  # noqa: E402
 
 COMPILE_TIMEOUT_S = 900.0  # a cold compile of every bucket takes minutes on 2 cores
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device, totals,
                     dtype=dtype).start()
     engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm
+    # the same load on both sides: a server applies the checkpoint's generation defaults (the shipped one's top_k 50)
+    sampling = {name: value for name, value in
+                GenerationDefaults.read(args.model, model.config.vocab_size).sampling.items() if name != "temperature"}
     extra = ["--log-level", "warning", "--dtype", args.dtype,
              *(["--threads", str(args.threads)] if args.threads else []),
              *(["--prefill-threads", str(args.prefill_threads)] if args.prefill_threads else [])]
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(args.reps):
             for n in sizes:
                 mark = totals.mark()
-                seconds, generated = run_streams(engine, n, args.tokens, f"p5-{rep}-{n}")
+                seconds, generated = run_streams(engine, n, args.tokens, f"p5-{rep}-{n}", sampling=sampling)
                 rates[("engine", n)].append(generated / seconds)
                 python_us[n].append(totals.python_us_per_row(mark))
                 step_ms[n].append(totals.per_step_ms(mark))
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         for server in servers.values():
             server.terminate()
             server.wait(30)
-    result = {**describe(device), "threads": engine.threads.describe(), "dtype": str(dtype),
+    result = {**describe(device), "threads": engine.threads.describe(), "dtype": str(dtype), "sampling": sampling,
               "tokens_per_stream": args.tokens, "reps": args.reps}
     targets = {1: 0.9, 32: 0.9}  # SPEC P5: 0.9 at both
     for where in placements:

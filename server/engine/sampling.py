@@ -150,17 +150,56 @@ def sample_filtered(processed: torch.Tensor, temperature: torch.Tensor, top_k: t
     distribution (the most likely token always survives); the draw itself is inverse-CDF in vocabulary
     order over the survivors, so a row whose filters drop nothing gets exactly `sample_plain`'s token."""
     greedy, probs = _tempered(processed, temperature)  # (B,), (B, V)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).clamp(max=probs.shape[-1])  # (B,)
+    if bool((top_p < 1).any()):
+        chosen = _inverse_cdf(probs.masked_fill(_dropped_by_sort(probs, k, top_p, min_p), 0.0), uniforms)  # (B,)
+    else:
+        chosen = _draw_top_k(probs, k, min_p, uniforms)  # (B,)
+    return torch.where(temperature > 0, chosen, greedy)  # (B,)
+
+
+def _draw_top_k(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Top-k and min-p without a sort of the vocabulary: the inverse-CDF draw over each row's top-k survivors
+    alone, in vocabulary order — the same additions in the same order as over the whole masked row (a dropped
+    token adds an exact zero there), so the same token to the bit, also where the draw runs past the last
+    survivor (id V - 1, as `_inverse_cdf` clamps). A tie at some row's k-th value (which equals survive is
+    decided by id) takes the whole-row form."""
+    values, ids = probs.topk(int(k.max()), dim=-1)  # (B, K) descending
+    kth = values.gather(1, (k - 1)[:, None])  # (B, 1)
+    low = probs < min_p[:, None] * values[:, :1]  # (B, V) min-p: below a share of the most likely
+    if not bool(((probs >= kth).sum(dim=-1) == k).all()):
+        return _inverse_cdf(probs.masked_fill(_outside_top_k(probs, k) | low, 0.0), uniforms)  # (B,)
+    width = values.shape[-1]
+    keep = torch.arange(width, device=probs.device)[None, :] < k[:, None]  # (B, K)
+    keep &= values >= min_p[:, None] * values[:, :1]
+    ascending, perm = ids.sort(dim=-1)  # (B, K) the survivors in vocabulary order
+    cdf = torch.where(keep, values, torch.zeros_like(values)).gather(1, perm).cumsum(dim=-1)  # (B, K)
+    at = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)  # (B, 1)
+    token = ascending.gather(1, at.clamp(max=width - 1))[:, 0]  # (B,)
+    return torch.where(at[:, 0] < width, token, torch.full_like(token, probs.shape[-1] - 1))  # (B,)
+
+
+def _dropped_by_sort(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The filters over each row's whole sorted distribution (top-p needs the mass before every rank):
+    (B, V) bool in vocabulary order. The most likely token (the lowest id among equals) always survives."""
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B, V)
     ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, V)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1]))  # (B,)
     drop = ranks >= k[:, None]  # (B, V) in sorted order
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V) mass strictly before each rank
     drop |= before >= top_p[:, None]
     drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     drop[:, 0] = False
-    dropped = torch.zeros_like(drop).scatter(1, order, drop)  # (B, V) back in vocabulary order
-    chosen = _inverse_cdf(probs.masked_fill(dropped, 0.0), uniforms)  # (B,)
-    return torch.where(temperature > 0, chosen, greedy)  # (B,)
+    return torch.zeros_like(drop).scatter(1, order, drop)  # (B, V) back in vocabulary order
+
+
+def _outside_top_k(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Without top-p no sort is needed: (B, V) True where a token is not among its row's k most likely, ties at
+    the k-th value broken toward the lower id — exactly the ranks a stable descending sort gives (k in [1, V])."""
+    kth = probs.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # (B, 1) the k-th largest value
+    above = probs > kth  # (B, V)
+    level = probs == kth  # (B, V)
+    room = k[:, None] - above.sum(dim=-1, keepdim=True)  # (B, 1) >= 1: how many at the k-th value survive
+    return ~(above | (level & (level.cumsum(dim=-1) <= room)))  # (B, V)
 
 
 def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, floats: torch.Tensor,

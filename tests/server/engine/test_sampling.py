@@ -46,6 +46,36 @@ def test_top_k_top_p_min_p_filter_per_row():
     assert tokens.tolist() == [0, 1, 2, 3]
 
 
+def test_top_k_and_min_p_without_a_sort_drop_exactly_what_the_sorted_form_drops():
+    """The path without top-p (no sort: the k-th value, ties broken toward the lower id) against the whole
+    sorted distribution, on logits with many ties (rounded to quarters) and every k from 1 past the vocabulary."""
+    from linserve.server.engine.sampling import _dropped_by_sort, _outside_top_k, _tempered
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 40, generator=generator) * 4).round() / 4  # (64, 40): ties at every k-th value
+    _, probs = _tempered(logits, torch.ones(64))  # (64, 40) float64
+    for top_k in (1, 2, 3, 7, 20, 39, 40):
+        k = torch.full((64,), top_k)
+        min_p = torch.rand(64, generator=generator) * torch.tensor([0.0, 0.3]).repeat(32)  # half the rows: none
+        fast = _outside_top_k(probs, k) | (probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True))
+        assert fast.equal(_dropped_by_sort(probs, k, torch.ones(64), min_p)), top_k
+        assert ((~fast).sum(dim=-1) <= top_k).all()
+    uniforms = torch.rand(64, generator=generator)
+    varied = torch.randint(0, 45, (64,), generator=generator)  # 0: off; past V: nothing dropped
+    zeros = torch.zeros(64)
+    mixed = sample_filtered(logits, torch.ones(64), varied, torch.ones(64), zeros, uniforms)
+    with_top_p = sample_filtered(logits, torch.ones(64), varied, torch.tensor([1.0] * 63 + [0.9999]), zeros, uniforms)
+    assert mixed[:63].equal(with_top_p[:63])  # the sorted path (one row asks top-p) draws the same tokens
+    smooth = torch.randn(64, 40, generator=generator) * 3  # no ties: the draw over the survivors alone
+    uniforms = torch.cat([torch.rand(62, generator=generator), torch.tensor([0.0, 1.0 - 2**-24])])
+    min_p = torch.rand(64, generator=generator) * 0.2
+    for top_p in (torch.ones(64), torch.tensor([1.0] * 63 + [0.9999])):
+        drawn = sample_filtered(smooth, torch.full((64,), 0.7), varied, top_p, min_p, uniforms)
+        if top_p[-1] == 1:
+            first = drawn
+    assert first[:63].equal(drawn[:63])
+
+
 def test_filtered_sampling_without_filters_is_plain_sampling():
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
     uniforms = torch.rand(16, generator=torch.Generator().manual_seed(1))
