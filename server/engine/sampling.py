@@ -164,19 +164,20 @@ def _draw_top_k(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, unifo
     token adds an exact zero there), so the same token to the bit, also where the draw runs past the last
     survivor (id V - 1, as `_inverse_cdf` clamps). A tie at some row's k-th value (which equals survive is
     decided by id) takes the whole-row form."""
-    values, ids = probs.topk(int(k.max()), dim=-1)  # (B, K) descending
-    kth = values.gather(1, (k - 1)[:, None])  # (B, 1)
-    low = probs < min_p[:, None] * values[:, :1]  # (B, V) min-p: below a share of the most likely
-    if not bool(((probs >= kth).sum(dim=-1) == k).all()):
-        return _inverse_cdf(probs.masked_fill(_outside_top_k(probs, k) | low, 0.0), uniforms)  # (B,)
+    vocab = probs.shape[-1]
+    values, ids = probs.topk(min(int(k.max()) + 1, vocab), dim=-1)  # (B, K) descending: the k-th and the next
     width = values.shape[-1]
+    kth, after = values.gather(1, (k - 1)[:, None]), values.gather(1, k.clamp(max=width - 1)[:, None])  # (B, 1)
+    if bool(((kth == after) & (k < vocab)[:, None]).any()):
+        low = probs < min_p[:, None] * values[:, :1]  # (B, V) min-p: below a share of the most likely
+        return _inverse_cdf(probs.masked_fill(_outside_top_k(probs, k) | low, 0.0), uniforms)  # (B,)
     keep = torch.arange(width, device=probs.device)[None, :] < k[:, None]  # (B, K)
     keep &= values >= min_p[:, None] * values[:, :1]
     ascending, perm = ids.sort(dim=-1)  # (B, K) the survivors in vocabulary order
     cdf = torch.where(keep, values, torch.zeros_like(values)).gather(1, perm).cumsum(dim=-1)  # (B, K)
     at = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)  # (B, 1)
     token = ascending.gather(1, at.clamp(max=width - 1))[:, 0]  # (B,)
-    return torch.where(at[:, 0] < width, token, torch.full_like(token, probs.shape[-1] - 1))  # (B,)
+    return torch.where(at[:, 0] < width, token, torch.full_like(token, vocab - 1))  # (B,)
 
 
 def _dropped_by_sort(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
