@@ -231,12 +231,13 @@ class RemoteEngine:
                     logger.exception("on_death callback failed")
 
 
-def start_core(settings, stats_sink: Callable[[object], None]):
-    """Spawn the engine core process, load the tokenizer meanwhile, wait until the core is ready:
-    (RemoteEngine, tokenizer, GenerationDefaults). A core that cannot start raises with its reason."""
+def start_core(settings, stats_sink: Callable[[object], None], target: Callable = core_main.run):
+    """Spawn the engine core process (`target(settings, connection)`: core_main.run), load the tokenizer
+    meanwhile, wait until the core is ready: (RemoteEngine, tokenizer, GenerationDefaults). A core that cannot
+    start raises with its reason."""
     context = multiprocessing.get_context("spawn")  # (torch and threads: never fork)
     ours, theirs = context.Pipe(duplex=True)
-    process = context.Process(target=core_main.run, args=(settings, theirs), name="linserve-engine-core")
+    process = context.Process(target=target, args=(settings, theirs), name="linserve-engine-core")
     process.start()
     theirs.close()
     tokenizer = load_tokenizer(Path(settings.model) if settings.model else DEFAULT_CHECKPOINT)
