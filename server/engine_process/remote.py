@@ -78,32 +78,14 @@ class RemoteEngine:
         return self.death is None and self.process.is_alive()
 
     def submit(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> Future:
-        future: Future = Future()
-        with self._state_lock:
-            if self.death is not None:
-                future.set_exception(EngineError(ENGINE_DEAD, kind="dead"))
-                return future
-            call_id = next(self._ids)
-            self._calls[call_id] = future
-            self._open[request.request_id] = OpenRequest(sink, request.params.n)
-        future.add_done_callback(lambda done: self._refused(request.request_id, done))
-        self._send(("submit", call_id, request))
-        return future
+        return self._ask("submit", request, opening=(request.request_id, OpenRequest(sink, request.params.n)))
 
     def abort(self, request_id: str) -> None:
         if self.death is None:
             self._send(("abort", request_id))
 
     def call(self, name: str, *args, **kwargs) -> Future:
-        future: Future = Future()
-        with self._state_lock:
-            if self.death is not None:
-                future.set_exception(EngineError(ENGINE_DEAD, kind="dead"))
-                return future
-            call_id = next(self._ids)
-            self._calls[call_id] = future
-        self._send(("call", call_id, name, args, kwargs))
-        return future
+        return self._ask("call", name, args, kwargs)
 
     def counts(self) -> Future:
         return self.call("counts")
@@ -154,6 +136,28 @@ class RemoteEngine:
             return self.call(name).result(ANSWER_WAIT_S)
         except Exception:  # noqa: BLE001 - the core is gone or slow: the question has no answer now
             return None
+
+    def _ask(self, kind: str, *payload, opening: tuple[str, OpenRequest] | None = None) -> Future:
+        """Send a message whose answer resolves the returned future (`opening`: a request's sink, registered
+        before it can produce outputs and dropped again if the core refuses it)."""
+        future: Future = Future()
+        with self._state_lock:
+            if self.death is not None:
+                future.set_exception(EngineError(ENGINE_DEAD, kind="dead"))
+                return future
+            call_id = next(self._ids)
+            self._calls[call_id] = future
+            if opening is not None:
+                self._open[opening[0]] = opening[1]
+        if opening is not None:
+            future.add_done_callback(lambda done: self._refused(opening[0], done))
+        try:
+            self._send((kind, call_id, *payload))
+        except EngineError as error:  # the core is gone: the reader fails everything else pending
+            self._calls.pop(call_id, None)
+            if not future.done():
+                future.set_exception(error)
+        return future
 
     def _refused(self, request_id: str, future: Future) -> None:
         if future.exception() is not None:
