@@ -2,7 +2,7 @@
 weights, GGUF F32), identical `linserve bench` loads, side by side in one run.
 
     bash benchmarks/peers/build_llama_server.sh && python benchmarks/peers/make_models.py   # once (~15 min)
-    python benchmarks/p9_peers.py [--reps 3] [--quick] [--out FILE] [--plot PNG]
+    python benchmarks/p9_peers.py [--reps 3] [--api-servers 0|1] [--quick] [--out FILE] [--plot PNG]
 
 Loads (each repetition runs every load on every server, servers in turn): 1 stream × 512 tokens, 8 streams ×
 256 tokens, 1 stream × 8,192 tokens (ITL p50 of the first and the last 1,024 tokens). All three servers run
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", help="PNG: ITL vs position of the 8,192-token load, all three servers")
     parser.add_argument("--threads", type=int, help="linserve serve --threads [default: the server's default]")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-server -t (default 2)")
+    parser.add_argument("--api-servers", type=int, choices=[0, 1], default=0,
+                        help="linserve serve --api-servers (1: the engine core a process of its own) [default: 0]")
     parser.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
                         help="also run a second linserve with this speculative decoding default, side by side "
                         "(reported as P9_speculative)")
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             str(DEFAULT_CHECKPOINT),
             servers["linserve"],
             64,  # the default slot count: the compiled programs `linserve compile` built for `serve` are reused
-            extra=["--log-level", "warning", *(["--threads", str(args.threads)] if args.threads else [])],
+            extra=["--log-level", "warning", "--api-servers", str(args.api_servers),
+                   *(["--threads", str(args.threads)] if args.threads else [])],
             env={"LINSERVE_SESSION_STORE": "none"},
             compile=args.compile,
         ),
