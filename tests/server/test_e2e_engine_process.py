@@ -59,6 +59,13 @@ def metric(base: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def wait_for_metric(base: str, name: str, value: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(base, name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.05)
+
+
 def streamed(base: str, body: dict) -> list[dict]:
     chunks = []
     with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
@@ -121,12 +128,9 @@ def test_per_step_stats_reach_the_frontends_metrics_and_a_client_that_leaves_fre
     received = b""
     while b"data:" not in received:  # its first token
         received += sock.recv(65536)
-    assert metric(split.base, "linserve_requests_running") == 1
+    wait_for_metric(split.base, "linserve_requests_running", 1)  # (its step's stats follow its first token)
     sock.close()
-    deadline = time.monotonic() + 10
-    while metric(split.base, "linserve_requests_running") != 0:
-        assert time.monotonic() < deadline, "the left stream still runs in the core"
-        time.sleep(0.05)
+    wait_for_metric(split.base, "linserve_requests_running", 0)  # the left stream ended in the core
     assert metric(split.base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
 
 
