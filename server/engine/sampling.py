@@ -170,7 +170,7 @@ def _draw_top_k(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, unifo
     kth, after = values.gather(1, (k - 1)[:, None]), values.gather(1, k.clamp(max=width - 1)[:, None])  # (B, 1)
     if bool(((kth == after) & (k < vocab)[:, None]).any()):
         low = probs < min_p[:, None] * values[:, :1]  # (B, V) min-p: below a share of the most likely
-        return _inverse_cdf(probs.masked_fill(_outside_top_k(probs, k) | low, 0.0), uniforms)  # (B,)
+        return _inverse_cdf(probs.masked_fill(_outside_top_k(probs, k, kth) | low, 0.0), uniforms)  # (B,)
     keep = torch.arange(width, device=probs.device)[None, :] < k[:, None]  # (B, K)
     keep &= values >= min_p[:, None] * values[:, :1]
     ascending, perm = ids.sort(dim=-1)  # (B, K) the survivors in vocabulary order
@@ -193,10 +193,12 @@ def _dropped_by_sort(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, 
     return torch.zeros_like(drop).scatter(1, order, drop)  # (B, V) back in vocabulary order
 
 
-def _outside_top_k(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _outside_top_k(probs: torch.Tensor, k: torch.Tensor, kth: torch.Tensor | None = None) -> torch.Tensor:
     """Without top-p no sort is needed: (B, V) True where a token is not among its row's k most likely, ties at
-    the k-th value broken toward the lower id — exactly the ranks a stable descending sort gives (k in [1, V])."""
-    kth = probs.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # (B, 1) the k-th largest value
+    the k-th value broken toward the lower id — exactly the ranks a stable descending sort gives (k in [1, V]).
+    `kth` (B, 1): each row's k-th largest value, if the caller has it."""
+    if kth is None:
+        kth = probs.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # (B, 1)
     above = probs > kth  # (B, V)
     level = probs == kth  # (B, V)
     room = k[:, None] - above.sum(dim=-1, keepdim=True)  # (B, 1) >= 1: how many at the k-th value survive

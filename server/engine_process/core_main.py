@@ -28,15 +28,16 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # (serve.py's)
 
 class Outbox:
     """Events for the frontend, sent together: appended from any thread (a deque: no lock), sent as one
-    `("batch", events)` by `flush` — which the engine thread calls once per step, after its PoolStats."""
+    `("batch", events)` by `flush` — which the engine thread calls once per step, after its PoolStats. Every
+    write to the connection holds `send_lock` (the engine thread, the store's thread and the main thread all
+    send)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.events: collections.deque = collections.deque()
-        self.send_lock = threading.Lock()
+        self.send_lock = threading.RLock()
         self.open = False  # held until "ready" is sent: nothing may overtake it
         self.broken = False
-        self.engine_thread: threading.Thread | None = None
         self._last_pool: PoolStats | None = None
 
     def output(self, output) -> None:
@@ -54,11 +55,10 @@ class Outbox:
             self.events.append(("s", stats))
 
     def answer(self, call_id: int, future: Future) -> None:
-        """A call's answer; sent at once unless the engine thread answered it (its step's flush sends it)."""
+        """A call's answer, sent at once (with whatever else is waiting)."""
         error = future.exception()
         self.events.append(("r", call_id, error is None, future.result() if error is None else crossing(error)))
-        if threading.current_thread() is not self.engine_thread:
-            self.flush()
+        self.flush()
 
     def flush(self) -> None:
         with self.send_lock:
@@ -69,7 +69,8 @@ class Outbox:
 
     def send(self, message: tuple) -> None:
         try:
-            self.conn.send(message)
+            with self.send_lock:
+                self.conn.send(message)
         except (OSError, ValueError):  # the frontend is gone: the main thread sees it and stops the engine
             self.broken = True
 
@@ -90,7 +91,6 @@ def run(settings, conn: Connection) -> None:
         logger.exception("the engine core could not start")
         outbox.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
-    outbox.engine_thread = engine._thread
     engine.on_death.append(lambda error: died(outbox))
     outbox.send(("ready", engine.facts, generation))
     with outbox.send_lock:

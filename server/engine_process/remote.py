@@ -116,7 +116,7 @@ class RemoteEngine:
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
         """Drain the core (it aborts what runs, flushes the session store) and wait for its exit."""
         self._stopping = True
-        if self.death is None and self.process.is_alive():
+        if self.process.is_alive():  # (also after its engine died: the core still drains the store and exits)
             try:
                 self._send(("stop",))
                 self._stopped.wait(timeout)
