@@ -131,6 +131,11 @@ class Settings(BaseSettings):
     prefill_threads: int | None = Field(
         None, ge=1, le=1024, description="intra-op CPU threads while the engine runs the chunked form (prefill, "
         "prompt scoring), whose GEMMs are large enough to split; unset: the CPUs this process may use, at most 8")
+    adapt_threads: bool = Field(
+        True, description="treat `threads` and `prefill_threads` as ceilings: every 0.5 s the engine reads the "
+        "kernel's CPU counters and runs each phase on the CPUs other processes leave free (rounded; at least 1) — "
+        "libgomp's spinning workers cost 2-3x beside a busy neighbour, and the exact path computes the same bits "
+        "on any thread count; false: always the ceilings")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights' dtype; the (S, z) state stays fp32. auto: bfloat16 on a CPU with bf16 in "
         "hardware (AVX512-BF16, AMX), else float32")

@@ -84,7 +84,7 @@ class Engine:
         speculative decoding's draft model (same tokenizer), if the server has one."""
         self.model = model = (in_dtype(model, dtype) if dtype else model).eval()  # (every use below: this copy)
         # before the model runs or a program is built (kernels bake the count in); large weights: every CPU
-        self.threads = apply_threads(config.threads, config.prefill_threads, weight_bytes(model))
+        self.threads = apply_threads(config.threads, config.prefill_threads, weight_bytes(model), config.adapt_threads)
         self.config, self.device = config, device
         # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
         self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)

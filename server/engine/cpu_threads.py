@@ -12,7 +12,9 @@ milliseconds, and one core draws only part of the memory bandwidth (fla's 340M `
 weights on 2 cores: its projections read 11 GB/s on one thread, 18 GB/s on two; the compiled step 77 → 50 ms).
 So a model whose weights are at least `STREAMED_WEIGHT_BYTES` decodes on every usable CPU. Prefill is
 different — its GEMMs are large — so the engine thread switches to `prefill_threads` (default: every usable
-CPU) while it runs the chunked form, and back after.
+CPU) while it runs the chunked form, and back after. Both counts are ceilings: while other processes hold
+this process's CPUs the engine runs fewer (cpu_contention.py: libgomp's spinning workers cost 2-3x beside a busy
+neighbour).
 
 "CPUs this process may use" is the smaller of its affinity mask and its cgroup CPU quota (a container limited
 to 2 CPUs on a 64-core host gets 1 thread, not 63).
@@ -33,9 +35,8 @@ import ctypes
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,16 +58,22 @@ class ThreadPlan:
     omp_wait_policy: str  # OMP_WAIT_POLICY as the process started with it ("default" when unset)
     prefill_threads: int = 1  # the engine thread's count while it runs the chunked form (prefill)
     weight_bytes: int = 0  # the model's weights as the decode step reads them (0: not known when planned)
+    adaptive: bool = False  # both counts are ceilings, lowered while other processes hold the CPUs (cpu_contention)
 
     def describe(self) -> dict:
         return asdict(self)
 
 
-def affinity_cpus() -> int:
+def affinity_set() -> frozenset[int]:
+    """The CPUs this process may run on (every CPU where the OS does not say)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def affinity_cpus() -> int:
+    return len(affinity_set())
 
 
 def _quota_v2(path: Path) -> float | None:
@@ -86,10 +93,11 @@ def _quota_v1(root: Path) -> float | None:
     return None if quota <= 0 or period <= 0 else quota / period
 
 
-def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
-    """The CPU quota this process's cgroup (or any ancestor) sets, in CPUs; None where there is none.
-    cgroup v2: `cpu.max` along the process's path from /proc/self/cgroup (inside a container that path is
-    usually the root); v1: cpu.cfs_quota_us / cpu.cfs_period_us."""
+def cgroup_quota_dir(root: Path = CGROUP_ROOT,
+                     self_cgroup: Path = Path("/proc/self/cgroup")) -> tuple[float, Path] | None:
+    """(CPUs, directory) of the tightest CPU quota this process's cgroup (or any ancestor) sets; None where there
+    is none. cgroup v2: `cpu.max` along the process's path from /proc/self/cgroup (inside a container that path
+    is usually the root); v1: cpu.cfs_quota_us / cpu.cfs_period_us."""
     limits = []
     try:
         entry = next((line.split(":", 2)[2] for line in self_cgroup.read_text().splitlines()
@@ -101,14 +109,20 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/s
         while True:
             limit = _quota_v2(here)
             if limit is not None:
-                limits.append(limit)
+                limits.append((limit, here))
             if here == root or root not in here.parents:
                 break
             here = here.parent
     v1 = _quota_v1(root)
     if v1 is not None:
-        limits.append(v1)
-    return min(limits) if limits else None
+        limits.append((v1, root / "cpu"))
+    return min(limits, key=lambda pair: pair[0]) if limits else None
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPU quota this process's cgroup (or any ancestor) sets, in CPUs; None where there is none."""
+    found = cgroup_quota_dir(root, self_cgroup)
+    return None if found is None else found[0]
 
 
 def usable_cpus() -> float:
@@ -129,35 +143,25 @@ def default_prefill_threads(usable: float) -> int:
     return max(1, min(math.floor(usable), MAX_DEFAULT_PREFILL_THREADS))
 
 
-def plan_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0) -> ThreadPlan:
+def plan_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0,
+                 adaptive: bool = False) -> ThreadPlan:
     usable = usable_cpus()
     threads = requested if requested is not None else default_threads(usable, weight_bytes)
     prefill = prefill_requested if prefill_requested is not None else default_prefill_threads(usable)
     return ThreadPlan(threads, usable, "setting" if requested is not None else "default",
-                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill, weight_bytes)
+                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill, weight_bytes, adaptive)
 
 
-def apply_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0) -> ThreadPlan:
+def apply_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0,
+                  adaptive: bool = False) -> ThreadPlan:
     """Set torch's intra-op thread count for this process (before any compiled program is built or loaded:
-    Inductor bakes the count into its kernels). `weight_bytes`: the decode model's `weight_bytes(model)`."""
-    plan = plan_threads(requested, prefill_requested, weight_bytes)
+    Inductor bakes the count into its kernels). `weight_bytes`: the decode model's `weight_bytes(model)`. The
+    engine thread then runs each phase on its count (cpu_contention.ThreadCounts: lowered while other processes
+    hold the CPUs when `adaptive`)."""
+    plan = plan_threads(requested, prefill_requested, weight_bytes, adaptive)
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
     return plan
-
-
-@contextmanager
-def prefill_threads(plan: ThreadPlan) -> Iterator[None]:
-    """The calling thread's eager ops run on `plan.prefill_threads` threads inside, on `plan.threads` after
-    (OpenMP's count is per thread: other threads are untouched; a switch costs well under a microsecond)."""
-    if plan.prefill_threads == plan.threads:
-        yield
-        return
-    torch.set_num_threads(plan.prefill_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(plan.threads)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

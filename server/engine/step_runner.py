@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .constraint import write_rows
-from .cpu_threads import ThreadPlan, prefill_threads
+from .cpu_contention import ThreadCounts
+from .cpu_threads import ThreadPlan
 from .decode_program import DecodeOutputs
 from .live import LiveRequest, Row
 from .prefix_cache import PrefixCache, boundary_hashes
@@ -67,7 +68,8 @@ class StepRunner:
         self.model, self.pool, self.sampling, self.decode_step = model, pool, sampling, decode_step
         self.verify_steps, self.speculation = verify_steps, speculation  # width → verification DecodeStep
         self.prefix_cache, self.device, self.eos_ids = prefix_cache, device, eos_ids
-        self.threads = threads if device.type == "cpu" else None  # CPU threads for the chunked form
+        # the engine thread's CPU threads per phase (fewer while other processes hold the CPUs)
+        self.threads = ThreadCounts(threads) if threads is not None and device.type == "cpu" else None
 
     # ------------------------------------------------------------------ phases
     def decode(self, rows: list[Row], speculate: bool = True) -> Delivery:
@@ -81,6 +83,8 @@ class StepRunner:
         plan = self.speculation.plan(rows) if self.speculation is not None and speculate else None
         if plan is not None:
             return self.verify(rows, plan, step_started)
+        if self.threads is not None:
+            self.threads.decoding()
         started = time.perf_counter()
         out = self.decode_step(tokens, slots, positions)
         program_s = time.perf_counter() - started
@@ -100,6 +104,8 @@ class StepRunner:
         limits = [len(draft) for draft in drafts]
         ids = [[row.next_token, *draft] + [row.next_token] * (k - len(draft)) for row, draft in zip(rows, drafts)]
         slots = [row.slot for row in rows]
+        if self.threads is not None:
+            self.threads.decoding()
         started = time.perf_counter()
         raw = self.verify_steps[k].run([*map(list, zip(*ids)), limits, slots, [row.position for row in rows]])
         program_s = time.perf_counter() - started
@@ -124,7 +130,7 @@ class StepRunner:
         """This step's prefill chunks (request, start, length) — those of equal length as one batch (exact:
         no padding), on the prefill thread count. The state moves on; the first tokens come from
         `first_tokens` once a prompt is whole."""
-        with prefill_threads(self.threads) if self.threads is not None else contextlib.nullcontext():
+        with self.threads.prefilling() if self.threads is not None else contextlib.nullcontext():
             self._prefill(work)
 
     def _prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:

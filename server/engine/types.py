@@ -53,6 +53,7 @@ class EngineConfig:
     speculative_always: bool  # verify whenever a row has drafts, whatever it costs (else: while it pays)
     threads: int | None  # torch intra-op CPU threads; None: derived from the CPUs this process may use
     prefill_threads: int | None  # the same while the chunked form (prefill) runs
+    adapt_threads: bool  # both are ceilings, lowered while other processes hold the CPUs (cpu_contention.py)
     session_responses_mb: float = 64.0  # a session's stored responses (their own store entries), at most
 
     @classmethod

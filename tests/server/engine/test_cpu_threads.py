@@ -155,7 +155,7 @@ class ThreadsSeen:
 def test_prefill_runs_on_the_prefill_count_and_decode_on_the_decode_count(make_engine, restore_threads, device):
     if device.type != "cpu":
         pytest.skip("CPU threads: a CUDA engine's prefill runs on the GPU")
-    engine = make_engine(threads=1, prefill_threads=3)
+    engine = make_engine(threads=1, prefill_threads=3, adapt_threads=False)  # (the plan's counts, as set)
     assert (engine.threads.threads, engine.threads.prefill_threads) == (1, 3)
     spy = engine.runner.model = ThreadsSeen(engine.runner.model)
     outputs = run(engine, prompt(40), SamplingParams(max_tokens=4, temperature=0), "t")

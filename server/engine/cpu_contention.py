@@ -1,0 +1,173 @@
+"""Intra-op threads that yield to a busy host: the CPUs other processes hold from this one, read from the kernel's
+counters, and the thread count that leaves them be.
+
+libgomp's workers spin at every barrier before they sleep. On a 2-core host with one core taken by another process,
+a 2-thread op's worker spins through the time slice the thread it waits for needs: the shipped model's 4,011-token
+prefill took 2.3 s beside a busy loop against 0.64 s quiet, and 0.88 s on one thread (docs/benchmarks.md, "Threads
+beside a busy neighbour"). `OMP_WAIT_POLICY=PASSIVE` removes the spinning but costs 12–28% on a quiet host (each
+parallel region then waits for a futex wake-up), and the policy is fixed when the process starts. The thread
+count is not: it is per thread and changes between two ops for well under a microsecond, and the exact path's
+results are the same bits at any count (tests/model/families/test_thread_count.py). So the engine keeps libgomp's
+default and runs each phase on the CPUs that are free *now*:
+
+- every `WINDOW_S` at most (a step reads the cached count otherwise) it reads /proc/stat's per-CPU counters over
+  the CPUs of its affinity mask, its own CPU time (/proc/self/stat) and, under a cgroup CPU quota, the cgroup's
+  usage (cpu.stat `usage_usec`, v1: cpuacct.usage);
+- others = the CPU time those counters grew by, less its own, per second of the window (steal included: a CPU
+  the hypervisor took is not free);
+- free = min(CPUs of the mask − others on them, quota − others in the cgroup); the phase's count is its planned
+  count capped at free rounded to the nearest CPU (a CPU counts as held once others use more than half of it),
+  at least 1.
+
+The frontend process (`api_servers: 1`) and a load tester on the same host count as others: they compete for the
+same cores, as a neighbour does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .cpu_threads import CGROUP_ROOT, ThreadPlan, affinity_set, cgroup_quota_dir
+
+logger = logging.getLogger("linserve.engine")
+
+WINDOW_S = 0.5  # counters are read at most this often; between reads a phase reuses the last count
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# /proc/stat's columns after the CPU's name; busy = all but idle and iowait (guest time is inside user already)
+STAT_COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+IDLE_COLUMNS = (3, 4)
+
+
+@dataclass(frozen=True)
+class Counters:
+    at: float  # time.monotonic() when read
+    busy_s: float  # CPU seconds the mask's CPUs were busy, everyone's
+    own_s: float  # this process's CPU seconds (all its threads)
+    cgroup_s: float | None  # the quota's cgroup's CPU seconds (None: no quota)
+
+
+def cpus_busy_seconds(stat_text: str, cpus: frozenset[int]) -> float:
+    """Busy seconds of `cpus` since boot, from /proc/stat's `cpuN` lines."""
+    ticks = 0
+    for line in stat_text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        values = [int(v) for v in rest.split()[: len(STAT_COLUMNS)]]
+        ticks += sum(v for i, v in enumerate(values) if i not in IDLE_COLUMNS)
+    return ticks / TICKS_PER_S
+
+
+def process_seconds(self_stat_text: str) -> float:
+    """utime + stime of /proc/<pid>/stat (fields 14 and 15; the name in parentheses may hold spaces)."""
+    fields = self_stat_text.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+
+
+def cgroup_usage_seconds(directory: Path, root: Path = CGROUP_ROOT) -> float | None:
+    """The CPU time of a cgroup and its children: v2 cpu.stat `usage_usec`, else v1's cpuacct.usage (ns)."""
+    try:
+        for line in (directory / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) / 1e6
+    except (OSError, ValueError):
+        pass
+    for v1 in (root / "cpuacct" / "cpuacct.usage", root / "cpu,cpuacct" / "cpuacct.usage"):
+        try:
+            return int(v1.read_text()) / 1e9
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class CpuContention:
+    """How many of this process's CPUs other processes hold, over the last window."""
+
+    def __init__(self, cpus: frozenset[int], quota: tuple[float, Path] | None = None, proc: Path = Path("/proc"),
+                 cgroup_root: Path = CGROUP_ROOT, window_s: float = WINDOW_S) -> None:
+        self.cpus, self.quota, self.proc, self.cgroup_root, self.window_s = cpus, quota, proc, cgroup_root, window_s
+        self.last = self.read()
+        self.others = 0.0  # CPUs others used in the last window (0 until a window has passed)
+
+    @classmethod
+    def here(cls, window_s: float = WINDOW_S) -> CpuContention | None:
+        """This process's, or None where the kernel's counters cannot be read (not Linux)."""
+        try:
+            return cls(affinity_set(), cgroup_quota_dir(), window_s=window_s)
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def read(self) -> Counters:
+        stat = (self.proc / "stat").read_text()
+        own = (self.proc / "self" / "stat").read_text()
+        usage = cgroup_usage_seconds(self.quota[1], self.cgroup_root) if self.quota else None
+        return Counters(time.monotonic(), cpus_busy_seconds(stat, self.cpus), process_seconds(own), usage)
+
+    def update(self) -> bool:
+        """Read the counters if a window has passed since the last read; whether it did."""
+        if time.monotonic() - self.last.at < self.window_s:
+            return False
+        now = self.read()
+        wall, then = now.at - self.last.at, self.last
+        own = now.own_s - then.own_s
+        others = max(0.0, (now.busy_s - then.busy_s - own) / wall)
+        if now.cgroup_s is not None and then.cgroup_s is not None:
+            others = max(others, (now.cgroup_s - then.cgroup_s - own) / wall)
+        self.last, self.others = now, others
+        return True
+
+    def free_cpus(self) -> float:
+        """The CPUs this process may use that others did not, in the last window."""
+        mask = len(self.cpus) - self.others
+        return mask if self.quota is None else min(mask, self.quota[0] - self.others)
+
+    def cap(self, planned: int) -> int:
+        """`planned` threads, capped at the free CPUs rounded to the nearest (at least 1)."""
+        return max(1, min(planned, math.floor(self.free_cpus() + 0.5)))
+
+
+class ThreadCounts:
+    """The engine thread's intra-op count per phase: the plan's decode and prefill counts, each capped by the
+    free CPUs when the plan adapts (`adapt_threads`). Called on the engine thread only (the count is per thread)."""
+
+    def __init__(self, plan: ThreadPlan, contention: CpuContention | None = None) -> None:
+        self.plan = plan
+        self.contention = contention if contention is not None or not plan.adaptive else CpuContention.here()
+        self.decode, self.prefill = plan.threads, plan.prefill_threads  # the counts in force now
+
+    def _refresh(self) -> None:
+        if self.contention is None or not self.contention.update():
+            return
+        decode, prefill = self.contention.cap(self.plan.threads), self.contention.cap(self.plan.prefill_threads)
+        if (decode, prefill) != (self.decode, self.prefill):
+            logger.info("intra-op threads: decode %d -> %d, prefill %d -> %d (other processes hold %.1f of this "
+                        "process's CPUs)", self.decode, decode, self.prefill, prefill, self.contention.others)
+            self.decode, self.prefill = decode, prefill
+
+    def decoding(self) -> None:
+        """Before a decode (or verification) step: the decode count in force."""
+        self._refresh()
+        if torch.get_num_threads() != self.decode:
+            torch.set_num_threads(self.decode)
+
+    @contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """The chunked form (prefill, prompt scoring) on the prefill count; the decode count after."""
+        self._refresh()
+        if torch.get_num_threads() != self.prefill:
+            torch.set_num_threads(self.prefill)
+        try:
+            yield
+        finally:
+            if self.prefill != self.decode:
+                torch.set_num_threads(self.decode)

@@ -1,0 +1,169 @@
+"""Intra-op threads that yield to a busy host (cpu_contention.py): the counters' arithmetic on written /proc and
+cgroup files, a real busy process seen as one CPU held, and an engine that prefills on fewer threads beside it
+with the same tokens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from linserve.server.engine.cpu_contention import (
+    TICKS_PER_S,
+    CpuContention,
+    ThreadCounts,
+    cpus_busy_seconds,
+    process_seconds,
+)
+from linserve.server.engine.cpu_threads import ThreadPlan, affinity_set
+from linserve.server.engine.types import SamplingParams
+from tests.helpers import prompt, run, tokens_of
+
+STAT = """cpu  {total} 0 0 0 0 0 0 0 0 0
+cpu0 {u0} 5 {s0} {i0} 7 1 2 {st0} 0 0
+cpu1 {u1} 0 0 {i1} 0 0 0 0 0 0
+cpu2 500 0 0 9000 0 0 0 0 0 0
+intr 1 2 3
+ctxt 99
+"""
+SELF_STAT = "4242 (linserve (core) x) S 1 2 3 4 5 6 7 8 9 10 {utime} {stime} 0 0 20 0 3 0 100 1000 50\n"
+
+
+class Host:
+    """A /proc (stat, self/stat) and a cgroup v2 directory written by the test, advanced tick by tick."""
+
+    def __init__(self, tmp_path) -> None:
+        self.proc, self.cgroup = tmp_path / "proc", tmp_path / "cgroup"
+        (self.proc / "self").mkdir(parents=True)
+        self.cgroup.mkdir()
+        self.cpu0 = dict(u0=100, s0=50, i0=1000, st0=0)
+        self.cpu1 = dict(u1=30, i1=2000)
+        self.own = dict(utime=10, stime=5)
+        self.usage_usec = 0
+        self.write()
+
+    def write(self) -> None:
+        (self.proc / "stat").write_text(STAT.format(total=0, **self.cpu0, **self.cpu1))
+        (self.proc / "self" / "stat").write_text(SELF_STAT.format(**self.own))
+        (self.cgroup / "cpu.stat").write_text(f"usage_usec {self.usage_usec}\nuser_usec 0\nsystem_usec 0\n")
+
+    def advance(self, busy0: int, busy1: int, own: int, cgroup_usec: int = 0, idle: int = 0) -> None:
+        """Ticks of busy time on cpu0 (split user/steal), cpu1, this process's own; the cgroup's usage."""
+        self.cpu0["u0"] += busy0 - busy0 // 4
+        self.cpu0["st0"] += busy0 // 4  # (steal counts as held)
+        self.cpu1["u1"] += busy1
+        self.cpu0["i0"] += idle
+        self.own["utime"] += own
+        self.usage_usec += cgroup_usec
+        self.write()
+
+
+def test_the_counters_parse_as_the_kernel_writes_them(tmp_path):
+    host = Host(tmp_path)
+    text = (host.proc / "stat").read_text()
+    # cpu0: user 100 + nice 5 + system 50 + irq 1 + softirq 2 + steal 0 (idle 1000 and iowait 7 are not busy)
+    assert cpus_busy_seconds(text, frozenset({0})) == pytest.approx(158 / TICKS_PER_S)
+    assert cpus_busy_seconds(text, frozenset({0, 1})) == pytest.approx(188 / TICKS_PER_S)
+    assert cpus_busy_seconds(text, frozenset({2})) == pytest.approx(500 / TICKS_PER_S)  # the aggregate line: never
+    assert process_seconds((host.proc / "self" / "stat").read_text()) == pytest.approx(15 / TICKS_PER_S)
+
+
+def test_others_are_the_cpus_time_less_this_processs_per_second_of_the_window(tmp_path):
+    host = Host(tmp_path)
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.05)
+    assert not contention.update() and contention.others == 0  # no window has passed yet
+    time.sleep(0.06)
+    wall = time.monotonic() - contention.last.at
+    host.advance(busy0=40, busy1=TICKS_PER_S, own=30)  # others: 10 ticks on cpu0 + a whole second on cpu1
+    assert contention.update()
+    seconds = time.monotonic() - contention.last.at + wall  # (the window the reads spanned, within a few ms)
+    assert contention.others == pytest.approx((10 + TICKS_PER_S) / TICKS_PER_S / seconds, rel=0.2)
+    assert contention.others > 1  # more than one CPU's time per second of a window shorter than one second
+    assert contention.cap(2) == 1 and contention.cap(8) == 1 and contention.cap(1) == 1  # at least one
+    time.sleep(0.06)
+    host.advance(busy0=5, busy1=0, own=5, idle=50)  # everything busy on the CPUs was this process's
+    contention.update()
+    assert contention.others == pytest.approx(0, abs=1e-9) and contention.free_cpus() == pytest.approx(2)
+    assert contention.cap(2) == 2 and contention.cap(3) == 2
+
+
+def test_a_quota_counts_what_others_in_the_cgroup_use(tmp_path):
+    """In a container limited to 2 CPUs on a larger host, a busy process in the same container takes quota, not a
+    CPU of the mask: the cgroup's usage shows it."""
+    host = Host(tmp_path)
+    contention = CpuContention(frozenset({0, 1}), quota=(1.5, host.cgroup), proc=host.proc, window_s=0.05)
+    time.sleep(0.06)
+    host.advance(busy0=0, busy1=0, own=3, cgroup_usec=int(1.3e6))  # the mask's CPUs look idle
+    contention.update()
+    assert contention.others > 1  # (1.3 s less this process's 0.03 s, over a window of about 0.06 s)
+    assert contention.free_cpus() < 0.5 and contention.cap(2) == 1
+
+
+@pytest.fixture
+def busy_loop():
+    """A process spinning for as long as the test runs (killed after it)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    time.sleep(0.3)  # (started and spinning)
+    yield spinner
+    spinner.kill()
+    spinner.wait()
+
+
+def test_a_real_busy_process_is_seen_holding_a_cpu(busy_loop):
+    contention = CpuContention.here(window_s=0.4)
+    assert contention is not None
+    time.sleep(0.5)  # this process idle: the loop has a CPU to itself
+    assert contention.update()
+    assert contention.others > 0.5, contention.others  # (other load only adds to it)
+    cpus = len(affinity_set())
+    assert contention.cap(cpus) <= cpus - 1 if cpus > 1 else contention.cap(1) == 1
+
+
+def test_each_phase_runs_on_its_capped_count_and_decode_comes_back(tmp_path):
+    host = Host(tmp_path)
+    plan = ThreadPlan(threads=2, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
+                      adaptive=True)
+    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.05))
+    before = torch.get_num_threads()
+    try:
+        counts.decoding()
+        assert torch.get_num_threads() == 2
+        time.sleep(0.06)
+        host.advance(busy0=0, busy1=TICKS_PER_S, own=0)  # a neighbour holds cpu1
+        with counts.prefilling():
+            assert torch.get_num_threads() == 1 == counts.prefill
+        assert torch.get_num_threads() == counts.decode == 1
+        time.sleep(0.06)
+        host.advance(busy0=0, busy1=0, own=0, idle=20)  # gone
+        counts.decoding()
+        assert torch.get_num_threads() == 2 and counts.prefill == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_plan_that_does_not_adapt_keeps_its_counts():
+    plan = ThreadPlan(threads=1, usable_cpus=2, source="setting", omp_wait_policy="default", prefill_threads=2)
+    assert ThreadCounts(plan).contention is None
+
+
+def test_the_engine_prefills_on_fewer_threads_beside_a_busy_process_with_the_same_tokens(make_engine, busy_loop,
+                                                                                        device):
+    if device.type != "cpu" or len(affinity_set()) != 2:
+        pytest.skip("a 2-CPU host (one busy loop holds half of it): CI's and this project's CPU machines")
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+    pinned = make_engine(threads=1, prefill_threads=2, adapt_threads=False, num_slots=4)
+    want = [tokens_of(run(pinned, prompt(120, 700 + i), params, f"p{i}")) for i in range(3)]
+    pinned.stop()
+    engine = make_engine(threads=1, prefill_threads=2, num_slots=4)
+    counts = engine.runner.threads
+    assert counts.contention is not None and counts.prefill == 2  # (no window has passed yet)
+    deadline = time.monotonic() + 30
+    got = []
+    while counts.prefill != 1 and time.monotonic() < deadline:
+        got = [tokens_of(run(engine, prompt(120, 700 + i), params, f"a{i}")) for i in range(3)]
+        assert got == want  # the same tokens whichever count prefilled them
+    assert counts.prefill == 1, counts.contention.others
+    assert [tokens_of(run(engine, prompt(120, 700 + i), params, f"b{i}")) for i in range(3)] == want
