@@ -21,12 +21,13 @@ from .sampling import choose_tokens
 class DecodeOutputs:
     """What one decode program returns for B rows (see `decode_program`)."""
 
-    tokens: torch.Tensor  # (B,) int64 drawn without top-k/top-p/min-p filters (argmax for greedy rows)
+    tokens: torch.Tensor  # (B,) int64 drawn (argmax for greedy rows; top-k applied where the program can)
     logprob: torch.Tensor  # (B,) the drawn token's log-probability under the model
     finite: torch.Tensor  # (B,) bool: the row's logits were finite
     uniforms: torch.Tensor  # (B,) the rows' counter-based uniforms (a filtered redraw reuses them)
     processed: torch.Tensor  # (B, V) logits after logit_bias and penalties
     logits: torch.Tensor  # (B, V) the model's logits, fp32
+    redraw: torch.Tensor | None  # (B,) bool: rows whose filters the host applies (None: every filtered row)
     state: list[torch.Tensor]  # the rows' new state tensors, in `state_names` order
 
 
@@ -74,10 +75,10 @@ def decode_program(model: ServedModel):
     """The whole decode step as one function of tensors — what gets compiled per bucket:
 
         program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)
-            -> (tokens, logprob, finite, uniforms, processed, logits, *new state)
+            -> (tokens, logprob, finite, uniforms, processed, logits, redraw, *new state)
 
     gather the rows' state from the pool by slot → the model's recurrent step → the rows' sampling
-    parameters gathered by slot → penalties, logit_bias, counter-based draw. Nothing is written: the
+    parameters gathered by slot → penalties, logit_bias, counter-based draw (with top-k: sampling.choose_tokens). Nothing is written: the
     caller scatters the state back once the step has succeeded."""
     step = flat_decode_step(model)
     n_state = len(state_names(model))
@@ -87,6 +88,7 @@ def decode_program(model: ServedModel):
         pool, sampling = buffers[:n_state], buffers[n_state:]
         state = [buffer.index_select(0, slots) for buffer in pool]  # (P, …) each
         logits, *new_state = step(tokens[:, None], *state)  # (P, V) fp32
-        return (*choose_tokens(logits, slots, positions, *sampling), logits, *new_state)
+        tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling)
+        return tokens, logprob, finite, uniforms, processed, logits, redraw, *new_state
 
     return program

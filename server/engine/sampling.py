@@ -94,7 +94,7 @@ class SlotSampling:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """What the decode program reads, in `choose_tokens`' order after its first three arguments."""
-        return self.floats, self.seed, self.bias, self.counts, self.seen
+        return self.floats, self.top_k, self.seed, self.bias, self.counts, self.seen
 
 
 def process_logits(logits: torch.Tensor, floats: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,
@@ -118,6 +118,9 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tens
 def param_floats(params: list[SamplingParams], device: torch.device | str = "cpu") -> torch.Tensor:
     """(6, B) in SlotSampling.FLOATS order."""
     return torch.tensor([[float(getattr(p, name)) for p in params] for name in SlotSampling.FLOATS], device=device)
+
+
+TOP_K_IN_PROGRAM = 64  # top-k drawn inside the decode program up to this k (HF's default 50 included)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -205,22 +208,54 @@ def _outside_top_k(probs: torch.Tensor, k: torch.Tensor, kth: torch.Tensor | Non
     return ~(above | (level & (level.cumsum(dim=-1) <= room)))  # (B, V)
 
 
+def _draw_top_k_in_program(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor,
+                           uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_draw_top_k` over a fixed width (TOP_K_IN_PROGRAM + 1: a compiled program's shapes are static) and without
+    its branch: (tokens (B,), redraw (B,) bool). The draw is the same token as `_draw_top_k`'s — the survivors are
+    the same and the wider window only adds exact zeros to the cumulative sum, so the first index past the target
+    is the same survivor. redraw: what this form cannot decide — k past the window, no top-k (min-p alone: every
+    token may survive), a tie at the k-th value — for the host's `sample_filtered`."""
+    vocab = probs.shape[-1]
+    width = min(TOP_K_IN_PROGRAM + 1, vocab)
+    values, ids = probs.topk(width, dim=-1)  # (B, W) descending
+    kk = k.clamp(min=1, max=width - 1)  # (B,)
+    kth, after = values.gather(1, (kk - 1)[:, None]), values.gather(1, kk[:, None])  # (B, 1)
+    redraw = (k <= 0) | (k >= width) | (kth == after)[:, 0]  # (B,)
+    keep = torch.arange(width, device=probs.device)[None, :] < kk[:, None]  # (B, W)
+    keep &= values >= min_p[:, None] * values[:, :1]
+    ascending, perm = ids.sort(dim=-1)  # (B, W) the window in vocabulary order
+    cdf = torch.where(keep, values, torch.zeros_like(values)).gather(1, perm).cumsum(dim=-1)  # (B, W)
+    at = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)  # (B, 1)
+    token = ascending.gather(1, at.clamp(max=width - 1))[:, 0]  # (B,)
+    return torch.where(at[:, 0] < width, token, torch.full_like(token, vocab - 1)), redraw  # (B,), (B,)
+
+
 def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, floats: torch.Tensor,
-                  seed: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,
+                  top_k: torch.Tensor, seed: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,
                   seen: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The sampling half of a decode program: logits (B, V) of the rows in `slots` (B,), their token
     positions (B,), and the SlotSampling tensors →
-    (tokens (B,) unfiltered draw, chosen-token logprob (B,), finite (B,) bool, uniforms (B,), processed (B, V)).
-    Rows with non-finite logits sample from zeros (their requests fail); rows with filters are redrawn
-    from `processed` with the same uniforms by the caller."""
+    (tokens (B,), chosen-token logprob (B,), finite (B,) bool, uniforms (B,), processed (B, V), redraw (B,) bool).
+    tokens: argmax for greedy rows, the top-k (and min-p) draw for rows with top-k up to TOP_K_IN_PROGRAM and no
+    top-p, the unfiltered draw for the rest; `redraw` marks the sampled rows with filters this program could not
+    apply (top-p, larger k, min-p alone, a tie at the k-th value): the caller redraws them from `processed` with
+    the same uniforms (`sample_filtered`, the same token where both apply). Rows with non-finite logits sample
+    from zeros (their requests fail)."""
     finite = torch.isfinite(logits).all(dim=-1)  # (B,)
     logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # (B, V)
     row_floats = floats.index_select(1, slots)  # (6, B)
     processed = process_logits(logits, row_floats, bias.index_select(0, slots), counts.index_select(0, slots),
                                seen.index_select(0, slots))  # (B, V)
     uniforms = counter_uniforms(seed.index_select(0, slots), positions)  # (B,)
-    tokens = sample_plain(processed, row_floats[0], uniforms)  # (B,)
-    return tokens, chosen_logprob(logits, tokens), finite, uniforms, processed
+    temperature, top_p, min_p = row_floats[0], row_floats[1], row_floats[2]  # (B,) each
+    k = top_k.index_select(0, slots)  # (B,)
+    greedy, probs = _tempered(processed, temperature)  # (B,), (B, V)
+    filtered, cannot = _draw_top_k_in_program(probs, k, min_p, uniforms)  # (B,), (B,)
+    filters = (k > 0) | (top_p < 1) | (min_p > 0)  # (B,) as SamplingParams.uses_filters
+    drawn = torch.where(filters, filtered, _inverse_cdf(probs, uniforms))  # (B,)
+    tokens = torch.where(temperature > 0, drawn, greedy)  # (B,)
+    redraw = (temperature > 0) & filters & (cannot | (top_p < 1))  # (B,)
+    return tokens, chosen_logprob(logits, tokens), finite, uniforms, processed, redraw
 
 
 def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,7 @@ class StepRunner:
         index = torch.tensor(slots, device=self.device)  # (B,)
         nexts = out.emitted.gather(1, out.kept[:, None])[:, 0]  # (B,) the token after the accepted drafts
         sampled = self._sampled(rows, DecodeOutputs(nexts, None, out.finite, out.uniforms, out.processed,
-                                                    out.logits, []), index)
+                                                    out.logits, None, []), index)
         table = torch.cat([out.emitted, out.kept[:, None]], dim=1).tolist()  # (B, k+2): one transfer
         kept = [line[-1] for line in table]
         accepted = [line[:n] for line, n in zip(table, kept)]
@@ -183,16 +183,21 @@ class StepRunner:
         effects on slots or outputs other than the rows' penalty counts."""
         index = torch.tensor([row.slot for row in rows], device=self.device)  # (B,)
         positions = torch.tensor([row.position for row in rows], device=self.device)  # (B,)
-        tokens, logprob, finite, uniforms, processed = choose_tokens(logits, index, positions,
-                                                                     *self.sampling.tensors())
-        outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, [])
+        tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, index, positions,
+                                                                             *self.sampling.tensors())
+        outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, redraw, [])
         return self._sampled(rows, outputs, index)
 
     def _sampled(self, rows: list[Row], out: DecodeOutputs, index: torch.Tensor) -> Sampled:
-        """A program's draw → the rows' tokens: rows with top-k/top-p/min-p redrawn from the processed logits
-        with their own uniforms, counts recorded, then one transfer to Python."""
+        """A program's draw → the rows' tokens, in one transfer to Python: the program drew top-k where it could;
+        rows whose filters it could not apply (`out.redraw`; every filtered row when a program does not say) are
+        redrawn here from the processed logits with their own uniforms (a second transfer, only then); then the
+        counts are recorded."""
         tokens = out.tokens
         filtered = [b for b, row in enumerate(rows) if row.live.request.params.uses_filters]
+        if out.redraw is not None:
+            chosen, ok, redraw = torch.stack([tokens, out.finite.long(), out.redraw.long()]).tolist()  # (3, B)
+            filtered = [b for b in filtered if redraw[b]]
         if filtered:
             pick = torch.tensor(filtered, device=self.device)  # (b,)
             where = index.index_select(0, pick)  # (b,) slots
@@ -200,11 +205,13 @@ class StepRunner:
                                       self.sampling.top_k[where], self.sampling.floats[1, where],
                                       self.sampling.floats[2, where], out.uniforms.index_select(0, pick))  # (b,)
             tokens = tokens.index_copy(0, pick, redrawn)  # (B,)
+            chosen, ok = torch.stack([tokens, out.finite.long()]).tolist()  # (2, B)
+        elif out.redraw is None:
+            chosen, ok = torch.stack([tokens, out.finite.long()]).tolist()  # (2, B): one transfer
         self.sampling.record(index, tokens)
         top_n = [row.live.request.params.logprobs for row in rows]
         wanted = any(n is not None for n in top_n)
         logprobs = token_logprobs(out.logits, tokens, top_n) if wanted else [None] * len(rows)
-        chosen, ok = torch.stack([tokens, out.finite.long()]).tolist()  # (2, B): one transfer
         return Sampled(chosen, logprobs, [not flag for flag in ok])
 
     def deliver(self, rows: list[Row], sampled: Sampled, accepted: list[list[int]] | None = None) -> Delivery:

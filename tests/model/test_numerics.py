@@ -121,6 +121,8 @@ def test_the_compiled_decode_step_is_the_eager_one_bit_for_bit(device):
         pool.buffers[name].copy_(tensor)
     sampling.floats[0, 4:] = 0.8  # half the slots sample (seeded), half are greedy
     sampling.seed.copy_(torch.arange(8) * 7919)
+    sampling.top_k[4:7] = torch.tensor([50, 3, 64])  # top-k drawn in the program (with min-p on one)
+    sampling.floats[2, 6] = 0.05
     program = decode_program(model)
     settings = same_bits_as_eager(model)
     with inductor_config.patch({key: value for key, value in settings.items() if key != "freezing"}):

@@ -195,7 +195,7 @@ class DecodeStep:
         """One decode program over the rows (tokens consumed, their slots, the positions of the tokens to
         choose); the state outputs are not yet scattered back (the caller commits them)."""
         outputs = self.run([tokens, slots, positions])
-        return DecodeOutputs(*outputs[:6], state=list(outputs[6:]))
+        return DecodeOutputs(*outputs[:7], state=list(outputs[7:]))
 
     def run(self, io_rows: list[list[int]]) -> list[torch.Tensor]:
         """The program over the rows given as its io tensor's rows (`ProgramKind`), padded to the bucket and

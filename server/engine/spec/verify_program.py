@@ -50,11 +50,13 @@ class VerifyOutputs:
 
 
 def accept_drafts(logits: torch.Tensor, ids: torch.Tensor, limits: torch.Tensor, slots: torch.Tensor,
-                  positions: torch.Tensor, floats: torch.Tensor, seed: torch.Tensor, bias: torch.Tensor,
-                  counts: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                  positions: torch.Tensor, floats: torch.Tensor, top_k: torch.Tensor, seed: torch.Tensor,
+                  bias: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """logits (P, T, V) of feeding ids (P, T) = [pending, d1 … dk]; limits (P,) drafts each row may accept;
     slots, positions (P,) (the position of the token chosen after `pending`); SlotSampling tensors →
-    (emitted (P, T), kept (P,), finite (P,), uniforms (P,), processed (P, V), logits (P, V)) — see VerifyOutputs."""
+    (emitted (P, T), kept (P,), finite (P,), uniforms (P,), processed (P, V), logits (P, V)) — see VerifyOutputs.
+    `top_k` is not read: drafts are checked against the unfiltered choice, and the host redraws the next token of
+    a row with filters (StepRunner._sampled)."""
     P, T, V = logits.shape
     k = T - 1
     rows = torch.arange(P, device=logits.device)  # (P,)

@@ -18,6 +18,7 @@ BUILD_WAIT_S = 900
 PROMPTS = [prompt(3 + 17 * i, 500 + i) for i in range(8)]  # 3 … 122 tokens: several prefill chunks each
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
 SEEDED = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+SEEDED_TOP_K = SamplingParams(max_tokens=40, temperature=0.8, seed=7, top_k=20, ignore_eos=True)  # drawn in-program
 
 
 def together(engine, params: SamplingParams, tag: str) -> list[list]:
@@ -52,7 +53,7 @@ def default_engine(request, make_engine, compile_cache, device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, SEEDED_TOP_K], ids=["greedy", "seeded", "seeded-top-k"])
 def test_alone_together_and_again_give_the_same_tokens(default_engine, params):
     engine = default_engine
     assert next(engine.model.parameters()).dtype == (torch.bfloat16 if engine.device.type == "cpu"

@@ -143,10 +143,54 @@ def test_choose_tokens_reads_each_rows_parameters_from_its_slot():
     sampling.assign(2, SamplingParams(temperature=0, repetition_penalty=1e6), 0, None, [2])  # prompt token 2
     logits = torch.tensor([0.0, 0.0, 5.0, 4.0, 0.0, 0.0]).repeat(3, 1)
     slots, positions = torch.tensor([1, 3, 2]), torch.zeros(3, dtype=torch.long)
-    tokens, logprob, finite, _, processed = choose_tokens(logits, slots, positions, *sampling.tensors())
-    assert tokens.tolist() == [2, 5, 3] and finite.all()
+    tokens, logprob, finite, _, processed, redraw = choose_tokens(logits, slots, positions, *sampling.tensors())
+    assert tokens.tolist() == [2, 5, 3] and finite.all() and not redraw.any()  # (greedy rows: no filters apply)
     assert torch.allclose(logprob, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])  # the model's
     assert float(processed[1, 5]) == 100.0
+
+
+def test_the_programs_top_k_draw_is_the_hosts_and_it_flags_what_it_cannot_apply():
+    """choose_tokens (inside the decode program) applies top-k up to TOP_K_IN_PROGRAM, with min-p, and draws the
+    same token as the host's `sample_filtered` for every row it does not flag; it flags top-p, a larger k, min-p
+    alone and a tie at the k-th value, never a greedy or unfiltered row."""
+    from linserve.server.engine.sampling import TOP_K_IN_PROGRAM
+
+    vocab, rows = 512, 96
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=generator) * 2  # (B, V) no ties
+    logits[-8:, :4] = 9.0  # the last rows: the four most likely tokens tie
+    sampling = SlotSampling(rows, vocab, CPU)
+    cases = []
+    for slot in range(rows):
+        k = [1, 2, 7, 50, TOP_K_IN_PROGRAM - 1, TOP_K_IN_PROGRAM, 0, TOP_K_IN_PROGRAM + 1][slot % 8]
+        min_p = [0.0, 0.02][slot // 8 % 2]
+        top_p = 0.9 if slot // 16 % 3 == 2 else 1.0
+        temperature = 0.0 if slot // 48 == 1 and slot % 5 == 0 else 0.8
+        if slot >= rows - 8:
+            k, min_p, top_p, temperature = [2, 3, 4, 5, 1, 2, 3, 4][slot - rows + 8], 0.0, 1.0, 0.8
+        params = SamplingParams(temperature=temperature, top_k=k, top_p=top_p, min_p=min_p)
+        sampling.assign(slot, params, 1000 + slot, None, [])
+        cases.append(params)
+    slots, positions = torch.arange(rows), torch.arange(rows) * 3
+    tokens, _, _, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling.tensors())
+    host = sample_filtered(processed, sampling.floats[0], sampling.top_k, sampling.floats[1], sampling.floats[2],
+                           uniforms)
+    greedy = processed.argmax(-1)
+    flagged = []
+    for b, params in enumerate(cases):
+        if params.greedy:
+            assert not redraw[b] and tokens[b] == greedy[b], b
+        elif not params.uses_filters:
+            assert not redraw[b] and tokens[b] == sample_plain(processed[b : b + 1], torch.tensor([0.8]),
+                                                                 uniforms[b : b + 1])[0], b
+        elif redraw[b]:
+            flagged.append(b)
+        else:
+            assert tokens[b] == host[b], b
+    expected = [b for b, params in enumerate(cases) if not params.greedy and params.uses_filters and (
+        params.top_p < 1 or params.top_k == 0 or params.top_k > TOP_K_IN_PROGRAM or (b >= rows - 8 and params.top_k < 4))]
+    assert flagged == expected
+    assert sum(1 for b, params in enumerate(cases) if params.uses_filters and not redraw[b]) > 30  # most drawn here
 
 
 def test_counts_recorded_by_slot_feed_the_penalties():
@@ -161,7 +205,7 @@ def test_counts_recorded_by_slot_feed_the_penalties():
 def test_non_finite_rows_are_flagged_and_sample_anyway():
     sampling = SlotSampling(2, 3, CPU)
     logits = torch.tensor([[0.0, float("nan"), 1.0], [0.0, 1.0, 0.0]])
-    _, _, finite, _, _ = choose_tokens(logits, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long),
+    _, _, finite, _, _, _ = choose_tokens(logits, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long),
                                        *sampling.tensors())
     assert finite.tolist() == [False, True]
 

@@ -37,7 +37,7 @@ def test_the_step_uses_the_releasing_program_and_matches_torch_loader(built):
     assert isinstance(step._ready[1].step, ReleasingProgram)
     ours = ReleasingProgram(package)(*inputs)
     theirs = torch._inductor.aoti_load_package(package)(*inputs)
-    assert len(ours) == len(theirs) == 6 + len(step.buffers)  # tokens … logits, then the new state
+    assert len(ours) == len(theirs) == 7 + len(step.buffers)  # tokens … logits, redraw, then the new state
     for a, b in zip(ours, theirs):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
