@@ -116,7 +116,8 @@ def served(args) -> dict:
                     for i, name in enumerate(servers):
                         ttft[name].append(load(8790 + i, args.tokens, 1)[0].token_times[0])
                         record = load(8790 + i, 16, 256)[0]
-                        rate[name].append((len(record.token_times) - 1) / (record.token_times[-1] - record.token_times[0]))
+                        times = record.token_times
+                        rate[name].append((len(times) - 1) / (times[-1] - times[0]))
             finally:
                 if spinner is not None:
                     spinner.kill()

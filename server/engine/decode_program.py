@@ -78,8 +78,8 @@ def decode_program(model: ServedModel):
             -> (tokens, logprob, finite, uniforms, processed, logits, redraw, *new state)
 
     gather the rows' state from the pool by slot → the model's recurrent step → the rows' sampling
-    parameters gathered by slot → penalties, logit_bias, counter-based draw (with top-k: sampling.choose_tokens). Nothing is written: the
-    caller scatters the state back once the step has succeeded."""
+    parameters gathered by slot → penalties, logit_bias, counter-based draw (top-k too: sampling.choose_tokens).
+    Nothing is written: the caller scatters the state back once the step has succeeded."""
     step = flat_decode_step(model)
     n_state = len(state_names(model))
 

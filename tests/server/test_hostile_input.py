@@ -96,7 +96,7 @@ def test_stack_errors_are_json_with_the_right_allow(client):
 
 
 def test_an_unhandled_exception_is_a_json_500_with_a_request_id(client, monkeypatch):
-    import linserve.server.api.chat.prompt as generation
+    import linserve.server.api.common.chat as generation
 
     def broken(messages, tokenizer, tools=None):
         raise RuntimeError("injected bug")

@@ -5,22 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter, BackgroundTasks, Request
 
 from ...engine.types import FinishReason, RequestOutput
+from ..common.chat import chat_prompt
+from ..common.choice_logprobs import ChoiceLogprobs
 from ..common.chunks import ChatChunks, chunk_json
 from ..common.dependencies import LimitsDep, Owner, SettingsDep, TokenizerDep, check_model, encode_prompt
-from ..common.generation import (
-    ChoiceLogprobs,
-    chat_entries,
-    chat_logprobs,
-    collect,
-    reserve_logprobs,
-    start_generation,
-    stream_events,
-)
+from ..common.generation import collect, reserve_logprobs, start_generation, stream_events
 from ..common.openapi import GENERATION, errors, streamed
 from ..common.protocol import Usage
 from ..common.structured import with_grammar
 from ..common.tools import ToolCallParser, ToolSpec, call_delta, call_item
-from .prompt import chat_prompt
+from .logprobs import chat_entries, chat_logprobs
 from .protocol import (
     AssistantMessage,
     ChatChoice,

@@ -1,10 +1,11 @@
-"""From a validated HTTP request to engine outputs and back: OpenAI completion and chat formats,
-streaming (SSE) and not, with cancellation when the client goes away."""
+"""A request's lifecycle, from a validated HTTP request to engine outputs and back: starting it (logprob memory
+reserved, outputs routed to the event loop), collecting its outputs or streaming them (SSE) with cancellation
+when the client goes away, and its errors. Each family formats its own answer and logprobs (completions':
+completion_serving.py; chat's: chat/logprobs.py; both release tokens with their text: choice_logprobs.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import time
 import uuid
@@ -15,11 +16,10 @@ from fastapi import BackgroundTasks, Request
 from starlette.background import BackgroundTask
 
 from ...engine import Engine, EngineRequest, SamplingParams
-from ...engine.types import AlreadyApplied, EngineError, FinishReason, Idempotency, RequestOutput, TokenLogprob
+from ...engine.types import AlreadyApplied, EngineError, FinishReason, Idempotency, RequestOutput
 from .dependencies import get_engine
 from .errors import ENGINE_STATUS, APIError, from_engine_error
 from .logprob_budget import Reservation, logprob_bytes
-from .protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from .streaming import EventStreamResponse, OutputStream, race_disconnect, sse_event
 
 
@@ -204,88 +204,3 @@ def stream_events(
                 generation.abort()  # cancelled: the client went away or the server is stopping
 
     return EventStreamResponse(events(), background=None if on_close is None else BackgroundTask(on_close))
-
-
-# ---------------------------------------------------------------- logprob formats
-def token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
-class ChoiceLogprobs:
-    """One choice's token logprobs, released with its text — completions' and chat's alike. A token's entry goes
-    out once the text it starts in has been returned: a row with stop strings withholds text that may become a
-    stop string, and its tokens wait with it; when a stop string ends the row, the tokens that lie wholly inside
-    it are dropped (a token straddling it stays: part of its text was returned). So the entries cover exactly
-    the returned text, and an entry's offset is a position in the choice's whole returned text, streamed or not.
-    What waits is bounded by the longest stop string. Entries are (token_id, TokenLogprob or None, offset)."""
-
-    def __init__(self, tokenizer, start: int = 0) -> None:
-        self.tokenizer = tokenizer
-        self.returned = start  # characters of the choice's text returned so far
-        self.next_at = start  # where the next generated token's text starts
-        self.waiting: collections.deque = collections.deque()  # (TokenLogprob, offset), not yet released
-
-    def prompt(self, prompt_ids: list[int], scored: list[TokenLogprob | None]) -> list[tuple]:
-        """An echoed prompt's tokens (the first without a logprob), offsets from 0."""
-        entries, at = [], 0
-        for token_id, lp in zip(prompt_ids, scored):
-            entries.append((token_id, lp, at))
-            at += len(token_text(self.tokenizer, token_id))
-        return entries
-
-    def push(self, output: RequestOutput) -> list[tuple]:
-        """What this output releases."""
-        lp = output.logprob
-        if lp is not None:
-            self.waiting.append((lp, self.next_at))
-            if not output.end_of_text:  # end-of-text (generated with ignore_eos) adds no text
-                self.next_at += len(token_text(self.tokenizer, lp.token_id))
-        self.returned += len(output.text)
-        stopped_by_string = output.finish_reason is FinishReason.STOP and not output.end_of_text
-        everything = output.finished and not stopped_by_string
-        released = []
-        while self.waiting and (everything or self.waiting[0][1] < self.returned):
-            lp, at = self.waiting.popleft()
-            released.append((lp.token_id, lp, at))
-        if output.finished:
-            self.waiting.clear()  # a stop string's own tokens: their text was never returned
-        return released
-
-
-def add_completion_entries(tokenizer, result: CompletionLogprobs, entries: list[tuple]) -> CompletionLogprobs:
-    """Entries in the completions format (parallel lists; a token nothing predicts has a null logprob)."""
-    for token_id, lp, at in entries:
-        result.tokens.append(token_text(tokenizer, token_id))
-        result.token_logprobs.append(None if lp is None else lp.logprob)
-        result.top_logprobs.append(None if lp is None else {token_text(tokenizer, t): v for t, v in lp.top})
-        result.text_offset.append(at)
-    return result
-
-
-def chat_entries(tokenizer, entries: list[tuple]) -> list[ChatTokenLogprob]:
-    """Entries in the chat format (each token with its bytes and its top alternatives)."""
-    content = []
-    for token_id, lp, _ in entries:
-        text = token_text(tokenizer, token_id)
-        top = [TopLogprob(token=token_text(tokenizer, t), logprob=v, bytes=list(token_text(tokenizer, t).encode()))
-               for t, v in lp.top]
-        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
-    return content
-
-
-def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0,
-                        prompt_ids: list[int] | None = None) -> CompletionLogprobs:
-    """A whole choice's logprobs (generated tokens' offsets from `offset`, the echo's length); with `prompt_ids`
-    and scored prompt tokens on the first output (echo), the prompt's tokens first, offsets from 0."""
-    result, choice = CompletionLogprobs(), ChoiceLogprobs(tokenizer, offset)
-    if outputs and prompt_ids is not None and outputs[0].prompt_logprobs is not None:
-        add_completion_entries(tokenizer, result, choice.prompt(prompt_ids, outputs[0].prompt_logprobs))
-    for output in outputs:
-        add_completion_entries(tokenizer, result, choice.push(output))
-    return result
-
-
-def chat_logprobs(tokenizer, outputs: list[RequestOutput]) -> list[ChatTokenLogprob]:
-    """A whole chat choice's logprobs: the tokens of its returned content (a stop string's own are not)."""
-    choice = ChoiceLogprobs(tokenizer)
-    return [entry for output in outputs for entry in chat_entries(tokenizer, choice.push(output))]

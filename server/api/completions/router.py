@@ -1,13 +1,14 @@
-"""POST /v1/completions (OpenAI's legacy completions API): the route; the work is serving.py's."""
+"""POST /v1/completions (OpenAI's legacy completions API): the route; the work is common/completion_serving.py's
+(shared with a session's completions)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, BackgroundTasks, Request
 
+from ..common.completion_protocol import CompletionRequest, CompletionResponse
+from ..common.completion_serving import run_completion
 from ..common.dependencies import Owner, SettingsDep, TokenizerDep
 from ..common.openapi import GENERATION, errors, streamed
-from .protocol import CompletionRequest, CompletionResponse
-from .serving import run_completion
 
 router = APIRouter()
 

@@ -13,7 +13,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..chat.protocol import ChatMessage
+from ..common.chat import ChatMessage
 from ..common.protocol import Int, Text
 
 

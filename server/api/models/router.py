@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from linserve.model import projection
 from linserve.model.loading import DEFAULT_CHECKPOINT
 
-from ..chat.prompt import chat_prompt
+from ..common.chat import chat_prompt
 from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt, get_engine
 from ..common.errors import APIError
 from ..common.openapi import AUTH, BODY, errors

@@ -168,7 +168,7 @@ class ResponseCreateRequest(BaseModel):
 
     def messages(self) -> list:
         """The input as chat messages (a call as an assistant's tool call, its output as a tool message)."""
-        from ..chat.protocol import ChatMessage
+        from ..common.chat import ChatMessage
 
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         for item in self.items:

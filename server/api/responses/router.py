@@ -8,7 +8,7 @@ and the newest 16 in the session's record too (see sessions/records.py). So `pre
 session's fixed-size state: the follow-up prefills only its new input, on any replica, after any restart. An
 older response of a conversation that has moved on is branched from with a fork at its turn (while the session
 keeps that turn's snapshot, `session_turns_kept`). `store: false` runs stateless, or in a fork that is deleted
-afterwards. Rendering is chat's (chat/prompt.py); tool calls and structured output are common (tools.py, structured.py).
+afterwards. Rendering is common (common/chat.py); tool calls and structured output are common (tools.py, structured.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 
 from ...engine.sessions.records import ENTRY_TEXT_CHARS
 from ...engine.types import EngineError, Idempotency
-from ..chat.prompt import chat_prompt
+from ..common.chat import chat_prompt
 from ..common.dependencies import (
     EngineDep,
     Owner,

@@ -13,12 +13,12 @@ from starlette.convertors import StringConvertor, register_url_convertor
 from ...engine import Engine, SamplingParams
 from ...engine.sessions.stores import SESSION_ID, SESSION_ID_PATTERN
 from ...engine.types import AlreadyApplied, EngineError
+from ..common.completion_protocol import CompletionRequest, CompletionResponse
+from ..common.completion_serving import run_completion
 from ..common.dependencies import EngineDep, Owner, SettingsDep, TokenizerDep, encode_prompt
 from ..common.errors import from_engine_error
 from ..common.generation import collect, start_generation
 from ..common.openapi import AUTH, BINARY, BODY, GENERATION, SESSION, errors, streamed
-from ..completions.protocol import CompletionRequest, CompletionResponse
-from ..completions.serving import run_completion
 from .idempotency import UNKNOWN, IdempotencyDep, IfMatch
 from .protocol import (
     RewindRequest,

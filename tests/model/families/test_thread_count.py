@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from linserve.model import families
-from linserve.model.loading import DEFAULT_CHECKPOINT, in_dtype
 from linserve.model.checkpoint import load_served
+from linserve.model.loading import DEFAULT_CHECKPOINT, in_dtype
 from tests.model.families.checkpoints import BASE, FAMILY_CASES
 
 

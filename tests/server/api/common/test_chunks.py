@@ -9,7 +9,7 @@ import pytest
 
 from linserve.server.api.chat.protocol import ChatChunkChoice, ChatCompletionChunk, ChatDelta
 from linserve.server.api.common.chunks import ChatChunks, CompletionChunks, chunk_json
-from linserve.server.api.completions.protocol import CompletionChoice, CompletionResponse
+from linserve.server.api.common.completion_protocol import CompletionChoice, CompletionResponse
 from linserve.server.engine.types import FinishReason, RequestOutput
 
 TEXTS = [

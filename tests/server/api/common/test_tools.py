@@ -8,9 +8,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from linserve.server.api.common.completion_protocol import CompletionRequest
 from linserve.server.api.common.structured import grammar_asked
 from linserve.server.api.common.tools import ToolCallParser, ToolFields, ToolSpec, call_text, close_objects
-from linserve.server.api.completions.protocol import CompletionRequest
 from linserve.server.engine.constraint import GrammarRuntime
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -1,5 +1,6 @@
 """A completions request served: its prompts encoded, the generation started, its results as one JSON answer
-or server-sent events (chunks.py), a retried session turn replayed. Sessions continue through it too."""
+or server-sent events (chunks.py), a retried session turn replayed, and the completions logprobs format.
+Sessions continue through it too."""
 
 from __future__ import annotations
 
@@ -8,24 +9,16 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
 from ...engine.types import AlreadyApplied, Idempotency, RequestOutput
-from ..common.chunks import CompletionChunks, chunk_json
-from ..common.dependencies import check_model, encode_prompt, get_limits
-from ..common.errors import APIError
-from ..common.generation import (
-    ChoiceLogprobs,
-    Generation,
-    add_completion_entries,
-    collect,
-    completion_logprobs,
-    reserve_logprobs,
-    start_generation,
-    stream_events,
-)
-from ..common.limits import RequestLimits
-from ..common.protocol import CompletionLogprobs, Usage
-from ..common.streaming import EventStreamResponse, sse_event
-from ..common.structured import with_grammar
-from .protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from .choice_logprobs import ChoiceLogprobs, token_text
+from .chunks import CompletionChunks, chunk_json
+from .completion_protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from .dependencies import check_model, encode_prompt, get_limits
+from .errors import APIError
+from .generation import Generation, collect, reserve_logprobs, start_generation, stream_events
+from .limits import RequestLimits
+from .protocol import CompletionLogprobs, Usage
+from .streaming import EventStreamResponse, sse_event
+from .structured import with_grammar
 
 
 def completion_chunk(generation: Generation, model: str, output, echo_text: str = "",
@@ -169,3 +162,26 @@ async def _completion(request: Request, body: CompletionRequest, settings, token
 def _empty(index: int) -> RequestOutput:
     """A token-less output: carries the echoed prompt as the first event of each row."""
     return RequestOutput(request_id="", index=index, token_id=None, text="")
+
+
+# ---------------------------------------------------------------- the completions logprobs format
+def add_completion_entries(tokenizer, result: CompletionLogprobs, entries: list[tuple]) -> CompletionLogprobs:
+    """Entries in the completions format (parallel lists; a token nothing predicts has a null logprob)."""
+    for token_id, lp, at in entries:
+        result.tokens.append(token_text(tokenizer, token_id))
+        result.token_logprobs.append(None if lp is None else lp.logprob)
+        result.top_logprobs.append(None if lp is None else {token_text(tokenizer, t): v for t, v in lp.top})
+        result.text_offset.append(at)
+    return result
+
+
+def completion_logprobs(tokenizer, outputs: list[RequestOutput], offset: int = 0,
+                        prompt_ids: list[int] | None = None) -> CompletionLogprobs:
+    """A whole choice's logprobs (generated tokens' offsets from `offset`, the echo's length); with `prompt_ids`
+    and scored prompt tokens on the first output (echo), the prompt's tokens first, offsets from 0."""
+    result, choice = CompletionLogprobs(), ChoiceLogprobs(tokenizer, offset)
+    if outputs and prompt_ids is not None and outputs[0].prompt_logprobs is not None:
+        add_completion_entries(tokenizer, result, choice.prompt(prompt_ids, outputs[0].prompt_logprobs))
+    for output in outputs:
+        add_completion_entries(tokenizer, result, choice.push(output))
+    return result

@@ -1,15 +1,58 @@
-"""A chat as prompt text: the checkpoint's chat template if it has one, else plain speaker turns, like a play's.
+"""Chat messages (`ChatMessage`: chat completions, Responses and /tokenize read them) and a chat as prompt text:
+the checkpoint's chat template if it has one, else plain speaker turns, like a play's.
 Tools offered and earlier tool calls are part of it (tools.py writes calls as the model does)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Annotated, Literal
 
 from fastapi import Request
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
-from ..common.dependencies import get_limits
-from ..common.tools import call_text
+from .dependencies import get_limits
+from .protocol import Text, valid_unicode
+from .tools import MAX_TOOLS, ToolCallItem, call_text
+
+
+def _content_parts(value):
+    """Chat content: a string, or a list of text parts (`{"type": "text", "text": …}`) — the form many clients
+    send. Other part types (images, audio, files) are refused by name."""
+    if isinstance(value, str) or not isinstance(value, list):
+        return value
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string 'text'")
+        valid_unicode(part["text"])
+    return value
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Annotated[Text | list[dict], BeforeValidator(_content_parts)] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool's result answers this call
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    @property
+    def text(self) -> str:
+        """The message's text: a list of parts is joined as OpenAI does (no separator)."""
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(part["text"] for part in self.content)
+
 
 INLINE_RENDER_MESSAGES = 64  # longer chats are rendered on a worker thread
 DEFAULT_CHAT_ROLES = {

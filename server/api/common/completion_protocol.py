@@ -1,4 +1,5 @@
-"""The completions request (it converts itself to engine SamplingParams) and its answer's models."""
+"""The completions request (it converts itself to engine SamplingParams) and its answer's models — the body of
+`/v1/completions` and of a session's `/v1/sessions/{id}/completions` alike."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pydantic import (
 )
 
 from ...engine.types import SamplingParams
-from ..common.limits import RequestLimits
-from ..common.protocol import CompletionLogprobs, Int, SamplingFields, Text, Usage
+from .limits import RequestLimits
+from .protocol import CompletionLogprobs, Int, SamplingFields, Text, Usage
 
 
 class CompletionRequest(SamplingFields):

@@ -3,7 +3,8 @@ are positions in the returned text, released with it."""
 
 from __future__ import annotations
 
-from linserve.server.api.common.generation import ChoiceLogprobs, add_completion_entries
+from linserve.server.api.common.choice_logprobs import ChoiceLogprobs
+from linserve.server.api.common.completion_serving import add_completion_entries
 from linserve.server.api.common.protocol import CompletionLogprobs
 from linserve.server.engine.types import FinishReason, RequestOutput, TokenLogprob
 
