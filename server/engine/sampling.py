@@ -174,10 +174,19 @@ def _draw_top_k(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, unifo
     if bool(((kth == after) & (k < vocab)[:, None]).any()):
         low = probs < min_p[:, None] * values[:, :1]  # (B, V) min-p: below a share of the most likely
         return _inverse_cdf(probs.masked_fill(_outside_top_k(probs, k, kth) | low, 0.0), uniforms)  # (B,)
-    keep = torch.arange(width, device=probs.device)[None, :] < k[:, None]  # (B, K)
+    return _draw_in_window(values, ids, k, min_p, uniforms, vocab)  # (B,)
+
+
+def _draw_in_window(values: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor,
+                    uniforms: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The inverse-CDF draw over a window of each row's most likely tokens — values (B, W) descending and their
+    ids — of which the first k (B,) survive, less those min-p drops, in vocabulary order; past the last survivor:
+    id V - 1, as `_inverse_cdf` clamps."""
+    width = values.shape[-1]
+    keep = torch.arange(width, device=values.device)[None, :] < k[:, None]  # (B, W)
     keep &= values >= min_p[:, None] * values[:, :1]
-    ascending, perm = ids.sort(dim=-1)  # (B, K) the survivors in vocabulary order
-    cdf = torch.where(keep, values, torch.zeros_like(values)).gather(1, perm).cumsum(dim=-1)  # (B, K)
+    ascending, perm = ids.sort(dim=-1)  # (B, W) the window in vocabulary order
+    cdf = torch.where(keep, values, torch.zeros_like(values)).gather(1, perm).cumsum(dim=-1)  # (B, W)
     at = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)  # (B, 1)
     token = ascending.gather(1, at.clamp(max=width - 1))[:, 0]  # (B,)
     return torch.where(at[:, 0] < width, token, torch.full_like(token, vocab - 1))  # (B,)
@@ -221,13 +230,7 @@ def _draw_top_k_in_program(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Te
     kk = k.clamp(min=1, max=width - 1)  # (B,)
     kth, after = values.gather(1, (kk - 1)[:, None]), values.gather(1, kk[:, None])  # (B, 1)
     redraw = (k <= 0) | (k >= width) | (kth == after)[:, 0]  # (B,)
-    keep = torch.arange(width, device=probs.device)[None, :] < kk[:, None]  # (B, W)
-    keep &= values >= min_p[:, None] * values[:, :1]
-    ascending, perm = ids.sort(dim=-1)  # (B, W) the window in vocabulary order
-    cdf = torch.where(keep, values, torch.zeros_like(values)).gather(1, perm).cumsum(dim=-1)  # (B, W)
-    at = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)  # (B, 1)
-    token = ascending.gather(1, at.clamp(max=width - 1))[:, 0]  # (B,)
-    return torch.where(at[:, 0] < width, token, torch.full_like(token, vocab - 1)), redraw  # (B,), (B,)
+    return _draw_in_window(values, ids, kk, min_p, uniforms, vocab), redraw  # (B,), (B,)
 
 
 def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, floats: torch.Tensor,
