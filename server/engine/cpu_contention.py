@@ -117,7 +117,10 @@ class CpuContention:
         """Read the counters if a window has passed since the last read; whether it did."""
         if time.monotonic() - self.last.at < self.window_s:
             return False
-        now = self.read()
+        try:
+            now = self.read()
+        except (OSError, ValueError, IndexError):  # (a counter that cannot be read now: the last window stands)
+            return False
         wall, then = now.at - self.last.at, self.last
         own = now.own_s - then.own_s
         others = max(0.0, (now.busy_s - then.busy_s - own) / wall)

@@ -90,6 +90,21 @@ def test_others_are_the_cpus_time_less_this_processs_per_second_of_the_window(tm
     assert contention.cap(2) == 2 and contention.cap(3) == 2
 
 
+def test_counters_that_cannot_be_read_keep_the_last_window(tmp_path):
+    """A step never fails for want of a counter: the last window's figure stands until one can be read again."""
+    host = Host(tmp_path)
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.05)
+    time.sleep(0.06)
+    host.advance(busy0=0, busy1=TICKS_PER_S, own=0)
+    assert contention.update() and contention.cap(2) == 1
+    (host.proc / "stat").unlink()
+    time.sleep(0.06)
+    assert not contention.update() and contention.cap(2) == 1
+    host.advance(busy0=0, busy1=0, own=0, idle=30)
+    time.sleep(0.06)
+    assert contention.update() and contention.cap(2) == 2
+
+
 def test_a_quota_counts_what_others_in_the_cgroup_use(tmp_path):
     """In a container limited to 2 CPUs on a larger host, a busy process in the same container takes quota, not a
     CPU of the mask: the cgroup's usage shows it."""
