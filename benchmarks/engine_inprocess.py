@@ -39,7 +39,7 @@ def p3_prefill(model, n_tokens: int, reps: int, threads=None, chunk: int | None 
     """The chunked form on the engine's prefill thread count, in the engine's prefill chunks (`chunk` tokens a
     forward, as `max_prefill_chunk`; None: one forward), against token by token on its decode count."""
     from linserve.model import numerics
-    from linserve.server.engine.cpu_threads import prefill_threads
+    from linserve.server.engine.cpu_contention import ThreadCounts
 
     numerics.flush_subnormals()  # as the engine's thread does
     device = next(model.parameters()).device
@@ -50,7 +50,7 @@ def p3_prefill(model, n_tokens: int, reps: int, threads=None, chunk: int | None 
         model(ids[:, :64])  # warm-up (kernels, allocator)
         for _ in range(reps):
             synchronize(device)
-            with prefill_threads(threads) if on_cpu else contextlib.nullcontext():
+            with ThreadCounts(threads).prefilling() if on_cpu else contextlib.nullcontext():
                 started = time.perf_counter()
                 state_chunked = None
                 for start in range(0, n_tokens, chunk or n_tokens):
