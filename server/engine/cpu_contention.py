@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +49,7 @@ IDLE_COLUMNS = (3, 4)
 
 @dataclass(frozen=True)
 class Counters:
-    at: float  # time.monotonic() when read
+    at: float  # the clock (time.monotonic) when read
     busy_s: float  # CPU seconds the mask's CPUs were busy, everyone's
     own_s: float  # this process's CPU seconds (all its threads)
     cgroup_s: float | None  # the quota's cgroup's CPU seconds (None: no quota)
@@ -94,8 +94,10 @@ class CpuContention:
     """How many of this process's CPUs other processes hold, over the last window."""
 
     def __init__(self, cpus: frozenset[int], quota: tuple[float, Path] | None = None, proc: Path = Path("/proc"),
-                 cgroup_root: Path = CGROUP_ROOT, window_s: float = WINDOW_S) -> None:
+                 cgroup_root: Path = CGROUP_ROOT, window_s: float = WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cpus, self.quota, self.proc, self.cgroup_root, self.window_s = cpus, quota, proc, cgroup_root, window_s
+        self.clock = clock
         self.last = self.read()
         self.others = 0.0  # CPUs others used in the last window (0 until a window has passed)
 
@@ -111,11 +113,11 @@ class CpuContention:
         stat = (self.proc / "stat").read_text()
         own = (self.proc / "self" / "stat").read_text()
         usage = cgroup_usage_seconds(self.quota[1], self.cgroup_root) if self.quota else None
-        return Counters(time.monotonic(), cpus_busy_seconds(stat, self.cpus), process_seconds(own), usage)
+        return Counters(self.clock(), cpus_busy_seconds(stat, self.cpus), process_seconds(own), usage)
 
     def update(self) -> bool:
         """Read the counters if a window has passed since the last read; whether it did."""
-        if time.monotonic() - self.last.at < self.window_s:
+        if self.clock() - self.last.at < self.window_s:
             return False
         try:
             now = self.read()

@@ -32,6 +32,16 @@ ctxt 99
 SELF_STAT = "4242 (linserve (core) x) S 1 2 3 4 5 6 7 8 9 10 {utime} {stime} 0 0 20 0 3 0 100 1000 50\n"
 
 
+class Clock:
+    """The contention's clock, moved by the test: windows of exactly known length whatever the host's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Host:
     """A /proc (stat, self/stat) and a cgroup v2 directory written by the test, advanced tick by tick."""
 
@@ -72,49 +82,55 @@ def test_the_counters_parse_as_the_kernel_writes_them(tmp_path):
 
 
 def test_others_are_the_cpus_time_less_this_processs_per_second_of_the_window(tmp_path):
-    host = Host(tmp_path)
-    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.05)
+    host, clock = Host(tmp_path), Clock()
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock)
+    clock.now += 0.4
     assert not contention.update() and contention.others == 0  # no window has passed yet
-    time.sleep(0.06)
-    wall = time.monotonic() - contention.last.at
+    clock.now += 0.6
     host.advance(busy0=40, busy1=TICKS_PER_S, own=30)  # others: 10 ticks on cpu0 + a whole second on cpu1
     assert contention.update()
-    seconds = time.monotonic() - contention.last.at + wall  # (the window the reads spanned, within a few ms)
-    assert contention.others == pytest.approx((10 + TICKS_PER_S) / TICKS_PER_S / seconds, rel=0.2)
-    assert contention.others > 1  # more than one CPU's time per second of a window shorter than one second
+    assert contention.others == pytest.approx((10 + TICKS_PER_S) / TICKS_PER_S, rel=1e-9)  # over 1 s
     assert contention.cap(2) == 1 and contention.cap(8) == 1 and contention.cap(1) == 1  # at least one
-    time.sleep(0.06)
+    clock.now += 1.0
     host.advance(busy0=5, busy1=0, own=5, idle=50)  # everything busy on the CPUs was this process's
     contention.update()
     assert contention.others == pytest.approx(0, abs=1e-9) and contention.free_cpus() == pytest.approx(2)
     assert contention.cap(2) == 2 and contention.cap(3) == 2
+    clock.now += 2.0
+    host.advance(busy0=0, busy1=TICKS_PER_S, own=0)  # one CPU-second over two seconds: half a CPU
+    contention.update()
+    assert contention.others == pytest.approx(0.5) and contention.cap(2) == 2  # (held past half: 1.5 rounds to 2)
+    clock.now += 1.0
+    host.advance(busy0=0, busy1=TICKS_PER_S * 6 // 10, own=0)
+    contention.update()
+    assert contention.cap(2) == 1  # 0.6 of a CPU held: 1.4 free
 
 
 def test_counters_that_cannot_be_read_keep_the_last_window(tmp_path):
     """A step never fails for want of a counter: the last window's figure stands until one can be read again."""
-    host = Host(tmp_path)
-    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.05)
-    time.sleep(0.06)
+    host, clock = Host(tmp_path), Clock()
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock)
+    clock.now += 1.0
     host.advance(busy0=0, busy1=TICKS_PER_S, own=0)
     assert contention.update() and contention.cap(2) == 1
     (host.proc / "stat").unlink()
-    time.sleep(0.06)
+    clock.now += 1.0
     assert not contention.update() and contention.cap(2) == 1
     host.advance(busy0=0, busy1=0, own=0, idle=30)
-    time.sleep(0.06)
+    clock.now += 1.0
     assert contention.update() and contention.cap(2) == 2
 
 
 def test_a_quota_counts_what_others_in_the_cgroup_use(tmp_path):
-    """In a container limited to 2 CPUs on a larger host, a busy process in the same container takes quota, not a
-    CPU of the mask: the cgroup's usage shows it."""
-    host = Host(tmp_path)
-    contention = CpuContention(frozenset({0, 1}), quota=(1.5, host.cgroup), proc=host.proc, window_s=0.05)
-    time.sleep(0.06)
-    host.advance(busy0=0, busy1=0, own=3, cgroup_usec=int(1.3e6))  # the mask's CPUs look idle
+    """In a container limited to 1.5 CPUs on a larger host, a busy process in the same container takes quota, not
+    a CPU of the mask: the cgroup's usage shows it."""
+    host, clock = Host(tmp_path), Clock()
+    contention = CpuContention(frozenset({0, 1}), quota=(1.5, host.cgroup), proc=host.proc, window_s=0.5, clock=clock)
+    clock.now += 1.0
+    host.advance(busy0=0, busy1=0, own=3, cgroup_usec=int(1.03e6))  # the mask's CPUs look idle
     contention.update()
-    assert contention.others > 1  # (1.3 s less this process's 0.03 s, over a window of about 0.06 s)
-    assert contention.free_cpus() < 0.5 and contention.cap(2) == 1
+    assert contention.others == pytest.approx(1.0)  # (1.03 s less this process's 0.03 s, over 1 s)
+    assert contention.free_cpus() == pytest.approx(0.5) and contention.cap(2) == 1
 
 
 @pytest.fixture
@@ -138,20 +154,20 @@ def test_a_real_busy_process_is_seen_holding_a_cpu(busy_loop):
 
 
 def test_each_phase_runs_on_its_capped_count_and_decode_comes_back(tmp_path):
-    host = Host(tmp_path)
+    host, clock = Host(tmp_path), Clock()
     plan = ThreadPlan(threads=2, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
                       adaptive=True)
-    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.05))
+    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock))
     before = torch.get_num_threads()
     try:
         counts.decoding()
         assert torch.get_num_threads() == 2
-        time.sleep(0.06)
+        clock.now += 1.0
         host.advance(busy0=0, busy1=TICKS_PER_S, own=0)  # a neighbour holds cpu1
         with counts.prefilling():
             assert torch.get_num_threads() == 1 == counts.prefill
         assert torch.get_num_threads() == counts.decode == 1
-        time.sleep(0.06)
+        clock.now += 1.0
         host.advance(busy0=0, busy1=0, own=0, idle=20)  # gone
         counts.decoding()
         assert torch.get_num_threads() == 2 and counts.prefill == 2
