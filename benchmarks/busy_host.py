@@ -13,7 +13,7 @@ process (OpenMP reads its environment once), the variants in turn within each re
 - `one_thread`: a single intra-op thread (no barriers at all).
 
     python benchmarks/busy_host.py [--model DIR] [--tokens 4011] [--decode-steps 64] [--threads 2] [--reps 5]
-                                   [--spin-count 10000] [--out FILE]
+                                   [--spin-count 10000] [--quick] [--out FILE]
 
 `--served` measures the server instead: `linserve serve` as it starts by default (its intra-op threads adapt to
 the CPUs other processes leave free: server/engine/cpu_contention.py) beside the same server with
@@ -147,8 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=["default", "passive", "spin", "one_thread"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--served", action="store_true", help="linserve serve, adaptive threads vs pinned")
+    parser.add_argument("--quick", action="store_true", help="a short prefill, 4 steps, once, two variants (tests)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.decode_steps, args.reps, args.variants = 256, 4, 1, ["default", "one_thread"]
     if args.model is None:
         from linserve.model.loading import DEFAULT_CHECKPOINT
 

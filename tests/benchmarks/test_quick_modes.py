@@ -254,3 +254,14 @@ def test_p15_speculative(tmp_path):
         assert sum(load[method]["drafted"] for workload in data["results"].values() for load in workload.values())
     assert set(data["results"]) == {"shakespeare", "quote", "shakespeare-long"}
     assert data["P15"]["one_stream"]["ratio"] > 0
+
+
+def test_busy_host(tmp_path):
+    """The OpenMP policies beside a busy neighbour (issue 55): each variant a fresh process, quiet and beside a loop."""
+    run("busy_host.py", "--out", str(tmp_path / "busy.json"))
+    data = json.loads((tmp_path / "busy.json").read_text())
+    for neighbour in ("quiet", "busy"):
+        assert set(data["seconds"][neighbour]) == {"default", "one_thread"}
+        assert all(v["median"] > 0 for v in data["seconds"][neighbour].values())
+        assert all(v["median"] > 0 for v in data["decode_step_ms"][neighbour].values())
+
