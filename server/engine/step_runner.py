@@ -191,13 +191,15 @@ class StepRunner:
     def _sampled(self, rows: list[Row], out: DecodeOutputs, index: torch.Tensor) -> Sampled:
         """A program's draw → the rows' tokens, in one transfer to Python: the program drew top-k where it could;
         rows whose filters it could not apply (`out.redraw`; every filtered row when a program does not say) are
-        redrawn here from the processed logits with their own uniforms (a second transfer, only then); then the
-        counts are recorded."""
+        redrawn here from the processed logits with their own uniforms (their tokens a second transfer, only
+        then); then the counts are recorded."""
         tokens = out.tokens
-        filtered = [b for b, row in enumerate(rows) if row.live.request.params.uses_filters]
-        if out.redraw is not None:
-            chosen, ok, redraw = torch.stack([tokens, out.finite.long(), out.redraw.long()]).tolist()  # (3, B)
-            filtered = [b for b in filtered if redraw[b]]
+        flags = [] if out.redraw is None else [out.redraw.long()]
+        chosen, ok, *redraw = torch.stack([tokens, out.finite.long(), *flags]).tolist()  # (2 or 3, B)
+        if redraw:  # (the program's flags imply the row's filters: no per-row look at its parameters)
+            filtered = [b for b, flag in enumerate(redraw[0]) if flag]
+        else:
+            filtered = [b for b, row in enumerate(rows) if row.live.request.params.uses_filters]
         if filtered:
             pick = torch.tensor(filtered, device=self.device)  # (b,)
             where = index.index_select(0, pick)  # (b,) slots
@@ -205,9 +207,7 @@ class StepRunner:
                                       self.sampling.top_k[where], self.sampling.floats[1, where],
                                       self.sampling.floats[2, where], out.uniforms.index_select(0, pick))  # (b,)
             tokens = tokens.index_copy(0, pick, redrawn)  # (B,)
-            chosen, ok = torch.stack([tokens, out.finite.long()]).tolist()  # (2, B)
-        elif out.redraw is None:
-            chosen, ok = torch.stack([tokens, out.finite.long()]).tolist()  # (2, B): one transfer
+            chosen = tokens.tolist()
         self.sampling.record(index, tokens)
         top_n = [row.live.request.params.logprobs for row in rows]
         wanted = any(n is not None for n in top_n)
