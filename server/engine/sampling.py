@@ -162,33 +162,28 @@ def sample_filtered(processed: torch.Tensor, temperature: torch.Tensor, top_k: t
 
 
 def _draw_top_k(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Top-k and min-p without a sort of the vocabulary: the inverse-CDF draw over each row's top-k survivors
-    alone, in vocabulary order — the same additions in the same order as over the whole masked row (a dropped
-    token adds an exact zero there), so the same token to the bit, also where the draw runs past the last
-    survivor (id V - 1, as `_inverse_cdf` clamps). A tie at some row's k-th value (which equals survive is
-    decided by id) takes the whole-row form."""
+    """Top-k and min-p without a sort of the vocabulary (k in [1, V]): the inverse-CDF draw over each row's
+    survivors alone, in vocabulary order (`_draw_survivors`)."""
+    return _draw_survivors(probs, k, min_p, uniforms, min(int(k.max()), probs.shape[-1]))  # (B,)
+
+
+def _draw_survivors(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor,
+                    width: int) -> torch.Tensor:
+    """The draw over each row's top-k survivors (k (B,) in [1, width]; ties at the k-th value broken toward the
+    lower id, as a stable descending sort ranks them), less those min-p drops, gathered into a window of `width`
+    in vocabulary order: the same additions in the same order as the inverse CDF over the whole masked row (a
+    dropped token adds an exact zero there), so the same token to the bit, also where the draw runs past the last
+    survivor (id V - 1, as `_inverse_cdf` clamps). No branch and static shapes: the decode program's form too."""
     vocab = probs.shape[-1]
-    values, ids = probs.topk(min(int(k.max()) + 1, vocab), dim=-1)  # (B, K) descending: the k-th and the next
-    width = values.shape[-1]
-    kth, after = values.gather(1, (k - 1)[:, None]), values.gather(1, k.clamp(max=width - 1)[:, None])  # (B, 1)
-    if bool(((kth == after) & (k < vocab)[:, None]).any()):
-        low = probs < min_p[:, None] * values[:, :1]  # (B, V) min-p: below a share of the most likely
-        return _inverse_cdf(probs.masked_fill(_outside_top_k(probs, k, kth) | low, 0.0), uniforms)  # (B,)
-    return _draw_in_window(values, ids, k, min_p, uniforms, vocab)  # (B,)
-
-
-def _draw_in_window(values: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor,
-                    uniforms: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The inverse-CDF draw over a window of each row's most likely tokens — values (B, W) descending and their
-    ids — of which the first k (B,) survive, less those min-p drops, in vocabulary order; past the last survivor:
-    id V - 1, as `_inverse_cdf` clamps."""
-    width = values.shape[-1]
-    keep = torch.arange(width, device=values.device)[None, :] < k[:, None]  # (B, W)
-    keep &= values >= min_p[:, None] * values[:, :1]
-    ascending, perm = ids.sort(dim=-1)  # (B, W) the window in vocabulary order
-    cdf = torch.where(keep, values, torch.zeros_like(values)).gather(1, perm).cumsum(dim=-1)  # (B, W)
+    kth = probs.topk(width, dim=-1).values.gather(1, (k - 1)[:, None])  # (B, 1) each row's k-th largest value
+    keep = ~_outside_top_k(probs, k, kth) & (probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True))  # (B, V)
+    order = torch.arange(vocab, 0, -1, device=probs.device)  # (V,) larger for lower ids
+    ranked, at_id = torch.where(keep, order[None, :], torch.zeros_like(order)[None, :]).topk(width, dim=-1)  # (B, W)
+    ids = vocab - ranked  # (B, W) the survivors in vocabulary order, then filler (ranked 0)
+    values = torch.where(ranked > 0, probs.gather(1, at_id), torch.zeros((), dtype=probs.dtype, device=probs.device))
+    cdf = values.cumsum(dim=-1)  # (B, W)
     at = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)  # (B, 1)
-    token = ascending.gather(1, at.clamp(max=width - 1))[:, 0]  # (B,)
+    token = ids.gather(1, at.clamp(max=width - 1))[:, 0]  # (B,)
     return torch.where(at[:, 0] < width, token, torch.full_like(token, vocab - 1))  # (B,)
 
 
@@ -219,18 +214,13 @@ def _outside_top_k(probs: torch.Tensor, k: torch.Tensor, kth: torch.Tensor | Non
 
 def _draw_top_k_in_program(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor,
                            uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_draw_top_k` over a fixed width (TOP_K_IN_PROGRAM + 1: a compiled program's shapes are static) and without
-    its branch: (tokens (B,), redraw (B,) bool). The draw is the same token as `_draw_top_k`'s — the survivors are
-    the same and the wider window only adds exact zeros to the cumulative sum, so the first index past the target
-    is the same survivor. redraw: what this form cannot decide — k past the window, no top-k (min-p alone: every
-    token may survive), a tie at the k-th value — for the host's `sample_filtered`."""
-    vocab = probs.shape[-1]
-    width = min(TOP_K_IN_PROGRAM + 1, vocab)
-    values, ids = probs.topk(width, dim=-1)  # (B, W) descending
-    kk = k.clamp(min=1, max=width - 1)  # (B,)
-    kth, after = values.gather(1, (kk - 1)[:, None]), values.gather(1, kk[:, None])  # (B, 1)
-    redraw = (k <= 0) | (k >= width) | (kth == after)[:, 0]  # (B,)
-    return _draw_in_window(values, ids, kk, min_p, uniforms, vocab), redraw  # (B,), (B,)
+    """`_draw_top_k` over a fixed width (TOP_K_IN_PROGRAM: a compiled program's shapes are static): (tokens (B,),
+    redraw (B,) bool). The draw is `_draw_top_k`'s token — the survivors are the same and a wider window only adds
+    exact zeros to the cumulative sum. redraw: what this form cannot decide — k past the window, no top-k (min-p
+    alone: every token may survive) — for the host's `sample_filtered`."""
+    width = min(TOP_K_IN_PROGRAM, probs.shape[-1])
+    redraw = (k <= 0) | (k > TOP_K_IN_PROGRAM)  # (B,)
+    return _draw_survivors(probs, k.clamp(min=1, max=width), min_p, uniforms, width), redraw  # (B,), (B,)
 
 
 def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, floats: torch.Tensor,
@@ -241,7 +231,7 @@ def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Te
     (tokens (B,), chosen-token logprob (B,), finite (B,) bool, uniforms (B,), processed (B, V), redraw (B,) bool).
     tokens: argmax for greedy rows, the top-k (and min-p) draw for rows with top-k up to TOP_K_IN_PROGRAM and no
     top-p, the unfiltered draw for the rest; `redraw` marks the sampled rows with filters this program could not
-    apply (top-p, larger k, min-p alone, a tie at the k-th value): the caller redraws them from `processed` with
+    apply (top-p, larger k, min-p alone): the caller redraws them from `processed` with
     the same uniforms (`sample_filtered`, the same token where both apply). Rows with non-finite logits sample
     from zeros (their requests fail)."""
     finite = torch.isfinite(logits).all(dim=-1)  # (B,)

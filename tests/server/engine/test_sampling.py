@@ -151,8 +151,8 @@ def test_choose_tokens_reads_each_rows_parameters_from_its_slot():
 
 def test_the_programs_top_k_draw_is_the_hosts_and_it_flags_what_it_cannot_apply():
     """choose_tokens (inside the decode program) applies top-k up to TOP_K_IN_PROGRAM, with min-p, and draws the
-    same token as the host's `sample_filtered` for every row it does not flag; it flags top-p, a larger k, min-p
-    alone and a tie at the k-th value, never a greedy or unfiltered row."""
+    same token as the host's `sample_filtered` for every row it does not flag — ties at the k-th value included
+    (the lower id survives) — and flags top-p, a larger k and min-p alone, never a greedy or unfiltered row."""
     from linserve.server.engine.sampling import TOP_K_IN_PROGRAM
 
     vocab, rows = 512, 96
@@ -187,10 +187,16 @@ def test_the_programs_top_k_draw_is_the_hosts_and_it_flags_what_it_cannot_apply(
             flagged.append(b)
         else:
             assert tokens[b] == host[b], b
-    tied = range(rows - 8, rows)
     expected = [b for b, params in enumerate(cases) if not params.greedy and params.uses_filters and (
-        params.top_p < 1 or params.top_k == 0 or params.top_k > TOP_K_IN_PROGRAM or (b in tied and params.top_k < 4))]
+        params.top_p < 1 or params.top_k == 0 or params.top_k > TOP_K_IN_PROGRAM)]
     assert flagged == expected
+    tied = [b for b in range(rows - 8, rows) if cases[b].top_k < 4]  # the tie straddles the k-th value
+    assert all(not redraw[b] and tokens[b] == host[b] for b in tied)
+    from linserve.server.engine.sampling import _dropped_by_sort, _inverse_cdf, _tempered
+
+    _, probs = _tempered(processed[tied], sampling.floats[0, tied])  # the whole sorted distribution's draw
+    dropped = _dropped_by_sort(probs, sampling.top_k[tied], torch.ones(len(tied)), torch.zeros(len(tied)))
+    assert tokens[tied].equal(_inverse_cdf(probs.masked_fill(dropped, 0.0), uniforms[tied]))
     assert sum(1 for b, params in enumerate(cases) if params.uses_filters and not redraw[b]) > 30  # most drawn here
 
 
