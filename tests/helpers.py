@@ -195,8 +195,8 @@ def start_redis(directory, port: int | None = None, durable: bool = False) -> tu
 
 
 def poison_sampling(monkeypatch, temperature: float, times: int | None = None) -> dict:
-    """Make the engine's step fail for batches holding a row with this temperature — after the model and the
-    decode program ran, before anything is committed — `times` times (None: always; `armed["n"]` re-arms)."""
+    """Make the engine's step fail for batches holding a row with this temperature — after the decode program ran
+    (it wrote the rows' state) and before the tokens are delivered — `times` times (None: always; `armed["n"]` re-arms)."""
     from linserve.server.engine.step_runner import StepRunner
 
     real = StepRunner._sampled

@@ -1,4 +1,5 @@
-"""The decode step as one program: gather the rows' state by slot → the model's recurrent step → sampling.
+"""The decode step as one program: gather the rows' state by slot → the model's recurrent step → sampling →
+the rows' new state written back into the pool, in place.
 
 This is what gets compiled per batch bucket (compiled_decode.py: an AOTInductor artifact on CPU, built by
 program_compiler.py in a child process; a CUDA graph of the compiled program on CUDA) and what runs
@@ -28,7 +29,6 @@ class DecodeOutputs:
     processed: torch.Tensor  # (B, V) logits after logit_bias and penalties
     logits: torch.Tensor  # (B, V) the model's logits, fp32
     redraw: torch.Tensor | None  # (B,) bool: rows whose filters the host applies (None: every filtered row)
-    state: list[torch.Tensor]  # the rows' new state tensors, in `state_names` order
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,14 @@ def decode_program(model: ServedModel):
     """The whole decode step as one function of tensors — what gets compiled per bucket:
 
         program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)
-            -> (tokens, logprob, finite, uniforms, processed, logits, redraw, *new state)
+            -> (tokens, logprob, finite, uniforms, processed, logits, redraw)
 
     gather the rows' state from the pool by slot → the model's recurrent step → the rows' sampling
-    parameters gathered by slot → penalties, logit_bias, counter-based draw (top-k too: sampling.choose_tokens).
-    Nothing is written: the caller scatters the state back once the step has succeeded."""
+    parameters gathered by slot → penalties, logit_bias, counter-based draw (top-k too: sampling.choose_tokens)
+    → each row's new state written into its slot (index_copy_ into the pool buffers, which the program mutates:
+    the state is read and written once, never copied out and scattered back), except a row whose logits were
+    not finite: its slot keeps the state it had (its request fails; a session stays at its last good token).
+    Rows padded to a bucket repeat the first row (same slot, same values): their writes are the same bits."""
     step = flat_decode_step(model)
     n_state = len(state_names(model))
 
@@ -89,6 +92,9 @@ def decode_program(model: ServedModel):
         state = [buffer.index_select(0, slots) for buffer in pool]  # (P, …) each
         logits, *new_state = step(tokens[:, None], *state)  # (P, V) fp32
         tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling)
-        return tokens, logprob, finite, uniforms, processed, logits, redraw, *new_state
+        for buffer, old, new in zip(pool, state, new_state):
+            keep = finite.view(-1, *([1] * (new.dim() - 1)))  # (P, 1, …)
+            buffer.index_copy_(0, slots, torch.where(keep, new.to(buffer.dtype), old))  # the commit, in place
+        return tokens, logprob, finite, uniforms, processed, logits, redraw
 
     return program

@@ -39,6 +39,7 @@ class Row:
     parked: dict | None = None  # preempted: its state and sampling row, off the pool until it gets a slot again
     said: str | None = None  # a session row's text, its last `text_chars` characters (the turn's text)
     speculation: object | None = None  # speculation.RowSpeculation: its drafter (bounded) and acceptance
+    next_logits: torch.Tensor | None = None  # (V,) set only when a failed step's program consumed next_token
 
     @property
     def position(self) -> int:
@@ -79,6 +80,12 @@ class Row:
         self._keep(text)
         return self.live.output(self.index, token, text, logprob, reason, self.num_generated, position,
                                 end_of_text=token in eos_ids)
+
+    def consumed_pending(self, logits: torch.Tensor, committed: bool) -> None:
+        """A decode program committed this row's state (`committed`: its logits were finite) and then the step
+        failed: the pending token is consumed, `logits` (V,) predict what follows it."""
+        if committed and self.next_token is not None:
+            self.next_logits = logits.clone()
 
     def _say(self, text: str) -> None:
         if self.said is not None and text:
@@ -212,7 +219,7 @@ class LiveRequest:
                               text=text)
         return TurnResult(self.request.prompt_ids, self.consumed, self.last_logits, row.num_generated,
                           sampling.counts[row.slot].clone(), row.next_token, tuple(row.recent or ()),
-                          self.applied(row), text)
+                          self.applied(row), text, row.next_logits)
 
     def turn_text(self, row: Row | None) -> tuple[str, str] | None:
         """(prompt, completion) as text for the session to keep: each at most its last `text_chars` characters

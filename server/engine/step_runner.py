@@ -3,9 +3,11 @@ sample — and hand back what to deliver. It holds the model, the state pool, th
 inputs and the prefix cache; it never ends a request or talks to a client (the engine core does, with what
 each phase returns).
 
-A phase commits nothing until its model work and sampling have succeeded: the decode state is scattered
-back only after the next tokens are chosen, so a step that raises leaves every slot as consistent with its
-request (and its session) as before the step; the core fails the step's requests and goes on.
+A phase leaves every slot consistent with its request (and its session) whatever raises: prefill and
+verification scatter their state back only after their work has succeeded; the decode program commits its
+rows' state itself (in place, the finite rows only) — if what follows it raises, each row records that its
+pending token was consumed and the program's logits are its next distribution. The core fails the step's
+requests and goes on.
 """
 
 from __future__ import annotations
@@ -86,12 +88,17 @@ class StepRunner:
         if self.threads is not None:
             self.threads.decoding()
         started = time.perf_counter()
-        out = self.decode_step(tokens, slots, positions)
+        out = self.decode_step(tokens, slots, positions)  # (the program commits each finite row's new state)
         program_s = time.perf_counter() - started
-        index = torch.tensor(slots, device=self.device)  # (B,)
-        sampled = self._sampled(rows, out, index)
-        self.pool.scatter_tensors(index, out.state)  # the step succeeded: commit the rows' state
-        delivery = self.deliver(rows, sampled)
+        try:
+            sampled = self._sampled(rows, out, torch.tensor(slots, device=self.device))
+            delivery = self.deliver(rows, sampled)
+        except BaseException:
+            # the rows' states have consumed their pending tokens: each row takes the program's logits as its
+            # next distribution, so a session keeps a state consistent with its history when its request fails
+            for b, row in enumerate(rows):
+                row.consumed_pending(out.logits[b], bool(out.finite[b]))
+            raise
         delivery.program_s, delivery.tokens = program_s, len(rows)
         if self.speculation is not None:
             self.speculation.observe("decode", len(rows), time.perf_counter() - step_started)
@@ -113,7 +120,7 @@ class StepRunner:
         index = torch.tensor(slots, device=self.device)  # (B,)
         nexts = out.emitted.gather(1, out.kept[:, None])[:, 0]  # (B,) the token after the accepted drafts
         sampled = self._sampled(rows, DecodeOutputs(nexts, None, out.finite, out.uniforms, out.processed,
-                                                    out.logits, None, []), index)
+                                                    out.logits, None), index)
         table = torch.cat([out.emitted, out.kept[:, None]], dim=1).tolist()  # (B, k+2): one transfer
         kept = [line[-1] for line in table]
         accepted = [line[:n] for line, n in zip(table, kept)]
@@ -185,7 +192,7 @@ class StepRunner:
         positions = torch.tensor([row.position for row in rows], device=self.device)  # (B,)
         tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, index, positions,
                                                                              *self.sampling.tensors())
-        outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, redraw, [])
+        outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, redraw)
         return self._sampled(rows, outputs, index)
 
     def _sampled(self, rows: list[Row], out: DecodeOutputs, index: torch.Tensor) -> Sampled:

@@ -104,7 +104,8 @@ def test_training_keeps_the_parallel_form_and_torchs_kernels():
 @torch.no_grad()
 def test_the_compiled_decode_step_is_the_eager_one_bit_for_bit(device):
     """The shipped model in bf16, its decode program compiled by Inductor under `same_bits_as_eager` (the
-    settings the AOTInductor builds use) in two batch sizes: logits, draws and states equal eager's exactly."""
+    settings the AOTInductor builds use) in two batch sizes: logits, draws and the states each writes into its
+    pool equal eager's exactly."""
     import torch._inductor.config as inductor_config
 
     from linserve.model.loading import load_model
@@ -129,10 +130,15 @@ def test_the_compiled_decode_step_is_the_eager_one_bit_for_bit(device):
         compiled = torch.compile(program, fullgraph=True, dynamic=False)
         for slots in ([5], [0, 3, 4, 7]):
             index = torch.tensor(slots)
-            args = (torch.tensor([11 * s + 3 for s in slots]), index, torch.full((len(slots),), 50),
-                    *pool.buffers.values(), *sampling.tensors())
-            for got, want in zip(compiled(*args), program(*args), strict=True):
+            rows = (torch.tensor([11 * s + 3 for s in slots]), index, torch.full((len(slots),), 50))
+            # each program writes its rows' new state into its own copy of the pool: the copies must agree too
+            ours, theirs = ([buffer.clone() for buffer in pool.buffers.values()] for _ in range(2))
+            for got, want in zip(compiled(*rows, *ours, *sampling.tensors()),
+                                 program(*rows, *theirs, *sampling.tensors()), strict=True):
                 assert torch.equal(got, want), slots
+            for got, want, before in zip(ours, theirs, pool.buffers.values(), strict=True):
+                assert torch.equal(got, want), slots
+                assert not torch.equal(got[index], before[index]) or not before[index].any(), slots  # written
 
 
 @pytest.mark.slow

@@ -193,9 +193,8 @@ class DecodeStep:
     # ------------------------------------------------------------------ engine thread
     def __call__(self, tokens: list[int], slots: list[int], positions: list[int]) -> DecodeOutputs:
         """One decode program over the rows (tokens consumed, their slots, the positions of the tokens to
-        choose); the state outputs are not yet scattered back (the caller commits them)."""
-        outputs = self.run([tokens, slots, positions])
-        return DecodeOutputs(*outputs[:7], state=list(outputs[7:]))
+        choose); the program writes each row's new state into its slot (decode_program)."""
+        return DecodeOutputs(*self.run([tokens, slots, positions]))
 
     def run(self, io_rows: list[list[int]]) -> list[torch.Tensor]:
         """The program over the rows given as its io tensor's rows (`ProgramKind`), padded to the bucket and
@@ -250,10 +249,10 @@ class DecodeStep:
         syncs with the host, say) is given up — eager launches serve that batch until the compiled program
         comes — rather than failing the step."""
         if bucket.final:
-            capture(bucket, self._inputs, self.kind.io_rows, self.device)
+            self._capture(bucket)
             return bucket
         try:
-            capture(bucket, self._inputs, self.kind.io_rows, self.device)
+            self._capture(bucket)
             return bucket
         except Exception:  # noqa: BLE001 - logged; served eagerly
             logger.warning("%s: the eager program cannot be captured as a CUDA graph for batch %d; eager launches "
@@ -261,6 +260,16 @@ class DecodeStep:
             if self._ready.get(bucket.size) is bucket:
                 del self._ready[bucket.size]
             return None
+
+    def _capture(self, bucket: Bucket) -> None:
+        """Capture with the pool kept as it was: the warm-up runs execute the program, and a decode program
+        writes its rows' state in place (slot 0's here, for the zeroed io)."""
+        saved = [buffer.clone() for buffer in self.buffers]
+        try:
+            capture(bucket, self._inputs, self.kind.io_rows, self.device)
+        finally:
+            for buffer, copy in zip(self.buffers, saved):
+                buffer.copy_(copy)
 
     # ------------------------------------------------------------------ compile thread
     def _next_size(self) -> int | None:

@@ -45,10 +45,11 @@ def capture(bucket: Bucket, inputs: Callable[[torch.Tensor], tuple], io_rows: in
 
 
 def replay(bucket: Bucket, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
-    rows = len(io_rows[0])
-    # rows beyond the batch keep earlier (valid) tokens, slots and positions: their outputs are dropped
-    bucket.io[:, :rows].copy_(torch.tensor(io_rows, dtype=torch.long))  # (r, B) one transfer
+    pad = bucket.size - len(io_rows[0])
+    # rows beyond the batch repeat the first row (a decode program writes every row's state in place: a padded row
+    # writes its slot the same bits as the first); their outputs are dropped
+    bucket.io.copy_(torch.tensor([row + row[:1] * pad for row in io_rows], dtype=torch.long))  # (r, P) one transfer
     bucket.graph.replay()
-    # the outputs are read (sampled tokens, scattered state) within this engine step; the logits may outlive
+    # the outputs are read (the sampled tokens) within this engine step; the logits may outlive
     # it (a prompt-only turn keeps them), so they get their own memory
     return (*bucket.outputs[:5], bucket.outputs[5].clone(), *bucket.outputs[6:])

@@ -116,6 +116,8 @@ class TurnResult:
     recent: tuple[int, ...] = ()  # the last few generated tokens
     applied: dict | None = None  # made with an Idempotency-Key: {"key", "request", "result"} to remember
     text: tuple[str, str] | None = None  # (prompt, completion) as text, each at most the session's text budget
+    next_logits: torch.Tensor | None = None  # (V,) the state consumed next_token too (a step failed after its
+    # program committed): nothing is pending, these logits predict what follows
 
 
 def keep_text(texts: list[dict], entry: dict, limit: int) -> list[dict]:

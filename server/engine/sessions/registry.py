@@ -264,7 +264,8 @@ class SessionRegistry:
             seen = seen.index_fill(0, torch.tensor(consumed_prompt), True)
         if generated:
             seen = seen | (turn.counts > 0).cpu()
-            session.pending, session.logits = [turn.next_token], None
+            session.pending, session.logits = (([turn.next_token], None) if turn.next_logits is None
+                                               else ([], turn.next_logits))
         session.seen = seen
         session.tokens += len(consumed_prompt) + generated
         session.tail = (session.tail + consumed_prompt[-TAIL_TOKENS:] + list(turn.recent))[-TAIL_TOKENS:]

@@ -32,14 +32,24 @@ def built(tiny_model, compile_cache, device):
     return step, package, step._inputs(io)
 
 
+def fresh(inputs: tuple) -> list:
+    """The arguments with copies of the pool's buffers: a decode program writes its rows' state into them."""
+    return [tensor.clone() for tensor in inputs]
+
+
 def test_the_step_uses_the_releasing_program_and_matches_torch_loader(built):
     step, package, inputs = built
     assert isinstance(step._ready[1].step, ReleasingProgram)
-    ours = ReleasingProgram(package)(*inputs)
-    theirs = torch._inductor.aoti_load_package(package)(*inputs)
-    assert len(ours) == len(theirs) == 7 + len(step.buffers)  # tokens … logits, redraw, then the new state
+    mine, torchs = fresh(inputs), fresh(inputs)
+    ours = ReleasingProgram(package)(*mine)
+    theirs = torch._inductor.aoti_load_package(package)(*torchs)
+    assert len(ours) == len(theirs) == 7  # tokens … logits, redraw (the new state is written into the pool)
     for a, b in zip(ours, theirs):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    buffers = slice(3, 3 + len(step.buffers))  # after token, slot, position
+    for a, b, before in zip(mine[buffers], torchs[buffers], inputs[buffers], strict=True):
+        assert torch.equal(a, b)  # both wrote slot 1's new state, in place
+        assert torch.equal(a[0], before[0]) and not torch.equal(a[1], before[1])  # slot 0 untouched
 
 
 def test_the_run_entry_point_releases_the_gil(built):
@@ -51,8 +61,8 @@ def test_the_run_entry_point_releases_the_gil(built):
     assert type(program.library) is ctypes.CDLL
     assert not program._run._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # PYTHONAPI functions keep the GIL
     for _ in range(3):  # handles are made and taken on every call: repeated calls stay exact
-        again = program(*inputs)
-    assert torch.equal(again[5], ReleasingProgram(package)(*inputs)[5])
+        again = program(*fresh(inputs))
+    assert torch.equal(again[5], ReleasingProgram(package)(*fresh(inputs))[5])
 
 
 def test_a_package_without_a_library_falls_back_to_torch_loader(tmp_path, monkeypatch, built, caplog):

@@ -38,12 +38,11 @@ def plain_decoding(decode, pool, sampling, slot, pending, position, n):
     """n plain decode steps from a slot (written back, as the engine does): the tokens and each state."""
     tokens, states = [], []
     for i in range(n):
-        out = decode([pending], [slot], [position + i])
+        out = decode([pending], [slot], [position + i])  # (the program writes the slot's state)
         pending = int(out.tokens[0])
         sampling.record(torch.tensor([slot], device=out.tokens.device), out.tokens)
-        pool.scatter_tensors(torch.tensor([slot], device=out.tokens.device), out.state)
         tokens.append(pending)
-        states.append([t.clone() for t in out.state])
+        states.append([buffer[slot : slot + 1].clone() for buffer in pool.buffers.values()])
     return tokens, states
 
 
@@ -78,14 +77,14 @@ def test_drafts_are_accepted_exactly_as_far_as_plain_decoding_agrees(tiny_model,
 def test_a_row_with_limit_zero_gets_a_plain_decode_steps_token(tiny_model, device):
     pool, sampling, verify, decode = steps(tiny_model, device)
     slots = [0, 1, 3, 5]
-    raw = verify.run([[9, 9, 9, 9], *[[4, 4, 4, 4]] * K, [0] * 4, slots, [30] * 4])
-    plain = decode([9] * 4, slots, [30] * 4)
+    raw = verify.run([[9, 9, 9, 9], *[[4, 4, 4, 4]] * K, [0] * 4, slots, [30] * 4])  # (nothing written)
+    plain = decode([9] * 4, slots, [30] * 4)  # (the rows' states written into the pool)
     assert raw[1].tolist() == [0, 0, 0, 0]
     assert raw[0][:, 0].tolist() == plain.tokens.tolist()
     torch.testing.assert_close(raw[5], plain.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(raw[3], plain.uniforms)
-    for got, want in zip(raw[6:], plain.state):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for got, buffer in zip(raw[6:], pool.buffers.values()):
+        torch.testing.assert_close(got, buffer[slots], rtol=1e-4, atol=1e-4)
 
 
 def test_program_kinds_name_their_io():
