@@ -196,18 +196,19 @@ def start_redis(directory, port: int | None = None, durable: bool = False) -> tu
 
 def poison_sampling(monkeypatch, temperature: float, times: int | None = None) -> dict:
     """Make the engine's step fail for batches holding a row with this temperature — after the decode program ran
-    (it wrote the rows' state) and before the tokens are delivered — `times` times (None: always; `armed["n"]` re-arms)."""
+    (it wrote the rows' state and counts) and before the tokens are delivered — `times` times (None: always;
+    `armed["n"]` re-arms)."""
     from linserve.server.engine.step_runner import StepRunner
 
     real = StepRunner._sampled
     armed = {"n": times}
 
-    def sampled(self, rows, out, index):
+    def sampled(self, rows, out, index, **kwargs):
         if armed["n"] != 0 and any(row.live.request.params.temperature == temperature for row in rows):
             if armed["n"] is not None:
                 armed["n"] -= 1
             raise RuntimeError("injected sampler fault")
-        return real(self, rows, out, index)
+        return real(self, rows, out, index, **kwargs)
 
     monkeypatch.setattr(StepRunner, "_sampled", sampled)
     return armed

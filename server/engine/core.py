@@ -42,6 +42,7 @@ from .command_queue import ENGINE_DEAD, CommandQueue
 from .compile.cuda_graphs import STEP_LOCK
 from .constraint import GrammarRuntime
 from .cpu_threads import apply_threads, weight_bytes
+from .detokenize import ByteLevelDecoder
 from .live import LiveRequest, Row
 from .model_kind import model_parts
 from .sampling import SlotSampling
@@ -86,8 +87,10 @@ class Engine:
         # before the model runs or a program is built (kernels bake the count in); large weights: every CPU
         self.threads = apply_threads(config.threads, config.prefill_threads, weight_bytes(model), config.adapt_threads)
         self.config, self.device = config, device
-        # incremental detokenization calls decode twice per token: use the Rust tokenizer directly if there is one
-        self.decoder = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        # incremental detokenization: a byte-level BPE tokenizer's table of token bytes where it reproduces the
+        # tokenizer's decoding, else the Rust tokenizer directly if there is one (two decode calls per token)
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self.decoder = ByteLevelDecoder.of(backend) or backend
         self.tokenizer = tokenizer
         self._grammars: GrammarRuntime | None = None
         self._grammars_lock = threading.Lock()

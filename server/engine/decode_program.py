@@ -15,7 +15,9 @@ import torch
 from linserve.model.decode_step import flat_decode_step, state_names
 from linserve.model.interface import ServedModel
 
-from .sampling import choose_tokens
+from .sampling import SlotSampling, choose_tokens
+
+COUNTS = SlotSampling.TENSORS.index("counts")  # where the counts come among the SlotSampling tensors
 
 
 @dataclass
@@ -29,6 +31,7 @@ class DecodeOutputs:
     processed: torch.Tensor  # (B, V) logits after logit_bias and penalties
     logits: torch.Tensor  # (B, V) the model's logits, fp32
     redraw: torch.Tensor | None  # (B,) bool: rows whose filters the host applies (None: every filtered row)
+    table: torch.Tensor | None = None  # (B, 3) int64: tokens, finite, redraw — what the host reads, in one transfer
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,16 @@ def decode_program(model: ServedModel):
     """The whole decode step as one function of tensors — what gets compiled per bucket:
 
         program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)
-            -> (tokens, logprob, finite, uniforms, processed, logits, redraw)
+            -> (tokens, logprob, finite, uniforms, processed, logits, redraw, table)
 
     gather the rows' state from the pool by slot → the model's recurrent step → the rows' sampling
     parameters gathered by slot → penalties, logit_bias, counter-based draw (top-k too: sampling.choose_tokens)
-    → each row's new state written into its slot (index_copy_ into the pool buffers, which the program mutates:
-    the state is read and written once, never copied out and scattered back), except a row whose logits were
-    not finite: its slot keeps the state it had (its request fails; a session stays at its last good token).
-    Rows padded to a bucket repeat the first row (same slot, same values): their writes are the same bits."""
+    → the drawn token counted for the row's penalties (SlotSampling.counts; not a row whose draw the host
+    redoes: the host counts its redraw) → each row's new state written into its slot (index_copy_ into the
+    pool buffers, which the program mutates: the state is read and written once, never copied out and
+    scattered back), except a row whose logits were not finite: its slot keeps the state it had (its request
+    fails; a session stays at its last good token). Rows padded to a bucket repeat the first row (same slot,
+    same values): their writes are the same bits. `table` (P, 3): tokens, finite, redraw, for one transfer."""
     step = flat_decode_step(model)
     n_state = len(state_names(model))
 
@@ -92,9 +97,14 @@ def decode_program(model: ServedModel):
         state = [buffer.index_select(0, slots) for buffer in pool]  # (P, …) each
         logits, *new_state = step(tokens[:, None], *state)  # (P, V) fp32
         tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling)
+        counts = sampling[COUNTS]  # (N, V)
+        drawn = finite & ~redraw  # (P,) the token is the row's (a redrawn row is counted by the host's redraw)
+        current = counts[slots, tokens]  # (P,)
+        counts.index_put_((slots, tokens), torch.where(drawn, current + 1, current))  # (a padded row: same value)
         for buffer, old, new in zip(pool, state, new_state):
             keep = finite.view(-1, *([1] * (new.dim() - 1)))  # (P, 1, …)
             buffer.index_copy_(0, slots, torch.where(keep, new.to(buffer.dtype), old))  # the commit, in place
-        return tokens, logprob, finite, uniforms, processed, logits, redraw
+        table = torch.stack([tokens, finite.long(), redraw.long()], dim=1)  # (P, 3)
+        return tokens, logprob, finite, uniforms, processed, logits, redraw, table
 
     return program

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import codecs
+import json
+import logging
+import random
 from typing import Protocol
+
+logger = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 6  # tokens of already-emitted text decoded again for context (byte-level merges)
@@ -11,6 +17,70 @@ MAX_HELD_TOKENS = 8  # a UTF-8 character spans at most 4 bytes: past this, held 
 
 class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteLevelDecoder:
+    """A byte-level BPE tokenizer's decoding (GPT-2's family: every token a fixed string of bytes, the text their
+    concatenation as UTF-8, malformed bytes as U+FFFD) from a table of each token's bytes: a token's text costs a
+    lookup and an incremental UTF-8 decode instead of two calls into the tokenizer. `of` builds one only where
+    the table reproduces the tokenizer's own `decode` — every single token, and random sequences — else None."""
+
+    CHECKED_SEQUENCES = 64
+
+    def __init__(self, decoder, table: list[bytes]) -> None:
+        self.decoder, self.table = decoder, table
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decoder.decode(ids)
+
+    @classmethod
+    def of(cls, decoder) -> ByteLevelDecoder | None:
+        table = byte_level_table(decoder)
+        if table is None:
+            return None
+        ids = list(range(len(table)))
+        generator = random.Random(0)
+        cases = [[i] for i in ids] + [generator.choices(ids, k=generator.randint(2, 12))
+                                      for _ in range(cls.CHECKED_SEQUENCES)]
+        expected = decoder.decode_batch(cases)
+        for case, text in zip(cases, expected):
+            if b"".join(table[i] for i in case).decode("utf-8", errors="replace") != text:
+                logger.info("the tokenizer's decoding is not its tokens' bytes (%r): detokenizing through it", case)
+                return None
+        return cls(decoder, table)
+
+
+def byte_level_table(decoder) -> list[bytes] | None:
+    """Each id's bytes for a `tokenizers.Tokenizer` whose model is BPE and whose decoder is ByteLevel alone (no
+    normalizer); special tokens decode to nothing (as `decode` skips them), other added tokens to their text.
+    None for anything else."""
+    try:
+        spec = json.loads(decoder.to_str())
+    except Exception:  # noqa: BLE001 - not a tokenizers.Tokenizer
+        return None
+    if (spec.get("decoder") or {}).get("type") != "ByteLevel" or spec.get("normalizer") is not None \
+            or (spec.get("model") or {}).get("type") != "BPE":
+        return None
+    characters = byte_characters()
+    size = decoder.get_vocab_size(with_added_tokens=True)
+    added = {token["id"]: token for token in spec.get("added_tokens", [])}
+    table = []
+    for i in range(size):
+        if i in added:
+            table.append(b"" if added[i]["special"] else added[i]["content"].encode())
+            continue
+        piece = decoder.id_to_token(i)
+        if piece is None or any(c not in characters for c in piece):
+            return None
+        table.append(bytes(characters[c] for c in piece))
+    return table
+
+
+def byte_characters() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as in the vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
 
 
 class IncrementalDetokenizer:
@@ -24,6 +94,11 @@ class IncrementalDetokenizer:
     def __init__(self, decoder: Decoder, skip_ids: frozenset[int] = frozenset(), context: list[int] = ()) -> None:
         self.decoder = decoder
         self.skip_ids = skip_ids
+        self.table = getattr(decoder, "table", None)  # a ByteLevelDecoder's: bytes per token, decoded as they come
+        if self.table is not None:  # (a character split across context and this text is U+FFFD either way: the
+            self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # tokenizer decodes the text alone)
+            self.add = self._add_bytes
+            return
         self.ids: list[int] = [t for t in context if t not in skip_ids]  # already-seen text, never emitted
         if self.ids and decoder.decode(self.ids).endswith(REPLACEMENT):
             self.ids = []  # context that ends inside a character cannot anchor the next delta
@@ -47,6 +122,12 @@ class IncrementalDetokenizer:
             self.read_offset -= self.prefix_offset
             self.prefix_offset = 0
         return delta
+
+
+    def _add_bytes(self, token_id: int) -> str:
+        if token_id in self.skip_ids:
+            return ""
+        return self.utf8.decode(self.table[token_id])  # an incomplete character waits for the next token's bytes
 
 
 class StopMatcher:

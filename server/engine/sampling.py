@@ -47,6 +47,7 @@ class SlotSampling:
     """Per-slot sampling parameters and penalty statistics on the device, one row per state slot."""
 
     FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    TENSORS = ("floats", "top_k", "seed", "bias", "counts", "seen")  # `tensors()`, in the programs' order
 
     def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
         self.vocab, self.device = vocab, device
@@ -55,7 +56,7 @@ class SlotSampling:
         self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)  # (N,)
         self.bias = torch.zeros(num_slots, vocab, device=device)  # (N, V) logit_bias, dense
         self.counts = torch.zeros(num_slots, vocab, device=device)  # (N, V) generated-token counts
-        self.seen = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)  # (N, V) prompt or generated
+        self.seen = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)  # (N, V) history or prompt
 
     def assign(self, slot: int, params: SamplingParams, seed: int, seen: torch.Tensor | None,
                prompt_ids: list[int]) -> None:
@@ -88,13 +89,17 @@ class SlotSampling:
             getattr(self, name)[slot] = row[name]
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count the tokens just chosen for `slots` (B,) (penalties and a session's history)."""
+        """Count the tokens just chosen for `slots` (B,) (penalties and a session's history; a generated token
+        counts as seen through its count). The decode program counts its own draws (decode_program)."""
         self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True)
-        self.seen.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
+
+    def unrecord(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Take back counts of tokens that were never delivered (a step that failed after counting them)."""
+        self.counts.index_put_((slots, tokens), -torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """What the decode program reads, in `choose_tokens`' order after its first three arguments."""
-        return self.floats, self.top_k, self.seed, self.bias, self.counts, self.seen
+        return tuple(getattr(self, name) for name in self.TENSORS)
 
 
 def process_logits(logits: torch.Tensor, floats: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,
@@ -104,7 +109,7 @@ def process_logits(logits: torch.Tensor, floats: torch.Tensor, bias: torch.Tenso
     rep, presence, frequency = floats[3][:, None], floats[4][:, None], floats[5][:, None]  # (B, 1) each
     logits = logits + bias  # (B, V)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)  # (B, V)
-    logits = torch.where(seen, penalised, logits)  # (B, V)
+    logits = torch.where(seen | (counts > 0), penalised, logits)  # (B, V) seen: history and prompt, or generated
     logits = logits - frequency * counts  # (B, V)
     return logits - presence * (counts > 0).to(logits.dtype)  # (B, V)
 

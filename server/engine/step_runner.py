@@ -5,8 +5,9 @@ each phase returns).
 
 A phase leaves every slot consistent with its request (and its session) whatever raises: prefill and
 verification scatter their state back only after their work has succeeded; the decode program commits its
-rows' state itself (in place, the finite rows only) — if what follows it raises, each row records that its
-pending token was consumed and the program's logits are its next distribution. The core fails the step's
+rows' state and its draws' penalty counts itself (in place, the finite rows only) — if what follows it raises,
+the counts are taken back and each row records that its pending token was consumed, the program's logits its
+next distribution. The core fails the step's
 requests and goes on.
 """
 
@@ -70,6 +71,7 @@ class StepRunner:
         self.model, self.pool, self.sampling, self.decode_step = model, pool, sampling, decode_step
         self.verify_steps, self.speculation = verify_steps, speculation  # width → verification DecodeStep
         self.prefix_cache, self.device, self.eos_ids = prefix_cache, device, eos_ids
+        self._host_counted: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's redraws, counted
         # the engine thread's CPU threads per phase (fewer while other processes hold the CPUs)
         self.threads = ThreadCounts(threads) if threads is not None and device.type == "cpu" else None
 
@@ -90,19 +92,30 @@ class StepRunner:
         started = time.perf_counter()
         out = self.decode_step(tokens, slots, positions)  # (the program commits each finite row's new state)
         program_s = time.perf_counter() - started
+        index = torch.tensor(slots, device=self.device)  # (B,)
+        self._host_counted = None
         try:
-            sampled = self._sampled(rows, out, torch.tensor(slots, device=self.device))
+            sampled = self._sampled(rows, out, index, counted=True)
             delivery = self.deliver(rows, sampled)
         except BaseException:
-            # the rows' states have consumed their pending tokens: each row takes the program's logits as its
-            # next distribution, so a session keeps a state consistent with its history when its request fails
-            for b, row in enumerate(rows):
-                row.consumed_pending(out.logits[b], bool(out.finite[b]))
+            self._undo_step(rows, out, index)
             raise
         delivery.program_s, delivery.tokens = program_s, len(rows)
         if self.speculation is not None:
             self.speculation.observe("decode", len(rows), time.perf_counter() - step_started)
         return delivery
+
+    def _undo_step(self, rows: list[Row], out: DecodeOutputs, index: torch.Tensor) -> None:
+        """After a decode program, something raised: the step's tokens are never delivered, so their counts are
+        taken back (the program's, and the host's redraws if it got that far); the rows' states have consumed
+        their pending tokens, so each row takes the program's logits as its next distribution — a session keeps
+        a state and a history consistent with each other when its request fails."""
+        drawn = out.finite & ~out.redraw  # (B,) what the program counted
+        self.sampling.unrecord(index[drawn], out.tokens[drawn])
+        if self._host_counted is not None:
+            self.sampling.unrecord(*self._host_counted)
+        for b, row in enumerate(rows):
+            row.consumed_pending(out.logits[b], bool(out.finite[b]))
 
     def verify(self, rows: list[Row], plan: Plan, step_started: float) -> Delivery:
         """Speculative decoding: every row's drafts verified in one program (verify_program.py); each row gets
@@ -195,14 +208,18 @@ class StepRunner:
         outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, redraw)
         return self._sampled(rows, outputs, index)
 
-    def _sampled(self, rows: list[Row], out: DecodeOutputs, index: torch.Tensor) -> Sampled:
+    def _sampled(self, rows: list[Row], out: DecodeOutputs, index: torch.Tensor, counted: bool = False) -> Sampled:
         """A program's draw → the rows' tokens, in one transfer to Python: the program drew top-k where it could;
         rows whose filters it could not apply (`out.redraw`; every filtered row when a program does not say) are
         redrawn here from the processed logits with their own uniforms (their tokens a second transfer, only
-        then); then the counts are recorded."""
+        then); then the counts are recorded — only the redrawn rows' when the program `counted` its own draws
+        (the decode program does)."""
         tokens = out.tokens
-        flags = [] if out.redraw is None else [out.redraw.long()]
-        chosen, ok, *redraw = torch.stack([tokens, out.finite.long(), *flags]).tolist()  # (2 or 3, B)
+        if out.table is not None:
+            chosen, ok, *redraw = out.table.t().tolist()  # (3, B)
+        else:
+            flags = [] if out.redraw is None else [out.redraw.long()]
+            chosen, ok, *redraw = torch.stack([tokens, out.finite.long(), *flags]).tolist()  # (2 or 3, B)
         if redraw:  # (the program's flags imply the row's filters: no per-row look at its parameters)
             filtered = [b for b, flag in enumerate(redraw[0]) if flag]
         else:
@@ -215,7 +232,11 @@ class StepRunner:
                                       self.sampling.floats[2, where], out.uniforms.index_select(0, pick))  # (b,)
             tokens = tokens.index_copy(0, pick, redrawn)  # (B,)
             chosen = tokens.tolist()
-        self.sampling.record(index, tokens)
+            if counted:
+                self.sampling.record(where, redrawn)
+                self._host_counted = (where, redrawn)
+        if not counted:
+            self.sampling.record(index, tokens)
         top_n = [row.live.request.params.logprobs for row in rows]
         wanted = any(n is not None for n in top_n)
         logprobs = token_logprobs(out.logits, tokens, top_n) if wanted else [None] * len(rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from dataclasses import dataclass, field, fields
 
 
@@ -222,6 +223,14 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __reduce__(self) -> tuple:
+        """Pickled as its fields in order: every row's output crosses to the frontend process each step, and
+        this takes half the time of a dataclass's pickling (its __dict__, by name)."""
+        return RequestOutput, _output_values(self)
+
+
+_output_values = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
 
 
 @dataclass(frozen=True)

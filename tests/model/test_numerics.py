@@ -131,12 +131,13 @@ def test_the_compiled_decode_step_is_the_eager_one_bit_for_bit(device):
         for slots in ([5], [0, 3, 4, 7]):
             index = torch.tensor(slots)
             rows = (torch.tensor([11 * s + 3 for s in slots]), index, torch.full((len(slots),), 50))
-            # each program writes its rows' new state into its own copy of the pool: the copies must agree too
-            ours, theirs = ([buffer.clone() for buffer in pool.buffers.values()] for _ in range(2))
-            for got, want in zip(compiled(*rows, *ours, *sampling.tensors()),
-                                 program(*rows, *theirs, *sampling.tensors()), strict=True):
-                assert torch.equal(got, want), slots
-            for got, want, before in zip(ours, theirs, pool.buffers.values(), strict=True):
+            # each program writes its rows' new state and penalty counts into its own copies of the pool and the
+            # sampling tensors: the copies must agree too
+            ours, theirs = ([t.clone() for t in (*pool.buffers.values(), *sampling.tensors())] for _ in range(2))
+            for n, (got, want) in enumerate(zip(compiled(*rows, *ours), program(*rows, *theirs), strict=True)):
+                assert torch.equal(got, want), (slots, n)
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), slots
+            for got, want, before in zip(ours, theirs, pool.buffers.values()):  # (the state buffers come first)
                 assert torch.equal(got, want), slots
                 assert not torch.equal(got[index], before[index]) or not before[index].any(), slots  # written
 

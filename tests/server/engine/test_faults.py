@@ -50,8 +50,9 @@ def test_a_failed_session_turn_leaves_the_session_consistent(make_engine, poison
     emitted = tokens_of(outputs)
     assert len(emitted) >= 4
     assert engine.sessions.info(session.id, None).result(10).tokens == len(head) + 2 + len(emitted)
-    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)  # (greedy on the random
-    # tiny model repeats one token whatever came before: a draw tells a token consumed twice apart)
+    # greedy on the random tiny model repeats one token whatever came before: a draw tells a token consumed
+    # twice apart, and the repetition penalty over the session's history one counted but never delivered
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True, repetition_penalty=3.0)
     continued = tokens_of(run(engine, [5], sampled, "s2", session_id=session.id))
     assert continued == tokens_of(run(engine, head + [7, 8] + emitted + [5], sampled, "reference"))
 

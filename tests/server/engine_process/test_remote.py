@@ -76,3 +76,18 @@ def test_a_stopped_core_drains_and_its_stats_reached_the_frontend(tiny_checkpoin
     assert outputs[-1].finish_reason is FinishReason.ABORT  # the drain ended it
     assert not engine.process.is_alive() and engine.process.exitcode == 0
     assert any(isinstance(item, StepStats) for item in stats)
+
+
+def test_an_output_crosses_the_channel_whole():
+    """RequestOutput pickles as its fields in order (its __reduce__): every field, set and unset, comes back."""
+    import dataclasses
+    import pickle
+
+    from linserve.server.engine.types import RequestOutput, TokenLogprob
+
+    full = RequestOutput("cmpl-1", 2, 17, " ab", TokenLogprob(17, -0.5, ((17, -0.5), (3, -1.25))),
+                         FinishReason.STOP, 5, 9, 14, "sess-1", "why", "store_unavailable",
+                         (None, TokenLogprob(4, -2.0)), True)
+    assert all(getattr(full, f.name) != f.default for f in dataclasses.fields(full))  # every field set
+    for output in (full, RequestOutput("cmpl-2", 0, None, "")):
+        assert pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL)) == output

@@ -43,7 +43,7 @@ def test_the_step_uses_the_releasing_program_and_matches_torch_loader(built):
     mine, torchs = fresh(inputs), fresh(inputs)
     ours = ReleasingProgram(package)(*mine)
     theirs = torch._inductor.aoti_load_package(package)(*torchs)
-    assert len(ours) == len(theirs) == 7  # tokens … logits, redraw (the new state is written into the pool)
+    assert len(ours) == len(theirs) == 8  # tokens … redraw, table (the new state is written into the pool)
     for a, b in zip(ours, theirs):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     buffers = slice(3, 3 + len(step.buffers))  # after token, slot, position

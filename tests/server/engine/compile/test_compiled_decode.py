@@ -50,11 +50,12 @@ def test_every_bucket_and_padded_batch_matches_eager(tiny_model, device, compile
     for name, buffer in pool.buffers.items():
         mirror.buffers[name].copy_(buffer)
     compiled = make_step(tiny_model, pool, device, "on", max_rows=4, cache_dir=compile_cache)
-    eager = DecodeStep(tiny_model, mirror, compiled.sampling, device, "off", max_rows=4)
+    eager = make_step(tiny_model, mirror, device, "off", max_rows=4)  # (its own penalty counts too)
     for slot in range(8):  # even slots greedy, odd ones sampled (one with penalties and a bias)
         params = SamplingParams(temperature=0.0 if slot % 2 == 0 else 0.9, frequency_penalty=0.5 * (slot == 3),
                                 logit_bias=((7, 5.0),) if slot == 5 else ())
-        compiled.sampling.assign(slot, params, 1000 + slot, None, [1, 2, 3])
+        for step in (compiled, eager):
+            step.sampling.assign(slot, params, 1000 + slot, None, [1, 2, 3])
     compiled.sizes = [1, 4]  # two of its buckets (each build takes a minute or more on 2 cores): 2, 3 rows pad to 4
     compiled.start()
     assert compiled.wait_compiled(BUILD_WAIT_S) and compiled.status == "compiled", compiled.status
@@ -63,7 +64,11 @@ def test_every_bucket_and_padded_batch_matches_eager(tiny_model, device, compile
         for slots in ([5], [2, 7], [0, 3, 6], [1, 2, 3, 4], [4, 1, 0, 2, 7]):  # 2, 3 pad to 4; 5 is beyond: eager
             tokens = [(11 * s + 3) % 1024 for s in slots]
             positions = [40 + s for s in slots]
+            counts = compiled.sampling.counts.clone()
             got, want = compiled(tokens, slots, positions), eager(tokens, slots, positions)
+            counts[slots, got.tokens] += 1  # each row's draw counted once, by the program (padded rows too: once)
+            assert compiled.sampling.counts.equal(counts) and eager.sampling.counts.equal(counts)
+            assert got.table.tolist() == [[token, 1, 0] for token in got.tokens.tolist()]  # tokens, finite, redraw
             assert got.logits.shape == (len(slots), 1024) and got.logits.dtype == torch.float32
             torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got.processed, want.processed, rtol=1e-5, atol=1e-5)

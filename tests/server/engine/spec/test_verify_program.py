@@ -35,12 +35,12 @@ def steps(model, device, mode="off", max_rows=4, cache_dir=None, slots=8):
 
 
 def plain_decoding(decode, pool, sampling, slot, pending, position, n):
-    """n plain decode steps from a slot (written back, as the engine does): the tokens and each state."""
+    """n plain decode steps from a slot (the program writes each back, as in the engine): the tokens and each
+    state."""
     tokens, states = [], []
     for i in range(n):
-        out = decode([pending], [slot], [position + i])  # (the program writes the slot's state)
+        out = decode([pending], [slot], [position + i])  # (the program writes the slot's state and counts)
         pending = int(out.tokens[0])
-        sampling.record(torch.tensor([slot], device=out.tokens.device), out.tokens)
         tokens.append(pending)
         states.append([buffer[slot : slot + 1].clone() for buffer in pool.buffers.values()])
     return tokens, states
