@@ -61,7 +61,9 @@ def byte_level_table(decoder) -> list[bytes] | None:
     if (spec.get("decoder") or {}).get("type") != "ByteLevel" or spec.get("normalizer") is not None \
             or (spec.get("model") or {}).get("type") != "BPE":
         return None
-    characters = byte_characters()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte → printable character
+
+    characters = {character: byte for byte, character in bytes_to_unicode().items()}
     size = decoder.get_vocab_size(with_added_tokens=True)
     added = {token["id"]: token for token in spec.get("added_tokens", [])}
     table = []
@@ -74,13 +76,6 @@ def byte_level_table(decoder) -> list[bytes] | None:
             return None
         table.append(bytes(characters[c] for c in piece))
     return table
-
-
-def byte_characters() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character each byte is written as in the vocabulary."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
 
 
 class IncrementalDetokenizer:

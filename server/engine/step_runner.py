@@ -215,11 +215,9 @@ class StepRunner:
         then); then the counts are recorded — only the redrawn rows' when the program `counted` its own draws
         (the decode program does)."""
         tokens = out.tokens
-        if out.table is not None:
-            chosen, ok, *redraw = out.table.t().tolist()  # (3, B)
-        else:
-            flags = [] if out.redraw is None else [out.redraw.long()]
-            chosen, ok, *redraw = torch.stack([tokens, out.finite.long(), *flags]).tolist()  # (2 or 3, B)
+        table = out.table.t() if out.table is not None else torch.stack(  # (the decode program made it)
+            [tokens, out.finite.long(), *([] if out.redraw is None else [out.redraw.long()])])
+        chosen, ok, *redraw = table.tolist()  # (2 or 3, B)
         if redraw:  # (the program's flags imply the row's filters: no per-row look at its parameters)
             filtered = [b for b, flag in enumerate(redraw[0]) if flag]
         else:
