@@ -2,7 +2,9 @@
 
 `delta_rule.cpp` holds one token of the (gated) delta rule, of the gated linear recurrence and of RWKV-7's
 generalised delta rule for every row and head in one pass over the state (`torch.ops.linserve.delta_step` /
-`linear_step` / `dplr_step`, their scans' arithmetic exactly). `invariant_linear.cpp` holds the batch-invariant
+`linear_step` / `dplr_step`, their scans' arithmetic exactly). `top_k_draw.cpp` holds the decode program's top-k
+draw (`torch.ops.linserve.top_k_draw`: one pass a row for what torch did in two `topk` calls, a tie mask and a window —
+server/engine/sampling.py's `_draw_survivors`, to the bit). `invariant_linear.cpp` holds the batch-invariant
 projection (`torch.ops.linserve.invariant_linear`): each output a
 fixed sequence of roundings whatever the number of rows, bf16 or int8 weights in the checkpoint's own (N, K)
 layout, AVX512-BF16 where the CPU has it and the same arithmetic in scalar code elsewhere. It is built once per
@@ -31,7 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp")]
+SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp",
+                                                                           "top_k_draw.cpp")]
 HEADERS = [os.path.join(os.path.dirname(__file__), "flush_subnormals.h")]  # (part of the build's key)
 LIBRARY = "liblinserve_kernels.so"
 C_SHIMS = {  # op → the C function a compiled program calls (defined in the sources)
@@ -47,6 +50,8 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
     "dplr_step": "AOTITorchError aoti_torch_cpu_dplr_step(AtenTensorHandle r, AtenTensorHandle d, AtenTensorHandle k, "
                  "AtenTensorHandle v, AtenTensorHandle a, AtenTensorHandle b, AtenTensorHandle S, "
                  "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+    "top_k_draw": "AOTITorchError aoti_torch_cpu_top_k_draw(AtenTensorHandle probs, AtenTensorHandle k, "
+                  "AtenTensorHandle min_p, AtenTensorHandle uniforms, AtenTensorHandle* ret0)",
 }
 
 _lock = threading.Lock()
@@ -189,6 +194,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("linserve::dplr_step")
     def dplr_shapes(r, d, k, v, a, b, S):
         return v.new_empty(v.shape), S.new_empty(S.shape)
+
+    @torch.library.register_fake("linserve::top_k_draw")
+    def drawn_shape(probs, k, min_p, uniforms):
+        return k.new_empty((probs.shape[0],))
 
     @torch.library.register_fake("linserve::pack_weight")
     def packed_shape(weight):

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from linserve.model import numerics
+from linserve.model import kernels, numerics
 
 from .types import SamplingParams, TokenLogprob
 
@@ -217,15 +217,17 @@ def _outside_top_k(probs: torch.Tensor, k: torch.Tensor, kth: torch.Tensor | Non
     return ~(above | (level & (level.cumsum(dim=-1) <= room)))  # (B, V)
 
 
-def _draw_top_k_in_program(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor,
-                           uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_draw_top_k` over a fixed width (TOP_K_IN_PROGRAM: a compiled program's shapes are static): (tokens (B,),
-    redraw (B,) bool). The draw is `_draw_top_k`'s token — the survivors are the same and a wider window only adds
-    exact zeros to the cumulative sum. redraw: what this form cannot decide — k past the window, no top-k (min-p
-    alone: every token may survive) — for the host's `sample_filtered`."""
+def _draw_in_program(probs: torch.Tensor, window: torch.Tensor, min_p: torch.Tensor,
+                     uniforms: torch.Tensor) -> torch.Tensor:
+    """The decode program's draw (static shapes): window (B,) > 0 — the top-k (and min-p) draw over a fixed width
+    (TOP_K_IN_PROGRAM; `_draw_top_k`'s token: the survivors are the same and a wider window only adds exact zeros
+    to the cumulative sum); 0 — no filter, the inverse CDF over the whole row. On a CPU one pass a row
+    (kernels/top_k_draw.cpp), the same tokens to the bit; elsewhere torch's ops."""
+    if probs.device.type == "cpu" and kernels.load():
+        return torch.ops.linserve.top_k_draw(probs, window, min_p, uniforms)  # (B,)
     width = min(TOP_K_IN_PROGRAM, probs.shape[-1])
-    redraw = (k <= 0) | (k > TOP_K_IN_PROGRAM)  # (B,)
-    return _draw_survivors(probs, k.clamp(min=1, max=width), min_p, uniforms, width), redraw  # (B,), (B,)
+    filtered = _draw_survivors(probs, window.clamp(min=1, max=width), min_p, uniforms, width)  # (B,)
+    return torch.where(window > 0, filtered, _inverse_cdf(probs, uniforms))  # (B,)
 
 
 def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, floats: torch.Tensor,
@@ -248,11 +250,12 @@ def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Te
     temperature, top_p, min_p = row_floats[0], row_floats[1], row_floats[2]  # (B,) each
     k = top_k.index_select(0, slots)  # (B,)
     greedy, probs = _tempered(processed, temperature)  # (B,), (B, V)
-    filtered, cannot = _draw_top_k_in_program(probs, k, min_p, uniforms)  # (B,), (B,)
     filters = (k > 0) | (top_p < 1) | (min_p > 0)  # (B,) as SamplingParams.uses_filters
-    drawn = torch.where(filters, filtered, _inverse_cdf(probs, uniforms))  # (B,)
+    window = torch.where(filters, k.clamp(min=1, max=TOP_K_IN_PROGRAM), torch.zeros_like(k))  # (B,) 0: whole row
+    drawn = _draw_in_program(probs, window, min_p, uniforms)  # (B,)
     tokens = torch.where(temperature > 0, drawn, greedy)  # (B,)
-    redraw = (temperature > 0) & filters & (cannot | (top_p < 1))  # (B,)
+    cannot = (k <= 0) | (k > TOP_K_IN_PROGRAM) | (top_p < 1)  # (B,) top-p, a larger k, min-p alone
+    redraw = (temperature > 0) & filters & cannot  # (B,)
     return tokens, chosen_logprob(logits, tokens), finite, uniforms, processed, redraw
 
 

@@ -186,3 +186,43 @@ def test_the_delta_step_refuses_mismatched_shapes_with_a_message():
     with pytest.raises(RuntimeError, match="fp32"):
         OP.delta_step(*(t.double() for t in (torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 4),
                                               torch.zeros(2, 1))), None, S)
+
+
+def test_the_top_k_draw_is_the_torch_windows_token_to_the_bit():
+    """kernels/top_k_draw.cpp against sampling's `_draw_survivors` (two topk calls, the tie mask, the window):
+    rows with ties at the k-th value (logits rounded to quarters), min-p, probabilities that underflow to 0, a row
+    of one value, k from 1 to 64 and past the vocabulary, uniforms at 0 and just below 1 — every token the same,
+    and each row's the same alone as in the batch; k = 0, no filter: `_inverse_cdf` over the whole row."""
+    from linserve.server.engine.sampling import TOP_K_IN_PROGRAM, _draw_survivors, _inverse_cdf, _tempered
+
+    generator = torch.Generator().manual_seed(11)
+    for vocab in (4096, 300, 40):
+        rows = 256
+        logits = torch.randn(rows, vocab, generator=generator) * 3  # (B, V)
+        logits[::2] = (logits[::2] * 4).round() / 4  # half the rows: ties everywhere
+        logits[1::8] *= 400  # large spreads: many probabilities underflow to exactly 0
+        logits[3] = 0.5  # one value: all tie
+        temperature = torch.rand(rows, generator=generator) * 1.5 + 0.05
+        _, probs = _tempered(logits, temperature)  # (B, V) float64
+        width = min(TOP_K_IN_PROGRAM, vocab)
+        k = torch.randint(1, width + 1, (rows,), generator=generator)  # (B,)
+        k[:4] = torch.tensor([1, width, width, 2])
+        min_p = torch.rand(rows, generator=generator) * torch.tensor([0.0, 0.0, 0.1, 0.5]).repeat(rows // 4)
+        uniforms = torch.rand(rows, generator=generator)
+        uniforms[:3] = torch.tensor([0.0, 1.0 - 2**-24, 0.5])
+        drawn = OP.top_k_draw(probs, k, min_p, uniforms)  # (B,)
+        expected = _draw_survivors(probs, k, min_p, uniforms, width)
+        assert drawn.equal(expected), (vocab, (drawn != expected).nonzero()[:5].flatten().tolist())
+        alone = torch.stack([OP.top_k_draw(probs[b : b + 1], k[b : b + 1], min_p[b : b + 1], uniforms[b : b + 1])[0]
+                             for b in range(0, rows, 17)])
+        assert alone.equal(drawn[::17])
+        assert len(set(drawn.tolist())) > rows // 8  # (not one token for every row)
+        whole = OP.top_k_draw(probs, torch.zeros_like(k), min_p, uniforms)  # (B,) min-p is not applied here
+        assert whole.equal(_inverse_cdf(probs, uniforms)), vocab
+
+
+def test_the_top_k_draw_refuses_what_it_cannot_compute_with_a_message():
+    with pytest.raises(RuntimeError, match="float64"):
+        OP.top_k_draw(torch.zeros(2, 8), torch.ones(2, dtype=torch.long), torch.zeros(2), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="one k, min_p, uniform a row"):
+        OP.top_k_draw(torch.zeros(2, 8).double(), torch.ones(3, dtype=torch.long), torch.zeros(2), torch.zeros(2))

@@ -200,6 +200,30 @@ def test_the_programs_top_k_draw_is_the_hosts_and_it_flags_what_it_cannot_apply(
     assert sum(1 for b, params in enumerate(cases) if params.uses_filters and not redraw[b]) > 30  # most drawn here
 
 
+def test_the_programs_draw_is_the_same_with_and_without_linserves_kernel(monkeypatch):
+    """On a CPU the decode program draws through kernels/top_k_draw.cpp; elsewhere (CUDA, no C++ compiler) through
+    torch's ops: the same tokens for every kind of row — greedy, unfiltered, top-k with ties, min-p, flagged."""
+    from linserve.model import kernels
+    from tests.helpers import require_kernel
+
+    require_kernel()
+    vocab, rows = 700, 64
+    generator = torch.Generator().manual_seed(5)
+    logits = (torch.randn(rows, vocab, generator=generator) * 8).round() / 4  # (B, V) ties
+    sampling = SlotSampling(rows, vocab, CPU)
+    for slot in range(rows):
+        params = SamplingParams(temperature=[0.0, 0.7, 1.3][slot % 3], top_k=[0, 1, 5, 40, 64, 65, 0, 3][slot % 8],
+                                min_p=[0.0, 0.05][slot // 8 % 2], top_p=[1.0, 1.0, 1.0, 0.8][slot // 16])
+        sampling.assign(slot, params, 77 + slot, None, [])
+    slots, positions = torch.arange(rows), torch.arange(rows) + 9
+    with_kernel = choose_tokens(logits, slots, positions, *sampling.tensors())
+    monkeypatch.setattr(kernels, "load", lambda: False)
+    without = choose_tokens(logits, slots, positions, *sampling.tensors())
+    for a, b in zip(with_kernel, without):
+        assert a.equal(b)
+    assert len(set(with_kernel[0].tolist())) > 16
+
+
 def test_counts_recorded_by_slot_feed_the_penalties():
     sampling = SlotSampling(2, 4, CPU)
     sampling.assign(0, SamplingParams(frequency_penalty=1.0), 0, None, [])
