@@ -23,6 +23,8 @@ import zipfile
 
 import torch
 
+from linserve.model import kernels
+
 logger = logging.getLogger(__name__)
 
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -93,7 +95,9 @@ def allow_amx() -> None:
 
 
 def load_program(package: str):
-    """The package's program called without the GIL; torch's loader where that cannot be done."""
+    """The package's program called without the GIL; torch's loader where that cannot be done. linserve's kernels
+    are loaded first: a CPU program calls their C shims by name (every one draws through `top_k_draw`)."""
+    kernels.load()
     allow_amx()
     try:
         return ReleasingProgram(package)

@@ -108,8 +108,7 @@ def load_artifact(directory: str, num_slots: int, size: int, program: str = "dec
             device.index if device.index is not None else torch.cuda.current_device()))
     from .aoti_runner import load_program
 
-    kernels.load()  # before the program: it calls the projection kernel's C shim by name
-    loaded = load_program(path)
+    loaded = load_program(path)  # (linserve's kernels first: the program calls their C shims by name)
     if not os.path.exists(weights_manifest(path)):
         return loaded
     if model is None:
