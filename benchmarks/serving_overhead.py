@@ -5,8 +5,9 @@
 
 In-engine: N streams submitted straight to an Engine in this process. HTTP: the same N streams sent by
 `linserve bench`'s client to a `linserve serve` process on 127.0.0.1 with the same engine settings — one
-server per `--api-servers` value (0: the engine a thread of the HTTP process; 1: the engine core a process of
-its own), all running side by side. Repetitions alternate between them; medians are compared.
+server per `--api-servers` value (0: the engine a thread of the HTTP process; N ≥ 1: the engine core a process
+of its own, with N frontend processes), all running side by side. Repetitions alternate between them; medians
+are compared.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--api-servers", type=int, nargs="+", default=[0, 1], choices=[0, 1],
-                        help="one server per value: the engine in the HTTP process (0) or its own (1)")
+    parser.add_argument("--api-servers", type=int, nargs="+", default=[0, 1], choices=range(0, 9),
+                        help="one server per value: the engine in the HTTP process (0) or its own with N frontends")
     parser.add_argument("--out")
     add_device_argument(parser)
     add_compile_argument(parser)

@@ -5,6 +5,9 @@ clients, each continuing its own sessions turn after turn (every turn with its o
 through haproxy with docker/haproxy.cfg as shipped (consistent hashing on the session id) and with the same
 file switched to `balance roundrobin` (what shipped before), interleaved. Per mode: state loads from the store
 per continue (`linserve_session_store_loads_total`, summed over the replicas) and continue latency p50 / p99.
+Loads are counted after one warm-up turn of every session (a create without a key is round robin, so its first
+continue may load it once under either mode), and each client visits its sessions in a shuffled order every
+round: a fixed order can make round robin send a session to the same replica every time by coincidence.
 Then, with affinity, one replica is SIGKILLed mid-run: its sessions move to the other, and every acknowledged
 turn must be in the session afterwards (tokens = the sum of acknowledged usage).
 
@@ -14,6 +17,7 @@ turn must be in the session afterwards (tokens = the sum of acknowledged usage).
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import signal
 import subprocess
@@ -65,26 +69,29 @@ class Client(threading.Thread):
         self.latencies: list[float] = []
         self.retries = 0
         self.done_turns = 0
+        self.order = random.Random(tag)
 
     def run(self) -> None:
         with httpx.Client(base_url=self.lb, timeout=60) as client:
             for turn in range(self.turns):
-                for sid in self.sessions:
-                    key = f"{self.tag}-{sid}-{turn}"
-                    while True:
-                        started = time.perf_counter()
-                        try:
-                            answer = client.post(f"/v1/sessions/{sid}/completions", json=TURN,
-                                                 headers={"Idempotency-Key": key})
-                        except httpx.HTTPError:
-                            answer = None
-                        if answer is not None and answer.status_code == 200:
-                            break
-                        self.retries += 1
-                        time.sleep(0.2)
-                    self.latencies.append(time.perf_counter() - started)
-                    self.sessions[sid] += answer.json()["usage"]["total_tokens"]
+                for sid in self.order.sample(list(self.sessions), len(self.sessions)):
+                    self.latencies.append(self.turn(client, sid, f"{self.tag}-{sid}-{turn}"))
                     self.done_turns += 1
+
+    def turn(self, client: httpx.Client, sid: str, key: str) -> float:
+        """One acknowledged continue (retried with its key until answered); its latency."""
+        while True:
+            started = time.perf_counter()
+            try:
+                answer = client.post(f"/v1/sessions/{sid}/completions", json=TURN, headers={"Idempotency-Key": key})
+            except httpx.HTTPError:
+                answer = None
+            if answer is not None and answer.status_code == 200:
+                break
+            self.retries += 1
+            time.sleep(0.2)
+        self.sessions[sid] += answer.json()["usage"]["total_tokens"]
+        return time.perf_counter() - started
 
 
 def run_mode(lb: str, bases: list[str], sessions: int, clients: int, turns: int, tag: str,
@@ -92,13 +99,17 @@ def run_mode(lb: str, bases: list[str], sessions: int, clients: int, turns: int,
     made = [httpx.post(f"{lb}/v1/sessions", json={"prompt": "HAMLET.\nTo be"}, timeout=60).json()
             for _ in range(sessions)]
     owned = [{m["id"]: m["tokens"] for m in made[c::clients]} for c in range(clients)]
+    workers = [Client(lb, owned[c], turns - 1, f"{tag}-{c}") for c in range(clients)]
+    with httpx.Client(base_url=lb, timeout=60) as client:  # the warm-up turn: each session where it will stay
+        for worker in workers:
+            for sid in worker.sessions:
+                worker.turn(client, sid, f"{worker.tag}-{sid}-warm")
     before = loads(bases)
-    workers = [Client(lb, owned[c], turns, tag) for c in range(clients)]
     started = time.perf_counter()
     for worker in workers:
         worker.start()
     if kill is not None:  # mid-run: half the turns done
-        while sum(w.done_turns for w in workers) < sessions * turns // 2:
+        while sum(w.done_turns for w in workers) < sessions * (turns - 1) // 2:
             time.sleep(0.05)
         kill.send_signal(signal.SIGKILL)
     for worker in workers:
@@ -124,7 +135,7 @@ def run_mode(lb: str, bases: list[str], sessions: int, clients: int, turns: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=24)
-    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=10, help="per session, the warm-up turn included")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="affinity / round-robin pairs, interleaved")
     parser.add_argument("--quick", action="store_true", help="8 sessions x 4 turns, one round (a smoke run)")

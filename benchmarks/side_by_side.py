@@ -3,10 +3,13 @@ virtual environment), P9's loads on the shipped model, servers in turn within ev
 
     git worktree add /tmp/base COMMIT && python3 -m venv /tmp/base/.venv && \\
       /tmp/base/.venv/bin/pip install -c /tmp/base/configs/constraints.txt -e /tmp/base
-    python benchmarks/side_by_side.py --baseline-python /tmp/base/.venv/bin/python [--reps 3] [--out FILE]
+    python benchmarks/side_by_side.py --baseline-python /tmp/base/.venv/bin/python [--reps 3] [--out FILE] \\
+        [--loads 1x512 8x256 32x128] [--api-servers 1]
 
 Reports tokens/s per load (median of the repetitions) and this tree / baseline. Both servers run with their
-defaults on the same model directory, compile settled before the first load.
+defaults on the same model directory, compile settled before the first load. `--baseline-env NAME=VALUE …`
+sets the baseline server's environment only — with `--baseline-python` this tree's own python, one setting
+A/B'd on one installation (e.g. `LINSERVE_KERNEL_THREADS=1`).
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from serving_overhead import COMPILE_TIMEOUT_S  # noqa: E402
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
 
 
-def start(python: str, port: int, compile_mode: str) -> subprocess.Popen:
+def start(python: str, port: int, compile_mode: str, api_servers: int | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
     command = [python, "-m", "linserve.server.cli", "serve", "--model", str(DEFAULT_CHECKPOINT), "--port", str(port),
-               "--compile", compile_mode, "--log-level", "warning"]
+               "--compile", compile_mode, "--log-level", "warning",
+               *([] if api_servers is None else ["--api-servers", str(api_servers)])]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "LINSERVE_SESSION_STORE": "none"})
+                               env={**os.environ, "LINSERVE_SESSION_STORE": "none", **(env or {})})
     return wait_until_up(process, f"http://127.0.0.1:{port}/ready", "linserve serve", COMPILE_TIMEOUT_S,
                          compile_settled)
 
@@ -42,12 +47,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--loads", nargs="+", default=["1x512", "8x256"],
+                        help="STREAMSxTOKENS each (32-token prompts, one request a stream) [default: P9's]")
+    parser.add_argument("--api-servers", type=int, choices=range(0, 9), help="both servers' --api-servers")
+    parser.add_argument("--baseline-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="environment for the baseline server only")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    loads = {"1x512": (1, 512), "8x256": (8, 256)} if not args.quick else {"1x32": (1, 32), "8x16": (8, 16)}
+    baseline_env = dict(item.split("=", 1) for item in args.baseline_env)
+    names = args.loads if not args.quick else ["1x32", "8x16"]
+    loads = {name: tuple(int(part) for part in name.split("x")) for name in names}
     reference_before = reference_workload_ms()
     servers = {"this tree": (sys.executable, 8961), "baseline": (args.baseline_python, 8962)}
-    processes = [start(python, port, args.compile) for python, port in servers.values()]
+    processes = [start(python, port, args.compile, args.api_servers, baseline_env if name == "baseline" else None)
+                 for name, (python, port) in servers.items()]
     rates = {(name, load): [] for name in servers for load in loads}
     try:
         for _, port in servers.values():
@@ -65,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     for load, row in table.items():
         row["ratio"] = row["this tree"] / row["baseline"]
         row["spread"] = {name: [min(rates[(name, load)]), max(rates[(name, load)])] for name in servers}
-    emit({"reps": args.reps, "baseline_python": args.baseline_python, "tokens_per_s": table,
+    emit({"reps": args.reps, "baseline_python": args.baseline_python, "baseline_env": baseline_env,
+          "api_servers": args.api_servers,
+          "tokens_per_s": table,
           "machine": machine_check(reference_before, reference_workload_ms())}, args.out)
 
 

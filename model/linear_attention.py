@@ -11,7 +11,8 @@ T tokens at once: inside a chunk of C tokens a masked (C, C) product, across chu
 forward, so memory is O(C² + d_k·d_v) per head and chunk, never O(T²). z rides along as an extra
 value column of ones, so numerator and denominator come out of the same products. `scan` runs T tokens
 through the recurrence itself — the same bits as T `recurrent_step`s, however a sequence is split (inference
-in bf16, and speculative decoding's state after every prefix: model/numerics.py).
+in bf16, and speculative decoding's state after every prefix: model/numerics.py) — on a CPU with linserve's
+kernels one `linear_scan` call (model/kernels/delta_rule.cpp: the same roundings in the same order).
 
 Every tensor here is fp32 (callers cast); states are returned, never mutated in place.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import numerics
+from . import kernels, numerics
 
 
 def decay_powers(log_decay: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -185,6 +186,8 @@ def scan(
         return v.new_zeros(B, H, 0, dv), S, z
     gamma = decay_factors(log_decay, S)  # (H,) or None
     state = torch.cat([S, z[..., None]], dim=-1)  # (B, H, dk, dv+1)
+    if S.device.type == "cpu" and kernels.load():
+        return _scan_on_kernel(phi_q, phi_k, v, state, gamma, eps, prefixes)
     decay = None if gamma is None else gamma[:, None, None].expand_as(state)  # (B, H, dk, dv+1)
     keys = phi_k.permute(2, 0, 1, 3)  # (T, B, H, dk): time outermost, so a token's state is one slab
     queries = phi_q.permute(2, 0, 1, 3)  # (T, B, H, dk)
@@ -204,3 +207,21 @@ def scan(
         every = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).transpose(0, 1)  # (B, T, H, dk, dv+1)
         return o, every[..., :dv], every[..., dv]
     return o, state[..., :dv].contiguous(), state[..., dv].contiguous()
+
+
+def _scan_on_kernel(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                    gamma: torch.Tensor | None, eps: float, prefixes: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan` as one `linserve::linear_scan` call: token by token S' = S·γ + φ(k) ⊗ [v, 1] and [num, den] =
+    tree_sum_k(φ(q) ⊙ S') over the state with z as its last value column — each element's product, then sum, and
+    the read-out's tree of halves over d_k, as torch's form rounds them. Torch's form, compiled, made every
+    token's state a chain of in-place slab updates that Inductor re-evaluated per element (a 32-token prefill
+    program 1.5× slower than eager); the kernel keeps a head's state in cache across the tokens. Shapes as
+    `scan` (state (B, H, dk, dv+1))."""
+    B, H, T, dk = phi_q.shape
+    dv = v.shape[-1]
+    values = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, dv+1)
+    alpha = None if gamma is None else gamma[None, :, None, None].expand(B, H, T, dk).contiguous()  # (B, H, T, dk)
+    ext, after = torch.ops.linserve.linear_scan(phi_q, phi_k, values, alpha, state, prefixes)  # (B, H, T, dv+1)
+    o = ext[..., :dv] / (ext[..., dv:] + eps)  # (B, H, T, dv): read_out's division
+    return o, after[..., :dv].contiguous(), after[..., dv].contiguous()  # (B, [T,] H, dk, dv), (B, [T,] H, dk)

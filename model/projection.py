@@ -62,13 +62,18 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _kernel_form(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as the kernel reads it: AMX tiles where it packs them, else (N, K) as it is (no copy)."""
+    return torch.ops.linserve.pack_weight(weight) if kernels.PACKS_TILES else weight.contiguous()
+
+
 def _tiles_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return torch.ops.linserve.pack_weight(weight), None
+    return _kernel_form(weight), None
 
 
 def _tiles_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = quantize_int8(weight)
-    return torch.ops.linserve.pack_weight(q), scale
+    return _kernel_form(q), scale
 
 
 PACKERS = {"bf16": _tiles_bf16, "int8": _tiles_int8}

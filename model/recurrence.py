@@ -83,22 +83,16 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Gate, S: torch
     B, H, T, dk = q.shape
     alpha = decay_factors(gate)  # (H,) or (B, H, T, dk or 1) or None
     outs, states = [], []
-    on_kernel = S.device.type == "cpu" and kernels.load()  # one pass over the state a token (kernels/delta_rule.cpp)
-    if on_kernel:
-        q, k, v = q.float(), k.float(), v.float()
+    if S.device.type == "cpu" and kernels.load():  # one call: each head's state stays in cache (kernels/delta_rule.cpp)
         if alpha is not None:  # the factor of every key dimension, per row and token: (B, H, T, dk)
             alpha = (alpha[None, :, None, None] if alpha.dim() == 1 else alpha).expand(B, H, T, dk).contiguous()
+        return torch.ops.linserve.linear_scan(q.float(), k.float(), v.float(), alpha, S, prefixes)  # o, state
     for t in range(T):
-        if on_kernel:
-            o, S = torch.ops.linserve.linear_step(q[:, :, t], k[:, :, t], v[:, :, t],
-                                                  None if alpha is None else alpha[:, :, t], S)  # (B, H, dv), state
-            outs.append(o)
-        else:
-            outer = k[:, :, t, :, None].float() * v[:, :, t, None, :].float()  # (B, H, dk, dv)
-            if alpha is not None:
-                S = S * (alpha[:, None, None] if alpha.dim() == 1 else alpha[:, :, t, :, None])  # (B, H, dk, dv)
-            S = S + outer  # (B, H, dk, dv)
-            outs.append(numerics.tree_sum(q[:, :, t, :, None].float() * S, -2))  # (B, H, dv)
+        outer = k[:, :, t, :, None].float() * v[:, :, t, None, :].float()  # (B, H, dk, dv)
+        if alpha is not None:
+            S = S * (alpha[:, None, None] if alpha.dim() == 1 else alpha[:, :, t, :, None])  # (B, H, dk, dv)
+        S = S + outer  # (B, H, dk, dv)
+        outs.append(numerics.tree_sum(q[:, :, t, :, None].float() * S, -2))  # (B, H, dv)
         if prefixes:
             states.append(S)
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, v.shape[-1], dtype=torch.float32)

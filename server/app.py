@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,7 +30,7 @@ from .api.sessions.idempotency import KeyedResults
 from .api.sessions.router import router as sessions_router
 from .api.web.router import router as web_router
 from .engine.cpu_threads import in_passing_thread
-from .engine_process.remote import start_core
+from .engine_process.remote import connect_core, start_core
 from .loading import load_engine
 from .settings import Settings
 from .version import package_version
@@ -43,7 +44,13 @@ async def lifespan(app: FastAPI):
     state = app.state
     # loading on every CPU, in a thread that ends with it: the engine's OpenMP team stays the only one
     # (engine/cpu_threads.py)
-    if state.settings.api_servers:  # the engine core in a process of its own (engine_process/)
+    if state.core_link is not None:  # one of `api_servers` > 1 frontends (serve.py spawned the core and us)
+        conn, process = state.core_link
+        state.engine, state.tokenizer, state.generation = await asyncio.to_thread(  # every frontend's requests,
+            connect_core, state.settings, conn, process, state.metrics.observe, state.metrics.counted)  # counted
+        state.metrics.count_request = state.engine.count_request
+        state.metrics.describe_processes(os.getppid())
+    elif state.settings.engine_placement():  # the engine core in a process of its own (engine_process/)
         state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
             start_core, state.settings, state.metrics.observe)
     else:
@@ -126,7 +133,7 @@ class RequestMetrics:
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            self.metrics.count_request(endpoint, str(status["code"]))
             client = scope.get("client")
             access_log.info('%s "%s %s" %d %.1f ms %s', f"{client[0]}:{client[1]}" if client else "-",
                             log_safe(scope.get("method", "")), log_safe(scope.get("path", "")), status["code"],
@@ -196,6 +203,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ready = False
     app.state.draining = False
     app.state.request_exit = None  # set by `serve`: how a dead engine stops the process
+    app.state.core_link = None  # set by `serve` in each of `api_servers` > 1 frontends: (connection, CoreProcess)
     app.state.started = int(time.time())
     app.state.recent_results = KeyedResults()
     app.state.logprob_budget = LogprobBudget(int(settings.logprobs_memory_mb * 2**20), settings.retry_after_s)
@@ -228,6 +236,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
+        engine = getattr(request.app.state, "engine", None)
+        if request.app.state.core_link is not None and engine is not None:
+            await asyncio.to_thread(engine.sync)  # the requests other frontends counted reach us through the core
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     add_docs(app, settings)

@@ -210,13 +210,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """Build the decode step's compile cache ahead of `serve` (images, init containers): every batch bucket
     `serve` would compile with the same settings, into the same cache directory, in the foreground — and, with
     `--speculative ngram|draft`, the verification program's buckets for `--speculative-k` drafts too (with
-    `draft`, also the draft model's drafting program)."""
+    `draft`, also the draft model's drafting program); on a CPU the prefill program's (prefill_program_tokens)."""
     from linserve.model import projection
     from linserve.model.checkpoint import load_served
     from linserve.model.interface import fixed_state
     from linserve.model.loading import resolve_device, resolve_dtype
     from linserve.server.engine.compile.compiled_decode import DecodeStep
     from linserve.server.engine.decode_program import DECODE, verify_kind
+    from linserve.server.engine.model_kind import served_prefill_kind
+    from linserve.server.engine.prefill_program import PREFILL_ROWS, PrefillKind
     from linserve.server.engine.sampling import SlotSampling
     from linserve.server.engine.spec.speculation import verify_widths
     from linserve.server.engine.state_pool import StatePool
@@ -251,9 +253,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
         path = checkpoint_dir(settings.model)
         draft = load_draft(settings, model, load_tokenizer(path), device)
         programs.append((draft, StatePool(draft, slots, device), DraftKind(f"draft{settings.speculative_k}")))
+    prefill = served_prefill_kind(model, settings.prefill_program_tokens, device)
+    if prefill is not None:
+        programs.append((model, pool, prefill))
     statuses = []
     for program_model, program_pool, kind in programs:
-        step = DecodeStep(program_model, program_pool, sampling, device, "on", min(slots, settings.max_batch_tokens),
+        rows = PREFILL_ROWS if isinstance(kind, PrefillKind) else settings.max_batch_tokens
+        step = DecodeStep(program_model, program_pool, sampling, device, "on", min(slots, rows),
                           settings.compile_cache_dir, settings.compile_autotune, kind=kind,
                           cache_max_gb=settings.compile_cache_max_gb)
         step.start()

@@ -90,9 +90,10 @@ def load_engine(settings: Settings, stats_sink) -> tuple[Engine, object, Generat
     plan = engine.threads
     weights = str(dtype).removeprefix("torch.") + (" (auto)" if settings.dtype == "auto" else "") + (
         ", int8 projections" if settings.quantization == "int8" else "")
-    logger.info("loaded %s on %s in %.1f s (%s weights; %d intra-op CPU threads, %d for prefill, %s%s: %g CPUs "
-                "usable, OMP_WAIT_POLICY %s): %d slots x %d state bytes", path, device, time.perf_counter() - started,
-                weights, plan.threads, plan.prefill_threads, plan.source,
+    logger.info("loaded %s on %s in %.1f s (%s weights; %d intra-op CPU threads, %d in compiled programs' kernels, "
+                "%d for prefill, %s%s: %g CPUs usable, OMP_WAIT_POLICY %s): %d slots x %d state bytes", path, device,
+                time.perf_counter() - started, weights, plan.threads, plan.kernel_threads, plan.prefill_threads,
+                plan.source,
                 ", fewer while other processes hold the CPUs" if plan.adaptive else "", plan.usable_cpus,
                 plan.omp_wait_policy, config.num_slots, engine.pool.slot_bytes)
     return engine, tokenizer, generation

@@ -19,6 +19,7 @@ from .engine.cpu_threads import one_thread_here
 from .settings import Settings
 
 ENGINE_DEAD_EXIT_STATUS = 3
+STARTUP_FAILED_EXIT_STATUS = 1
 LINGER_S = 1.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # uvicorn's lines and linserve's alike
 
@@ -145,11 +146,20 @@ class UvicornLoggerName(logging.Filter):
 
 
 def serve(settings: Settings) -> int:
-    """Runs until SIGTERM/SIGINT (status 0) or until the engine dies (status 3)."""
+    """Runs until SIGTERM/SIGINT (status 0) or until the engine dies (status 3). With `api_servers` > 1 this
+    process supervises the engine core and the frontends (frontends.py)."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
         handler.addFilter(UvicornLoggerName())
-    app = create_app(settings)
+    if settings.engine_placement() > 1:
+        from .frontends import supervise
+
+        return supervise(settings)
+    return run_app(settings, create_app(settings))
+
+
+def run_app(settings: Settings, app, sockets: list | None = None) -> int:
+    """uvicorn serving `app` (on `sockets` if given: a frontend of several, on the port they share)."""
     # log_config=None: uvicorn's loggers propagate to the root handler above, so every line has one format;
     # its access log is off — the app writes its own (linserve.access), with the request id
     protocol = protocol_for(settings)
@@ -166,7 +176,9 @@ def serve(settings: Settings) -> int:
     app.state.request_exit = request_exit
     one_thread_here()  # the event loop's torch ops, if any: the engine's OpenMP team stays the only one
     try:
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:  # Ctrl-C: asyncio re-raises the SIGINT once uvicorn has shut down cleanly
         pass
+    if not server.started and not engine_dead:
+        return STARTUP_FAILED_EXIT_STATUS
     return ENGINE_DEAD_EXIT_STATUS if engine_dead else 0

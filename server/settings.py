@@ -28,10 +28,12 @@ class Settings(BaseSettings):
     web_ui: bool = Field(True, description="serve the web page at / (playground, sessions, per-token latency); "
                          "its API calls need the key like any client's")
 
-    api_servers: int = Field(
-        0, ge=0, le=1, description="0: the engine runs in the HTTP server's process (a thread); 1: the engine core "
-        "runs in a process of its own (the device, model, state pool, scheduler and sessions) and the HTTP frontend "
-        "talks to it over one channel of per-step batches (docs/engine.md, \"The engine core process\")")
+    api_servers: int | None = Field(
+        None, ge=0, le=64, description="0: the engine runs in the HTTP server's process (a thread); 1: the engine "
+        "core runs in a process of its own (the device, model, state pool, scheduler and sessions) and the HTTP "
+        "frontend talks to it over one channel of per-step batches (docs/engine.md, \"The engine core process\"); "
+        "N > 1: N frontend processes share the port, each with its own channel to the one core. Unset: 1 where "
+        "this process may use 2 CPUs or more (measured best on 2 cores), 0 on one")
     num_slots: int = Field(64, ge=1, description="state pool slots (device-resident sessions + running rows)")
     state_memory_mb: float | None = Field(None, gt=0, description="if set, slots = this budget / state bytes")
     max_batch_tokens: int = Field(640, ge=1, description="decode rows + prefill tokens per engine step")
@@ -116,6 +118,10 @@ class Settings(BaseSettings):
         False, description="CPU: Inductor's own GEMM templates, timed per bucket (max-autotune): faster programs, "
         "but a row's result then depends on its bucket and differs from prefill's — outputs are no longer "
         "batch-invariant (docs/engine.md, 'Same request, same tokens'); part of the cache key")
+    prefill_program_tokens: int = Field(
+        16, ge=0, le=256, description="CPU, compile on: prompt chunks of up to 16 × this many tokens run as compiled "
+        "programs of this many (padded on the right; the same bits as eager prefill), for models whose state after "
+        "every prefix fits 64 MiB a call; 0: every chunk eagerly. The default matches max_prefill_while_decoding")
     compile_cache_dir: str | None = Field(
         None, description="the compiled programs, one subdirectory per model, program source, dtype, torch version "
         "and device; unset: "
@@ -131,11 +137,16 @@ class Settings(BaseSettings):
     prefill_threads: int | None = Field(
         None, ge=1, le=1024, description="intra-op CPU threads while the engine runs the chunked form (prefill, "
         "prompt scoring), whose GEMMs are large enough to split; unset: the CPUs this process may use, at most 8")
+    kernel_threads: int | None = Field(
+        None, ge=1, le=1024, description="intra-op CPU threads while a compiled CPU program (decode, verification) "
+        "runs: its Inductor kernels keep the count they were built for (`threads`), linserve's own kernels (the "
+        "projections, the scans) split over this one; unset: the CPUs this process may use, at most 4, never "
+        "fewer than `threads`")
     adapt_threads: bool = Field(
-        True, description="treat `threads` and `prefill_threads` as ceilings: every 0.5 s the engine reads the "
-        "kernel's CPU counters and runs each phase on the CPUs other processes leave free (rounded; at least 1) — "
-        "libgomp's spinning workers cost 2-3x beside a busy neighbour, and the exact path computes the same bits "
-        "on any thread count; false: always the ceilings")
+        True, description="treat `threads`, `kernel_threads` and `prefill_threads` as ceilings: every 0.5 s the "
+        "engine reads the kernel's CPU counters and runs each phase on the CPUs other processes leave free "
+        "(rounded; at least 1) — libgomp's spinning workers cost 2-3x beside a busy neighbour, and the exact path "
+        "computes the same bits on any thread count; false: always the ceilings")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights' dtype; the (S, z) state stays fp32. auto: bfloat16 on a CPU with bf16 in "
         "hardware (AVX512-BF16, AMX), else float32")
@@ -180,6 +191,15 @@ class Settings(BaseSettings):
         # as the base class, validated once, remembering which settings were given (flag, env or file) and which
         # are defaults (a checkpoint's generation_config.json gives way to an operator's own max_tokens_default)
         return cls.model_construct(_fields_set=loaded.model_fields_set, **loaded.model_dump())
+
+    def engine_placement(self) -> int:
+        """`api_servers` as `serve` runs it: as set, or (unset) 1 where this process may use 2 CPUs or more —
+        the engine core's process then runs beside the frontend's — and 0 on one CPU."""
+        if self.api_servers is not None:
+            return self.api_servers
+        from .engine.cpu_threads import usable_cpus
+
+        return 1 if usable_cpus() >= 2 else 0
 
 
 def describe_invalid(error: ValidationError, path: Path | None) -> str:

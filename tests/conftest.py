@@ -24,6 +24,10 @@ def pytest_addoption(parser):
     parser.addoption("--device", choices=["cpu", "cuda"], default=os.environ.get("LINSERVE_TEST_DEVICE", "cpu"),
                      help="device the model, engine and servers under test run on (default: cpu, or "
                           "$LINSERVE_TEST_DEVICE); tests marked `cuda` run only with --device cuda")
+    parser.addoption("--api-servers", default=os.environ.get("LINSERVE_TEST_API_SERVERS") or None,
+                     help="`linserve serve --api-servers` of every real server the tests start that does not "
+                          "choose its own (default: serve's own default — the engine core in a process of its own "
+                          "on 2 CPUs or more; 0: the engine in the HTTP process; 2: the core and two frontends)")
 
 
 def pytest_configure(config):
@@ -35,6 +39,8 @@ def pytest_configure(config):
         if not torch.cuda.is_available():
             raise pytest.UsageError("--device cuda: torch.cuda.is_available() is False on this machine")
     os.environ["LINSERVE_TEST_DEVICE"] = name  # read by tests/devices.py, also in spawned helpers
+    if config.getoption("--api-servers") is not None:
+        os.environ["LINSERVE_TEST_API_SERVERS"] = str(config.getoption("--api-servers"))  # read by ServerProcess
 
 
 def pytest_collection_modifyitems(config, items):

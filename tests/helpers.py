@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -131,8 +132,11 @@ class ServerProcess:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log_path
         # eager unless a test asks: compiling takes minutes of CPU (the compiled server has its own test)
+        # (pytest's `--api-servers`: the placement of every server whose test does not choose one)
+        placement = os.environ.get("LINSERVE_TEST_API_SERVERS")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LINSERVE_MAX_PREFILL_CHUNK": "16", "LINSERVE_COMPILE": "off",
-               "LINSERVE_SESSION_STORE": f"dir:{log_path.parent / 'sessions'}", **(env or {})}
+               "LINSERVE_SESSION_STORE": f"dir:{log_path.parent / 'sessions'}",
+               **({"LINSERVE_API_SERVERS": placement} if placement else {}), **(env or {})}
         command = [*prefix, sys.executable, *entry, "serve", "--model", str(checkpoint), "--port", str(self.port),
                    "--device", device_name_under_test(), "--log-level", "warning", *extra]
         with open(log_path, "w") as out:
@@ -275,3 +279,25 @@ class ReplyDroppingProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of a running process (None once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (not its resource tracker), oldest first: under
+    `linserve serve` the engine core, then (`--api-servers` N > 1) the N frontends."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and parent_pid(int(entry.name)) == pid \
+                    and "multiprocessing.spawn" in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return sorted(found)

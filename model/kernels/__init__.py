@@ -2,13 +2,14 @@
 
 `delta_rule.cpp` holds one token of the (gated) delta rule, of the gated linear recurrence and of RWKV-7's
 generalised delta rule for every row and head in one pass over the state (`torch.ops.linserve.delta_step` /
-`linear_step` / `dplr_step`, their scans' arithmetic exactly). `top_k_draw.cpp` holds the decode program's top-k
-draw (`torch.ops.linserve.top_k_draw`: one pass a row for what torch did in two `topk` calls, a tie mask and a window —
-server/engine/sampling.py's `_draw_survivors`, to the bit). `invariant_linear.cpp` holds the batch-invariant
-projection (`torch.ops.linserve.invariant_linear`): each output a
-fixed sequence of roundings whatever the number of rows, bf16 or int8 weights in the checkpoint's own (N, K)
-layout, AVX512-BF16 where the CPU has it and the same arithmetic in scalar code elsewhere. It is built once per
-(source, torch, CPU instruction set) with the C++ compiler Inductor uses into
+`dplr_step`, their scans' arithmetic exactly), and T tokens of the gated linear recurrence in one call
+(`linear_scan`: the shipped model's and the gated linear families' prefill, decoding and verification).
+`top_k_draw.cpp` holds the decode program's top-k draw (`torch.ops.linserve.top_k_draw`: one pass a row for what
+torch did in two `topk` calls, a tie mask and a window — server/engine/sampling.py's `_draw_survivors`, to the
+bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`): each
+output a fixed sequence of roundings whatever the number of rows, bf16 or int8 weights in the checkpoint's own (N,
+K) layout, AVX512-BF16 where the CPU has it and the same arithmetic in scalar code elsewhere. It is built
+once per (source, torch, CPU instruction set) with the C++ compiler Inductor uses into
 `$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
 process with its symbols global — a compiled program's C++ calls the op's C shim
 (`aoti_torch_cpu_invariant_linear`) by name — and its op registered with a shape function so that torch.export
@@ -41,12 +42,12 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
     "invariant_linear": "AOTITorchError aoti_torch_cpu_invariant_linear(AtenTensorHandle x, AtenTensorHandle weight, "
                         "AtenTensorHandle* scale, AtenTensorHandle* bias, int64_t out_features, "
                         "AtenTensorHandle* ret0)",
+    "linear_scan": "AOTITorchError aoti_torch_cpu_linear_scan(AtenTensorHandle q, AtenTensorHandle k, "
+                   "AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle S, int32_t prefixes, "
+                   "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
     "delta_step": "AOTITorchError aoti_torch_cpu_delta_step(AtenTensorHandle q, AtenTensorHandle k, "
                   "AtenTensorHandle v, AtenTensorHandle beta, AtenTensorHandle* alpha, AtenTensorHandle S, "
                   "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
-    "linear_step": "AOTITorchError aoti_torch_cpu_linear_step(AtenTensorHandle q, AtenTensorHandle k, "
-                   "AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle S, AtenTensorHandle* ret0, "
-                   "AtenTensorHandle* ret1)",
     "dplr_step": "AOTITorchError aoti_torch_cpu_dplr_step(AtenTensorHandle r, AtenTensorHandle d, AtenTensorHandle k, "
                  "AtenTensorHandle v, AtenTensorHandle a, AtenTensorHandle b, AtenTensorHandle S, "
                  "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
@@ -152,6 +153,8 @@ def load() -> bool:
             if not os.path.exists(path):
                 build(path, isa)
             _state["library"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # global: compiled programs call its shim
+            global PACKS_TILES
+            PACKS_TILES = form() == "amx"
             _register_fake()
             logger.info("linserve kernels loaded from %s (%s)", path, form())
             return True
@@ -167,6 +170,10 @@ def load_error() -> str | None:
 
 
 FORMS = {2: "amx", 1: "avx512bf16", 0: "scalar"}
+# set at load: the kernel reads weights packed into AMX tiles (`pack_weight` makes a new tensor); else it reads a
+# weight as it is (N, K) and nothing is packed — a plain module constant, so a compiler tracing a projection reads
+# it as one (an op that returned its own input would alias it, which torch's custom-op checks refuse)
+PACKS_TILES = False
 
 
 def form() -> str | None:
@@ -187,9 +194,10 @@ def _register_fake() -> None:
     def delta_shapes(q, k, v, beta, alpha, S):
         return v.new_empty(v.shape), S.new_empty(S.shape)
 
-    @torch.library.register_fake("linserve::linear_step")
-    def linear_shapes(q, k, v, alpha, S):
-        return v.new_empty(v.shape), S.new_empty(S.shape)
+    @torch.library.register_fake("linserve::linear_scan")
+    def scan_shapes(q, k, v, alpha, S, prefixes):
+        B, H, T, _ = q.shape
+        return v.new_empty(v.shape), S.new_empty((B, T, H, *S.shape[2:]) if prefixes else S.shape)
 
     @torch.library.register_fake("linserve::dplr_step")
     def dplr_shapes(r, d, k, v, a, b, S):

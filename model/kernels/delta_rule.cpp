@@ -1,5 +1,6 @@
-// linserve::linear_step — one token of the gated linear recurrence (model/recurrence.py's `scan`: linear_attn, GLA,
-// RetNet, Mamba2) for every row and head in one pass over the state, scan's operations in scan's order:
+// linserve::linear_scan — T tokens of the gated linear recurrence (model/recurrence.py's `scan`: linear_attn, GLA,
+// RetNet, Mamba2; model/linear_attention.py's `scan`: the shipped model, z its last value column) for every row and
+// head, one pass over the state a token, scan's operations in scan's order:
 //
 //   S' = S · α + k ⊗ v                  (α per key dimension, or none; the product k_i·v_c rounded on its own)
 //   o  = tree_sum_k(q ⊙ S')
@@ -129,31 +130,46 @@ inline void linear_block(const float* q, const float* k, const float* v, const f
   std::copy(buf, buf + w, o);
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                               const c10::optional<at::Tensor>& alpha, const at::Tensor& S) {
-  TORCH_CHECK(S.dim() == 4 && S.scalar_type() == at::kFloat, "linear_step: S must be fp32 (B, H, dk, dv)");
+// linear_scan: q, k (B, H, T, dk), v (B, H, T, dv), alpha (B, H, T, dk) or none, S
+// (B, H, dk, dv) → o (B, H, T, dv) and the state after the T tokens — or, with `prefixes`, after every prefix
+// (B, T, H, dk, dv). Token by token each element gets the roundings above (the block updated in place: a row's old
+// values are read before they are written), so the bits are those of T single-token scans whatever T is.
+std::tuple<at::Tensor, at::Tensor> linear_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const c10::optional<at::Tensor>& alpha, const at::Tensor& S,
+                                               bool prefixes) {
+  TORCH_CHECK(S.dim() == 4 && S.scalar_type() == at::kFloat, "linear_scan: S must be fp32 (B, H, dk, dv)");
   const int64_t B = S.size(0), H = S.size(1), dk = S.size(2), dv = S.size(3);
+  TORCH_CHECK(q.dim() == 4, "linear_scan: q must be (B, H, T, dk)");
+  const int64_t T = q.size(2);
   for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "linear_step: q, k, v must be fp32");
-  TORCH_CHECK(q.sizes() == at::IntArrayRef({B, H, dk}) && k.sizes() == q.sizes(), "linear_step: q, k must be (B, H, dk)");
-  TORCH_CHECK(v.sizes() == at::IntArrayRef({B, H, dv}), "linear_step: v must be (B, H, dv)");
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "linear_scan: q, k, v must be fp32");
+  TORCH_CHECK(q.sizes() == at::IntArrayRef({B, H, T, dk}) && k.sizes() == q.sizes(), "linear_scan: q, k must be (B, H, T, dk)");
+  TORCH_CHECK(v.sizes() == at::IntArrayRef({B, H, T, dv}), "linear_scan: v must be (B, H, T, dv)");
   const bool gated = alpha.has_value() && alpha->defined();
   at::Tensor a;
   if (gated) {
-    TORCH_CHECK(alpha->scalar_type() == at::kFloat && alpha->sizes() == q.sizes(), "linear_step: alpha must be fp32 (B, H, dk)");
+    TORCH_CHECK(alpha->scalar_type() == at::kFloat && alpha->sizes() == q.sizes(), "linear_scan: alpha must be fp32 (B, H, T, dk)");
     a = alpha->contiguous();
   }
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), Sc = S.contiguous();
-  at::Tensor S_new = at::empty_like(Sc);
-  at::Tensor o = at::empty({B, H, dv}, S.options());
+  at::Tensor o = at::empty({B, H, T, dv}, S.options());
+  at::Tensor out = prefixes ? at::empty({B, T, H, dk, dv}, S.options()) : Sc.clone();
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const float *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
-  float *np = S_new.data_ptr<float>(), *op = o.data_ptr<float>();
+  float *outp = out.data_ptr<float>(), *op = o.data_ptr<float>();
+  const int64_t square = dk * dv;
   for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
-    linear_block(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr, sp + bh * dk * dv + c0,
-                 np + bh * dk * dv + c0, op + bh * dv + c0, dk, dv, w, buf);
+    const int64_t b = bh / H, h = bh % H;
+    const float* before = sp + bh * square + c0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t token = bh * T + t;
+      float* after = prefixes ? outp + ((b * T + t) * H + h) * square + c0 : outp + bh * square + c0;
+      linear_block(qp + token * dk, kp + token * dk, vp + token * dv + c0, ap ? ap + token * dk : nullptr, before,
+                   after, op + token * dv + c0, dk, dv, w, buf);
+      before = after;
+    }
   });
-  return {o, S_new};
+  return {o, out};
 }
 
 // one column block [c0, c0 + w) of one (row, head) of RWKV-7's rule
@@ -246,13 +262,13 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& q, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? alpha, Tensor S) -> (Tensor, Tensor)");
-  m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor? alpha, Tensor S) -> (Tensor, Tensor)");
+  m.def("linear_scan(Tensor q, Tensor k, Tensor v, Tensor? alpha, Tensor S, bool prefixes) -> (Tensor, Tensor)");
   m.def("dplr_step(Tensor r, Tensor d, Tensor k, Tensor v, Tensor a, Tensor b, Tensor S) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("delta_step", &delta_step);
-  m.impl("linear_step", &linear_step);
+  m.impl("linear_scan", &linear_scan);
   m.impl("dplr_step", &dplr_step);
 }
 
@@ -270,15 +286,15 @@ extern "C" AOTITorchError aoti_torch_cpu_dplr_step(AtenTensorHandle r, AtenTenso
   });
 }
 
-extern "C" AOTITorchError aoti_torch_cpu_linear_step(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
-                                                      AtenTensorHandle* alpha, AtenTensorHandle S,
+extern "C" AOTITorchError aoti_torch_cpu_linear_scan(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                      AtenTensorHandle* alpha, AtenTensorHandle S, int32_t prefixes,
                                                       AtenTensorHandle* ret0, AtenTensorHandle* ret1) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     using torch::aot_inductor::tensor_handle_to_tensor_pointer;
-    auto [o, S_new] = linear_step(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
+    auto [o, S_new] = linear_scan(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
                                   *tensor_handle_to_tensor_pointer(v),
                                   torch::aot_inductor::pointer_to_optional<at::Tensor>(alpha),
-                                  *tensor_handle_to_tensor_pointer(S));
+                                  *tensor_handle_to_tensor_pointer(S), prefixes != 0);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(o));
     *ret1 = torch::aot_inductor::new_tensor_handle(std::move(S_new));
   });

@@ -85,7 +85,8 @@ class Engine:
         speculative decoding's draft model (same tokenizer), if the server has one."""
         self.model = model = (in_dtype(model, dtype) if dtype else model).eval()  # (every use below: this copy)
         # before the model runs or a program is built (kernels bake the count in); large weights: every CPU
-        self.threads = apply_threads(config.threads, config.prefill_threads, weight_bytes(model), config.adapt_threads)
+        self.threads = apply_threads(config.threads, config.prefill_threads, weight_bytes(model), config.adapt_threads,
+                                     config.kernel_threads)
         self.config, self.device = config, device
         # incremental detokenization: a byte-level BPE tokenizer's table of token bytes where it reproduces the
         # tokenizer's decoding, else the Rust tokenizer directly if there is one (two decode calls per token)
@@ -122,7 +123,7 @@ class Engine:
                                  lambda: self.grammars, parts.preemptible)
         self.scheduler = Scheduler(self.slots, config.max_batch_tokens, config.max_prefill_chunk,
                                    config.max_prefill_while_decoding, config.scheduling_policy,
-                                   config.priority_aging_s)
+                                   config.priority_aging_s, self._prefill_call)
         self._preempted_seen = 0  # the scheduler's preemptions already reported in a step's stats
         self.on_death: list[Callable[[BaseException], None]] = []
         self._skipped_logged: set[str] = set()
@@ -188,8 +189,21 @@ class Engine:
             decode_step=self.decode_step is not None)
 
     def describe_decode_step(self) -> dict | None:
-        """The decode step's compile status (None: the softmax baseline has none), for /ready, /version, /metrics."""
-        return None if self.decode_step is None else self.decode_step.describe()
+        """The decode step's compile status (None: the softmax baseline has none), for /ready, /version, /metrics;
+        under "prefill", the prefill program's when there is one (prefill_program.py)."""
+        if self.decode_step is None:
+            return None
+        prefill = self.parts.prefill_step
+        return {**self.decode_step.describe(), **({"prefill": prefill.describe()} if prefill is not None else {})}
+
+    def _prefill_call(self) -> tuple[int, int]:
+        """(T, rows) of one compiled prefill program call while its largest bucket is ready (the scheduler prices
+        a prompt that fits one call as its share of it), else (0, 0)."""
+        step = self.runner.prefill_step
+        if step is None:
+            return 0, 0
+        rows = step.sizes[-1]
+        return (step.kind.tokens, rows) if step.bucket_ready(rows) is not None else (0, 0)
 
     def store_status(self) -> dict | None:
         """The session store's health (None: no store), for /ready."""

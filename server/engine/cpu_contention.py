@@ -67,6 +67,16 @@ def cpus_busy_seconds(stat_text: str, cpus: frozenset[int]) -> float:
     return ticks / TICKS_PER_S
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the name (field 3, the state, first; the name in parentheses may hold
+    spaces); None where the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def process_seconds(self_stat_text: str) -> float:
     """utime + stime of /proc/<pid>/stat (fields 14 and 15; the name in parentheses may hold spaces)."""
     fields = self_stat_text.rpartition(")")[2].split()
@@ -142,28 +152,34 @@ class CpuContention:
 
 
 class ThreadCounts:
-    """The engine thread's intra-op count per phase: the plan's decode and prefill counts, each capped by the
-    free CPUs when the plan adapts (`adapt_threads`). Called on the engine thread only (the count is per thread)."""
+    """The engine thread's intra-op count per phase: the plan's decode, compiled-program and prefill counts, each
+    capped by the free CPUs when the plan adapts (`adapt_threads`). Called on the engine thread only (the count is
+    per thread)."""
 
     def __init__(self, plan: ThreadPlan, contention: CpuContention | None = None) -> None:
         self.plan = plan
         self.contention = contention if contention is not None or not plan.adaptive else CpuContention.here()
-        self.decode, self.prefill = plan.threads, plan.prefill_threads  # the counts in force now
+        # the counts in force now
+        self.decode, self.kernel, self.prefill = plan.threads, plan.kernel_threads, plan.prefill_threads
 
     def _refresh(self) -> None:
         if self.contention is None or not self.contention.update():
             return
-        decode, prefill = self.contention.cap(self.plan.threads), self.contention.cap(self.plan.prefill_threads)
-        if (decode, prefill) != (self.decode, self.prefill):
-            logger.info("intra-op threads: decode %d -> %d, prefill %d -> %d (other processes hold %.1f of this "
-                        "process's CPUs)", self.decode, decode, self.prefill, prefill, self.contention.others)
-            self.decode, self.prefill = decode, prefill
+        counts = tuple(self.contention.cap(n) for n in (self.plan.threads, self.plan.kernel_threads,
+                                                           self.plan.prefill_threads))
+        if counts != (self.decode, self.kernel, self.prefill):
+            logger.info("intra-op threads: decode %d -> %d, compiled program %d -> %d, prefill %d -> %d (other "
+                        "processes hold %.1f of this process's CPUs)", self.decode, counts[0], self.kernel,
+                        counts[1], self.prefill, counts[2], self.contention.others)
+            self.decode, self.kernel, self.prefill = counts
 
-    def decoding(self) -> None:
-        """Before a decode (or verification) step: the decode count in force."""
+    def decoding(self, compiled: bool = False) -> None:
+        """Before a decode (or verification) step: the decode count in force — the compiled program's
+        (`kernel_threads`) when the step runs a compiled CPU program, whose Inductor kernels keep their own."""
         self._refresh()
-        if torch.get_num_threads() != self.decode:
-            torch.set_num_threads(self.decode)
+        want = self.kernel if compiled else self.decode
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     @contextmanager
     def prefilling(self) -> Iterator[None]:
@@ -175,4 +191,4 @@ class ThreadCounts:
             yield
         finally:
             if self.prefill != self.decode:
-                torch.set_num_threads(self.decode)
+                torch.set_num_threads(self.decode)  # (the next decode step sets its own: this is eager work's)

@@ -57,6 +57,9 @@ class ThreadPlan:
     source: str  # "setting" (asked for) or "default" (derived from usable_cpus and the weights' size)
     omp_wait_policy: str  # OMP_WAIT_POLICY as the process started with it ("default" when unset)
     prefill_threads: int = 1  # the engine thread's count while it runs the chunked form (prefill)
+    # the engine thread's count while a compiled CPU program runs: its Inductor kernels keep the count they were
+    # built for (`threads`), linserve's own kernels (the projections, the scans) split over this one
+    kernel_threads: int = 1
     weight_bytes: int = 0  # the model's weights as the decode step reads them (0: not known when planned)
     adaptive: bool = False  # both counts are ceilings, lowered while other processes hold the CPUs (cpu_contention)
 
@@ -143,22 +146,30 @@ def default_prefill_threads(usable: float) -> int:
     return max(1, min(math.floor(usable), MAX_DEFAULT_PREFILL_THREADS))
 
 
+def default_kernel_threads(usable: float, threads: int) -> int:
+    """Every CPU this process may use (at most MAX_DEFAULT_THREADS), never fewer than `threads`: in a program
+    built for one thread only linserve's projections and scans fork, ~25 parallel regions a step instead of an
+    eager step's ~200, and each streams its share of the weights."""
+    return max(threads, min(math.floor(usable), MAX_DEFAULT_THREADS))
+
+
 def plan_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0,
-                 adaptive: bool = False) -> ThreadPlan:
+                 adaptive: bool = False, kernel_requested: int | None = None) -> ThreadPlan:
     usable = usable_cpus()
     threads = requested if requested is not None else default_threads(usable, weight_bytes)
     prefill = prefill_requested if prefill_requested is not None else default_prefill_threads(usable)
+    kernel = kernel_requested if kernel_requested is not None else default_kernel_threads(usable, threads)
     return ThreadPlan(threads, usable, "setting" if requested is not None else "default",
-                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill, weight_bytes, adaptive)
+                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill, kernel, weight_bytes, adaptive)
 
 
 def apply_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0,
-                  adaptive: bool = False) -> ThreadPlan:
+                  adaptive: bool = False, kernel_requested: int | None = None) -> ThreadPlan:
     """Set torch's intra-op thread count for this process (before any compiled program is built or loaded:
     Inductor bakes the count into its kernels). `weight_bytes`: the decode model's `weight_bytes(model)`. The
     engine thread then runs each phase on its count (cpu_contention.ThreadCounts: lowered while other processes
     hold the CPUs when `adaptive`)."""
-    plan = plan_threads(requested, prefill_requested, weight_bytes, adaptive)
+    plan = plan_threads(requested, prefill_requested, weight_bytes, adaptive, kernel_requested)
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
     return plan

@@ -16,6 +16,7 @@ import torch
 from linserve.model.interface import fixed_state
 
 from .compile.compiled_decode import DecodeStep
+from .prefill_program import PREFILL_ROWS, PrefillKind, fits, prefill_kind
 from .prefix_cache import PrefixCache
 from .sampling import SlotSampling
 from .sessions.backends import open_store
@@ -36,6 +37,7 @@ class ModelParts:
     text_chars: int  # each session's turn text kept (0: none)
     preemptible: bool  # a running request's state can be parked and brought back (priority scheduling)
     decode_step: DecodeStep | None = None  # the decode program (None: the baseline's runner decodes)
+    prefill_step: DecodeStep | None = None  # short prompt chunks as one program (prefill_program.py), if any
     speculative: SpeculativeDecoding | None = None
     check_context: Callable[[int, int], None] = lambda feed, max_tokens: None  # (prompt, max_tokens) → may raise
 
@@ -47,11 +49,15 @@ class ModelParts:
         if self.decode_step is not None:
             self.decode_step.start()  # compiles in the background; eager serves meanwhile
             self.speculative.start(speculative_default)  # (after the decode step's buckets)
+        if self.prefill_step is not None:
+            self.prefill_step.start()  # (after the decode step's buckets, as it decided)
 
     def close(self) -> None:
         if self.decode_step is not None:
             self.decode_step.close()
             self.speculative.close()
+        if self.prefill_step is not None:
+            self.prefill_step.close()
 
     def admit(self, params: SamplingParams) -> None:
         """What this kind checks of a request's sampling before it queues (a draft model it lacks: 400)."""
@@ -60,6 +66,14 @@ class ModelParts:
 
     def describe_speculation(self) -> dict | None:
         return self.speculative.describe() if self.speculative is not None else None
+
+
+def served_prefill_kind(model, tokens: int, device: torch.device) -> PrefillKind | None:
+    """The prefill program a server of this model compiles (`serve` and `linserve compile` alike): CPU only, and
+    only where `tokens` prefixes of the largest bucket's rows fit the budget; None: prefill stays eager."""
+    if device.type == "cpu" and tokens and fits(model, tokens, PREFILL_ROWS):
+        return prefill_kind(tokens)
+    return None
 
 
 def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: torch.device, eos_ids: frozenset[int],
@@ -76,9 +90,14 @@ def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: tor
                              config.compile_autotune, cache_max_gb=config.compile_cache_max_gb)
     speculative = SpeculativeDecoding(model, pool, sampling, device, config, max_rows, decode_step, eos_ids,
                                       draft_model)
+    prefill_step = None
+    prefill = served_prefill_kind(model, config.prefill_program_tokens, device)
+    if config.compile != "off" and prefill is not None:
+        prefill_step = DecodeStep(model, pool, sampling, device, config.compile, min(PREFILL_ROWS, config.num_slots),
+                                  config.compile_cache_dir, config.compile_autotune, kind=prefill, after=decode_step)
     prefix_cache = PrefixCache(config.prefix_cache_entries, config.max_prefill_chunk, pool.slot_bytes)
     runner = StepRunner(model, pool, sampling, decode_step, prefix_cache, device, eos_ids, threads,
-                        speculative.verify_steps, speculative.policy)
+                        speculative.verify_steps, speculative.policy, prefill_step)
     store = open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)
     return ModelParts(pool, runner, prefix_cache, store, config.session_text_chars, preemptible=True,
-                      decode_step=decode_step, speculative=speculative)
+                      decode_step=decode_step, speculative=speculative, prefill_step=prefill_step)

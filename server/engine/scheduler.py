@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -69,7 +70,9 @@ class StepPlan:
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, max_batch_tokens: int, max_prefill_chunk: int,
                  max_prefill_while_decoding: int | None = None, policy: str = "fcfs",
-                 aging_s: float = 5.0) -> None:
+                 aging_s: float = 5.0, prefill_call: Callable[[], tuple[int, int]] | None = None) -> None:
+        """`prefill_call()`: (T, rows) of the compiled prefill program while its largest bucket is ready, else
+        (0, 0) — a prompt that fits one call is then priced as its share of a call while streams decode."""
         if max_batch_tokens < 1 or max_prefill_chunk < 1:
             raise ValueError("max_batch_tokens and max_prefill_chunk must be >= 1")
         self.allocator = allocator
@@ -80,6 +83,7 @@ class Scheduler:
         if policy not in ("fcfs", "priority") or aging_s <= 0:
             raise ValueError("policy is 'fcfs' or 'priority', aging_s > 0")
         self.policy, self.aging_s = policy, aging_s
+        self.prefill_call = prefill_call
         self.preemptions = 0  # running sequences parked for more urgent ones, so far
         self.waiting: OrderedDict[str, SchedSeq] = OrderedDict()
         self.active: OrderedDict[str, SchedSeq] = OrderedDict()  # prefilling or running, arrival order
@@ -122,14 +126,17 @@ class Scheduler:
         """One decode token for every running row, then prefill in arrival order within the budget."""
         decode = [(s.seq_id, slot) for s in self.active.values() if s.status is Status.RUNNING for slot in s.slots]
         budget = self.max_batch_tokens - len(decode)
+        call = (0, 0)  # while decoding: (T, a prompt's share of one prefill program call) — see _priced_chunk
         if decode:
             budget = min(budget, self.max_prefill_while_decoding)
+            tokens, rows = self.prefill_call() if self.prefill_call is not None else (0, 0)
+            call = (tokens, -(-tokens // rows)) if rows else (0, 0)
         prefill: list[tuple[str, int, int]] = []
         for seq in self.active.values():
             if seq.status is Status.PREFILLING and budget > 0:
-                length = self._chunk(seq, budget)
+                length, cost = self._priced_chunk(seq, budget, call)
                 prefill.append((seq.seq_id, seq.prefilled, length))
-                budget -= length
+                budget -= cost
         failed: list[tuple[str, Exception]] = []
         while self.waiting and budget > 0:
             seq = self._next_waiting()
@@ -152,9 +159,9 @@ class Scheduler:
                 budget -= len(slots)
                 continue
             seq.slots, seq.status = slots, Status.PREFILLING
-            length = self._chunk(seq, budget)
+            length, cost = self._priced_chunk(seq, budget, call)
             prefill.append((seq.seq_id, seq.prefilled, length))
-            budget -= max(length, 1)
+            budget -= max(cost, 1)
         return StepPlan(decode=decode, prefill=prefill, failed=failed)
 
     def _urgency(self, seq: SchedSeq, now: float) -> tuple[int, float]:
@@ -188,6 +195,18 @@ class Scheduler:
             return next(iter(self.waiting.values()))
         now = time.monotonic()
         return min(self.waiting.values(), key=lambda s: self._urgency(s, now))
+
+    def _priced_chunk(self, seq: SchedSeq, budget: int, call: tuple[int, int]) -> tuple[int, int]:
+        """(length, what it costs of the budget). `call` = (T, share): a whole remaining prompt of at most T tokens
+        runs as one row of one compiled prefill call, padded to T — the call costs the same for 1 or T tokens, and
+        its rows share it — so it costs `share` (T / the call's rows) where that fits the budget; anything else
+        costs its tokens."""
+        tokens, share = call
+        left = seq.prefill_left
+        if 0 < share <= budget and 0 < left <= tokens and self._chunk(seq, left) == left:  # (no boundary inside)
+            return left, share
+        length = self._chunk(seq, budget)
+        return length, length
 
     def _chunk(self, seq: SchedSeq, budget: int) -> int:
         """Next prefill length: chunk ends stay on multiples of max_prefill_chunk (prefix-cache boundaries)."""

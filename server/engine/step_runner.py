@@ -26,6 +26,7 @@ from .cpu_contention import ThreadCounts
 from .cpu_threads import ThreadPlan
 from .decode_program import DecodeOutputs
 from .live import LiveRequest, Row
+from .prefill_program import PIECES
 from .prefix_cache import PrefixCache, boundary_hashes
 from .sampling import SlotSampling, choose_tokens, sample_filtered, token_logprobs
 from .spec.speculation import Plan, SpeculationPolicy
@@ -67,8 +68,10 @@ def with_prompt_logprobs(output: RequestOutput, scored: list[TokenLogprob | None
 class StepRunner:
     def __init__(self, model, pool, sampling: SlotSampling, decode_step, prefix_cache: PrefixCache,
                  device: torch.device, eos_ids: frozenset[int], threads: ThreadPlan | None = None,
-                 verify_steps: dict | None = None, speculation: SpeculationPolicy | None = None) -> None:
+                 verify_steps: dict | None = None, speculation: SpeculationPolicy | None = None,
+                 prefill_step=None) -> None:
         self.model, self.pool, self.sampling, self.decode_step = model, pool, sampling, decode_step
+        self.prefill_step = prefill_step  # short chunks as one compiled program (prefill_program.py), or None
         self.verify_steps, self.speculation = verify_steps, speculation  # width → verification DecodeStep
         self.prefix_cache, self.device, self.eos_ids = prefix_cache, device, eos_ids
         self._host_counted: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's redraws, counted
@@ -88,7 +91,7 @@ class StepRunner:
         if plan is not None:
             return self.verify(rows, plan, step_started)
         if self.threads is not None:
-            self.threads.decoding()
+            self.threads.decoding(compiled=self.decode_step.bucket_ready(len(rows)) is not None)
         started = time.perf_counter()
         out = self.decode_step(tokens, slots, positions)  # (the program commits each finite row's new state)
         program_s = time.perf_counter() - started
@@ -125,7 +128,7 @@ class StepRunner:
         ids = [[row.next_token, *draft] + [row.next_token] * (k - len(draft)) for row, draft in zip(rows, drafts)]
         slots = [row.slot for row in rows]
         if self.threads is not None:
-            self.threads.decoding()
+            self.threads.decoding(compiled=self.verify_steps[k].bucket_ready(len(rows)) is not None)
         started = time.perf_counter()
         raw = self.verify_steps[k].run([*map(list, zip(*ids)), limits, slots, [row.position for row in rows]])
         program_s = time.perf_counter() - started
@@ -163,16 +166,49 @@ class StepRunner:
                     live.last_logits = live.session.logits.to(self.device)  # (V,)
                 continue
             slots = [live.rows[0].slot for live, _ in members]
-            ids = torch.tensor([live.feed[start : start + length] for live, start in members], device=self.device)
-            logits, state = self.model(ids, self.pool.gather(slots))  # (B, t, V)
-            self.pool.scatter(slots, state)
-            last = logits[:, -1].float()  # (B, V)
+            scored = any(live.request.params.prompt_logprobs is not None for live, _ in members)
+            if not scored and self._compiled_prefill(length, len(members)):
+                logits, last = None, self._prefill_program(members, length, slots)  # (B, V)
+            else:
+                ids = torch.tensor([live.feed[start : start + length] for live, start in members], device=self.device)
+                logits, state = self.model(ids, self.pool.gather(slots))  # (B, t, V)
+                self.pool.scatter(slots, state)
+                last = logits[:, -1].float()  # (B, V)
             for b, (live, start) in enumerate(members):
                 if live.request.params.prompt_logprobs is not None:
                     live.score_chunk(start, logits[b])
                 live.consumed_chunk(length, last[b])
                 if live.session is None:
                     self._remember_prefix(live, start + length, live.rows[0].slot)
+
+    def _compiled_prefill(self, length: int, rows: int) -> bool:
+        """Whether a chunk of `length` tokens for `rows` rows runs as prefill programs: short enough, and the
+        bucket its rows (at most the largest bucket at a time) run in compiled and ready — never the eager form of
+        the program, which keeps every prefix's state (the model's own eager forward is the faster eager)."""
+        step = self.prefill_step
+        return (step is not None and length <= PIECES * step.kind.tokens
+                and step.bucket_ready(min(rows, step.sizes[-1])) is not None)
+
+    def _prefill_program(self, members: list[tuple[LiveRequest, int]], length: int, slots: list[int]) -> torch.Tensor:
+        """The chunk through the compiled prefill program, T tokens a call (the last call's rows padded on the
+        right and told their length), at most the largest bucket's rows a call; the program writes the state.
+        Returns the logits after the chunk, (B, V) fp32."""
+        step = self.prefill_step
+        T, most = step.kind.tokens, step.sizes[-1]
+        before = self.pool.gather(slots)  # (a copy: put back if a call raises — the slots stay as they were)
+        last = []
+        try:
+            for first in range(0, len(members), most):
+                group, group_slots = members[first : first + most], slots[first : first + most]
+                for offset in range(0, length, T):
+                    n = min(T, length - offset)
+                    ids = [live.feed[start + offset : start + offset + n] + [0] * (T - n) for live, start in group]
+                    (logits,) = step.run([*map(list, zip(*ids)), group_slots, [n] * len(group)])  # (g, V)
+                last.append(logits)
+        except BaseException:
+            self.pool.scatter(slots, before)
+            raise
+        return torch.cat(last) if len(last) > 1 else last[0]  # (B, V)
 
     def first_tokens(self, done: list[LiveRequest]) -> Delivery:
         """The first token of every request whose prompt is now whole, sampled in one batch (a prompt-only

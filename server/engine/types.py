@@ -54,7 +54,9 @@ class EngineConfig:
     speculative_always: bool  # verify whenever a row has drafts, whatever it costs (else: while it pays)
     threads: int | None  # torch intra-op CPU threads; None: derived from the CPUs this process may use
     prefill_threads: int | None  # the same while the chunked form (prefill) runs
+    kernel_threads: int | None  # the same while a compiled CPU program runs (linserve's kernels in it)
     adapt_threads: bool  # both are ceilings, lowered while other processes hold the CPUs (cpu_contention.py)
+    prefill_program_tokens: int  # CPU: short prompt chunks as compiled programs of this many tokens; 0: eager
     session_responses_mb: float = 64.0  # a session's stored responses (their own store entries), at most
 
     @classmethod

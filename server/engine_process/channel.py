@@ -1,17 +1,22 @@
 """The one channel between the engine core process and a frontend: a duplex `multiprocessing` connection (a
-socket pair; each message a length-prefixed pickle of a tuple). Nothing else crosses the boundary.
+socket pair; each message a length-prefixed pickle of a tuple). Nothing else crosses the boundary. With
+`api_servers` N > 1 the core holds N of them, one per frontend process, and reads whichever has a message.
 
 frontend → core
     ("submit", call_id, EngineRequest)           accept a request; its outputs come back in batches
     ("abort", request_id)
     ("call", call_id, name, args, kwargs)        a session command or a question (one of CALLS)
+    ("counted", endpoint, status)                an HTTP request answered (N > 1: told to every frontend)
     ("stop",)                                    drain: abort what runs, flush the session store, exit
+                                                 (N > 1: this frontend's requests now, the rest once all stop)
 core → frontend
     ("ready", EngineFacts, GenerationDefaults)   the model is loaded and the engine runs
     ("failed", message)                          it could not start (the message says why); the core exits
     ("batch", events)                            once per engine step (and per batch of commands), in order:
         ("o", RequestOutput)                         every row's output of the step
         ("s", stats)                                 StepStats, PoolStats (when changed), RequestStats, StoreStats…
+                                                     (to every frontend: each one's /metrics shows the engine)
+        ("c", endpoint, status)                      a request some frontend counted (its requests_total)
         ("r", call_id, ok, value)                    a call's answer: its result, or the EngineError it raised
     ("dead", message)                            the engine died (its requests' error outputs came first)
     ("stopped",)                                 after "stop": everything flushed; the core exits
@@ -26,9 +31,12 @@ from ..engine.types import EngineError
 # what a frontend may call: the session commands, and the questions /ready, /version and the tests ask
 SESSION_CALLS = frozenset({"create", "info", "fork", "kept_result", "forget", "export", "import_", "turns", "rewind",
                            "delete", "keyed_result", "keep_keyed_result", "list"})
-ENGINE_CALLS = frozenset({"counts", "slot_accounting", "store_status", "describe_speculation", "describe_decode_step"})
+ENGINE_CALLS = frozenset({"counts", "slot_accounting", "store_status", "describe_speculation", "describe_decode_step",
+                          "sync"})
 CALLS = frozenset({*(f"sessions.{name}" for name in SESSION_CALLS), *ENGINE_CALLS})
-ANSWERED_AT_ONCE = frozenset({"store_status", "describe_speculation", "describe_decode_step"})  # not queued
+# not queued behind the engine (`sync`: answered once what the frontend sent before it is handled — a scrape asks
+# it first, so the requests it counted are in its /metrics)
+ANSWERED_AT_ONCE = frozenset({"store_status", "describe_speculation", "describe_decode_step", "sync"})
 
 
 def crossing(error: BaseException) -> BaseException:

@@ -1,11 +1,13 @@
 """The engine core process: loads the model and runs the engine (server/engine/core.py) as `serve` would in
-one process, and serves one frontend over its connection (channel.py) until told to stop or the frontend is
-gone — then it drains as the in-process server does (running requests end with `abort`, every session turn
+one process, and serves its frontends — one connection each (channel.py) — until every one has said "stop" or
+is gone; then it drains as the in-process server does (running requests end with `abort`, every session turn
 handed to the store is written) and exits.
 
-Its main thread reads the frontend's messages and hands them to the engine (whose own queue orders them);
-what the engine produces — outputs, stats, answers — is collected in an `Outbox` and sent as one message
-when the engine thread reports its pool after a step or a batch of commands.
+Its main thread reads the frontends' messages (whichever is ready) and hands them to the engine (whose own
+queue orders them); what the engine produces is collected per frontend in an `Outbox` — a request's outputs
+and a call's answer in its own frontend's, the stats in every one (each frontend's /metrics shows the whole
+engine) — and each outbox goes out as one message when the engine thread reports its pool after a step or a
+batch of commands. A frontend that is gone has its running requests aborted: its clients' slots come back.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import signal
 import threading
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from ..engine.command_queue import ENGINE_DEAD
 from ..engine.cpu_threads import in_passing_thread
@@ -38,21 +40,32 @@ class Outbox:
         self.send_lock = threading.RLock()
         self.open = False  # held until "ready" is sent: nothing may overtake it
         self.broken = False
-        self._last_pool: PoolStats | None = None
+        self.running: dict[str, int] = {}  # this frontend's requests: rows not finished yet
+        self._running_lock = threading.Lock()
+
+    def submitted(self, request_id: str, rows: int) -> None:
+        with self._running_lock:
+            self.running[request_id] = rows
 
     def output(self, output) -> None:
         """Every request's sink (engine thread)."""
         self.events.append(("o", output))
+        if output.finished:
+            with self._running_lock:
+                left = self.running.get(output.request_id, 1) - 1
+                if left > 0:
+                    self.running[output.request_id] = left
+                else:
+                    self.running.pop(output.request_id, None)
 
-    def stats(self, stats: object) -> None:
-        """The engine's stats sink: a PoolStats ends a step or a batch of commands — the batch goes out."""
-        if isinstance(stats, PoolStats):
-            if stats != self._last_pool:
-                self.events.append(("s", stats))
-                self._last_pool = stats
-            self.flush()
-        else:
-            self.events.append(("s", stats))
+    def refused(self, request_id: str, future: Future) -> None:
+        if future.exception() is not None:
+            with self._running_lock:
+                self.running.pop(request_id, None)
+
+    def unfinished(self) -> list[str]:
+        with self._running_lock:
+            return list(self.running)
 
     def answer(self, call_id: int, future: Future) -> None:
         """A call's answer, sent at once (with whatever else is waiting)."""
@@ -75,8 +88,49 @@ class Outbox:
             self.broken = True
 
 
-def run(settings, conn: Connection) -> None:
-    """The process's entry (spawned by remote.start_core)."""
+class Outboxes:
+    """Every frontend's outbox: the engine's stats sink (stats go to each; a PoolStats ends a step or a batch of
+    commands — every outbox goes out) and the place a frontend's counted HTTP request is told to all."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.all = [Outbox(conn) for conn in conns]
+        self._last_pool: PoolStats | None = None
+
+    def stats(self, stats: object) -> None:
+        if isinstance(stats, PoolStats):
+            if stats != self._last_pool:
+                self._append(("s", stats))
+                self._last_pool = stats
+            self.flush()
+        else:
+            self._append(("s", stats))
+
+    def counted(self, endpoint: str, status: str) -> None:
+        self._append(("c", endpoint, status))
+        self.flush()
+
+    def _append(self, event: tuple) -> None:
+        for outbox in self.all:
+            outbox.events.append(event)
+
+    def flush(self) -> None:
+        for outbox in self.all:
+            outbox.flush()
+
+    def send(self, message: tuple) -> None:
+        for outbox in self.all:
+            outbox.send(message)
+
+    def opened(self) -> None:
+        for outbox in self.all:
+            with outbox.send_lock:
+                outbox.open = True
+        self.flush()
+
+
+def run(settings, conns: Connection | list[Connection]) -> None:
+    """The process's entry (spawned by remote.start_core with one frontend's connection, or by `serve` with
+    `api_servers` of them)."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     # the frontend drains the core (its "stop", or its end): a Ctrl-C or SIGTERM sent to the whole process group
     # must not kill the core before the frontend has ended the streams and the store has its turns
@@ -84,54 +138,68 @@ def run(settings, conn: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from ..loading import load_engine  # (here: the spawned process imports what it runs, nothing more)
 
-    outbox = Outbox(conn)
+    outboxes = Outboxes(conns if isinstance(conns, list) else [conns])
     try:
-        engine, _, generation = in_passing_thread(load_engine, settings, outbox.stats)
+        engine, _, generation = in_passing_thread(load_engine, settings, outboxes.stats)
     except BaseException as error:  # noqa: BLE001 - the frontend says it and exits, as serve did in one process
         logger.exception("the engine core could not start")
-        outbox.send(("failed", f"{type(error).__name__}: {error}"))
+        outboxes.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
-    engine.on_death.append(lambda error: died(outbox))
-    outbox.send(("ready", engine.facts, generation))
-    with outbox.send_lock:
-        outbox.open = True
-    outbox.flush()
-    serve_frontend(engine, conn, outbox)
+    engine.on_death.append(lambda error: died(outboxes))
+    outboxes.send(("ready", engine.facts, generation))
+    outboxes.opened()
+    serve_frontends(engine, outboxes)
     engine.stop()
-    outbox.flush()
-    outbox.send(("stopped",))
+    outboxes.flush()
+    outboxes.send(("stopped",))
 
 
-def died(outbox: Outbox) -> None:
-    """Engine thread, dying: its requests' error outputs first, then the word (the frontend turns /health to
+def died(outboxes: Outboxes) -> None:
+    """Engine thread, dying: its requests' error outputs first, then the word (each frontend turns /health to
     503 and drains, which stops this process)."""
-    outbox.flush()
-    outbox.send(("dead", ENGINE_DEAD))
+    outboxes.flush()
+    outboxes.send(("dead", ENGINE_DEAD))
 
 
-def serve_frontend(engine, conn: Connection, outbox: Outbox) -> None:
-    """Until "stop" or the frontend's end."""
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            logger.warning("the frontend is gone: stopping the engine core")
-            return
-        kind = message[0]
-        if kind == "submit":
-            _, call_id, request = message
-            future = engine.submit(request, outbox.output)
-            future.add_done_callback(lambda done, call_id=call_id: outbox.answer(call_id, done))
-        elif kind == "abort":
-            engine.abort(message[1])
-        elif kind == "call":
-            _, call_id, name, args, kwargs = message
-            future = call(engine, name, args, kwargs)
-            future.add_done_callback(lambda done, call_id=call_id: outbox.answer(call_id, done))
-        elif kind == "stop":
-            return
-        else:
-            logger.error("unknown message from the frontend: %r", kind)
+def serve_frontends(engine, outboxes: Outboxes) -> None:
+    """Until every frontend has said "stop" or is gone. One that stops or goes while others serve has its
+    unfinished requests aborted (their outputs still reach a frontend that stopped: it waits for "stopped")."""
+    listening = {outbox.conn: outbox for outbox in outboxes.all}
+    while listening:
+        for conn in wait(list(listening)):
+            outbox = listening[conn]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                logger.warning("a frontend is gone%s", "" if len(listening) > 1 else ": stopping the engine core")
+                message = ("gone",)
+            if message[0] in ("stop", "gone"):
+                del listening[conn]
+                if listening:  # the last one's are aborted by the engine's own stop
+                    for request_id in outbox.unfinished():
+                        engine.abort(request_id)
+            else:
+                handle(engine, outboxes, outbox, message)
+
+
+def handle(engine, outboxes: Outboxes, outbox: Outbox, message: tuple) -> None:
+    kind = message[0]
+    if kind == "submit":
+        _, call_id, request = message
+        outbox.submitted(request.request_id, request.params.n)
+        future = engine.submit(request, outbox.output)
+        future.add_done_callback(lambda done, call_id=call_id: outbox.answer(call_id, done))
+        future.add_done_callback(lambda done: outbox.refused(request.request_id, done))
+    elif kind == "abort":
+        engine.abort(message[1])
+    elif kind == "call":
+        _, call_id, name, args, kwargs = message
+        future = call(engine, name, args, kwargs)
+        future.add_done_callback(lambda done, call_id=call_id: outbox.answer(call_id, done))
+    elif kind == "counted":
+        outboxes.counted(message[1], message[2])
+    else:
+        logger.error("unknown message from a frontend: %r", kind)
 
 
 def call(engine, name: str, args: tuple, kwargs: dict) -> Future:
@@ -142,6 +210,9 @@ def call(engine, name: str, args: tuple, kwargs: dict) -> Future:
         return future
     if name in ANSWERED_AT_ONCE:
         future = Future()
+        if name == "sync":  # answered after everything this frontend sent before it
+            future.set_result(None)
+            return future
         try:
             future.set_result(getattr(engine, name)(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - the caller gets it

@@ -15,6 +15,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from linserve.model.checkpoint import load_tokenizer
 from linserve.model.loading import DEFAULT_CHECKPOINT
 
 from ..engine.command_queue import ENGINE_DEAD
+from ..engine.cpu_contention import stat_fields
 from ..engine.types import EngineError, EngineFacts, EngineRequest, FinishReason, RequestOutput
 from . import core_main
 
@@ -54,9 +56,11 @@ class RemoteSessions:
 
 class RemoteEngine:
     def __init__(self, conn: Connection, process, facts: EngineFacts, tokenizer,
-                 stats_sink: Callable[[object], None]) -> None:
+                 stats_sink: Callable[[object], None], on_counted: Callable[[str, str], None] | None = None) -> None:
         self.conn, self.process, self.facts, self.tokenizer = conn, process, facts, tokenizer
         self.stats_sink = stats_sink
+        # N > 1: a request some frontend counted (set before the reader starts: the core may have sent some)
+        self.on_counted = on_counted
         self.sessions = RemoteSessions(self)
         self.on_death: list[Callable[[BaseException], None]] = []
         self.death: BaseException | None = None
@@ -89,6 +93,18 @@ class RemoteEngine:
 
     def counts(self) -> Future:
         return self.call("counts")
+
+    def count_request(self, endpoint: str, status: str) -> None:
+        """An answered HTTP request, told to every frontend through the core (N > 1: each /metrics counts all)."""
+        if self.death is None:
+            try:
+                self._send(("counted", endpoint, status))
+            except EngineError:
+                pass
+
+    def sync(self) -> None:
+        """Returns once the core has handled everything sent before (bounded: a slow core is not waited on)."""
+        self._answer("sync")
 
     def slot_accounting(self) -> Future:
         return self.call("slot_accounting")
@@ -202,6 +218,9 @@ class RemoteEngine:
                 entry.sink(output)
             elif tag == "s":
                 self.stats_sink(event[1])
+            elif tag == "c":
+                if self.on_counted is not None:
+                    self.on_counted(event[1], event[2])
             else:
                 _, call_id, ok, value = event
                 future = self._calls.pop(call_id, None)
@@ -244,6 +263,14 @@ def start_core(settings, stats_sink: Callable[[object], None], target: Callable 
     process = context.Process(target=target, args=(settings, theirs), name="linserve-engine-core")
     process.start()
     theirs.close()
+    return connect_core(settings, ours, process, stats_sink)
+
+
+def connect_core(settings, ours: Connection, process, stats_sink: Callable[[object], None],
+                 on_counted: Callable[[str, str], None] | None = None):
+    """Load the tokenizer while the core (`process`: a multiprocessing.Process, or a CoreProcess where the core
+    is not this process's child) starts; wait for its "ready": (RemoteEngine, tokenizer, GenerationDefaults).
+    `on_counted`: where the requests other frontends counted go (N > 1)."""
     tokenizer = load_tokenizer(Path(settings.model) if settings.model else DEFAULT_CHECKPOINT)
     while not ours.poll(START_POLL_S):
         if not process.is_alive():
@@ -257,4 +284,25 @@ def start_core(settings, stats_sink: Callable[[object], None], target: Callable 
         process.join(10)
         raise RuntimeError(f"the engine core could not start: {message[1]}")
     _, facts, generation = message
-    return RemoteEngine(ours, process, facts, tokenizer, stats_sink), tokenizer, generation
+    return RemoteEngine(ours, process, facts, tokenizer, stats_sink, on_counted), tokenizer, generation
+
+
+class CoreProcess:
+    """The engine core seen from a frontend that is not its parent (`api_servers` > 1: `serve` spawned both):
+    what RemoteEngine asks of a multiprocessing.Process, by pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode = None  # (not this process's child: its status is the supervisor's to read)
+
+    def is_alive(self) -> bool:
+        fields = stat_fields(self.pid)
+        return bool(fields) and fields[0] not in ("Z", "X")
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """Not a frontend's to do: the core serves the other frontends; `serve` ends it after them all."""

@@ -125,10 +125,11 @@ def test_p13_store_outage(tmp_path):
     run("p13_store_outage.py", "--out", str(tmp_path / "p13.json"))
     data = json.loads((tmp_path / "p13.json").read_text())["P13"]
     assert set(data) == {"redis-frozen", "redis-killed", "dir-unwritable"}
-    for scenario in data.values():
+    for name, scenario in data.items():
         ledger = {k: scenario[k] for k in ("lost_or_changed", "resurrected", "unacknowledged_listed",
                                            "outcome_unknown_retried", "session_requests")}
-        assert scenario["ok"], ledger  # the ledger holds even in a 2-second run: nothing acknowledged is lost
+        # the ledger holds even in a 2-second run: nothing acknowledged is lost (the message in full: a string)
+        assert scenario["ok"], f"{name}: {json.dumps(ledger)}"
         assert scenario["session_requests"]["outage"].get("503")  # the outage was seen as one
 
 

@@ -42,9 +42,9 @@ def exported_metrics() -> dict[str, set[str]]:
         suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}.get(metric._type, ("",))
         for suffix in suffixes:
             names[metric._name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
-    for family in metrics.registry.collect():  # the process collector's
+    for family in metrics.registry.collect():  # the custom collectors' (process, ITL by context) as they render
         for sample in family.samples:
-            names.setdefault(sample.name, set())
+            names.setdefault(sample.name, set()).update(sample.labels)
     return names
 
 

@@ -130,8 +130,8 @@ def test_the_delta_step_is_torchs_scan_to_the_bit_in_any_batch(gated, dk, dv, mo
 
 @pytest.mark.parametrize("gate", ["per_key", "per_head_token", "per_head", "none"])
 @pytest.mark.parametrize("dk,dv", [(37, 40), (64, 16), (16, 33), (5, 1030)])
-def test_the_linear_step_is_torchs_scan_to_the_bit_in_any_batch(gate, dk, dv, monkeypatch):
-    """kernels/delta_rule.cpp's `linear_step` computes `recurrence.scan`'s operations in its order for every kind
+def test_the_linear_scan_is_torchs_scan_to_the_bit_in_any_batch(gate, dk, dv, monkeypatch):
+    """kernels/delta_rule.cpp's `linear_scan` computes `recurrence.scan`'s operations in its order for every kind
     of decay (GLA's per key, Mamba2's per head and token, RetNet's per head, none): torch's bits (the kernel
     off), a row alone the same as among others, every prefix's state too."""
     from linserve.model import recurrence
@@ -153,6 +153,34 @@ def test_the_linear_step_is_torchs_scan_to_the_bit_in_any_batch(gate, dk, dv, mo
         torch_o, torch_state = recurrence.scan(q, k, v, g, S, prefixes=True)
     assert kernels.load()
     assert torch.equal(o, torch_o) and torch.equal(state, torch_state)
+
+
+@pytest.mark.parametrize("decay", [True, False])
+@pytest.mark.parametrize("dk,dv,T", [(32, 32, 33), (37, 40, 5), (5, 1030, 3), (16, 33, 70)])
+def test_the_shipped_models_scan_on_the_kernel_is_torchs_to_the_bit(decay, dk, dv, T, monkeypatch):
+    """`linear_attention.scan` (the shipped model's prefill in bf16 and its every-prefix states) runs as one
+    `linear_scan` call over [S, z] on a CPU: torch's bits (the kernel off) for the outputs, the final state and
+    every prefix's — past one 64-token scan block too —, and a row alone the same as among others."""
+    from linserve.model import linear_attention
+
+    B, H = 3, 4
+    generator = torch.Generator().manual_seed(dk * dv + T)
+    phi_q, phi_k = (torch.rand(B, H, T, dk, generator=generator) + 0.01 for _ in range(2))
+    v, S = torch.randn(B, H, T, dv, generator=generator), torch.randn(B, H, dk, dv, generator=generator)
+    z = torch.rand(B, H, dk, generator=generator) * 3
+    log_decay = -torch.rand(H, generator=generator) if decay else None
+    assert kernels.load()
+    runs = [linear_attention.scan(phi_q, phi_k, v, S, z, log_decay, 1e-6, prefixes) for prefixes in (False, True)]
+    alone = linear_attention.scan(phi_q[1:2], phi_k[1:2], v[1:2], S[1:2], z[1:2], log_decay, 1e-6)
+    assert all(torch.equal(a[0], b[1]) for a, b in zip(alone, runs[0]))
+    with monkeypatch.context() as patch:  # torch's own ops
+        patch.setitem(kernels._state, "error", "off for the comparison")
+        patch.delitem(kernels._state, "library")
+        torch_runs = [linear_attention.scan(phi_q, phi_k, v, S, z, log_decay, 1e-6, prefixes)
+                      for prefixes in (False, True)]
+    assert kernels.load()
+    for ours, theirs in zip(runs, torch_runs):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 @pytest.mark.parametrize("dk,dv", [(37, 40), (64, 64), (16, 33), (5, 1030)])

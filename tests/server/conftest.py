@@ -22,6 +22,7 @@ def make_client(tiny_checkpoint, tmp_path):
             max_batch_tokens=64,
             session_store=f"dir:{tmp_path / f'sessions{len(clients)}'}",
             compile="off",
+            api_servers=0,  # white-box: the tests reach into app.state.engine (the real servers split it)
         )  # compiled: test_e2e
         settings = Settings(**{**base, **overrides})
         client = TestClient(create_app(settings))

@@ -191,7 +191,7 @@ def test_softmax_checkpoint_is_served_with_a_kv_cache(small_tokenizer, tmp_path)
         vocab_size=small_tokenizer.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, attention="softmax"
     )
     save_checkpoint(LinearGPT(config), small_tokenizer, tmp_path, torch.float32)
-    settings = Settings(model=str(tmp_path), device="cpu", num_slots=4, max_context=64)
+    settings = Settings(model=str(tmp_path), device="cpu", num_slots=4, max_context=64, api_servers=0)
     with TestClient(create_app(settings)) as client:
         ok = client.post("/v1/completions", json={"prompt": "To be", "max_tokens": 5, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5

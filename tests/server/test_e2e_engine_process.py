@@ -1,12 +1,14 @@
-"""The engine core in a process of its own (`--api-servers 1`), end to end: the same tokens as the in-process
-engine for every kind of request that crosses the boundary (streams, n rows, logprobs, structured outputs,
-sessions and their commands), a client that leaves frees its slot, /ready, /version and /metrics answer from
-the core, SIGTERM drains through it, and a core that dies turns /health to 503 and ends the server."""
+"""The engine core in a process of its own (`--api-servers 1`, and 2 frontends sharing the port), end to end: the
+same tokens as the in-process engine for every kind of request that crosses the boundary (streams, n rows,
+logprobs, structured outputs, sessions and their commands), a client that leaves frees its slot, /ready,
+/version and /metrics answer from the core (every frontend's counts in each), SIGTERM drains through it, and a
+core that dies turns /health to 503 and ends the server."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -16,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, assert_json_schema_answer
+from tests.helpers import ServerProcess, assert_json_schema_answer, parent_pid, spawned_children
 
 pytestmark = pytest.mark.slow
 
@@ -29,27 +31,24 @@ REQUESTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def split(tiny_checkpoint, tmp_path_factory):
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-frontend", "two-frontends"])
+def split(tiny_checkpoint, tmp_path_factory, request):
     process = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("split") / "serve.log", "--num-slots", "8",
-                            "--api-servers", "1")
+                            "--api-servers", request.param, "--log-level", "info")  # (access lines name a frontend)
+    process.frontends = int(request.param)
     yield process
     process.stop()
 
 
+def spawned(server: ServerProcess) -> list[int]:
+    """The engine core, then (`--api-servers` N > 1) the N frontends."""
+    return spawned_children(server.process.pid)
+
+
 def core_pid(server: ServerProcess) -> int:
-    """The engine core: the serve process's child that multiprocessing spawned (not its resource tracker)."""
-    children = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and parent(int(pid)) == server.process.pid]
-    cores = [pid for pid in children if "multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes().decode()]
-    assert len(cores) == 1, children
-    return cores[0]
-
-
-def parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    processes = spawned(server)
+    assert len(processes) == getattr(server, "frontends", 1) + (getattr(server, "frontends", 1) > 1), processes
+    return processes[0]
 
 
 def metric(base: str, name: str) -> float:
@@ -110,6 +109,7 @@ def test_the_core_process_serves_the_tokens_the_in_process_engine_does(split, se
     ready = httpx.get(f"{split.base}/ready").json()
     assert ready["session_store"]["up"] and ready["decode_step"]["status"] == "eager"
     version = httpx.get(f"{split.base}/version").json()
+    assert version["api_servers"] == split.frontends
     assert version["projections"] == httpx.get(f"{server['base']}/version").json()["projections"]
     card = httpx.get(f"{split.base}/v1/models").json()["data"][0]
     assert card["state_bytes"] == httpx.get(f"{server['base']}/v1/models").json()["data"][0]["state_bytes"]
@@ -134,8 +134,10 @@ def test_per_step_stats_reach_the_frontends_metrics_and_a_client_that_leaves_fre
     assert metric(split.base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
 
 
-def test_sigterm_drains_through_the_core(tiny_checkpoint, tmp_path):
-    server = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--api-servers", "1")
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_sigterm_drains_through_the_core(tiny_checkpoint, tmp_path, frontends):
+    server = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--api-servers", str(frontends))
+    server.frontends = frontends
     core = core_pid(server)
     sid = httpx.post(f"{server.base}/v1/sessions", json={"prompt": "KING."}).json()["id"]
     with httpx.stream("POST", f"{server.base}/v1/completions", timeout=60, json={
@@ -146,13 +148,15 @@ def test_sigterm_drains_through_the_core(tiny_checkpoint, tmp_path):
         last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]
     assert last["choices"][0]["finish_reason"] == "abort"
     assert server.process.wait(30) in (0, -signal.SIGTERM)  # (uvicorn re-raises the signal once it has drained)
-    assert not Path(f"/proc/{core}").exists() or parent(core) != server.process.pid
+    assert not Path(f"/proc/{core}").exists() or parent_pid(core) != server.process.pid
     records = list((tmp_path / "sessions").glob("*.lsess")) + list((tmp_path / "sessions").glob("*/*.lsess"))
     assert any(sid in record.name for record in records)  # the store has it: a restart continues it
 
 
-def test_a_core_that_dies_turns_health_to_503_and_ends_the_server(tiny_checkpoint, tmp_path):
-    server = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--api-servers", "1")
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_a_core_that_dies_turns_health_to_503_and_ends_the_server(tiny_checkpoint, tmp_path, frontends):
+    server = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--api-servers", str(frontends))
+    server.frontends = frontends
     with httpx.stream("POST", f"{server.base}/v1/completions", timeout=60, json={
             "prompt": "ROMEO.", "max_tokens": 100_000, "ignore_eos": True, "stream": True}) as response:
         lines = response.iter_lines()
@@ -164,11 +168,83 @@ def test_a_core_that_dies_turns_health_to_503_and_ends_the_server(tiny_checkpoin
     assert "the engine core" in (tmp_path / "serve.log").read_text()
 
 
-def test_a_core_that_cannot_start_says_why(tiny_checkpoint, tmp_path):
+def test_every_frontend_answers_and_each_metrics_counts_them_all(split):
+    """Requests on fresh connections land on either frontend (the kernel picks); whichever answers a scrape
+    counts every one of them, and its process_* covers the whole server."""
+    name = 'linserve_requests_total{endpoint="/v1/completions",status="200"}'
+
+    def count() -> float:
+        for line in httpx.get(f"{split.base}/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    before, sent = count(), 0
+    start = len(split.log.read_text())
+    while sent < 12 or (split.frontends > 1 and not all(  # until each frontend has answered some of them
+            f'[frontend {i}] linserve.access' in split.log.read_text()[start:] for i in (1, 2))):
+        assert sent < 200, "one frontend answered 200 requests on fresh connections"
+        reply = httpx.post(f"{split.base}/v1/completions", json={"prompt": "KING.", "max_tokens": 2, "seed": sent})
+        assert reply.status_code == 200, reply.text
+        sent += 1
+    deadline = time.monotonic() + 10
+    while count() != before + sent:  # (a frontend counts a request once its response is out)
+        assert time.monotonic() < deadline, f"{name}: {count() - before} of {sent}"
+        time.sleep(0.05)
+    assert [count() - before for _ in range(8)] == [sent] * 8  # whichever frontend answers
+    if split.frontends > 1:
+        rss = metric(split.base, "process_resident_memory_bytes")
+        core_rss = int(next(line for line in Path(f"/proc/{core_pid(split)}/status").read_text().splitlines()
+                            if line.startswith("VmRSS:")).split()[1]) * 1024
+        assert rss > core_rss  # the core's and the frontends' (and serve's) together
+
+
+def test_a_killed_frontend_stops_the_server_and_every_turn_is_flushed(tiny_checkpoint, tmp_path):
+    """`--api-servers 2`: one frontend SIGKILLed — the core aborts its requests, `serve` stops the other (its
+    stream ends with `abort`), the core flushes the sessions, and `serve` exits 1 for a supervisor to restart."""
+    server = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--api-servers", "2")
+    server.frontends = 2
+    core, *frontends = spawned(server)
+    sid = httpx.post(f"{server.base}/v1/sessions", json={"prompt": "KING."}).json()["id"]
+    streams = []
+    for _ in range(4):  # on either frontend
+        body = json.dumps({"prompt": "ROMEO.", "max_tokens": 100_000, "ignore_eos": True, "stream": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        streams.append(sock)
+    for sock in streams:
+        received = b""
+        while b"data:" not in received:
+            received += sock.recv(65536)
+    os.kill(frontends[0], signal.SIGKILL)
+    assert server.process.wait(60) == 1, server.log.read_text()[-2000:]
+    assert not Path(f"/proc/{core}").exists() or parent_pid(core) != server.process.pid
+    for sock in streams:  # the killed frontend's connections are reset; the other's streams end with abort
+        sock.settimeout(10)
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except socket.timeout:
+            raise AssertionError("a stream neither ended nor was closed") from None
+        except OSError:  # reset
+            pass
+        sock.close()
+        reasons = set(re.findall(rb'"finish_reason":"(\w+)"', data))
+        assert reasons <= {b"abort"}, reasons
+    records = list((tmp_path / "sessions").glob("*.lsess")) + list((tmp_path / "sessions").glob("*/*.lsess"))
+    assert any(sid in record.name for record in records)  # flushed: a restart continues it
+    assert "linserve-frontend-1 ended" in server.log.read_text() or "linserve-frontend-2 ended" in \
+        server.log.read_text()
+
+
+@pytest.mark.parametrize("frontends", ["1", "2"])
+def test_a_core_that_cannot_start_says_why(tiny_checkpoint, tmp_path, frontends):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_checkpoint, broken)
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "model_type": "no_such_family"}))
     with pytest.raises(RuntimeError) as error:
-        ServerProcess(broken, tmp_path / "serve.log", "--api-servers", "1")
+        ServerProcess(broken, tmp_path / "serve.log", "--api-servers", frontends)
     assert "no_such_family" in str(error.value)

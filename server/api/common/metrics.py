@@ -7,6 +7,9 @@ same distribution in every context bucket.
 
 from __future__ import annotations
 
+import bisect
+import os
+import threading
 from typing import Callable
 
 from prometheus_client import (
@@ -19,8 +22,10 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
+from ...engine.cpu_contention import stat_fields
 from ...engine.types import PoolStats, RecordSkipped, RequestStats, SessionLoaded, StepStats, StoreStats
 
 disable_created_metrics()  # no *_created series: plain classic text format
@@ -33,11 +38,47 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 CONTEXT_BUCKETS = ((1024, "0-1k"), (4096, "1k-4k"), (16384, "4k-16k"), (65536, "16k-64k"))
 
 
-def context_label(position: int) -> str:
-    for limit, label in CONTEXT_BUCKETS:
-        if position < limit:
-            return label
-    return "64k+"
+class ContextLatencies:
+    """`linserve_inter_token_latency_seconds{context}`: a histogram observed once per streamed token, so it takes
+    a step's tokens in one call (`observe_step`: one lock, a bisect and two adds a token) where
+    prometheus-client's Histogram takes a lock per bucket count and per sum, per token. Its exposition is that
+    Histogram's: the same name, help, label, buckets (`le` as Go prints floats) and `_count`/`_sum`, every
+    context's series present from the start."""
+
+    name = "linserve_inter_token_latency_seconds"
+    documentation = "Time between consecutive tokens of a sequence, by the token's position (context)."
+
+    def __init__(self, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
+        self.bounds = list(buckets)
+        self.labels = [label for _, label in CONTEXT_BUCKETS] + ["64k+"]
+        self.limits = [limit for limit, _ in CONTEXT_BUCKETS]
+        self._counts = [[0] * (len(self.bounds) + 1) for _ in self.labels]  # per context: per bucket, +Inf last
+        self._sums = [0.0] * len(self.labels)
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_step(self, latencies) -> None:
+        """(position, seconds) pairs: one per token a step streamed."""
+        context_of, bucket_of, limits, bounds = bisect.bisect_right, bisect.bisect_left, self.limits, self.bounds
+        with self._lock:
+            counts, sums = self._counts, self._sums
+            for position, seconds in latencies:
+                context = context_of(limits, position)  # (position < limit: the limit's bucket)
+                counts[context][bucket_of(bounds, seconds)] += 1  # (seconds <= bound)
+                sums[context] += seconds
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["context"])
+        with self._lock:
+            counts, sums = [list(c) for c in self._counts], list(self._sums)
+        les = [floatToGoString(bound) for bound in self.bounds] + ["+Inf"]
+        for label, per_bucket, total in zip(self.labels, counts, sums):
+            cumulative, running = [], 0
+            for le, count in zip(les, per_bucket):
+                running += count
+                cumulative.append((le, running))
+            family.add_metric([label], cumulative, total)
+        yield family
 
 
 class Metrics:
@@ -45,12 +86,12 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, open fds, …
+        # process_resident_memory_bytes, process_cpu_seconds_total, open fds, …
+        self._process: object = ProcessCollector(registry=r)
+        self.count_request: Callable[[str, str], None] = self.counted  # (N > 1 frontends: through the core)
         self.ttft = Histogram("linserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
                               buckets=REQUEST_BUCKETS, registry=r)
-        self.itl = Histogram("linserve_inter_token_latency_seconds",
-                             "Time between consecutive tokens of a sequence, by the token's position (context).",
-                             ["context"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = ContextLatencies(LATENCY_BUCKETS, r)
         self.e2e = Histogram("linserve_e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=REQUEST_BUCKETS, registry=r)
         self.queue_wait = Histogram("linserve_queue_wait_seconds", "Time from arrival to admission into a state slot.",
@@ -98,11 +139,20 @@ class Metrics:
         for tier in ("device", "host", "store"):
             self.sessions.labels(tier)
         # the children the engine thread observes every step, looked up once (a labels() call takes a lock)
-        self._itl = {label: self.itl.labels(label) for label in (*(lb for _, lb in CONTEXT_BUCKETS), "64k+")}
         self._step = {phase: self.step.labels(phase) for phase in ("decode", "prefill", "mixed")}
         self._pool_gauges = (self.running, self.waiting, self.pool_bytes.labels("in_use"),
                              *(self.sessions.labels(tier) for tier in ("device", "host", "store")))
         self._pool_values: tuple | None = None  # as last set: a step that changed none sets none
+
+    def counted(self, endpoint: str, status: str) -> None:
+        """An answered HTTP request (`linserve_requests_total`)."""
+        self.requests.labels(endpoint, status).inc()
+
+    def describe_processes(self, root_pid: int) -> None:
+        """`process_*` of the whole server (`api_servers` > 1): `root_pid` and its children, summed."""
+        self.registry.unregister(self._process)
+        self._process = ProcessTree(root_pid)
+        self.registry.register(self._process)
 
     def watch_decode_step(self, describe: Callable[[], dict | None]) -> None:
         """Export the decode step's compile status and compile=auto verdict, read at each scrape."""
@@ -124,8 +174,8 @@ class Metrics:
             if stats.drafted:
                 self.spec_drafted.inc(stats.drafted)
                 self.spec_accepted.inc(stats.accepted)
-            for position, seconds in stats.token_latencies:
-                self._itl[context_label(position)].observe(seconds)
+            if stats.token_latencies:
+                self.itl.observe_step(stats.token_latencies)
         elif isinstance(stats, PoolStats):
             values = (stats.running, stats.waiting, stats.state_bytes_in_use, stats.sessions_device,
                       stats.sessions_host, stats.sessions_store)
@@ -157,6 +207,36 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ProcessTree:
+    """The standard `process_*` series for a server of several processes (`api_servers` > 1: `serve`, the
+    engine core, the frontends): CPU seconds, memory and open descriptors summed over the root and its
+    children; the start time and the descriptor limit are the root's."""
+
+    OWN = ("process_start_time_seconds", "process_max_fds")
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+
+    def pids(self) -> list[int]:
+        parent = str(self.root_pid)
+        children = [int(entry) for entry in os.listdir("/proc")
+                    if entry.isdigit() and (fields := stat_fields(entry)) and fields[1] == parent]
+        return [self.root_pid, *children]
+
+    def collect(self):
+        families: dict = {}
+        for pid in self.pids():
+            for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
+                for sample in family.samples:
+                    if sample.name not in families:
+                        families[sample.name] = (family, sample.value)
+                    elif sample.name not in self.OWN:
+                        families[sample.name] = (families[sample.name][0], families[sample.name][1] + sample.value)
+        for family, value in families.values():
+            kind = CounterMetricFamily if family.type == "counter" else GaugeMetricFamily
+            yield kind(family.name, family.documentation, value=value)
 
 
 class DecodeStepCollector:

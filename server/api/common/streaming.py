@@ -29,12 +29,12 @@ class LoopDelivery:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._pending: collections.deque[tuple[asyncio.Queue, RequestOutput]] = collections.deque()
+        self._pending: collections.deque[tuple[OutputStream, RequestOutput]] = collections.deque()
         self._lock = threading.Lock()
         self._scheduled = False
 
-    def put(self, target: asyncio.Queue, output: RequestOutput) -> None:
-        """Engine thread."""
+    def put(self, target: OutputStream, output: RequestOutput) -> None:
+        """Engine thread (or the engine core's reader thread)."""
         with self._lock:
             self._pending.append((target, output))
             if self._scheduled:
@@ -48,7 +48,7 @@ class LoopDelivery:
             batch, self._pending = self._pending, collections.deque()
             self._scheduled = False
         for target, output in batch:
-            target.put_nowait(output)
+            target.arrived(output)
 
 
 _deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopDelivery] = weakref.WeakKeyDictionary()
@@ -61,16 +61,29 @@ def delivery_for(loop: asyncio.AbstractEventLoop) -> LoopDelivery:
 
 
 class OutputStream:
-    """Async iterator over one request's outputs; ends after `rows` finished outputs."""
+    """Async iterator over one request's outputs; ends after `rows` finished outputs. Outputs wait in a deque;
+    the reading task, when it finds none, waits on one future that the first arrival of a step resolves — a
+    wake-up per step per stream, and no asyncio.Queue bookkeeping per token (the hot path at 32 streams)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, rows: int) -> None:
+        self._loop = loop
         self._delivery = delivery_for(loop)
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._outputs: collections.deque[RequestOutput] = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self._open_rows = rows
 
     def sink(self, output: RequestOutput) -> None:
         """Called on the engine thread."""
-        self._delivery.put(self._queue, output)
+        self._delivery.put(self, output)
+
+    def arrived(self, output: RequestOutput) -> None:
+        """Event-loop thread (LoopDelivery)."""
+        self._outputs.append(output)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         async for batch in self.batches():
@@ -80,13 +93,19 @@ class OutputStream:
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
         """Everything that has arrived, at least one output at a time: a writer that fell behind sends
         the backlog in one write instead of one per token."""
+        outputs = self._outputs
         while self._open_rows > 0:
-            batch = [await self._queue.get()]
-            open_rows = self._open_rows - batch[0].finished
-            while open_rows > 0 and not self._queue.empty():
-                output = self._queue.get_nowait()
+            while not outputs:
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            batch, open_rows = [], self._open_rows
+            while outputs and open_rows > 0:
+                output = outputs.popleft()
                 batch.append(output)
-                open_rows -= output.finished
+                open_rows -= output.finish_reason is not None
             self._open_rows = open_rows
             yield batch
 

@@ -82,6 +82,8 @@ class VersionInfo(BaseModel):
                                      "linserve's batch-invariant kernel; onednn without it) and weights (bf16 or int8)")
     decode_step: dict | None = Field(None, description="compile setting, status, buckets ready and compile=auto's "
                                      "verdict (decision, gain, quartiles, rounds, contention, provisional, source)")
+    api_servers: int = Field(description="where the engine runs: 0, a thread of the HTTP process; N >= 1, the engine "
+                             "core in a process of its own with N frontend processes")
 
 
 class ModelCard(BaseModel):

@@ -79,7 +79,8 @@ async def version(request: Request) -> VersionInfo:
                        cpu_threads=facts.cpu_threads if facts else None,
                        dtype=facts.weights_dtype if facts else None,
                        projections=facts.projections if facts else projection.describe(),
-                       decode_step=await asyncio.to_thread(engine.describe_decode_step) if facts else None)
+                       decode_step=await asyncio.to_thread(engine.describe_decode_step) if facts else None,
+                       api_servers=request.app.state.settings.engine_placement())
 
 
 @router.get("/v1/models", response_model=ModelList, responses=errors(*AUTH))

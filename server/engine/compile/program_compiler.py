@@ -170,9 +170,9 @@ def _load(directory: str, device: torch.device) -> ServedModel:
 
 def build(directory: str, model: ServedModel, num_slots: int, size: int, autotune: bool,
           name: str = "decode") -> None:
-    """Export and AOT-compile the program `name` ("decode" or "verify{k}") for `size` rows on the model's
-    device into its artifact (atomically); with `autotune` (CPU), Inductor times its GEMM choices
-    (max-autotune: C++ GEMM templates over packed weights)."""
+    """Export and AOT-compile the program `name` ("decode", "verify{k}", "draft{k}" or "prefill{T}") for `size`
+    rows on the model's device into its artifact (atomically); with `autotune` (CPU), Inductor times its GEMM
+    choices (max-autotune: C++ GEMM templates over packed weights)."""
     import torch._inductor.config as inductor_config
 
     from ..decode_program import ProgramKind
@@ -186,6 +186,10 @@ def build(directory: str, model: ServedModel, num_slots: int, size: int, autotun
         from ..spec.draft_model import DraftKind
 
         kind = DraftKind(name)
+    elif name.startswith("prefill"):
+        from ..prefill_program import PrefillKind
+
+        kind = PrefillKind(name)
     else:
         kind = ProgramKind(name)
     program = kind.make(model)

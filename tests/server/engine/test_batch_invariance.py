@@ -46,8 +46,12 @@ def default_engine(request, make_engine, compile_cache, device):
         engine = make_engine(num_slots=12, compile="on", compile_cache_dir=compile_cache)
         # 2 … 7 rows pad to 8 (each build takes a minute on 2 cores; int8: one bucket for every batch)
         engine.decode_step.sizes = [8] if weights else [1, 8]
+        prefill = engine.runner.prefill_step  # the default's compiled prefill of short chunks: one bucket
+        prefill.sizes = [2]
         assert engine.decode_step.wait_compiled(BUILD_WAIT_S) and engine.decode_step.status == "compiled"
+        assert prefill.wait_compiled(BUILD_WAIT_S) and prefill.status == "compiled"
         yield engine
+        assert prefill.calls > 0  # the prompts' short chunks went through it
     finally:
         projection.set_weight_format("bf16")
 

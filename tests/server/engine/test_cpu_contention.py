@@ -175,6 +175,29 @@ def test_each_phase_runs_on_its_capped_count_and_decode_comes_back(tmp_path):
         torch.set_num_threads(before)
 
 
+def test_a_compiled_step_runs_on_the_kernel_count_an_eager_one_on_the_decode_count(tmp_path):
+    host, clock = Host(tmp_path), Clock()
+    plan = ThreadPlan(threads=1, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
+                      kernel_threads=2, adaptive=True)
+    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock))
+    before = torch.get_num_threads()
+    try:
+        counts.decoding(compiled=True)
+        assert torch.get_num_threads() == 2
+        counts.decoding()
+        assert torch.get_num_threads() == 1  # eager: the decode count
+        clock.now += 1.0
+        host.advance(busy0=0, busy1=TICKS_PER_S, own=0)  # a neighbour holds cpu1: the kernel count is capped too
+        counts.decoding(compiled=True)
+        assert torch.get_num_threads() == 1 == counts.kernel
+        clock.now += 1.0
+        host.advance(busy0=0, busy1=0, own=0, idle=20)  # gone
+        counts.decoding(compiled=True)
+        assert torch.get_num_threads() == 2 == counts.kernel
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_plan_that_does_not_adapt_keeps_its_counts():
     plan = ThreadPlan(threads=1, usable_cpus=2, source="setting", omp_wait_policy="default", prefill_threads=2)
     assert ThreadCounts(plan).contention is None

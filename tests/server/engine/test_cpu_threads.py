@@ -14,6 +14,7 @@ from linserve.server.engine.cpu_threads import (
     STREAMED_WEIGHT_BYTES,
     affinity_cpus,
     cgroup_cpu_quota,
+    default_kernel_threads,
     default_prefill_threads,
     default_threads,
     plan_threads,
@@ -22,7 +23,7 @@ from linserve.server.engine.cpu_threads import (
 )
 from linserve.server.engine.types import SamplingParams
 from linserve.server.settings import Settings
-from tests.helpers import prompt, run
+from tests.helpers import prompt, run, tokens_of
 
 
 @pytest.fixture
@@ -98,6 +99,12 @@ def test_prefill_default_is_every_usable_cpu_capped(usable, threads):
     assert MAX_DEFAULT_PREFILL_THREADS == 8
 
 
+@pytest.mark.parametrize(("usable", "threads", "kernel"), [(1, 1, 1), (2, 1, 2), (2, 2, 2), (3, 2, 3), (16, 4, 4),
+                                                          (16, 6, 6)])
+def test_kernel_default_is_every_usable_cpu_capped_never_below_the_decode_count(usable, threads, kernel):
+    assert default_kernel_threads(usable, threads) == kernel
+
+
 def test_usable_cpus_is_this_process_affinity_at_most():
     assert 0 < usable_cpus() <= affinity_cpus() == len(os.sched_getaffinity(0))
 
@@ -111,6 +118,8 @@ def test_plan_names_its_source(monkeypatch):
     assert (asked.threads, asked.source) == (3, "setting")
     assert chosen.prefill_threads == asked.prefill_threads == default_prefill_threads(usable_cpus())
     assert plan_threads(None, 5).prefill_threads == 5
+    assert chosen.kernel_threads == default_kernel_threads(usable_cpus(), chosen.threads)
+    assert plan_threads(None, kernel_requested=3).kernel_threads == 3
 
 
 def engine_thread_count(engine) -> int:
@@ -163,6 +172,33 @@ def test_prefill_runs_on_the_prefill_count_and_decode_on_the_decode_count(make_e
     assert [length for length, _ in spy.seen] == [16, 16, 8]  # the engine's chunks (max_prefill_chunk 16)
     assert {threads for _, threads in spy.seen} == {3}
     assert engine_thread_count(engine) == 1  # back for the decode steps
+
+
+class CompiledSeen:
+    """Wraps the engine's decode step (the real one runs): says its buckets are compiled (the step runner then
+    puts the kernel count in force) and records the calling thread's count at every decode step."""
+
+    def __init__(self, step, compiled: bool) -> None:
+        self.step, self.compiled, self.seen = step, compiled, []
+
+    def bucket_ready(self, rows: int) -> int | None:
+        return rows if self.compiled else None
+
+    def __call__(self, tokens, slots, positions):
+        self.seen.append(torch.get_num_threads())
+        return self.step(tokens, slots, positions)
+
+
+@pytest.mark.parametrize(("compiled", "count"), [(True, 2), (False, 1)])
+def test_a_compiled_decode_step_runs_on_the_kernel_count(make_engine, restore_threads, device, compiled, count):
+    if device.type != "cpu":
+        pytest.skip("CPU threads: a CUDA engine's decode runs on the GPU")
+    engine = make_engine(threads=1, kernel_threads=2, adapt_threads=False)
+    assert (engine.threads.threads, engine.threads.kernel_threads) == (1, 2)
+    spy = engine.runner.decode_step = CompiledSeen(engine.runner.decode_step, compiled)
+    params = SamplingParams(max_tokens=5, temperature=0.7, seed=1, ignore_eos=True)
+    assert tokens_of(run(engine, prompt(20), params, "t")) == tokens_of(run(make_engine(), prompt(20), params, "u"))
+    assert spy.seen and set(spy.seen) == {count}
 
 
 def in_thread(fn):

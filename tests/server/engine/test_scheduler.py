@@ -137,6 +137,37 @@ def test_prefill_is_throttled_while_streams_decode():
     assert plan.prefill_tokens == 24
 
 
+def test_short_prompts_are_priced_as_their_share_of_one_prefill_program_call_while_streams_decode():
+    """With the compiled prefill program ready (T 16, 2 rows a call), a whole prompt of at most T tokens costs T / 2
+    of the while-decoding budget: two 16-token arrivals join a decoding step, not one; a longer prompt still gets
+    its tokens' worth, and with no program ready short prompts cost their tokens as before."""
+    ready = {"call": (16, 2)}
+    scheduler = Scheduler(FakeAllocator(8), max_batch_tokens=300, max_prefill_chunk=256, max_prefill_while_decoding=16,
+                          prefill_call=lambda: ready["call"])
+    scheduler.add(SchedSeq("running", to_prefill=1))
+    scheduler.schedule()
+    scheduler.prefilled("running", 1)  # now it decodes
+    for name, tokens in (("a", 16), ("b", 12), ("c", 16), ("long", 40)):
+        scheduler.add(SchedSeq(name, to_prefill=tokens))
+    plan = scheduler.schedule()
+    assert plan.prefill == [("a", 0, 16), ("b", 0, 12)]  # one call's worth: two arrivals, whole
+    for seq_id, _, length in plan.prefill:
+        scheduler.prefilled(seq_id, length)
+    plan = scheduler.schedule()
+    assert plan.prefill == [("c", 0, 16), ("long", 0, 8)]  # the long prompt takes what is left, in tokens
+    scheduler.prefilled("c", 16)
+    scheduler.prefilled("long", 8)
+    assert scheduler.schedule().prefill == [("long", 8, 16)]  # not one call: its tokens' worth
+    ready["call"] = (0, 0)  # no program ready: tokens again
+    scheduler.add(SchedSeq("d", to_prefill=10))
+    scheduler.add(SchedSeq("e", to_prefill=10))
+    scheduler.prefilled("long", 16)
+    plan = scheduler.schedule()
+    assert plan.prefill == [("long", 24, 16)]
+    scheduler.prefilled("long", 16)
+    assert scheduler.schedule().prefill == [("d", 0, 10), ("e", 0, 6)]
+
+
 def admitted(plan) -> list[str]:
     return [seq_id for seq_id, _, _ in plan.prefill]
 

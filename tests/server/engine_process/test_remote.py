@@ -4,6 +4,8 @@ refuses new work; a stop drains the core and ends its process. (The HTTP side of
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from linserve.server.engine import EngineError, EngineRequest, FinishReason, SamplingParams
 from linserve.server.engine.types import StepStats
 from linserve.server.engine_process import core_main
-from linserve.server.engine_process.remote import start_core
+from linserve.server.engine_process.remote import CoreProcess, connect_core, start_core
 from linserve.server.settings import Settings
 from tests.helpers import Collector, prompt
 
@@ -91,3 +93,48 @@ def test_an_output_crosses_the_channel_whole():
     assert all(getattr(full, f.name) != f.default for f in dataclasses.fields(full))  # every field set
     for output in (full, RequestOutput("cmpl-2", 0, None, "")):
         assert pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL)) == output
+
+
+def test_a_frontend_that_is_gone_has_its_requests_aborted_while_another_serves(tiny_checkpoint):
+    """One core, two frontends' connections (as `--api-servers 2` spawns them): both hear every step's stats
+    and each other's counted requests; one that ends mid-stream has its request aborted — its slot comes
+    back — while the other's goes on; the core ends once the other stops."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe(duplex=True) for _ in range(2)]
+    process = context.Process(target=core_main.run, args=(settings_for(tiny_checkpoint), [t for _, t in pipes]))
+    process.start()
+    for _, theirs in pipes:
+        theirs.close()
+    stats, counted = [[], []], [[], []]
+    engines = [connect_core(settings_for(tiny_checkpoint), ours, CoreProcess(process.pid), stats[i].append,
+                            lambda endpoint, status, i=i: counted[i].append((endpoint, status)))[0]
+               for i, (ours, _) in enumerate(pipes)]
+    try:
+        engines[0].count_request("/v1/completions", "200")
+        engines[1].sync()
+        engines[0].sync()
+        assert counted == [[("/v1/completions", "200")]] * 2  # told to every frontend through the core
+        sinks = [Collector(), Collector()]
+        for i, engine in enumerate(engines):
+            engine.submit(EngineRequest(f"long-{i}", prompt(6, i), SamplingParams(max_tokens=100_000,
+                                                                                  ignore_eos=True)),
+                          sinks[i]).result(30)
+            assert sinks[i].queue.get(timeout=30).token_id is not None
+        assert engines[1].slot_accounting().result(10)["slots_in_use"] == 2
+        gone = socket.socket(fileno=os.dup(engines[0].conn.fileno()))
+        gone.shutdown(socket.SHUT_RDWR)  # the first frontend is gone (as if killed): the core reads its end
+        gone.close()
+        deadline = time.monotonic() + 30
+        while engines[1].counts().result(10)[0] != 1:  # its request was aborted; the other's runs on
+            assert time.monotonic() < deadline, "the gone frontend's request still runs"
+            time.sleep(0.05)
+        accounting = engines[1].slot_accounting().result(10)
+        assert accounting["slots_in_use"] == accounting["running_rows"] + accounting["device_sessions"] == 1
+        assert all(any(isinstance(item, StepStats) for item in got) for got in stats)  # both heard the steps
+    finally:
+        engines[1].stop(timeout=30)
+    assert sinks[1].wait(timeout=10)[-1].finish_reason is FinishReason.ABORT
+    process.join(10)
+    assert process.exitcode == 0

@@ -19,7 +19,7 @@ def limited(tiny_checkpoint, tmp_path_factory):
     from tests.devices import device_name_under_test
 
     settings = Settings(model=str(tiny_checkpoint), device=device_name_under_test(), num_slots=4, compile="off",
-                        max_tokens_limit=LIMIT, speculative_k=2,
+                        api_servers=0, max_tokens_limit=LIMIT, speculative_k=2,
                         session_store=f"dir:{tmp_path_factory.mktemp('limits')}")
     with TestClient(create_app(settings)) as client:
         yield client

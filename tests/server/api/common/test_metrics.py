@@ -3,9 +3,12 @@ only when a value changed), read back from the rendered text format."""
 
 from __future__ import annotations
 
+import random
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from linserve.server.api.common.metrics import Metrics
+from linserve.server.api.common.metrics import CONTEXT_BUCKETS, LATENCY_BUCKETS, ContextLatencies, Metrics
 from linserve.server.engine.types import PoolStats, StepStats
 
 
@@ -54,3 +57,23 @@ def test_pool_gauges_follow_every_change_and_hold_between():
     assert got[("linserve_requests_running", ())] == 0
     assert got[("linserve_state_pool_bytes", (("kind", "in_use"),))] == 0
     assert [got[("linserve_sessions", (("tier", t),))] for t in ("device", "host", "store")] == [0, 0, 0]
+
+
+def test_the_context_latencies_render_as_prometheus_clients_histogram_would():
+    """The ITL histogram takes a step's tokens in one call; its text is a Histogram's, sample for sample."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = ContextLatencies(LATENCY_BUCKETS, ours)
+    reference = Histogram(fast.name, fast.documentation, ["context"], buckets=LATENCY_BUCKETS, registry=theirs)
+    labels = [label for _, label in CONTEXT_BUCKETS] + ["64k+"]
+    for label in labels:
+        reference.labels(label)
+    rng = random.Random(5)
+    edges = [*LATENCY_BUCKETS, 0.0, 20.0]  # on a bound, below the first, past the last
+    for _ in range(50):
+        step = [(rng.choice([0, 5, 1023, 1024, 4095, 4096, 16383, 16384, 65535, 65536, 10**6]),
+                 rng.choice([rng.uniform(0, 0.02), rng.choice(edges)])) for _ in range(rng.randint(0, 8))]
+        fast.observe_step(step)
+        for position, seconds in step:
+            label = next((lb for limit, lb in CONTEXT_BUCKETS if position < limit), "64k+")
+            reference.labels(label).observe(seconds)
+    assert generate_latest(ours) == generate_latest(theirs)
