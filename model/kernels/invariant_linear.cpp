@@ -129,13 +129,51 @@ inline __m512 dot_chunk(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
 
-// R rows × O outputs of one group: lanes into out[r][o][16]
-template <int R, int O, typename W>
-void block_lanes(const uint16_t* x, const W* w, int64_t K, float* out) {
+inline __m512 pair_sum(__m512 a, __m512 b, __m512i low, __m512i high) {
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, low, b), _mm512_permutex2var_ps(a, high, b));
+}
+// The tree of halves over 16 outputs' lanes (v[o], 16 floats each) → their 16 sums in order, each output's exactly
+// tree16's: level 1 pairs outputs (2i, 2i+1) into one vector of their half sums, level 2 those pairs, and so on.
+// Levels 1-2 of outputs 4q..4q+3 need only those four (quad: one vector u[q]); levels 3-4 take the four u's (last).
+// So a block reduces its accumulators in registers as it finishes, and nothing of the lanes touches memory.
+struct Tree {
+  __m512i l1, h1, l2, h2, l3, h3, l4, h4;
+  Tree() {
+    l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    h1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    h2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    h3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    h4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  }
+  inline __m512 quad(__m512 a, __m512 b, __m512 c, __m512 d) const {
+    return pair_sum(pair_sum(a, b, l1, h1), pair_sum(c, d, l1, h1), l2, h2);
+  }
+  inline __m512 last(const __m512* u) const {
+    return pair_sum(pair_sum(u[0], u[1], l3, h3), pair_sum(u[2], u[3], l3, h3), l4, h4);
+  }
+};
+
+// R rows × 4Q outputs (4Q ≤ 16 - o0): each row's quads of lanes reduced by the tree's first two levels into u[r][q]
+template <int R, int Q, typename W>
+void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0) {
+  constexpr int O = 4 * Q;
   __m512 acc[R][O];
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < K; c += CHUNK) {
+  const int64_t full = K - K % CHUNK;
+  int64_t c = 0;
+  for (; c < full; c += CHUNK) {
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = load_chunk(x + r * K + c, CHUNK);
+    for (int o = 0; o < O; ++o) {
+      __m512i b = load_chunk(w + o * K + c, CHUNK);
+      for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], a[r], b);
+    }
+  }
+  if (c < K) {
     const int64_t left = K - c;
     __m512i a[R];
     for (int r = 0; r < R; ++r) a[r] = load_chunk(x + r * K + c, left);
@@ -145,58 +183,62 @@ void block_lanes(const uint16_t* x, const W* w, int64_t K, float* out) {
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int o = 0; o < O; ++o) _mm512_storeu_ps(out + (r * GROUP + o) * 16, acc[r][o]);
+    for (int q = 0; q < Q; ++q)
+      u[r][q0 + q] = tree.quad(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
 }
 
-inline __m512 pair_sum(__m512 a, __m512 b, __m512i low, __m512i high) {
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, low, b), _mm512_permutex2var_ps(a, high, b));
+// the last quad of a group with 1-3 outputs: each alone, the missing ones' lanes zero
+template <int R, typename W>
+void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, int count, __m512 (*u)[4], int q) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int o = 0; o < count; ++o)
+    for (int64_t c = 0; c < K; c += CHUNK) {
+      __m512i b = load_chunk(w + o * K + c, K - c);
+      for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], load_chunk(x + r * K + c, K - c), b);
+    }
+  for (int r = 0; r < R; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
-// 16 outputs' lanes (v[o][16]) → their 16 sums in order, each by the tree of halves (tree16's order exactly)
-inline __m512 tree16x16(const float* v) {
-  static const __m512i l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  static const __m512i h1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  static const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  static const __m512i h2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  static const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-  static const __m512i h3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  static const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  static const __m512i h4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  __m512 t[8], u[4], s[2];
-  for (int i = 0; i < 8; ++i) t[i] = pair_sum(_mm512_loadu_ps(v + 32 * i), _mm512_loadu_ps(v + 32 * i + 16), l1, h1);
-  for (int i = 0; i < 4; ++i) u[i] = pair_sum(t[2 * i], t[2 * i + 1], l2, h2);
-  for (int i = 0; i < 2; ++i) s[i] = pair_sum(u[2 * i], u[2 * i + 1], l3, h3);
-  return pair_sum(s[0], s[1], l4, h4);
+template <int R, typename W>
+inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_t K, int64_t outputs, __m512 (*u)[4]) {
+  constexpr int Q = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  const int quads = static_cast<int>(outputs / 4);
+  int q = 0;
+  for (; q + Q <= quads; q += Q) block_quads<R, Q, W>(tree, x, wg + 4 * q * K, K, u, q);
+  for (; q < quads; ++q) block_quads<R, 1, W>(tree, x, wg + 4 * q * K, K, u, q);
+  if (outputs % 4) {
+    block_partial<R, W>(tree, x, wg + 4 * q * K, K, static_cast<int>(outputs % 4), u, q);
+    ++q;
+  }
+  for (; q < 4; ++q)
+    for (int r = 0; r < R; ++r) u[r][q] = _mm512_setzero_ps();
 }
 
 template <typename W>
 void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
                  int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t N) {
-  alignas(64) float lanes[4 * GROUP * 16];
+  const Tree tree;
+  __m512 u[6][4];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
     const W* wg = w + g * K;
+    const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
+    const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
     for (int64_t m = m0; m < m1;) {
-      const int64_t rows = m1 - m >= 4 ? 4 : (m1 - m >= 2 ? 2 : 1);
-      std::memset(lanes, 0, sizeof(lanes));
+      const int64_t left = m1 - m;
+      const int64_t rows = left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1));
       const uint16_t* xm = x + m * K;
-      int64_t o = 0;
-      if (rows == 1) {
-        for (; o + 16 <= outputs; o += 16) block_lanes<1, 16, W>(xm, wg + o * K, K, lanes + o * 16);
-        for (; o + 4 <= outputs; o += 4) block_lanes<1, 4, W>(xm, wg + o * K, K, lanes + o * 16);
-        for (; o < outputs; ++o) block_lanes<1, 1, W>(xm, wg + o * K, K, lanes + o * 16);
-      } else if (rows == 2) {
-        for (; o + 8 <= outputs; o += 8) block_lanes<2, 8, W>(xm, wg + o * K, K, lanes + o * 16);
-        for (; o < outputs; ++o) block_lanes<2, 1, W>(xm, wg + o * K, K, lanes + o * 16);
-      } else {
-        for (; o + 4 <= outputs; o += 4) block_lanes<4, 4, W>(xm, wg + o * K, K, lanes + o * 16);
-        for (; o < outputs; ++o) block_lanes<4, 1, W>(xm, wg + o * K, K, lanes + o * 16);
+      switch (rows) {
+        case 6: group_quads<6, W>(tree, xm, wg, K, outputs, u); break;
+        case 4: group_quads<4, W>(tree, xm, wg, K, outputs, u); break;
+        case 2: group_quads<2, W>(tree, xm, wg, K, outputs, u); break;
+        default: group_quads<1, W>(tree, xm, wg, K, outputs, u);
       }
-      const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
-      const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
-      const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
       for (int64_t r = 0; r < rows; ++r) {
-        __m512 s = tree16x16(lanes + r * GROUP * 16);
+        __m512 s = tree.last(u[r]);
         if (scale) s = _mm512_mul_ps(s, sc);
         if (bias) s = _mm512_add_ps(s, bi);
         __m256i out = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s));
