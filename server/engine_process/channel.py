@@ -30,7 +30,7 @@ from ..engine.types import EngineError
 
 # what a frontend may call: the session commands, and the questions /ready, /version and the tests ask
 SESSION_CALLS = frozenset({"create", "info", "fork", "kept_result", "forget", "export", "import_", "turns", "rewind",
-                           "delete", "keyed_result", "keep_keyed_result", "list"})
+                           "delete", "abandon", "keyed_result", "keep_keyed_result", "list"})
 ENGINE_CALLS = frozenset({"counts", "slot_accounting", "store_status", "describe_speculation", "describe_decode_step",
                           "sync"})
 CALLS = frozenset({*(f"sessions.{name}" for name in SESSION_CALLS), *ENGINE_CALLS})

@@ -207,7 +207,7 @@ async def create_response(request: Request, body: ResponseCreateRequest, setting
 def forget_session(request: Request, owner, placement: Placement, failed: bool) -> None:
     """A session made for this response goes again if its turn failed, or when the response is not stored."""
     if placement.made and (failed or not placement.turn):
-        get_engine(request).sessions.delete(placement.session_id, owner, wait_s=CLEANUP_WAIT_S)
+        get_engine(request).sessions.abandon(placement.session_id, owner, wait_s=CLEANUP_WAIT_S)
 
 
 @router.get("/{response_id}", response_model=None, responses=errors(*SESSION))

@@ -101,11 +101,11 @@ async def _create(request: Request, engine: Engine, owner: Owner,
         generation = await start_generation(request, [prompt_ids], SamplingParams(max_tokens=0), "sess", info.id, owner)
         if await collect(request, generation) is None:
             return None
-        info = await engine_call(request, engine.sessions.info(info.id, owner))
+        info = await engine_call(request, engine.sessions.info(info.id, owner, here=True))  # (just stored)
         done = True
     finally:
         if not done:  # waits for the aborted prefill's turn to settle (milliseconds), then deletes
-            engine.sessions.delete(info.id, owner, wait_s=CLEANUP_WAIT_S)
+            engine.sessions.abandon(info.id, owner, wait_s=CLEANUP_WAIT_S)
     return SessionCreated(id=info.id, tokens=info.tokens, state_bytes=info.state_bytes, revision=info.revision)
 
 

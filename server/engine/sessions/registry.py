@@ -61,7 +61,7 @@ class SessionRegistry:
         self.text_chars = text_chars  # each session's turn text, at most (session_text_chars)
         self.store = store = store if store is not None else NoStore()  # (`none`: settled at once, see `through`)
         self.worker = worker  # the store's thread (None with NoStore: nothing to wait for)
-        self.access = StoreAccess(store, self._held)
+        self.access = StoreAccess(store, self.held)
         if worker is not None:
             worker.after_probe.append(self.access.retry_releases)
         self.shared = store.shared  # replicas share it: leases and freshness checks
@@ -87,7 +87,7 @@ class SessionRegistry:
         """Whether this process has the session in memory (any thread: a hint the engine thread re-checks)."""
         return session_id in self.by_id
 
-    def _held(self, session_id: str) -> tuple[bool, str | None]:
+    def held(self, session_id: str) -> tuple[bool, str | None]:
         """(held in memory, its revision) — read by the store thread as a hint."""
         session = self.by_id.get(session_id)
         return (False, None) if session is None else (True, session.revision)
@@ -370,6 +370,16 @@ class SessionRegistry:
             self.discard(session)
 
         return self.through(StoreStep("delete", remove, settle))
+
+    def abandon(self, session_id: str, owner: str | None) -> None:
+        """Engine thread: a failed create's session that could not be deleted through the store (down): the copy
+        here is dropped and its record, if one landed, removed once the store answers (retried with the leases)."""
+        session = self.by_id.get(session_id)
+        if session is not None and session.owner == owner and not session.busy:
+            self._drop(session)
+        if self.worker is not None and self.store.keeps:
+            access = self.access
+            self.worker.submit("delete", lambda deadline: access.undo(session_id, owner or ""), None)
 
     def expire(self) -> None:
         """Housekeeping between steps (upkeep.py)."""

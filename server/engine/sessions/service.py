@@ -64,8 +64,10 @@ class SessionService:
         that prompt, checked before the session exists."""
         return self.command(lambda _: self.registry.create(owner, first_prompt, prompt_ids))
 
-    def info(self, session_id: str, owner: str | None) -> Future:
-        return self.command(self.registry.info, session_id, owner)
+    def info(self, session_id: str, owner: str | None, here: bool = False) -> Future:
+        """`here`: this process's copy, if it holds one, without asking the store — for the caller that has just
+        written it (a create's answer must not wait on a second store call that an outage can fail)."""
+        return self.command(self.registry.info, session_id, owner, here=here)
 
     def fork(self, session_id: str, owner: str | None, at_turn: int | None = None) -> Future:
         return self.command(lambda source: copies.fork(self.registry, source, owner, at_turn), session_id, owner)
@@ -93,6 +95,20 @@ class SessionService:
     def delete(self, session_id: str, owner: str | None, wait_s: float = LEASE_GRACE_S) -> Future:
         """`wait_s`: how long a session busy here or elsewhere is waited for before a 409."""
         return self.command(self.registry.delete, session_id, owner, claim=True, wait_s=wait_s)
+
+    def abandon(self, session_id: str, owner: str | None, wait_s: float = LEASE_GRACE_S) -> Future:
+        """A session whose create failed after it existed (its caller was told so and never learnt its id): deleted
+        — and if the store cannot answer now, dropped here and its record removed once the store answers again
+        (`StoreAccess.undo`), so no outage leaves it behind."""
+        deleted = self.command(self.registry.delete, session_id, owner, claim=True, wait_s=wait_s)
+
+        def fall_back(future: Future) -> None:
+            error = None if future.cancelled() else future.exception()
+            if getattr(error, "kind", None) in ("store_unavailable", "outcome_unknown"):
+                self._internal_call(lambda: self.registry.abandon(session_id, owner))
+
+        deleted.add_done_callback(fall_back)
+        return deleted
 
     def keyed_result(self, name: str) -> Future:
         """What the store keeps under `name` (an Idempotency-Key's answer), or None; read on the store thread."""
@@ -122,21 +138,24 @@ class SessionService:
 
     # ------------------------------------------------------------------ the hops
     def command(self, act: Callable[[Session | None], object], session_id: str | None = None,
-                owner: str | None = None, claim: bool = False, wait_s: float = LEASE_GRACE_S) -> Future:
+                owner: str | None = None, claim: bool = False, wait_s: float = LEASE_GRACE_S,
+                here: bool = False) -> Future:
         """`act(session)` on the engine thread after the store lookup (see the module doc); a StoreStep it
         returns is run, then settled, before the future resolves. A session busy here or on another replica
-        is waited for up to `wait_s` (a turn that is finishing stores its record in milliseconds)."""
-        return asyncio.run_coroutine_threadsafe(self._command(act, session_id, owner, claim, wait_s), self._loop)
+        is waited for up to `wait_s` (a turn that is finishing stores its record in milliseconds). `here`: a
+        read that takes this process's copy as current when it holds one (no lookup)."""
+        return asyncio.run_coroutine_threadsafe(self._command(act, session_id, owner, claim, wait_s, here),
+                                                self._loop)
 
     async def _command(self, act: Callable, session_id: str | None, owner: str | None, claim: bool,
-                       wait_s: float) -> object:
+                       wait_s: float, here: bool = False) -> object:
         """The command, hop after hop, on the commands' own event loop (it only waits: the work is the store
         thread's and the engine thread's)."""
         grace_until = time.monotonic() + wait_s
         refetch, stale = False, 0
         while True:
             try:
-                found = await self._lookup(session_id, claim, refetch)  # 1. store thread
+                found = await self._lookup(session_id, claim, refetch, here)  # 1. store thread
             except LeaseHeld:  # another replica's turn is finishing: wait a little for its write
                 if time.monotonic() < grace_until:
                     await asyncio.sleep(RETRY_S)
@@ -160,11 +179,15 @@ class SessionService:
                 return await self._settle(acted.step, acted.stored)  # 3. store thread, then engine thread
             return acted
 
-    async def _lookup(self, session_id: str | None, claim: bool, refetch: bool) -> Lookup | None:
+    async def _lookup(self, session_id: str | None, claim: bool, refetch: bool, here: bool = False) -> Lookup | None:
         if session_id is None or self.worker is None:
             return None
         if not self.registry.shared and not refetch and self.registry.holds(session_id):
             return Lookup(session_id, None, None, None, fetched=False)  # nothing to read (re-checked there)
+        if here and not claim and not refetch:
+            held, revision = self.registry.held(session_id)
+            if held:  # this process's copy, as current as the store's (resolve re-checks it is still held)
+                return Lookup(session_id, None, revision, None, fetched=False)
         access = self.registry.access
         found = await asyncio.wrap_future(
             self.worker.submit("get", lambda deadline: access.lookup(session_id, claim, refetch, deadline)))

@@ -269,3 +269,38 @@ def test_a_session_whose_first_turn_never_got_stored_deletes_cleanly_and_frees_i
     with pytest.raises(EngineError) as error:
         engine.sessions.info(info.id, "k").result(10)
     assert error.value.kind == "not_found"
+
+
+def test_a_create_abandoned_while_redis_is_frozen_leaves_nothing_once_it_wakes(make_engine, redis_url):
+    """A create-with-prompt whose turn was stored, then failed before its answer (the client left): its session is
+    abandoned while Redis is frozen. The create's own answer reads this process's copy (no store call an outage
+    can fail); the delete cannot reach the store, so the copy goes at once and the record once Redis answers."""
+    url, server = redis_url
+    engine = make_engine(num_slots=8, session_store=url, session_store_timeout_s=TIMEOUT_S)
+    store = engine.registry.store
+    made = engine.sessions.create("k", first_prompt=True).result(10)
+    run(engine, prompt(7, 4), SamplingParams(max_tokens=0), "first", session_id=made.id, owner="k")
+    assert store.get(made.id) is not None  # the first turn stored the session
+    before = memory_sessions(engine)
+    server.send_signal(signal.SIGSTOP)
+    try:
+        assert engine.sessions.info(made.id, "k", here=True).result(10).tokens == 7  # no store call
+        store_error(engine.sessions.info(made.id, "k"))  # (a lookup waits for the store, and fails)
+        store_error(engine.sessions.abandon(made.id, "k", wait_s=1))
+        deadline = time.monotonic() + 10
+        while memory_sessions(engine) != before - 1:
+            assert time.monotonic() < deadline, "the abandoned session stayed in memory"
+            time.sleep(0.05)
+        assert_slots_balance(engine)
+    finally:
+        server.send_signal(signal.SIGCONT)
+    wait_up(engine)
+    deadline = time.monotonic() + 15
+    while store.get(made.id) is not None:  # removed after the first successful probe
+        assert time.monotonic() < deadline, "the abandoned session's record stayed in the store"
+        time.sleep(0.1)
+    with pytest.raises(EngineError) as error:
+        engine.sessions.info(made.id, "k").result(10)
+    assert error.value.kind == "not_found"
+    assert engine.sessions.list("k", None, 100, True).result(10)[0] == []
+    assert_slots_balance(engine)
