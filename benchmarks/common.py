@@ -133,6 +133,34 @@ print(1e3 * statistics.median(times))
 QUIET_DRIFT = 0.05  # the two timings within 5% of each other
 
 
+def tree_rss_bytes(pid: int) -> int:
+    """Resident bytes of a process and every process under it: a server with its engine core in a process of its
+    own (`--api-servers` ≥ 1, serve's default on 2 CPUs) holds the weights and the state pool in that child."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    total = 0
+    for member in tree:
+        try:
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
 def reference_workload_ms(reps: int = 31) -> float:
     """The reference workload's median time (ms) on this machine, now."""
     import sys

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit  # noqa: E402
+from common import emit, tree_rss_bytes  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
 from linserve.model.generate import decode_one_token, prefill
@@ -38,7 +38,10 @@ RSS_TARGET = 0.005
 
 
 def rss_bytes(pid: int | None = None) -> int:
-    with open(f"/proc/{pid or os.getpid()}/statm") as f:
+    """This process's resident bytes, or a server's with every process under it (its engine core)."""
+    if pid is not None:
+        return tree_rss_bytes(pid)
+    with open(f"/proc/{os.getpid()}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
-from common import emit, machine_check, reference_workload_ms  # noqa: E402
+from common import emit, machine_check, reference_workload_ms, tree_rss_bytes  # noqa: E402
 from decode_vs_context import bandwidths, median_step  # noqa: E402
 from p9_peers import LLAMA_SERVER, PEERS, itl_p50_ms, one_load, start_llama  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
@@ -127,13 +127,6 @@ def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile
             "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5}
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2)
@@ -204,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                     rates[(name, load)].append(summary["token_throughput_per_s"])
                     if load == long_load:
                         flat[name].append(itl_p50_ms(records, tokens - window, tokens) / itl_p50_ms(records, 0, window))
-        rss = {label: rss_bytes(process.pid) for label, process in processes.items()}
+        rss = {label: tree_rss_bytes(process.pid) for label, process in processes.items()}  # (the core too)
     finally:
         for process in processes.values():
             process.terminate()
