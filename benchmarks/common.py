@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import torch
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def compile_settled(body: dict) -> bool:
@@ -133,31 +137,30 @@ print(1e3 * statistics.median(times))
 QUIET_DRIFT = 0.05  # the two timings within 5% of each other
 
 
+def median_ms(fn, reps: int, inner: int = 20) -> float:
+    """Median over `reps` rounds of one call's ms, each round `inner` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - started) / inner)
+    return 1e3 * statistics.median(times)
+
+
 def tree_rss_bytes(pid: int) -> int:
-    """Resident bytes of a process and every process under it: a server with its engine core in a process of its
-    own (`--api-servers` ≥ 1, serve's default on 2 CPUs) holds the weights and the state pool in that child."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, its_parent in parents.items():
-            if its_parent == parent and child not in tree:
-                tree.add(child)
-                frontier.append(child)
+    """Resident bytes of a server process and its children (`metrics.ProcessTree`, as its /metrics sums them): with
+    the engine core in a process of its own (serve's default on 2 CPUs) that child holds the weights and the pool."""
+    from linserve.server.api.common.metrics import ProcessTree
+
     total = 0
-    for member in tree:
+    for member in ProcessTree(pid).pids():
         try:
-            for line in Path(f"/proc/{member}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+            with open(f"/proc/{member}/statm") as statm:
+                total += int(statm.read().split()[1]) * PAGE_BYTES
         except OSError:
-            continue
+            continue  # gone meanwhile
     return total
 
 

@@ -17,9 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_ms  # noqa: E402
 
 from linserve.model import numerics
 from linserve.model.checkpoint import load_served
@@ -30,17 +34,6 @@ from linserve.server.engine.prefill_program import PREFILL_ROWS, prefill_kind
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
 from linserve.server.settings import Settings
-
-
-def median_ms(fn, reps: int, inner: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - started) / inner)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_ms  # noqa: E402
 
 from linserve.model import generalized_delta, kernels, recurrence
 
@@ -44,14 +47,7 @@ def one_token(rows: int, heads: int, dk: int, dv: int, kind: str):
 
 def timed(fn, layers: int, reps: int) -> float:
     """Median ms of `layers` calls (a model's token)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(layers):
-            fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return layers * median_ms(fn, reps, inner=layers)
 
 
 def main() -> None:

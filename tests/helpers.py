@@ -22,6 +22,7 @@ import torch
 
 from linserve.model import ModelConfig
 from linserve.server.engine import Engine, EngineConfig, EngineRequest, RequestOutput, SamplingParams
+from linserve.server.engine.cpu_contention import stat_fields
 from linserve.server.settings import Settings
 from tests.devices import device_name_under_test
 
@@ -283,10 +284,8 @@ class ReplyDroppingProxy:
 
 def parent_pid(pid: int) -> int | None:
     """The parent of a running process (None once it is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields else None
 
 
 def spawned_children(pid: int) -> list[int]:

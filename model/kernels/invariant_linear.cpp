@@ -132,6 +132,7 @@ inline __m512 dot_chunk(__m512 acc, __m512i a, __m512i b) {
 inline __m512 pair_sum(__m512 a, __m512 b, __m512i low, __m512i high) {
   return _mm512_add_ps(_mm512_permutex2var_ps(a, low, b), _mm512_permutex2var_ps(a, high, b));
 }
+
 // The tree of halves over 16 outputs' lanes (v[o], 16 floats each) → their 16 sums in order, each output's exactly
 // tree16's: level 1 pairs outputs (2i, 2i+1) into one vector of their half sums, level 2 those pairs, and so on.
 // Levels 1-2 of outputs 4q..4q+3 need only those four (quad: one vector u[q]); levels 3-4 take the four u's (last).
@@ -156,32 +157,34 @@ struct Tree {
   }
 };
 
-// R rows × 4Q outputs (4Q ≤ 16 - o0): each row's quads of lanes reduced by the tree's first two levels into u[r][q]
-template <int R, int Q, typename W>
-void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0) {
-  constexpr int O = 4 * Q;
-  __m512 acc[R][O];
+// one 32-wide chunk at k = c (`left` of K from there: the tail reads zeros past it) into R rows × O outputs
+template <int R, int O, typename W>
+__attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
+                                                      int64_t c, int64_t left) {
+  __m512i a[R];
+  for (int r = 0; r < R; ++r) a[r] = load_chunk(x + r * K + c, left);
+  for (int o = 0; o < O; ++o) {
+    __m512i b = load_chunk(w + o * K + c, left);
+    for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], a[r], b);
+  }
+}
+
+// R rows × O outputs over all of K: the full chunks unmasked (CHUNK, a constant), the tail masked once (inlined:
+// the accumulators stay in registers)
+template <int R, int O, typename W>
+__attribute__((always_inline)) inline void dot_rows(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K) {
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
   const int64_t full = K - K % CHUNK;
-  int64_t c = 0;
-  for (; c < full; c += CHUNK) {
-    __m512i a[R];
-    for (int r = 0; r < R; ++r) a[r] = load_chunk(x + r * K + c, CHUNK);
-    for (int o = 0; o < O; ++o) {
-      __m512i b = load_chunk(w + o * K + c, CHUNK);
-      for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], a[r], b);
-    }
-  }
-  if (c < K) {
-    const int64_t left = K - c;
-    __m512i a[R];
-    for (int r = 0; r < R; ++r) a[r] = load_chunk(x + r * K + c, left);
-    for (int o = 0; o < O; ++o) {
-      __m512i b = load_chunk(w + o * K + c, left);
-      for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], a[r], b);
-    }
-  }
+  for (int64_t c = 0; c < full; c += CHUNK) dot_chunks<R, O, W>(acc, x, w, K, c, CHUNK);
+  if (full < K) dot_chunks<R, O, W>(acc, x, w, K, full, K - full);
+}
+
+// R rows × 4Q outputs: each row's quads of lanes reduced by the tree's first two levels into u[r][q0 + q]
+template <int R, int Q, typename W>
+void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0) {
+  __m512 acc[R][4 * Q];
+  dot_rows<R, 4 * Q, W>(acc, x, w, K);
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < Q; ++q)
       u[r][q0 + q] = tree.quad(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
@@ -193,11 +196,11 @@ void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, i
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
-  for (int o = 0; o < count; ++o)
-    for (int64_t c = 0; c < K; c += CHUNK) {
-      __m512i b = load_chunk(w + o * K + c, K - c);
-      for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], load_chunk(x + r * K + c, K - c), b);
-    }
+  for (int o = 0; o < count; ++o) {
+    __m512 one[R][1];
+    dot_rows<R, 1, W>(one, x, w + o * K, K);
+    for (int r = 0; r < R; ++r) acc[r][o] = one[r][0];
+  }
   for (int r = 0; r < R; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
