@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from . import numerics
 from .config import ModelConfig
 from .feature_maps import FeatureMap
-from .linear_attention import chunked_forward, recurrent_step, scan
+from .linear_attention import chunked_forward, read_pooled, recurrent_step, scan
+from .pooled_state import PooledState, gathered, readable
 from .state import KVCacheState, LinearAttentionState
 
 
@@ -91,10 +92,16 @@ class LinearAttention(_Heads):
         if key_mask is not None:
             phi_k = phi_k * key_mask[:, None, :, None].float()  # (B, H, T, dk)
         v = v.float()  # (B, H, T, dv)
-        if q.shape[2] == 1 and not prefixes:
-            o, S, z = recurrent_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state.S, state.z, self.log_decay,
-                                     self.config.eps)
+        if readable(state.S, q.shape[2], prefixes):
+            o, S, z = read_pooled(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state.S, state.z, self.log_decay,
+                                  self.config.eps)  # S: the update, pending (pooled_state.py)
             return o[:, :, None], S, z  # (B, H, 1, dv)
+        if q.shape[2] == 1 and not prefixes:
+            o, S, z = recurrent_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], gathered(state.S), state.z,
+                                     self.log_decay, self.config.eps)
+            return o[:, :, None], S, z  # (B, H, 1, dv)
+        if isinstance(state.S, PooledState):
+            state = LinearAttentionState(S=state.S.gather(), z=state.z)
         if prefixes or numerics.exact_inference(q):  # prefixes: S (B, T, H, dk, dv), z (B, T, H, dk)
             return scan(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.eps, prefixes)
         return chunked_forward(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.chunk_size,

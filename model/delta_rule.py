@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, numerics
+from .pooled_state import PendingUpdate, PooledState, gathered, readable
 
 CHUNK = 64  # tokens per chunk (fla's chunk size): one (C, C) triangular solve per chunk and head
 NEGLIGIBLE_LOG = -60.0  # decays below e^-60 (≈ 1e-26) count as 0: never a subnormal float in the products
@@ -100,9 +101,24 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, 
     return o, (torch.stack(states, dim=1) if prefixes else S)  # (B, H, T, dv), state
 
 
+def read_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
+                S: PooledState) -> tuple[torch.Tensor, PendingUpdate]:
+    """One token from the rows' slots in the pool (`linserve::delta_read`: delta_step's bits, the state not
+    written) and the update S ← S·α + k ⊗ u the decode program commits. Shapes as `scan`, T = 1."""
+    alpha = None if g is None else numerics.exp(g[:, :, 0].float()).contiguous()  # (B, H)
+    q, k, v = q[:, :, 0].float().contiguous(), k[:, :, 0].float().contiguous(), v[:, :, 0].float().contiguous()
+    o, u = torch.ops.linserve.delta_read(q, k, v, beta[:, :, 0].float().contiguous(), alpha, S.pool, S.slots)
+    return o[:, :, None], PendingUpdate(S.pool, S.slots, k, u, alpha)  # (B, H, 1, dv)
+
+
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
-        S: torch.Tensor, exact: bool, prefixes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan for one token, the exact path and every-prefix states; else the chunkwise form."""
+        S: torch.Tensor | PooledState, exact: bool, prefixes: bool = False
+        ) -> tuple[torch.Tensor, torch.Tensor | PendingUpdate]:
+    """The scan for one token, the exact path and every-prefix states; else the chunkwise form. A state still
+    in the pool (one decode token) is read there, its update returned pending (pooled_state.py)."""
+    if readable(S, q.shape[2], prefixes):
+        return read_pooled(q, k, v, beta, g, S)
+    S = gathered(S)
     if exact or prefixes or q.shape[2] <= 1:
         return scan(q, k, v, beta, g, S, prefixes)
     return chunked(q, k, v, beta, g, S)

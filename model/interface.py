@@ -57,6 +57,13 @@ class ServedModel(Protocol):
                  prefixes: bool = False) -> tuple[Tensor, ServedState]: ...
 
 
+def pooled_state_names(model: ServedModel) -> list[str]:
+    """The state tensors a family's decode step reads from the pool in place and returns as pending updates
+    (model/pooled_state.py; a family's optional `pooled_state_names()`): [] when it has none."""
+    names = getattr(model, "pooled_state_names", None)
+    return list(names()) if names is not None else []
+
+
 def model_type(config: ServedConfig) -> str:
     """The family a config is (config.json's `model_type`)."""
     return config.model_type

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, numerics
+from .pooled_state import PendingUpdate, PooledState
 
 
 def decay_powers(log_decay: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -142,6 +143,20 @@ def read_out(phi_q: torch.Tensor, S: torch.Tensor, z: torch.Tensor, eps: float) 
     num = numerics.tree_sum(phi_q[..., :, None] * S, -2)  # (..., dv)
     den = numerics.tree_sum(phi_q * z, -1)  # (...)
     return num / (den[..., None] + eps)
+
+
+def read_pooled(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, S: PooledState, z: torch.Tensor,
+                log_decay: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, PendingUpdate, torch.Tensor]:
+    """`recurrent_step` with S read from the rows' pool slots (`linserve::linear_read`: `advance` then `read_out`'s
+    numerator, to the bit, S not written): o (B, H, dv), S's update pending (pooled_state.py), z after (B, H, dk)."""
+    B, H, dk = phi_q.shape
+    gamma = decay_factors(log_decay, phi_q)  # (H,) or None
+    alpha = None if gamma is None else gamma[None, :, None].expand(B, H, dk).contiguous()  # (B, H, dk)
+    phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
+    num = torch.ops.linserve.linear_read(phi_q, phi_k, v, alpha, S.pool, S.slots)  # (B, H, dv)
+    z = (z if gamma is None else z * gamma[:, None]) + phi_k  # (B, H, dk): advance's z
+    den = numerics.tree_sum(phi_q * z, -1)  # (B, H): read_out's
+    return num / (den[..., None] + eps), PendingUpdate(S.pool, S.slots, phi_k, v, alpha), z
 
 
 def recurrent_step(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, numerics
+from .pooled_state import PendingUpdate, PooledState, gathered, readable
 
 CHUNK = 32  # tokens per chunk of the chunkwise form: its (C, C, d_k) gate tensor stays small
 
@@ -99,10 +100,27 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Gate, S: torch
     return o, (torch.stack(states, dim=1) if prefixes else S)  # (B, H, T, dv), state
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Gate, S: torch.Tensor, exact: bool,
-        prefixes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def read_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Gate,
+                S: PooledState) -> tuple[torch.Tensor, PendingUpdate]:
+    """One token from the rows' slots in the pool (`linserve::linear_read`: scan's bits, the state not written) and
+    the update the decode program commits once the step's rows are known good. Shapes as `scan`, T = 1."""
+    B, H, _, dk = q.shape
+    alpha = decay_factors(gate)  # (H,) or (B, H, 1, dk or 1) or None
+    if alpha is not None:  # the factor of every key dimension, per row: (B, H, dk)
+        alpha = (alpha[None, :, None, None] if alpha.dim() == 1 else alpha).expand(B, H, 1, dk)[:, :, 0].contiguous()
+    q, k, v = q[:, :, 0].float().contiguous(), k[:, :, 0].float().contiguous(), v[:, :, 0].float().contiguous()
+    o = torch.ops.linserve.linear_read(q, k, v, alpha, S.pool, S.slots)  # (B, H, dv)
+    return o[:, :, None], PendingUpdate(S.pool, S.slots, k, v, alpha)  # (B, H, 1, dv)
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Gate, S: torch.Tensor | PooledState, exact: bool,
+        prefixes: bool = False) -> tuple[torch.Tensor, torch.Tensor | PendingUpdate]:
     """The form for this call: the scan for one token, the exact path and every-prefix states; else the
-    chunkwise form. Shapes as `scan`."""
+    chunkwise form. Shapes as `scan`. A state still in the pool (one decode token) is read there and its update
+    returned pending (pooled_state.py); with several tokens or without the kernels, it is gathered first."""
+    if readable(S, q.shape[2], prefixes):
+        return read_pooled(q, k, v, gate, S)
+    S = gathered(S)
     if exact or prefixes or q.shape[2] <= 1:
         return scan(q, k, v, gate, S, prefixes)
     return chunked(q, k, v, gate, S)

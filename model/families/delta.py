@@ -44,6 +44,7 @@ class DeltaMixer(nn.Module):
     `gate(x)` (B, T, HV) log decay or None."""
 
     output_gate = "silu"
+    pooled_state = ("S",)  # decoded from the pool in place (pooled_state.py)
 
     def __init__(self, config: FlaConfig, qk_conv_activation: str | None = "silu") -> None:
         super().__init__()

@@ -314,6 +314,15 @@ class FlaCausalLM(nn.Module):
     def state_bytes(self, context_len: int = 0) -> int:
         return self.config.state_bytes(context_len)
 
+    def pooled_state_names(self) -> list[str]:
+        """The state tensors whose one-token update the layers leave in the pool (pooled_state.py): each mixer's
+        `pooled_state` (a sliding-window layer's or RWKV-7's: none)."""
+        names = []
+        for index, block in enumerate(self.body.layers):
+            mixer = getattr(block, "attn", None) or getattr(block, "mixer", None)
+            names += [f"layers.{index}.{name}" for name in getattr(mixer, "pooled_state", ())]
+        return names
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

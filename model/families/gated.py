@@ -48,6 +48,7 @@ class GatedMixer(nn.Module):
     `position(q, k, state, prefixes)` (RetNet's rotary)."""
 
     rotate_before_repeat = False  # RetNet rotates k per kv head, then repeats it
+    pooled_state = ("S",)  # decoded from the pool in place (pooled_state.py)
 
     def __init__(self, config: FlaConfig, conv_bias: bool = False) -> None:
         super().__init__()

@@ -108,6 +108,11 @@ PARAMETRIC = {"hedgehog": HedgehogFeatureMap, "t2r": T2RFeatureMap, "elementwise
 
 
 class LinearAttention(nn.Module):
+    @property
+    def pooled_state(self) -> tuple[str, ...]:
+        """S is read from the pool in place (pooled_state.py) unless z rides with it as a value column."""
+        return () if self.config.norm_feature_map else ("S",)
+
     def __init__(self, config: LinearAttnConfig, layer_index: int) -> None:
         super().__init__()
         self.config = config

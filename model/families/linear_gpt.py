@@ -121,6 +121,11 @@ class LinearGPT(nn.Module):
             BlockState(attn=LinearAttentionState(S=tensors[f"blocks.{i}.S"], z=tensors[f"blocks.{i}.z"]),
                        conv=tensors.get(f"blocks.{i}.conv")) for i in range(self.config.n_layers)))
 
+    def pooled_state_names(self) -> list[str]:
+        """Each layer's S is read from the pool in place by the decode step (model/pooled_state.py); z, d_k
+        floats a head, is gathered."""
+        return [f"blocks.{i}.S" for i in range(self.config.n_layers)] if self.config.attention == "linear" else []
+
     def state_bytes(self, context_len: int = 0) -> int:
         """Bytes of one session's state, computed from the config (see ModelConfig.state_bytes)."""
         return self.config.state_bytes(context_len)

@@ -121,6 +121,8 @@ class GatedNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
+    pooled_state = ("S",)  # decoded from the pool in place (pooled_state.py)
+
     def __init__(self, config: Mamba2Config) -> None:
         super().__init__()
         self.config = config

@@ -4,6 +4,8 @@
 generalised delta rule for every row and head in one pass over the state (`torch.ops.linserve.delta_step` /
 `dplr_step`, their scans' arithmetic exactly), and T tokens of the gated linear recurrence in one call
 (`linear_scan`: the shipped model's and the gated linear families' prefill, decoding and verification).
+`pooled_state.cpp` holds the decode step's recurrences on the state pool itself, in two passes (`linear_read` /
+`delta_read` from each row's slot, then `state_commit` in place once the step's rows are known good).
 `top_k_draw.cpp` holds the decode program's top-k draw (`torch.ops.linserve.top_k_draw`: one pass a row for what
 torch did in two `topk` calls, a tie mask and a window — server/engine/sampling.py's `_draw_survivors`, to the
 bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`): each
@@ -35,8 +37,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp",
-                                                                           "top_k_draw.cpp")]
-HEADERS = [os.path.join(os.path.dirname(__file__), "flush_subnormals.h")]  # (part of the build's key)
+                                                                           "pooled_state.cpp", "top_k_draw.cpp")]
+HEADERS = [os.path.join(os.path.dirname(__file__), name)  # (part of the build's key)
+           for name in ("flush_subnormals.h", "recurrence_blocks.h")]
 LIBRARY = "liblinserve_kernels.so"
 C_SHIMS = {  # op → the C function a compiled program calls (defined in the sources)
     "invariant_linear": "AOTITorchError aoti_torch_cpu_invariant_linear(AtenTensorHandle x, AtenTensorHandle weight, "
@@ -51,6 +54,15 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
     "dplr_step": "AOTITorchError aoti_torch_cpu_dplr_step(AtenTensorHandle r, AtenTensorHandle d, AtenTensorHandle k, "
                  "AtenTensorHandle v, AtenTensorHandle a, AtenTensorHandle b, AtenTensorHandle S, "
                  "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+    "linear_read": "AOTITorchError aoti_torch_cpu_linear_read(AtenTensorHandle q, AtenTensorHandle k, "
+                   "AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle pool, AtenTensorHandle slots, "
+                   "AtenTensorHandle* ret0)",
+    "delta_read": "AOTITorchError aoti_torch_cpu_delta_read(AtenTensorHandle q, AtenTensorHandle k, "
+                  "AtenTensorHandle v, AtenTensorHandle beta, AtenTensorHandle* alpha, AtenTensorHandle pool, "
+                  "AtenTensorHandle slots, AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+    "state_commit": "AOTITorchError aoti_torch_cpu_state_commit(AtenTensorHandle pool, AtenTensorHandle slots, "
+                    "AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle keep, "
+                    "AtenTensorHandle* ret0)",
     "top_k_draw": "AOTITorchError aoti_torch_cpu_top_k_draw(AtenTensorHandle probs, AtenTensorHandle k, "
                   "AtenTensorHandle min_p, AtenTensorHandle uniforms, AtenTensorHandle* ret0)",
 }
@@ -198,6 +210,18 @@ def _register_fake() -> None:
     def scan_shapes(q, k, v, alpha, S, prefixes):
         B, H, T, _ = q.shape
         return v.new_empty(v.shape), S.new_empty((B, T, H, *S.shape[2:]) if prefixes else S.shape)
+
+    @torch.library.register_fake("linserve::linear_read")
+    def read_shape(q, k, v, alpha, pool, slots):
+        return v.new_empty(v.shape)
+
+    @torch.library.register_fake("linserve::delta_read")
+    def delta_read_shapes(q, k, v, beta, alpha, pool, slots):
+        return v.new_empty(v.shape), v.new_empty(v.shape)
+
+    @torch.library.register_fake("linserve::state_commit")
+    def commit_shape(pool, slots, k, v, alpha, keep):
+        return keep.new_empty(keep.shape)
 
     @torch.library.register_fake("linserve::dplr_step")
     def dplr_shapes(r, d, k, v, a, b, S):

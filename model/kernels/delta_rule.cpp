@@ -31,7 +31,7 @@
 #include <torch/library.h>
 #include <xmmintrin.h>
 
-#include "flush_subnormals.h"
+#include "recurrence_blocks.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -40,48 +40,10 @@
 
 namespace {
 
-// d_v columns per block: a head's rows are read whole (up to this width), one contiguous stream the prefetchers
-// follow; the block's partials (d_k rows of it) stay in L2. (16-column blocks walked the state down its rows at a
-// 2 KiB stride, a demand miss per line: 340M Gated DeltaNet's update ran at ~1 GB/s.)
-constexpr int64_t MAX_COLUMNS = 512;
-
-// the tree of halves over rows 0..n-1 of buf (each row w wide) into row 0
-inline void tree(float* buf, int64_t n, int64_t w) {
-  while (n > 1) {
-    const int64_t h = n / 2;
-    for (int64_t i = 0; i < h; ++i) {
-      float* __restrict a = buf + i * w;
-      const float* __restrict b = buf + (i + h) * w;
-#pragma GCC ivdep
-      for (int64_t c = 0; c < w; ++c) a[c] = a[c] + b[c];
-    }
-    if (n % 2) std::copy(buf + 2 * h * w, buf + (2 * h + 1) * w, buf + h * w);
-    n = h + n % 2;
-  }
-}
-
-// s1 = s · (*factor), or a copy without a factor (w columns)
-inline void scaled_copy(const float* __restrict s, float* __restrict s1, const float* factor, int64_t w) {
-  if (factor) {
-    const float a = *factor;
-#pragma GCC ivdep
-    for (int64_t c = 0; c < w; ++c) s1[c] = s[c] * a;
-  } else {
-    std::copy(s, s + w, s1);
-  }
-}
-
-// fn(bh, c0, w, buf) for every (row, head) bh of n and column block [c0, c0 + w) of d_v: (row, head)s are the
-// parallel tasks, each thread with its own d_k × block scratch and subnormals flushed
-template <class Fn>
-void for_each_block(int64_t n, int64_t dk, int64_t dv, const Fn& fn) {
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    linserve::FlushSubnormals flushed;
-    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
-    for (int64_t bh = begin; bh < end; ++bh)
-      for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS) fn(bh, c0, std::min(MAX_COLUMNS, dv - c0), buf.data());
-  });
-}
+using linserve::for_each_block;
+using linserve::MAX_COLUMNS;
+using linserve::scaled_copy;
+using linserve::tree;
 
 // one column block [c0, c0 + w) of one (row, head); S, S_new, v, o point at the block's first column
 inline void block_step(const float* q, const float* k, const float* v, float beta, const float* alpha,

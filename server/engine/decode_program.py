@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from linserve.model import kernels
 from linserve.model.decode_step import flat_decode_step, state_names
-from linserve.model.interface import ServedModel
+from linserve.model.interface import ServedModel, pooled_state_names
+from linserve.model.pooled_state import PendingUpdate, PooledState, gathered
 
 from .sampling import SlotSampling, choose_tokens
 
@@ -80,21 +82,29 @@ def decode_program(model: ServedModel):
         program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)
             -> (tokens, logprob, finite, uniforms, processed, logits, redraw, table)
 
-    gather the rows' state from the pool by slot → the model's recurrent step → the rows' sampling
+    gather the rows' state from the pool by slot (a state the family reads in place: handed over as the pool
+    buffer and the slots, model/pooled_state.py) → the model's recurrent step → the rows' sampling
     parameters gathered by slot → penalties, logit_bias, counter-based draw (top-k too: sampling.choose_tokens)
     → the drawn token counted for the row's penalties (SlotSampling.counts; not a row whose draw the host
     redoes: the host counts its redraw) → each row's new state written into its slot (index_copy_ into the
     pool buffers, which the program mutates: the state is read and written once, never copied out and
     scattered back), except a row whose logits were not finite: its slot keeps the state it had (its request
     fails; a session stays at its last good token). Rows padded to a bucket repeat the first row (same slot,
-    same values): their writes are the same bits. `table` (P, 3): tokens, finite, redraw, for one transfer."""
+    same values): their writes are the same bits. A state read in place comes back as a pending update, committed
+    into the slots of the finite rows (each slot once) — the commits chained through `finite`, which the
+    program returns. `table` (P, 3): tokens, finite, redraw, for one transfer."""
     step = flat_decode_step(model)
-    n_state = len(state_names(model))
+    names = state_names(model)
+    n_state = len(names)
+    on_kernels = next(model.parameters()).device.type == "cpu" and kernels.load()  # (the in-place ops are CPU's)
+    pooled = set(pooled_state_names(model)) if on_kernels else set()
+    in_place = [name in pooled for name in names]
 
     def program(tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                 *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
         pool, sampling = buffers[:n_state], buffers[n_state:]
-        state = [buffer.index_select(0, slots) for buffer in pool]  # (P, …) each
+        state = [PooledState(buffer, slots) if pooled else buffer.index_select(0, slots)  # (P, …) each
+                 for buffer, pooled in zip(pool, in_place)]
         logits, *new_state = step(tokens[:, None], *state)  # (P, V) fp32
         tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling)
         counts = sampling[COUNTS]  # (N, V)
@@ -102,8 +112,11 @@ def decode_program(model: ServedModel):
         current = counts[slots, tokens]  # (P,)
         counts.index_put_((slots, tokens), torch.where(drawn, current + 1, current))  # (a padded row: same value)
         for buffer, old, new in zip(pool, state, new_state):
+            if isinstance(new, PendingUpdate):
+                finite = new.commit(finite)  # (P,) the same flags: the commits chained, in order
+                continue
             keep = finite.view(-1, *([1] * (new.dim() - 1)))  # (P, 1, …)
-            buffer.index_copy_(0, slots, torch.where(keep, new.to(buffer.dtype), old))  # the commit, in place
+            buffer.index_copy_(0, slots, torch.where(keep, new.to(buffer.dtype), gathered(old)))  # the commit
         table = torch.stack([tokens, finite.long(), redraw.long()], dim=1)  # (P, 3)
         return tokens, logprob, finite, uniforms, processed, logits, redraw, table
 

@@ -207,6 +207,55 @@ def test_rwkv7s_step_is_torchs_scan_to_the_bit_in_any_batch(dk, dv, monkeypatch)
     assert torch.equal(o, torch_o) and torch.equal(state, torch_state)
 
 
+@pytest.mark.parametrize("rule", ["per_key", "per_head_token", "per_head", "none", "delta", "gated_delta"])
+def test_reading_from_the_pool_then_committing_is_the_scan_to_the_bit(rule):
+    """kernels/pooled_state.cpp: one token read from the rows' pool slots gives the scan's outputs (recurrence.scan
+    or delta_rule.scan over the gathered rows), and the commit leaves in each kept row's slot the scan's state, to
+    the bit; a row not kept leaves its slot as it was, a slot repeated (a bucket's padding) is updated once, and
+    no other slot is touched."""
+    from linserve.model import delta_rule, recurrence
+    from linserve.model.pooled_state import PendingUpdate, PooledState
+
+    B, H, dk, dv, N = 4, 3, 37, 40, 6
+    generator = torch.Generator().manual_seed(len(rule))
+    pool = torch.randn(N, H, dk, dv, generator=generator)
+    slots = torch.tensor([4, 1, 4, 2])  # row 2 repeats row 0's slot and inputs, as padding does
+    q, k, v = (torch.randn(B, H, 1, d, generator=generator) for d in (dk, dk, dv))
+    k = k / k.norm(dim=-1, keepdim=True)
+    beta = torch.rand(B, H, 1, generator=generator)
+    shapes = {"per_key": (B, H, 1, dk), "per_head_token": (B, H, 1, 1), "per_head": (H,), "gated_delta": (B, H, 1)}
+    g = -torch.rand(shapes[rule], generator=generator) if rule in shapes else None
+    for t in (q, k, v, beta) + (() if g is None or g.dim() == 1 else (g,)):
+        t[2] = t[0]
+    delta = rule.endswith("delta")
+
+    def step(S):
+        if delta:
+            return delta_rule.run(q, k, v, beta, g, S, exact=True)
+        return recurrence.run(q, k, v, g, S, exact=True)
+
+    want_o, want_S = step(pool[slots])  # (B, H, 1, dv), (B, H, dk, dv): the scan over gathered rows
+    o, update = step(PooledState(pool, slots))
+    assert isinstance(update, PendingUpdate) and torch.equal(o, want_o)
+    before = pool.clone()
+    keep = torch.tensor([True, True, True, False])
+    assert torch.equal(update.commit(keep), keep)
+    assert torch.equal(pool[4], want_S[0]) and torch.equal(pool[1], want_S[1])
+    assert torch.equal(pool[2], before[2]) and torch.equal(pool[[0, 3, 5]], before[[0, 3, 5]])
+
+
+def test_the_pooled_ops_refuse_what_they_cannot_compute_with_a_message():
+    pool, q = torch.zeros(3, 1, 8, 4), torch.zeros(2, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 3 is outside the pool of 3"):
+        OP.linear_read(q, q, torch.zeros(2, 1, 4), None, pool, torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        OP.linear_read(q, q, torch.zeros(2, 1, 4), None, pool.transpose(2, 3), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="keep must be bool"):
+        OP.state_commit(pool, torch.tensor([0, 1]), q, torch.zeros(2, 1, 4), None, torch.ones(2))
+    with pytest.raises(RuntimeError, match="beta must be fp32"):
+        OP.delta_read(q, q, torch.zeros(2, 1, 4), torch.zeros(2), None, pool, torch.tensor([0, 1]))
+
+
 def test_the_delta_step_refuses_mismatched_shapes_with_a_message():
     S = torch.zeros(2, 1, 8, 4)
     with pytest.raises(RuntimeError, match="q, k must be \\(B, H, dk\\)"):

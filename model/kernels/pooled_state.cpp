@@ -1,0 +1,280 @@
+// The decode step's recurrences on the state pool itself, in two passes (server/engine/decode_program.py):
+//
+//   linserve::linear_read  — one token of the gated linear recurrence read from each row's pool slot:
+//                            o = tree_sum_k(q ⊙ (S·α + k ⊗ v)), the new state made element by element in registers
+//                            and never stored;
+//   linserve::delta_read   — one token of the (gated) delta rule the same way: p = tree_sum_k(k ⊙ S·α),
+//                            u = β·(v − p), o = tree_sum_k(q ⊙ (S·α + k ⊗ u)); it returns o and u;
+//   linserve::state_commit — once the step knows which rows' logits are finite: S ← S·α + k ⊗ v (v: the delta
+//                            rule's u) in place, in each kept row's slot.
+//
+// Each element gets the roundings of linear_scan / delta_step (delta_rule.cpp) in their order — product, then sum;
+// the read-outs' tree of halves over d_k — so the bits are theirs, and the outputs are the same whatever the batch.
+// What it saves is traffic: linear_scan over gathered rows moved a row's state ~7 times a step (the gather into
+// the program's input, a copy to write into, the new state, the keep-or-revert select, the write back), each
+// through freshly allocated (page-faulting) memory; here the state is read once by the read and read and written
+// once by the commit, where it lives. 340M linear_attn holds 24 MiB a row: at 8 rows that was most of the step.
+//
+// state_commit writes through a tensor torch was told is only read (the op is declared functional and returns
+// `keep`): the decode program chains the commits through that output, so a compiler neither drops nor reorders
+// them, and nothing reads a pool buffer after its commit within a step. A slot that appears in more than one row
+// (a bucket's padding repeats the first row) is updated once, by its first row.
+#include <ATen/ATen.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+
+#include "recurrence_blocks.h"
+
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+using linserve::for_each_block;
+using linserve::MAX_COLUMNS;
+using linserve::tree;
+
+void check_pool(const at::Tensor& pool, const at::Tensor& slots, int64_t B, const char* op) {
+  TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == at::kFloat && pool.is_contiguous(), op,
+              ": the pool buffer must be contiguous fp32 (N, H, dk, dv)");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong, op, ": slots must be int64 (B,)");
+}
+
+// each row's slot, checked against the pool
+std::vector<int64_t> slot_list(const at::Tensor& slots, int64_t N, const char* op) {
+  const at::Tensor sc = slots.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  std::vector<int64_t> out(sp, sp + sc.numel());
+  for (int64_t s : out) TORCH_CHECK(s >= 0 && s < N, op, ": slot ", s, " is outside the pool of ", N);
+  return out;
+}
+
+void check_rows(std::initializer_list<const at::Tensor*> tensors, at::IntArrayRef shape, const char* what) {
+  for (const at::Tensor* t : tensors)
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == shape, what);
+}
+
+// the factor of key dimension i, or none (alpha: per key dimension, or one per head with `per_head`)
+inline const float* factor(const float* alpha, bool per_head, int64_t i) {
+  return alpha ? (per_head ? alpha : alpha + i) : nullptr;
+}
+
+// q ⊙ (S·α + k ⊗ v) for one column block into buf's rows (linear_block's arithmetic, the state not stored)
+inline void read_rows(const float* q, const float* k, const float* v, const float* alpha, bool per_head,
+                      const float* S, int64_t dk, int64_t dv, int64_t w, float* buf) {
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* __restrict s = S + i * dv;
+    float* __restrict row = buf + i * w;
+    const float ki = k[i], qi = q[i];
+    const float* a = factor(alpha, per_head, i);
+    if (a) {
+      const float ai = *a;
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float s1 = s[c] * ai, outer = ki * v[c];
+        row[c] = qi * (s1 + outer);
+      }
+    } else {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float outer = ki * v[c];
+        row[c] = qi * (s[c] + outer);
+      }
+    }
+  }
+}
+
+at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& alpha, const at::Tensor& pool, const at::Tensor& slots) {
+  TORCH_CHECK(q.dim() == 3, "linear_read: q must be (B, H, dk)");
+  const int64_t B = q.size(0), H = q.size(1), dk = q.size(2);
+  check_pool(pool, slots, B, "linear_read");
+  const int64_t dv = pool.size(3);
+  TORCH_CHECK(pool.size(1) == H && pool.size(2) == dk, "linear_read: the pool's heads and d_k must be q's");
+  check_rows({&q, &k}, {B, H, dk}, "linear_read: q, k must be fp32 (B, H, dk)");
+  check_rows({&v}, {B, H, dv}, "linear_read: v must be fp32 (B, H, dv)");
+  const bool gated = alpha.has_value() && alpha->defined();
+  at::Tensor a;
+  if (gated) {
+    check_rows({&*alpha}, {B, H, dk}, "linear_read: alpha must be fp32 (B, H, dk)");
+    a = alpha->contiguous();
+  }
+  const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "linear_read");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor o = at::empty({B, H, dv}, pool.options());
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const float *ap = gated ? a.data_ptr<float>() : nullptr, *sp = pool.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
+    const int64_t b = bh / H, h = bh % H;
+    const float* S = sp + (rows[b] * H + h) * dk * dv + c0;
+    read_rows(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr, false, S, dk, dv, w, buf);
+    tree(buf, dk, w);
+    std::copy(buf, buf + w, op + bh * dv + c0);
+  });
+  return o;
+}
+
+std::tuple<at::Tensor, at::Tensor> delta_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& beta, const c10::optional<at::Tensor>& alpha,
+                                              const at::Tensor& pool, const at::Tensor& slots) {
+  TORCH_CHECK(q.dim() == 3, "delta_read: q must be (B, H, dk)");
+  const int64_t B = q.size(0), H = q.size(1), dk = q.size(2);
+  check_pool(pool, slots, B, "delta_read");
+  const int64_t dv = pool.size(3);
+  TORCH_CHECK(pool.size(1) == H && pool.size(2) == dk, "delta_read: the pool's heads and d_k must be q's");
+  check_rows({&q, &k}, {B, H, dk}, "delta_read: q, k must be fp32 (B, H, dk)");
+  check_rows({&v}, {B, H, dv}, "delta_read: v must be fp32 (B, H, dv)");
+  check_rows({&beta}, {B, H}, "delta_read: beta must be fp32 (B, H)");
+  const bool gated = alpha.has_value() && alpha->defined();
+  at::Tensor a;
+  if (gated) {
+    check_rows({&*alpha}, {B, H}, "delta_read: alpha must be fp32 (B, H)");
+    a = alpha->contiguous();
+  }
+  const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "delta_read");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), bc = beta.contiguous();
+  at::Tensor o = at::empty({B, H, dv}, pool.options()), u = at::empty({B, H, dv}, pool.options());
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const float *bp = bc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr, *sp = pool.data_ptr<float>();
+  float *op = o.data_ptr<float>(), *up = u.data_ptr<float>();
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
+    const int64_t b = bh / H, h = bh % H;
+    const float* S = sp + (rows[b] * H + h) * dk * dv + c0;
+    const float *kr = kp + bh * dk, *alpha_bh = ap ? ap + bh : nullptr;
+    for (int64_t i = 0; i < dk; ++i) {  // k ⊙ S·α (delta_step's S1, not stored)
+      const float* __restrict s = S + i * dv;
+      float* __restrict row = buf + i * w;
+      const float ki = kr[i];
+      if (alpha_bh) {
+        const float ai = *alpha_bh;
+#pragma GCC ivdep
+        for (int64_t c = 0; c < w; ++c) row[c] = ki * (s[c] * ai);
+      } else {
+#pragma GCC ivdep
+        for (int64_t c = 0; c < w; ++c) row[c] = ki * s[c];
+      }
+    }
+    tree(buf, dk, w);
+    float* ur = up + bh * dv + c0;
+    const float* vr = vp + bh * dv + c0;
+    for (int64_t c = 0; c < w; ++c) ur[c] = bp[bh] * (vr[c] - buf[c]);
+    read_rows(qp + bh * dk, kr, ur, alpha_bh, true, S, dk, dv, w, buf);  // q ⊙ (S·α + k ⊗ u)
+    tree(buf, dk, w);
+    std::copy(buf, buf + w, op + bh * dv + c0);
+  });
+  return {o, u};
+}
+
+// alpha: (B, H, dk) per key dimension, (B, H) per head, or none
+at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
+                        const c10::optional<at::Tensor>& alpha, const at::Tensor& keep) {
+  TORCH_CHECK(k.dim() == 3, "state_commit: k must be (B, H, dk)");
+  const int64_t B = k.size(0), H = k.size(1), dk = k.size(2);
+  check_pool(pool, slots, B, "state_commit");
+  const int64_t dv = pool.size(3);
+  TORCH_CHECK(pool.size(1) == H && pool.size(2) == dk, "state_commit: the pool's heads and d_k must be k's");
+  check_rows({&k}, {B, H, dk}, "state_commit: k must be fp32 (B, H, dk)");
+  check_rows({&v}, {B, H, dv}, "state_commit: v must be fp32 (B, H, dv)");
+  TORCH_CHECK(keep.dim() == 1 && keep.size(0) == B && keep.scalar_type() == at::kBool, "state_commit: keep must be bool (B,)");
+  const bool gated = alpha.has_value() && alpha->defined();
+  bool per_head = false;
+  at::Tensor a;
+  if (gated) {
+    per_head = alpha->dim() == 2;
+    check_rows({&*alpha}, per_head ? at::IntArrayRef({B, H}) : at::IntArrayRef({B, H, dk}),
+               "state_commit: alpha must be fp32 (B, H, dk) or (B, H)");
+    a = alpha->contiguous();
+  }
+  const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "state_commit");
+  const at::Tensor keep_c = keep.contiguous();
+  const bool* kept = keep_c.data_ptr<bool>();
+  std::vector<char> writes(static_cast<size_t>(B));  // kept, and the first row of its slot
+  for (int64_t b = 0; b < B; ++b) {
+    writes[b] = kept[b];
+    for (int64_t e = 0; e < b && writes[b]; ++e) writes[b] = rows[e] != rows[b];
+  }
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr;
+  float* sp = pool.data_ptr<float>();
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float*) {
+    const int64_t b = bh / H, h = bh % H;
+    if (!writes[b]) return;
+    float* S = sp + (rows[b] * H + h) * dk * dv + c0;
+    const float *kr = kp + bh * dk, *vr = vp + bh * dv + c0;
+    const float* alpha_bh = ap ? ap + bh * (per_head ? 1 : dk) : nullptr;
+    for (int64_t i = 0; i < dk; ++i) {
+      float* __restrict s = S + i * dv;
+      const float ki = kr[i];
+      const float* f = factor(alpha_bh, per_head, i);
+      if (f) {
+        const float ai = *f;
+#pragma GCC ivdep
+        for (int64_t c = 0; c < w; ++c) {
+          const float s1 = s[c] * ai, outer = ki * vr[c];
+          s[c] = s1 + outer;
+        }
+      } else {
+#pragma GCC ivdep
+        for (int64_t c = 0; c < w; ++c) {
+          const float outer = ki * vr[c];
+          s[c] = s[c] + outer;
+        }
+      }
+    }
+  });
+  return keep.clone();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def("linear_read(Tensor q, Tensor k, Tensor v, Tensor? alpha, Tensor pool, Tensor slots) -> Tensor");
+  m.def("delta_read(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? alpha, Tensor pool, Tensor slots) -> (Tensor, Tensor)");
+  m.def("state_commit(Tensor pool, Tensor slots, Tensor k, Tensor v, Tensor? alpha, Tensor keep) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("linear_read", &linear_read);
+  m.impl("delta_read", &delta_read);
+  m.impl("state_commit", &state_commit);
+}
+
+using torch::aot_inductor::new_tensor_handle;
+using torch::aot_inductor::pointer_to_optional;
+using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+
+extern "C" AOTITorchError aoti_torch_cpu_linear_read(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                      AtenTensorHandle* alpha, AtenTensorHandle pool,
+                                                      AtenTensorHandle slots, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(linear_read(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
+                                          *tensor_handle_to_tensor_pointer(v), pointer_to_optional<at::Tensor>(alpha),
+                                          *tensor_handle_to_tensor_pointer(pool), *tensor_handle_to_tensor_pointer(slots)));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_delta_read(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                     AtenTensorHandle beta, AtenTensorHandle* alpha,
+                                                     AtenTensorHandle pool, AtenTensorHandle slots,
+                                                     AtenTensorHandle* ret0, AtenTensorHandle* ret1) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    auto [o, u] = delta_read(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
+                             *tensor_handle_to_tensor_pointer(v), *tensor_handle_to_tensor_pointer(beta),
+                             pointer_to_optional<at::Tensor>(alpha), *tensor_handle_to_tensor_pointer(pool),
+                             *tensor_handle_to_tensor_pointer(slots));
+    *ret0 = new_tensor_handle(std::move(o));
+    *ret1 = new_tensor_handle(std::move(u));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_state_commit(AtenTensorHandle pool, AtenTensorHandle slots,
+                                                       AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle* alpha,
+                                                       AtenTensorHandle keep, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(state_commit(*tensor_handle_to_tensor_pointer(pool), *tensor_handle_to_tensor_pointer(slots),
+                                           *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
+                                           pointer_to_optional<at::Tensor>(alpha), *tensor_handle_to_tensor_pointer(keep)));
+  });
+}

@@ -1,0 +1,59 @@
+"""A layer's recurrent state left where it lives — the state pool — for one decode step.
+
+The decode program (server/engine/decode_program.py) hands a layer a `PooledState` (the pool's (N, H, dk, dv)
+buffer and the rows' slots) instead of the rows' state gathered into a new tensor. A recurrence that can read it
+in place (recurrence.run, delta_rule.run: one token on the CPU kernels) computes the token's outputs from the
+slots and returns a `PendingUpdate` where the new state would be: S ← S·α + k ⊗ v, applied to the slots by
+`commit` once the step knows which rows' logits were finite (a row that failed keeps its state). Anything else —
+several tokens, no kernels — `gather`s the rows and goes on as with any state.
+
+A family says which of its state tensors its layers take this way (`pooled_state_names`, model/interface.py);
+the others are gathered and written back as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+
+
+@dataclass(frozen=True)
+class PooledState:
+    """One state tensor of a batch of rows, still in the pool: row b's is `pool[slots[b]]`."""
+
+    pool: torch.Tensor  # (N, H, dk, dv) fp32, the pool's buffer
+    slots: torch.Tensor  # (B,) int64
+
+    def gather(self) -> torch.Tensor:
+        return self.pool.index_select(0, self.slots)  # (B, H, dk, dv)
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """S ← S·α + k ⊗ v for each row's slot (the delta rule's v: its u), not yet written."""
+
+    pool: torch.Tensor  # (N, H, dk, dv)
+    slots: torch.Tensor  # (B,)
+    k: torch.Tensor  # (B, H, dk) fp32
+    v: torch.Tensor  # (B, H, dv) fp32
+    alpha: torch.Tensor | None  # (B, H, dk) or (B, H) fp32, or None
+
+    def commit(self, keep: torch.Tensor) -> torch.Tensor:
+        """Write the rows whose `keep` (B,) bool is set, in place; returns `keep` — the next commit's input, so a
+        compiler keeps every commit and their order (the op is declared functional; kernels/pooled_state.cpp)."""
+        return torch.ops.linserve.state_commit(self.pool, self.slots, self.k, self.v, self.alpha, keep)
+
+
+def readable(state: object, tokens: int, prefixes: bool) -> bool:
+    """Whether a recurrence reads `state` in place for this call: a `PooledState`, one token, no every-prefix
+    states, on the CPU kernels."""
+    return (isinstance(state, PooledState) and tokens == 1 and not prefixes and state.pool.device.type == "cpu"
+            and kernels.load())
+
+
+def gathered(state: torch.Tensor | PooledState) -> torch.Tensor:
+    """The rows' state as a tensor, whichever form it came in."""
+    return state.gather() if isinstance(state, PooledState) else state
