@@ -55,6 +55,24 @@ void check_rows(std::initializer_list<const at::Tensor*> tensors, at::IntArrayRe
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == shape, what);
 }
 
+struct Dims {
+  int64_t B, H, dk, dv;
+};
+
+// q, k (B, H, dk) and v (B, H, dv) fp32 against the pool (N, H, dk, dv) and the rows' slots (B,)
+Dims check_token(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pool,
+                 const at::Tensor& slots, const char* op) {
+  TORCH_CHECK(q.dim() == 3, op, ": q must be (B, H, dk)");
+  const Dims d{q.size(0), q.size(1), q.size(2), pool.dim() == 4 ? pool.size(3) : 0};
+  check_pool(pool, slots, d.B, op);
+  TORCH_CHECK(pool.size(1) == d.H && pool.size(2) == d.dk, op, ": the pool's heads and d_k must be q's");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && q.sizes() == k.sizes(), op,
+              ": q, k must be fp32 (B, H, dk)");
+  TORCH_CHECK(v.scalar_type() == at::kFloat && v.sizes() == at::IntArrayRef({d.B, d.H, d.dv}), op,
+              ": v must be fp32 (B, H, dv)");
+  return d;
+}
+
 // the factor of key dimension i, or none (alpha: per key dimension, or one per head with `per_head`)
 inline const float* factor(const float* alpha, bool per_head, int64_t i) {
   return alpha ? (per_head ? alpha : alpha + i) : nullptr;
@@ -87,13 +105,8 @@ inline void read_rows(const float* q, const float* k, const float* v, const floa
 
 at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& alpha, const at::Tensor& pool, const at::Tensor& slots) {
-  TORCH_CHECK(q.dim() == 3, "linear_read: q must be (B, H, dk)");
-  const int64_t B = q.size(0), H = q.size(1), dk = q.size(2);
-  check_pool(pool, slots, B, "linear_read");
-  const int64_t dv = pool.size(3);
-  TORCH_CHECK(pool.size(1) == H && pool.size(2) == dk, "linear_read: the pool's heads and d_k must be q's");
-  check_rows({&q, &k}, {B, H, dk}, "linear_read: q, k must be fp32 (B, H, dk)");
-  check_rows({&v}, {B, H, dv}, "linear_read: v must be fp32 (B, H, dv)");
+  const Dims d = check_token(q, k, v, pool, slots, "linear_read");
+  const int64_t B = d.B, H = d.H, dk = d.dk, dv = d.dv;
   const bool gated = alpha.has_value() && alpha->defined();
   at::Tensor a;
   if (gated) {
@@ -119,13 +132,8 @@ at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 std::tuple<at::Tensor, at::Tensor> delta_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& beta, const c10::optional<at::Tensor>& alpha,
                                               const at::Tensor& pool, const at::Tensor& slots) {
-  TORCH_CHECK(q.dim() == 3, "delta_read: q must be (B, H, dk)");
-  const int64_t B = q.size(0), H = q.size(1), dk = q.size(2);
-  check_pool(pool, slots, B, "delta_read");
-  const int64_t dv = pool.size(3);
-  TORCH_CHECK(pool.size(1) == H && pool.size(2) == dk, "delta_read: the pool's heads and d_k must be q's");
-  check_rows({&q, &k}, {B, H, dk}, "delta_read: q, k must be fp32 (B, H, dk)");
-  check_rows({&v}, {B, H, dv}, "delta_read: v must be fp32 (B, H, dv)");
+  const Dims d = check_token(q, k, v, pool, slots, "delta_read");
+  const int64_t B = d.B, H = d.H, dk = d.dk, dv = d.dv;
   check_rows({&beta}, {B, H}, "delta_read: beta must be fp32 (B, H)");
   const bool gated = alpha.has_value() && alpha->defined();
   at::Tensor a;
