@@ -206,7 +206,9 @@ void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, i
 
 template <int R, typename W>
 inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_t K, int64_t outputs, __m512 (*u)[4]) {
-  constexpr int Q = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  // quads per pass over K: one row reads 8 weight rows at a time (16 streams measured 6% slower over 340M's
+  // projections and 14-18% over the shipped model's, Zen 5; the bits are the same whatever the blocking)
+  constexpr int Q = R <= 2 ? 2 : 1;
   const int quads = static_cast<int>(outputs / 4);
   int q = 0;
   for (; q + Q <= quads; q += Q) block_quads<R, Q, W>(tree, x, wg + 4 * q * K, K, u, q);
