@@ -12,7 +12,7 @@ from . import numerics
 from .config import ModelConfig
 from .feature_maps import FeatureMap
 from .linear_attention import chunked_forward, read_pooled, recurrent_step, scan
-from .pooled_state import PooledState, gathered, readable
+from .pooled_state import gathered, readable
 from .state import KVCacheState, LinearAttentionState
 
 
@@ -96,15 +96,14 @@ class LinearAttention(_Heads):
             o, S, z = read_pooled(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state.S, state.z, self.log_decay,
                                   self.config.eps)  # S: the update, pending (pooled_state.py)
             return o[:, :, None], S, z  # (B, H, 1, dv)
+        S = gathered(state.S)  # (B, H, dk, dv)
         if q.shape[2] == 1 and not prefixes:
-            o, S, z = recurrent_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], gathered(state.S), state.z,
-                                     self.log_decay, self.config.eps)
+            o, S, z = recurrent_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], S, state.z, self.log_decay,
+                                     self.config.eps)
             return o[:, :, None], S, z  # (B, H, 1, dv)
-        if isinstance(state.S, PooledState):
-            state = LinearAttentionState(S=state.S.gather(), z=state.z)
         if prefixes or numerics.exact_inference(q):  # prefixes: S (B, T, H, dk, dv), z (B, T, H, dk)
-            return scan(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.eps, prefixes)
-        return chunked_forward(phi_q, phi_k, v, state.S, state.z, self.log_decay, self.config.chunk_size,
+            return scan(phi_q, phi_k, v, S, state.z, self.log_decay, self.config.eps, prefixes)
+        return chunked_forward(phi_q, phi_k, v, S, state.z, self.log_decay, self.config.chunk_size,
                                self.config.eps)
 
 

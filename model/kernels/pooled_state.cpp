@@ -59,18 +59,22 @@ struct Dims {
   int64_t B, H, dk, dv;
 };
 
-// q, k (B, H, dk) and v (B, H, dv) fp32 against the pool (N, H, dk, dv) and the rows' slots (B,)
-Dims check_token(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pool,
-                 const at::Tensor& slots, const char* op) {
-  TORCH_CHECK(q.dim() == 3, op, ": q must be (B, H, dk)");
-  const Dims d{q.size(0), q.size(1), q.size(2), pool.dim() == 4 ? pool.size(3) : 0};
+// a token's k (B, H, dk) and v (B, H, dv), fp32, against the pool (N, H, dk, dv) and the rows' slots (B,)
+Dims check_token(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pool, const at::Tensor& slots,
+                 const char* op) {
+  TORCH_CHECK(k.dim() == 3, op, ": k must be (B, H, dk)");
+  const Dims d{k.size(0), k.size(1), k.size(2), pool.dim() == 4 ? pool.size(3) : 0};
   check_pool(pool, slots, d.B, op);
-  TORCH_CHECK(pool.size(1) == d.H && pool.size(2) == d.dk, op, ": the pool's heads and d_k must be q's");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && q.sizes() == k.sizes(), op,
-              ": q, k must be fp32 (B, H, dk)");
+  TORCH_CHECK(pool.size(1) == d.H && pool.size(2) == d.dk, op, ": the pool's heads and d_k must be k's");
+  TORCH_CHECK(k.scalar_type() == at::kFloat, op, ": k must be fp32 (B, H, dk)");
   TORCH_CHECK(v.scalar_type() == at::kFloat && v.sizes() == at::IntArrayRef({d.B, d.H, d.dv}), op,
               ": v must be fp32 (B, H, dv)");
   return d;
+}
+
+// the reads' q beside k
+void check_query(const at::Tensor& q, const at::Tensor& k, const char* op) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.sizes() == k.sizes(), op, ": q, k must be fp32 (B, H, dk)");
 }
 
 // the factor of key dimension i, or none (alpha: per key dimension, or one per head with `per_head`)
@@ -105,7 +109,8 @@ inline void read_rows(const float* q, const float* k, const float* v, const floa
 
 at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& alpha, const at::Tensor& pool, const at::Tensor& slots) {
-  const Dims d = check_token(q, k, v, pool, slots, "linear_read");
+  const Dims d = check_token(k, v, pool, slots, "linear_read");
+  check_query(q, k, "linear_read");
   const int64_t B = d.B, H = d.H, dk = d.dk, dv = d.dv;
   const bool gated = alpha.has_value() && alpha->defined();
   at::Tensor a;
@@ -132,7 +137,8 @@ at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 std::tuple<at::Tensor, at::Tensor> delta_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& beta, const c10::optional<at::Tensor>& alpha,
                                               const at::Tensor& pool, const at::Tensor& slots) {
-  const Dims d = check_token(q, k, v, pool, slots, "delta_read");
+  const Dims d = check_token(k, v, pool, slots, "delta_read");
+  check_query(q, k, "delta_read");
   const int64_t B = d.B, H = d.H, dk = d.dk, dv = d.dv;
   check_rows({&beta}, {B, H}, "delta_read: beta must be fp32 (B, H)");
   const bool gated = alpha.has_value() && alpha->defined();
@@ -178,13 +184,8 @@ std::tuple<at::Tensor, at::Tensor> delta_read(const at::Tensor& q, const at::Ten
 // alpha: (B, H, dk) per key dimension, (B, H) per head, or none
 at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
                         const c10::optional<at::Tensor>& alpha, const at::Tensor& keep) {
-  TORCH_CHECK(k.dim() == 3, "state_commit: k must be (B, H, dk)");
-  const int64_t B = k.size(0), H = k.size(1), dk = k.size(2);
-  check_pool(pool, slots, B, "state_commit");
-  const int64_t dv = pool.size(3);
-  TORCH_CHECK(pool.size(1) == H && pool.size(2) == dk, "state_commit: the pool's heads and d_k must be k's");
-  check_rows({&k}, {B, H, dk}, "state_commit: k must be fp32 (B, H, dk)");
-  check_rows({&v}, {B, H, dv}, "state_commit: v must be fp32 (B, H, dv)");
+  const Dims d = check_token(k, v, pool, slots, "state_commit");
+  const int64_t B = d.B, H = d.H, dk = d.dk, dv = d.dv;
   TORCH_CHECK(keep.dim() == 1 && keep.size(0) == B && keep.scalar_type() == at::kBool, "state_commit: keep must be bool (B,)");
   const bool gated = alpha.has_value() && alpha->defined();
   bool per_head = false;
