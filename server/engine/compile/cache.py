@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import shutil
+import threading
 
 import torch
 
@@ -175,6 +176,7 @@ class ChildBuilder:
         self.directory, self.num_slots, self.can_compile, self.child = directory, num_slots, can_compile, None
         self.autotune, self.program, self.device, self.threads = autotune, program, device, threads
         self.model = model  # (a CPU program reads its packed projection weights as inputs: this model's)
+        self._lock, self._closed = threading.Lock(), False  # (close() may come from another thread mid-call)
         write_model(directory, model)
 
     def cached(self, size: int) -> bool:
@@ -185,15 +187,20 @@ class ChildBuilder:
         """The bucket's program; None when it is not in the cache and this builder may not compile."""
         program = load_artifact(self.directory, self.num_slots, size, self.program, self.device, self.model)
         if program is None and self.can_compile:
-            if self.child is None:
-                self.child = CompilerProcess(self.directory, self.num_slots, self.autotune, self.program,
-                                             self.device, self.threads)
-            self.child.compile(size)
+            with self._lock:  # never a child started after close(): nothing would end it
+                if self._closed:
+                    raise RuntimeError("the compiler was closed")
+                if self.child is None:
+                    self.child = CompilerProcess(self.directory, self.num_slots, self.autotune, self.program,
+                                                 self.device, self.threads)
+                child = self.child
+            child.compile(size)
             program = load_artifact(self.directory, self.num_slots, size, self.program, self.device, self.model)
         return program
 
-    def close(self) -> None:
-        """End the compiler child (if any); a later miss starts another."""
-        child, self.child = self.child, None
+    def close(self, final: bool = False) -> None:
+        """End the compiler child (if any); a later miss starts another — unless `final`: then it raises."""
+        with self._lock:
+            child, self.child, self._closed = self.child, None, self._closed or final
         if child is not None:
             child.close()

@@ -144,9 +144,9 @@ class DecodeStep:
         while the interpreter tears down the native libraries under it)."""
         self._closed.set()
         self._wants.set()  # (an on-demand compile thread waiting for wants wakes and ends)
-        builder = self._builder
+        builder = self._builder  # (the compile thread checks _closed after setting it: one of us sees the other)
         if getattr(builder, "close", None) is not None:
-            builder.close()
+            builder.close(final=True)  # a build already past its check fails instead of starting a new child
         if wait and self._thread is not None:
             self._thread.join()
 
@@ -294,8 +294,11 @@ class DecodeStep:
                 self._built.set()
                 return
         self.status = "compiling"
+        build = None
         try:
             build = self._builder = self._compiler()
+            if self._closed.is_set():
+                return  # closed while the builder was made: close() may not have seen it
             if self.auto_cpu:
                 self.verdict = self.verdicts.load(self.threads)
                 if self.verdict is not None:

@@ -43,6 +43,9 @@ ARTIFACT_FORMAT = 5  # part of the cache key: raise it whenever `build` makes di
 # as inputs, listed in the artifact's weights manifest)
 
 
+PARENT_PID = "LINSERVE_COMPILER_PARENT_PID"  # the server's pid, which the child checks once it will die with it
+
+
 def artifact_path(directory: str, num_slots: int, size: int, program: str = "decode") -> str:
     """A bucket's program ("decode" or "verify{k}"); it reads the whole pool, so the slot count is compiled
     in (and named)."""
@@ -126,7 +129,7 @@ class CompilerProcess:
         directory = os.path.abspath(directory)
         # the child builds for this process's intra-op thread count (Inductor bakes it into the GEMM kernels)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor"),
-               "OMP_NUM_THREADS": str(threads or torch.get_num_threads())}
+               "OMP_NUM_THREADS": str(threads or torch.get_num_threads()), PARENT_PID: str(os.getpid())}
         with open(os.path.join(directory, "compile.log"), "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "linserve.server.engine.compile.program_compiler", directory, str(num_slots),
@@ -296,7 +299,10 @@ def _die_with_parent() -> None:
         import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent was already gone before the call
+        # the parent may have died before the call (while this interpreter imported torch): then this process
+        # was handed to init or to a subreaper (a CI runner, a container's init), whatever its pid
+        if str(os.getppid()) != os.environ.get(PARENT_PID, str(os.getppid())):
+            os.write(2, b"the server that started this compiler is gone\n")
             os._exit(1)
     except (OSError, AttributeError):
         pass  # not Linux: the server's close() still ends it

@@ -87,3 +87,51 @@ def test_a_server_prunes_its_cache_on_start_and_keeps_what_it_serves(start_serve
     assert len(used) == 1 and (used[0] / cache.IN_USE).exists()  # the server's own directory stays
     assert "compile cache over its 0.0 GB: removed 1 least recently used model directory (old-model)" in \
         server.log.read_text()
+
+
+def test_a_builder_closed_for_good_starts_no_compiler_child(tmp_path, monkeypatch):
+    """The server's close() can land while its compile thread is about to start a child: after a final close a
+    miss raises (the thread ends) instead of starting a child that nothing would end. An ordinary close only
+    ends the idle child; the next miss starts another."""
+    from linserve.model import LinearGPT
+    from tests.helpers import TINY
+
+    started = []
+
+    class Child:
+        def __init__(self, *args, **kwargs):
+            started.append(self)
+
+        def compile(self, size: int) -> float:
+            return 0.0
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cache, "CompilerProcess", Child)
+    monkeypatch.setattr(cache, "load_artifact", lambda *args, **kwargs: None)  # every bucket a miss
+    builder = cache.ChildBuilder(str(tmp_path), LinearGPT(TINY), 2, can_compile=True, autotune=False)
+    builder(1)
+    builder.close()
+    builder(1)
+    assert len(started) == 2  # an idle child ended, a later miss started another
+    builder.close(final=True)
+    try:
+        builder(1)
+    except RuntimeError as error:
+        assert "closed" in str(error)
+    else:
+        raise AssertionError("a miss after the final close started a compiler")
+    assert len(started) == 2
+
+
+def test_a_compiler_child_whose_server_is_already_gone_exits(tmp_path):
+    """The child asks the kernel to kill it when its server dies only once its interpreter is up; a server that
+    died before then has handed it to init or a subreaper (whatever its pid): it sees that and leaves."""
+    from linserve.server.engine.compile import program_compiler
+
+    env = {**os.environ, program_compiler.PARENT_PID: "999999999"}  # not this child's parent
+    result = subprocess.run([sys.executable, "-m", "linserve.server.engine.compile.program_compiler",
+                             str(tmp_path), "2", "plain"], env=env, capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 1 and "the server that started this compiler is gone" in result.stderr, result.stderr
