@@ -208,16 +208,18 @@ def test_rwkv7s_step_is_torchs_scan_to_the_bit_in_any_batch(dk, dv, monkeypatch)
 
 
 @pytest.mark.parametrize("rule", ["per_key", "per_head_token", "per_head", "none", "delta", "gated_delta"])
-def test_reading_from_the_pool_then_committing_is_the_scan_to_the_bit(rule):
+@pytest.mark.parametrize("dk, dv", [(37, 40), (24, 150)])
+def test_reading_from_the_pool_then_committing_is_the_scan_to_the_bit(rule, dk, dv):
     """kernels/pooled_state.cpp: one token read from the rows' pool slots gives the scan's outputs (recurrence.scan
     or delta_rule.scan over the gathered rows), and the commit leaves in each kept row's slot the scan's state, to
     the bit; a row not kept leaves its slot as it was, a slot repeated (a bucket's padding) is updated once, and
-    no other slot is touched."""
+    no other slot is touched. An odd d_k and an even one: the reads fold the tree's first level into the products,
+    an odd d_k's last row moved as the tree moves it."""
     from linserve.model import delta_rule, recurrence
     from linserve.model.pooled_state import PendingUpdate, PooledState
 
-    B, H, dk, dv, N = 4, 3, 37, 40, 6
-    generator = torch.Generator().manual_seed(len(rule))
+    B, H, N = 4, 3, 6
+    generator = torch.Generator().manual_seed(len(rule) + dk)
     pool = torch.randn(N, H, dk, dv, generator=generator)
     slots = torch.tensor([4, 1, 4, 2])  # row 2 repeats row 0's slot and inputs, as padding does
     q, k, v = (torch.randn(B, H, 1, d, generator=generator) for d in (dk, dk, dv))
