@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
 
@@ -25,29 +24,31 @@ from ...engine.types import RequestOutput
 
 class LoopDelivery:
     """Hands engine outputs to one event loop in batches: the engine thread appends, and at most one
-    wake-up of the loop is pending at a time, however many tokens a step produced."""
+    wake-up of the loop is pending at a time, however many tokens a step produced.
+
+    No lock: a deque's append and popleft are atomic, the producer appends before it looks at `_scheduled`,
+    and the loop clears `_scheduled` before it drains — so an output appended while a flush is under way is
+    either drained by it or finds the flag clear and schedules the next one. (A lock here was taken per token
+    on the reader thread and fought over with the loop's flush: a GIL hand-over each time it was held.)"""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._pending: collections.deque[tuple[OutputStream, RequestOutput]] = collections.deque()
-        self._lock = threading.Lock()
         self._scheduled = False
 
     def put(self, target: OutputStream, output: RequestOutput) -> None:
         """Engine thread (or the engine core's reader thread)."""
-        with self._lock:
-            self._pending.append((target, output))
-            if self._scheduled:
-                return
+        self._pending.append((target, output))
+        if not self._scheduled:
             self._scheduled = True
-        self._loop.call_soon_threadsafe(self._flush)
+            self._loop.call_soon_threadsafe(self._flush)
 
     def _flush(self) -> None:
         """Event-loop thread."""
-        with self._lock:
-            batch, self._pending = self._pending, collections.deque()
-            self._scheduled = False
-        for target, output in batch:
+        self._scheduled = False
+        pending = self._pending
+        for _ in range(len(pending)):  # (what arrives meanwhile waits for the flush it schedules)
+            target, output = pending.popleft()
             target.arrived(output)
 
 
