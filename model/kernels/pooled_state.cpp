@@ -109,20 +109,18 @@ inline int64_t read_rows_halved(const float* q, const float* k, const float* v, 
   for (int64_t i = 0; i < h; ++i) {
     const ReadRow a = read_row(q, k, alpha, per_head, S, dv, i), b = read_row(q, k, alpha, per_head, S, dv, i + h);
     float* __restrict row = buf + i * w;
-    if (a.scaled && b.scaled) {  // (the common cases written out: the compiler vectorizes each)
+    if (alpha) {  // (both cases written out: the compiler vectorizes each)
 #pragma GCC ivdep
       for (int64_t c = 0; c < w; ++c) {
         const float x = a.qi * (a.s[c] * a.ai + a.ki * v[c]), y = b.qi * (b.s[c] * b.ai + b.ki * v[c]);
         row[c] = x + y;
       }
-    } else if (!a.scaled && !b.scaled) {
+    } else {
 #pragma GCC ivdep
       for (int64_t c = 0; c < w; ++c) {
         const float x = a.qi * (a.s[c] + a.ki * v[c]), y = b.qi * (b.s[c] + b.ki * v[c]);
         row[c] = x + y;
       }
-    } else {
-      for (int64_t c = 0; c < w; ++c) row[c] = a.at(v, c) + b.at(v, c);
     }
   }
   if (dk % 2) {

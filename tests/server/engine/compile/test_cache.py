@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from linserve.server.engine.compile import cache
 
 HOLD = """
@@ -116,12 +118,8 @@ def test_a_builder_closed_for_good_starts_no_compiler_child(tmp_path, monkeypatc
     builder(1)
     assert len(started) == 2  # an idle child ended, a later miss started another
     builder.close(final=True)
-    try:
+    with pytest.raises(RuntimeError, match="closed"):  # a miss after the final close starts no compiler
         builder(1)
-    except RuntimeError as error:
-        assert "closed" in str(error)
-    else:
-        raise AssertionError("a miss after the final close started a compiler")
     assert len(started) == 2
 
 
