@@ -166,7 +166,7 @@ def load() -> bool:
                 build(path, isa)
             _state["library"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # global: compiled programs call its shim
             global PACKS_TILES
-            PACKS_TILES = form() == "amx"
+            PACKS_TILES = form() in ("amx", "avx512bf16")
             _register_fake()
             logger.info("linserve kernels loaded from %s (%s)", path, form())
             return True
@@ -182,9 +182,10 @@ def load_error() -> str | None:
 
 
 FORMS = {2: "amx", 1: "avx512bf16", 0: "scalar"}
-# set at load: the kernel reads weights packed into AMX tiles (`pack_weight` makes a new tensor); else it reads a
-# weight as it is (N, K) and nothing is packed — a plain module constant, so a compiler tracing a projection reads
-# it as one (an op that returned its own input would alias it, which torch's custom-op checks refuse)
+# set at load: the kernel reads weights packed by `pack_weight` (a new tensor: AMX tiles, or the lanes form's groups
+# of 16 outputs side by side) wherever the CPU has AVX512-BF16; the scalar form reads a weight as it is (N, K) and
+# nothing is packed — a plain module constant, so a compiler tracing a projection reads it as one (an op that
+# returned its own input would alias it, which torch's custom-op checks refuse)
 PACKS_TILES = False
 
 
@@ -233,7 +234,7 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("linserve::pack_weight")
     def packed_shape(weight):
-        if form() != "amx":
+        if not PACKS_TILES:
             return weight.new_empty(weight.shape)
         n, k = weight.shape
         return weight.new_empty(((n + 15) // 16, (k + 31) // 32, 16, 32))

@@ -7,7 +7,9 @@
 // row's bits are the same with 1 or 16 rows configured — so one row, a decode batch and a prefill chunk agree.
 // AMX's internal rounding is its own (it matched no sequential or fused emulation), hence no scalar twin.
 //
-// Lanes (AVX512-BF16, else scalar code, the same bits), over W as it is (N, K), one output y[m, n]:
+// Lanes (AVX512-BF16, else scalar code, the same bits), over W packed once into groups of 16 outputs whose 32-wide
+// chunks lie side by side (pack_weight: (N/16, K/32, 16, 32), so a one-row pass over a group reads one stream; W as
+// it is (N, K) is read too, and by the scalar code), one output y[m, n]:
 //   lanes[j] = 0 (j < 16); for each 32-wide chunk c of K (the tail read as zeros), in order:
 //       lanes[j] = fma(x[32c + 2j + 1], w[32c + 2j + 1], lanes[j]);  lanes[j] = fma(x[32c + 2j], w[32c + 2j], lanes[j])
 //     (VDPBF16PS: bf16 products are exact in fp32, inputs' subnormals read as zero, results' flushed, RNE);
@@ -25,6 +27,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifdef LINSERVE_AVX512BF16
 #include <immintrin.h>
@@ -38,6 +41,8 @@ namespace {
 
 constexpr int64_t CHUNK = 32;  // k's per chunk: 16 lanes × 2
 constexpr int64_t GROUP = 16;  // outputs reduced together (one vector of sums)
+constexpr int64_t FETCH_AHEAD = 4;  // chunks ahead a partial pass over packed weights prefetches its whole block
+constexpr int64_t PAIR_BYTES = 16 * 1024;  // packed bf16: rows two at a time while 8 outputs' chunks fit (see below)
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -157,40 +162,65 @@ struct Tree {
   }
 };
 
+// Where output o's 32-wide chunk at k = c lies, counted from its group's first output (elements of W):
+// - RowMajor: W as it is, (N, K) — a pass over several outputs reads one stream per output;
+// - Packed (pack_weight, where the CPU has AVX512-BF16 but no AMX): (⌈N/16⌉, ⌈K/32⌉, 16, 32), a group's 16
+//   outputs' chunks side by side and the tails zeros — a pass reads one stream. Same arithmetic, same bits.
+struct RowMajor {
+  static int64_t at(int o, int64_t c, int64_t K) { return o * K + c; }
+  static int64_t group(int64_t g, int64_t K) { return g * K; }  // g: the group's first output
+  template <int R>
+  static constexpr int quads() { return R <= 2 ? 2 : 1; }  // 8 streams at one row (16 measured 6-18% slower)
+};
+struct Packed {
+  static int64_t at(int o, int64_t c, int64_t) { return o * CHUNK + c * GROUP; }
+  static int64_t group(int64_t g, int64_t K) { return g * ((K + CHUNK - 1) / CHUNK) * CHUNK; }
+  template <int R>
+  static constexpr int quads() { return R == 1 ? 4 : (R == 2 ? 2 : 1); }  // as many outputs as registers allow
+};
+
 // one 32-wide chunk at k = c (`left` of K from there: the tail reads zeros past it) into R rows × O outputs
-template <int R, int O, typename W>
+template <int R, int O, typename W, typename L>
 __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
-                                                      int64_t c, int64_t left) {
+                                                      int64_t c, int64_t left, bool fetch) {
   __m512i a[R];
   for (int r = 0; r < R; ++r) a[r] = load_chunk(x + r * K + c, left);
+  if (std::is_same<L, Packed>::value && O < GROUP && fetch) {
+    // the first pass over part of a group (several rows) brings the whole block in: the other passes then read
+    // cached lines (int8 at 8 rows: 0.7x -> 1.1x the (N, K) form's speed, Zen 5)
+    const char* ahead = reinterpret_cast<const char*>(w + L::at(0, c + FETCH_AHEAD * CHUNK, K));
+    for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
+      _mm_prefetch(ahead + line, _MM_HINT_T0);
+  }
   for (int o = 0; o < O; ++o) {
-    __m512i b = load_chunk(w + o * K + c, left);
+    __m512i b = load_chunk(w + L::at(o, c, K), left);
     for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], a[r], b);
   }
 }
 
 // R rows × O outputs over all of K: the full chunks unmasked (CHUNK, a constant), the tail masked once (inlined:
 // the accumulators stay in registers)
-template <int R, int O, typename W>
-__attribute__((always_inline)) inline void dot_rows(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K) {
+template <int R, int O, typename W, typename L>
+__attribute__((always_inline)) inline void dot_rows(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
+                                                    bool fetch = false) {
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
   const int64_t full = K - K % CHUNK;
-  for (int64_t c = 0; c < full; c += CHUNK) dot_chunks<R, O, W>(acc, x, w, K, c, CHUNK);
-  if (full < K) dot_chunks<R, O, W>(acc, x, w, K, full, K - full);
+  for (int64_t c = 0; c < full; c += CHUNK) dot_chunks<R, O, W, L>(acc, x, w, K, c, CHUNK, fetch);
+  if (full < K) dot_chunks<R, O, W, L>(acc, x, w, K, full, K - full, false);
 }
 
 // R rows × 4Q outputs: each row's quads of lanes reduced by the tree's first two levels into u[r][q0 + q]
-template <int R, int Q, typename W>
-void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0) {
+template <int R, int Q, typename W, typename L>
+void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0, bool fetch) {
   __m512 acc[R][4 * Q];
-  dot_rows<R, 4 * Q, W>(acc, x, w, K);
+  dot_rows<R, 4 * Q, W, L>(acc, x, w, K, fetch);
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < Q; ++q)
       u[r][q0 + q] = tree.quad(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
 }
 
-// the last quad of a group with 1-3 outputs: each alone, the missing ones' lanes zero
+// the last quad of a group with 1-3 outputs (W as it is): each alone, the missing ones' lanes zero
 template <int R, typename W>
 void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, int count, __m512 (*u)[4], int q) {
   __m512 acc[R][4];
@@ -198,21 +228,20 @@ void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, i
     for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
   for (int o = 0; o < count; ++o) {
     __m512 one[R][1];
-    dot_rows<R, 1, W>(one, x, w + o * K, K);
+    dot_rows<R, 1, W, RowMajor>(one, x, w + o * K, K);
     for (int r = 0; r < R; ++r) acc[r][o] = one[r][0];
   }
   for (int r = 0; r < R; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
-template <int R, typename W>
-inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_t K, int64_t outputs, __m512 (*u)[4]) {
-  // quads per pass over K: one row reads 8 weight rows at a time (16 streams measured 6% slower over 340M's
-  // projections and 14-18% over the shipped model's, Zen 5; the bits are the same whatever the blocking)
-  constexpr int Q = R <= 2 ? 2 : 1;
+template <int R, typename W, typename L>
+inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_t K, int64_t outputs, __m512 (*u)[4],
+                        bool fetch) {
+  constexpr int Q = L::template quads<R>();
   const int quads = static_cast<int>(outputs / 4);
   int q = 0;
-  for (; q + Q <= quads; q += Q) block_quads<R, Q, W>(tree, x, wg + 4 * q * K, K, u, q);
-  for (; q < quads; ++q) block_quads<R, 1, W>(tree, x, wg + 4 * q * K, K, u, q);
+  for (; q + Q <= quads; q += Q) block_quads<R, Q, W, L>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
+  for (; q < quads; ++q) block_quads<R, 1, W, L>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
   if (outputs % 4) {
     block_partial<R, W>(tree, x, wg + 4 * q * K, K, static_cast<int>(outputs % 4), u, q);
     ++q;
@@ -221,26 +250,31 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
     for (int r = 0; r < R; ++r) u[r][q] = _mm512_setzero_ps();
 }
 
-template <typename W>
+template <typename W, typename L>
 void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
                  int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t N) {
   const Tree tree;
   __m512 u[6][4];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
-    const W* wg = w + g * K;
+    const int64_t computed = std::is_same<L, Packed>::value ? GROUP : outputs;  // packed: a short group's rows are zeros
+    const W* wg = w + L::group(g, K);
+    // packed bf16: rows two at a time over 8 outputs a pass while those outputs' chunks stay in L1 (faster than 6
+    // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
+    // the 6 rows); otherwise 6 rows × 4 outputs a pass
+    const bool pairs = std::is_same<L, Packed>::value && sizeof(W) == 2 && 8 * K * 2 <= PAIR_BYTES;
     const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
     const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
     for (int64_t m = m0; m < m1;) {
       const int64_t left = m1 - m;
-      const int64_t rows = left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1));
+      const int64_t rows = pairs ? (left >= 2 ? 2 : 1) : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
       const uint16_t* xm = x + m * K;
       switch (rows) {
-        case 6: group_quads<6, W>(tree, xm, wg, K, outputs, u); break;
-        case 4: group_quads<4, W>(tree, xm, wg, K, outputs, u); break;
-        case 2: group_quads<2, W>(tree, xm, wg, K, outputs, u); break;
-        default: group_quads<1, W>(tree, xm, wg, K, outputs, u);
+        case 6: group_quads<6, W, L>(tree, xm, wg, K, computed, u, m == m0); break;
+        case 4: group_quads<4, W, L>(tree, xm, wg, K, computed, u, m == m0); break;
+        case 2: group_quads<2, W, L>(tree, xm, wg, K, computed, u, m == m0); break;
+        default: group_quads<1, W, L>(tree, xm, wg, K, computed, u, m == m0);
       }
       for (int64_t r = 0; r < rows; ++r) {
         __m512 s = tree.last(u[r]);
@@ -388,7 +422,7 @@ bool avx512_path = false;  // set at load when the CPU has AVX512-BF16 (and the 
 
 template <typename W>
 void run(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t M, int64_t N,
-         int64_t K, bool force_scalar) {
+         int64_t K, bool force_scalar, bool lanes_packed) {
   // tasks: groups of outputs × blocks of rows; every output's arithmetic is the same whichever task holds it
   const int64_t groups = (N + GROUP - 1) / GROUP;
   const int64_t row_block = M <= 64 ? M : 64;
@@ -401,8 +435,12 @@ void run(const uint16_t* x, const W* w, const float* scale, const float* bias, u
       const int64_t n0 = g * GROUP, n1 = std::min(N, n0 + GROUP);
       const int64_t m0 = b * row_block, m1 = std::min(M, m0 + row_block);
 #ifdef LINSERVE_AVX512BF16
+      if (lanes_packed) {
+        rows_avx512<W, Packed>(x, w, scale, bias, y, m0, m1, n0, n1, K, N);
+        continue;
+      }
       if (avx512_path && !force_scalar) {
-        rows_avx512<W>(x, w, scale, bias, y, m0, m1, n0, n1, K, N);
+        rows_avx512<W, RowMajor>(x, w, scale, bias, y, m0, m1, n0, n1, K, N);
         continue;
       }
 #endif
@@ -415,29 +453,31 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_weight: weight must be (N, K)");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kChar,
               "pack_weight: weight must be bfloat16 or int8");
+  const int64_t N = weight.size(0), K = weight.size(1), Nb = (N + 15) / 16, Kb = (K + 31) / 32;
+  if (!avx512_path) return weight.contiguous();  // the scalar form reads (N, K)
+  at::Tensor padded = at::zeros({Nb * 16, Kb * 32}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
 #ifdef LINSERVE_AMX
-  if (amx_path) {  // (N, K) → (Nb, Kb, 16, 32): tile (nb, kb), row kp, column 2n + e = w[16nb + n][32kb + 2kp + e]
-    const int64_t N = weight.size(0), K = weight.size(1), Nb = (N + 15) / 16, Kb = (K + 31) / 32;
-    at::Tensor padded = at::zeros({Nb * 16, Kb * 32}, weight.options());
-    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  if (amx_path)  // (N, K) → (Nb, Kb, 16, 32): tile (nb, kb), row kp, column 2n + e = w[16nb + n][32kb + 2kp + e]
     return padded.view({Nb, 16, Kb, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous().view({Nb, Kb, 16, 32});
-  }
 #endif
-  return weight.contiguous();
+  // lanes: (N, K) → (Nb, Kb, 16, 32): [nb][kb][n][j] = w[16nb + n][32kb + j] — a group's chunks side by side
+  return padded.view({Nb, 16, Kb, 32}).permute({0, 2, 1, 3}).contiguous();
 }
 
 at::Tensor invariant_linear_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                                  const c10::optional<at::Tensor>& bias, int64_t N, bool force_scalar) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "invariant_linear: x must be bfloat16");
   TORCH_CHECK(weight.is_contiguous() && (weight.dim() == 2 || weight.dim() == 4),
-              "invariant_linear: weight must be pack_weight's (contiguous (N, K) or AMX tiles)");
+              "invariant_linear: weight must be pack_weight's (contiguous (N, K), or packed (N/16, K/32, 16, 32))");
   const bool int8 = weight.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || weight.scalar_type() == at::kBFloat16, "invariant_linear: weight must be bfloat16 or int8");
   TORCH_CHECK(int8 == (scale.has_value() && scale->defined()), "invariant_linear: int8 weights take a scale, bf16 none");
   const bool tiles = weight.dim() == 4;
   const int64_t K = x.size(-1);
   if (tiles) {
-    TORCH_CHECK(weight.size(0) == (N + 15) / 16 && weight.size(1) == (K + 31) / 32,
+    TORCH_CHECK(weight.size(0) == (N + 15) / 16 && weight.size(1) == (K + 31) / 32 && weight.size(2) == 16 &&
+                    weight.size(3) == 32,
                 "invariant_linear: packed tiles ", weight.sizes(), " are not (N, K) = (", N, ", ", K, ")");
   } else {
     TORCH_CHECK(weight.size(0) == N && weight.size(1) == K, "invariant_linear: weight ", weight.sizes(),
@@ -457,8 +497,7 @@ at::Tensor invariant_linear_impl(const at::Tensor& x, const at::Tensor& weight, 
   const float* sp = s.defined() ? s.data_ptr<float>() : nullptr;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 #ifdef LINSERVE_AMX
-  if (tiles) {
-    TORCH_CHECK(amx_path, "invariant_linear: AMX tiles on a CPU without AMX");
+  if (tiles && amx_path) {
     const int64_t Kb = weight.size(1);
     if (K % 32) x2 = at::constant_pad_nd(x2, {0, Kb * 32 - K});  // the tiles read whole 32-wide blocks
     const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
@@ -469,12 +508,12 @@ at::Tensor invariant_linear_impl(const at::Tensor& x, const at::Tensor& weight, 
     return y;
   }
 #endif
-  TORCH_CHECK(!tiles, "invariant_linear: AMX tiles, but this build has no AMX");
+  TORCH_CHECK(!tiles || avx512_path, "invariant_linear: packed weights on a CPU without AVX512-BF16");
   const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
   if (int8)
-    run<int8_t>(xp, weight.data_ptr<int8_t>(), sp, bp, yp, M, N, K, force_scalar);
+    run<int8_t>(xp, weight.data_ptr<int8_t>(), sp, bp, yp, M, N, K, force_scalar, tiles);
   else
-    run<uint16_t>(xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), sp, bp, yp, M, N, K, force_scalar);
+    run<uint16_t>(xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), sp, bp, yp, M, N, K, force_scalar, tiles);
   return y;
 }
 

@@ -14,7 +14,8 @@ def kernel_built():
     require_kernel()
 
 
-SHAPES = [(1, 768, 256), (3, 50, 77), (7, 1024, 1024), (33, 33, 300), (130, 256, 1024), (40, 40, 64), (5, 17, 31)]
+SHAPES = [(1, 768, 256), (3, 50, 77), (7, 1024, 1024), (33, 33, 300), (130, 256, 1024), (40, 40, 64), (5, 17, 31),
+          (9, 40, 1100)]  # (K > 1024: packed bf16 weights six rows a pass, not two)
 
 
 def operands(M, N, K, seed=0, dtype=torch.bfloat16):
@@ -52,6 +53,14 @@ def test_the_lanes_form_computes_its_definition_in_avx512_and_in_scalar_code(M, 
     want = lanes_reference(x, w, bias=b)
     assert torch.equal(OP.invariant_linear_scalar(x, w, None, b, N), want)
     assert torch.equal(OP.invariant_linear(x, w, None, b, N), want)  # (N, K) weights: the lanes form
+    if kernels.form() == "avx512bf16":  # the lanes form over weights packed in groups of 16 outputs: the same bits
+        packed = OP.pack_weight(w)
+        assert packed.shape == ((N + 15) // 16, (K + 31) // 32, 16, 32)
+        assert torch.equal(OP.invariant_linear(x, packed, None, b, N), want)
+        q = w.float().mul(20).round().clamp(-127, 127).to(torch.int8)  # int8 packed alike
+        scale = torch.rand(N, generator=torch.Generator().manual_seed(2)) / 20
+        assert torch.equal(OP.invariant_linear(x, OP.pack_weight(q), scale, b, N),
+                           lanes_reference(x, q.float().bfloat16(), scale, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
