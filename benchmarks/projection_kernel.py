@@ -7,6 +7,10 @@ F.linear (not batch-invariant) — interleaved, median of `--reps`; beside them 
 read bandwidth measured in the same run (P6's floor: a buffer 4× the last-level cache).
 
     python benchmarks/projection_kernel.py [--threads 1 2] [--reps 7] [--out FILE]
+
+`--layouts`: where the kernel packs weights (AVX512-BF16 lanes, AMX tiles), the same kernel over a weight as it
+is (N, K) against its packed form — bf16 and int8, each weight cold (as many copies as fill `--cold-mb`, called
+in turn), interleaved — the measurement behind the lanes form's packing (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,19 +45,62 @@ def per_call_us(call, calls: int) -> float:
     return (time.perf_counter() - started) / calls * 1e6
 
 
+def layouts(args, result: dict) -> None:
+    """The kernel over (N, K) weights against pack_weight's form, cold weights, interleaved (µs a call)."""
+    op = torch.ops.linserve
+    generator = torch.Generator().manual_seed(0)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, (N, K) in SHAPES.items():
+            for dtype in (torch.bfloat16, torch.int8):
+                copies = max(2, int(args.cold_mb * 2**20 // (N * K * dtype.itemsize)))
+                plain = [torch.randn(N, K, generator=generator).mul(20).clamp(-127, 127).to(dtype)
+                         for _ in range(copies)]  # (N, K) each
+                packed = [op.pack_weight(weight) for weight in plain]
+                scale = torch.rand(N, generator=generator) / 20 if dtype == torch.int8 else None  # (N,)
+                bias = torch.randn(N, generator=generator).bfloat16()  # (N,)
+                for M in args.rows:
+                    x = torch.randn(M, K, generator=generator).bfloat16()  # (M, K)
+                    times = {"n_k": [], "packed": []}
+                    for _ in range(args.reps):
+                        for form, weights in (("n_k", plain), ("packed", packed)):
+                            started = time.perf_counter()
+                            for weight in weights:
+                                op.invariant_linear(x, weight, scale, bias, N)
+                            times[form].append((time.perf_counter() - started) / copies * 1e6)
+                    row = {form: round(statistics.median(values), 1) for form, values in times.items()}
+                    row["speedup"] = round(row["n_k"] / row["packed"], 2)
+                    same = torch.equal(op.invariant_linear(x, plain[0], scale, bias, N),
+                                       op.invariant_linear(x, packed[0], scale, bias, N))
+                    if not same and kernels.form() != "amx":  # (AMX tiles round their own way)
+                        sys.exit(f"{name} M={M}: the packed form's outputs differ from the (N, K) form's")
+                    key = f"{name} {str(dtype).split('.')[-1]} N={N} K={K} M={M} threads={threads}"
+                    result["layouts"][key] = row
+                    print(f"{key}: {row}", file=sys.stderr)
+                del plain, packed
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--layouts", action="store_true", help="(N, K) weights against packed ones, cold")
+    parser.add_argument("--cold-mb", type=float, default=400, help="--layouts: copies of each weight to fill this")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if not kernels.load():
         sys.exit(f"the kernel is unavailable: {kernels.load_error()}")
     device = torch.device("cpu")
     result = {"machine": describe(device), "kernel_form": kernels.form(),
-              "floor": bandwidths(device, 64 * 2**20, quick=False), "calls": {}}
+              "floor": bandwidths(device, 64 * 2**20, quick=False), "calls": {}, "layouts": {}}
+    if args.layouts:
+        if not kernels.PACKS_TILES:
+            sys.exit(f"the kernel's {kernels.form()} form reads weights as they are: nothing to compare")
+        layouts(args, result)
+        emit(result, args.out)
+        return
     dram = result["floor"]["dram_gb_s"]
     generator = torch.Generator().manual_seed(0)
     for threads in args.threads:

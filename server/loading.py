@@ -15,7 +15,7 @@ from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_devic
 from linserve.model.vocabulary import checkpoint_vocab_size, serve_tokenizer_vocabulary
 from linserve.model.weights import keep_one_copy
 
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, heap
 from .engine.state_pool import slots_for_budget
 from .generation_defaults import GenerationDefaults
 from .settings import Settings
@@ -84,6 +84,7 @@ def load_engine(settings: Settings, stats_sink) -> tuple[Engine, object, Generat
     freed = keep_one_copy(model)  # the projections' packed weights are the only copy from here on
     if freed:
         logger.info("projection weights packed for the kernel: their originals released (%.0f MB)", freed / 2**20)
+        heap.trim()  # glibc keeps freed heap (the originals, packing's scratch) unless asked to give it back
     draft = load_draft(settings, model, tokenizer, device)
     engine = Engine(model, tokenizer, config, device, stats_sink, draft_model=draft,
                     eos_token_ids=generation.eos_token_ids).start()

@@ -455,8 +455,11 @@ at::Tensor pack_weight(const at::Tensor& weight) {
               "pack_weight: weight must be bfloat16 or int8");
   const int64_t N = weight.size(0), K = weight.size(1), Nb = (N + 15) / 16, Kb = (K + 31) / 32;
   if (!avx512_path) return weight.contiguous();  // the scalar form reads (N, K)
-  at::Tensor padded = at::zeros({Nb * 16, Kb * 32}, weight.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  at::Tensor padded = weight.contiguous();  // (Nb·16, Kb·32): zeros past N and K, a copy only where there are any
+  if (N % 16 || K % 32) {
+    padded = at::zeros({Nb * 16, Kb * 32}, weight.options());
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  }
 #ifdef LINSERVE_AMX
   if (amx_path)  // (N, K) → (Nb, Kb, 16, 32): tile (nb, kb), row kp, column 2n + e = w[16nb + n][32kb + 2kp + e]
     return padded.view({Nb, 16, Kb, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous().view({Nb, Kb, 16, 32});
