@@ -40,10 +40,10 @@ TICKS = os.sysconf("SC_CLK_TCK")
 CORE_NAME = "linserve-engine-core"  # remote.start_core's process name (a spawned child of the frontend)
 
 
-def cpu_s(pid: int) -> float:
-    """utime + stime of a process (every thread), seconds."""
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a process (every thread), seconds: its own code, and the kernel's work for it."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
 
 
 def children(pid: int) -> list[int]:
@@ -81,20 +81,23 @@ def one_load(port: int, streams: int, tokens: int, frontend: int, core: int, pro
                                 "--output", f"{profile}/{label}.txt", "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
-    step0, front0, core0, client0 = steps(port), cpu_s(frontend), cpu_s(core), time.process_time()
+    step0, front0, core0, client0 = steps(port), cpu_split(frontend), cpu_split(core), time.process_time()
     run = drive(spec, processes=1)  # (in this process: its CPU is the client's)
-    step1, front1, core1, client1 = steps(port), cpu_s(frontend), cpu_s(core), time.process_time()
+    step1, front1, core1, client1 = steps(port), cpu_split(frontend), cpu_split(core), time.process_time()
     if spy is not None:
         spy.send_signal(signal.SIGINT)  # (py-spy writes its file on an interrupt)
         spy.wait(60)
     assert all(r.ok for r in run.records), [r.error for r in run.records if not r.ok]
     generated = sum(r.completion_tokens for r in run.records)
     taken = max(1.0, step1 - step0)
+    front, core_s = sum(front1) - sum(front0), sum(core1) - sum(core0)
     return {"tokens": generated, "wall_s": run.wall_s, "tokens_per_s": generated / run.wall_s,
-            "frontend_us_per_token": 1e6 * (front1 - front0) / generated,
-            "core_us_per_token": 1e6 * (core1 - core0) / generated,
+            "frontend_us_per_token": 1e6 * front / generated,
+            "frontend_system_us_per_token": 1e6 * (front1[1] - front0[1]) / generated,  # (of it: in the kernel)
+            "core_us_per_token": 1e6 * core_s / generated,
+            "core_system_us_per_token": 1e6 * (core1[1] - core0[1]) / generated,
             "client_us_per_token": 1e6 * (client1 - client0) / generated,
-            "engine_steps": taken, "core_us_per_step": 1e6 * (core1 - core0) / taken}
+            "engine_steps": taken, "core_us_per_step": 1e6 * core_s / taken}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,9 +125,9 @@ def main(argv: list[str] | None = None) -> None:
                 figures = one_load(args.port, n, t, frontend, core, args.profile if rep == 0 else None, label)
                 results[label].append(figures)
                 print(f"{label} rep {rep}: {figures['tokens_per_s']:.0f} tokens/s; CPU µs a token: frontend "
-                      f"{figures['frontend_us_per_token']:.1f}, core {figures['core_us_per_token']:.1f}, client "
-                      f"{figures['client_us_per_token']:.1f}; core {figures['core_us_per_step']:.0f} µs a step",
-                      file=sys.stderr)
+                      f"{figures['frontend_us_per_token']:.1f} ({figures['frontend_system_us_per_token']:.1f} in the "
+                      f"kernel), core {figures['core_us_per_token']:.1f}, client {figures['client_us_per_token']:.1f}; "
+                      f"core {figures['core_us_per_step']:.0f} µs a step", file=sys.stderr)
     finally:
         server.terminate()
         server.wait(60)
