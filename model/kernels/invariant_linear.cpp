@@ -253,16 +253,17 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
 template <typename W, typename L>
 void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
                  int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+  constexpr bool packed = std::is_same<L, Packed>::value;
+  // packed bf16: rows two at a time over 8 outputs a pass while those outputs' chunks stay in L1 (faster than 6
+  // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
+  // the 6 rows); otherwise 6 rows × 4 outputs a pass
+  const bool pairs = packed && sizeof(W) == 2 && 8 * K * static_cast<int64_t>(sizeof(W)) <= PAIR_BYTES;
   const Tree tree;
   __m512 u[6][4];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
-    const int64_t computed = std::is_same<L, Packed>::value ? GROUP : outputs;  // packed: a short group's rows are zeros
+    const int64_t computed = packed ? GROUP : outputs;  // packed: a short group's missing rows are zeros
     const W* wg = w + L::group(g, K);
-    // packed bf16: rows two at a time over 8 outputs a pass while those outputs' chunks stay in L1 (faster than 6
-    // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
-    // the 6 rows); otherwise 6 rows × 4 outputs a pass
-    const bool pairs = std::is_same<L, Packed>::value && sizeof(W) == 2 && 8 * K * 2 <= PAIR_BYTES;
     const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
     const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
