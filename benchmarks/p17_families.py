@@ -14,11 +14,17 @@ converts P17's own checkpoint).
 Measured, side by side in one run:
 - ITL flat: 1 stream × 8,192 tokens, ITL p50 of the last 1,024 tokens / the first 1,024 (≤ 1.10);
 - the engine's batch-1 decode step (compiled, bf16, on the server's decode threads: every CPU for weights
-  this large) against one read of the weights at the DRAM read bandwidth measured in the same run (≤ 1.5×;
-  decode_vs_context.py's definition);
+  this large) against one read of the weights at the DRAM read bandwidth (≤ 1.5×; decode_vs_context.py's
+  definition, measured again before each of the three timings: the median) and, beside it, against the
+  weights plus the state read and written once (`ratio_with_state`: Gated DeltaNet's and Mamba2's states are
+  7–8% of their weights);
 - tokens/s at 1 stream × 512 and 8 streams × 256 against llama-server's (≥ 1.0×), servers in turn per load;
 - memory: state bytes per session (the family's formula, /v1/models) and each server's RSS after the loads, against
-  weights (bf16) + state pool (8 slots) + 1 GiB.
+  weights (bf16) + state pool (8 slots) + 1 GiB;
+- the bytes each server must move a token (`bytes_per_token`): the weights a step reads (the peer's GGUF tensors
+  but a tied table's one copy; the token-embedding rows are a lookup) plus each row's state read and written once,
+  per token at 1 and 8 streams — the tokens/s ratio two servers would show at equal bandwidth, and how many bytes a
+  second linserve moves for each one the peer moves (`bandwidth_vs_peer`).
 Servers: `linserve serve --model DIR --num-slots 8` (every other setting its default: dtype auto, compile auto,
 threads; `linserve compile` builds their buckets first) and `llama-server -np 8 -cb -t 2`. --quick: 2-layer ×
 64 models, short loads, eager, no peer.
@@ -40,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 from common import emit, machine_check, reference_workload_ms, tree_rss_bytes  # noqa: E402
-from decode_vs_context import bandwidths, median_step  # noqa: E402
+from decode_vs_context import bandwidths, median_step, read_bandwidth_gbs  # noqa: E402
 from p9_peers import LLAMA_SERVER, PEERS, itl_p50_ms, one_load, start_llama  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 
@@ -91,6 +97,35 @@ def make_checkpoint(name: str, shape: str = "340M") -> Path:
     return directory
 
 
+def peer_bytes(gguf: Path) -> dict:
+    """What llama.cpp reads a token of this GGUF (every tensor but the token embeddings, which are read as the
+    output head where the model ties them) and its recurrent state's bytes a sequence (Mamba, Mamba2, RWKV-7: fp32)."""
+    sys.path.insert(0, str(PEERS / "llama.cpp" / "gguf-py"))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    weights = sum(sizes.values()) - (sizes["token_embd.weight"] if "output.weight" in sizes else 0)
+    field = lambda key: int(reader.fields[key].parts[reader.fields[key].data[0]][0])  # noqa: E731
+    arch = bytes(reader.fields["general.architecture"].parts[reader.fields["general.architecture"].data[0]]).decode()
+    layers, width = field(f"{arch}.block_count"), field(f"{arch}.embedding_length")
+    if arch in ("mamba", "mamba2"):  # the SSM's (d_inner, d_state) and the convolution's last d_conv - 1 inputs
+        inner, state, conv = (field(f"{arch}.ssm.{k}") for k in ("inner_size", "state_size", "conv_kernel"))
+        conv_channels = inner + (2 * field("mamba2.ssm.group_count") * state if arch == "mamba2" else 0)
+        per_layer = inner * state + (conv - 1) * conv_channels
+    elif arch == "rwkv7":  # heads of (d, d) plus the two token shifts
+        head = field("rwkv7.wkv.head_size")
+        per_layer = width * head + 2 * width
+    else:
+        raise ValueError(f"no state formula for {arch}")
+    return {"weights": weights, "state": 4 * layers * per_layer}
+
+
+def bytes_per_token(weights: int, state: int, streams: int) -> float:
+    """A step's reads and writes a token: the weights once for every row, each row's state read and written once."""
+    return (weights + streams * 2 * state) / streams
+
+
 def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile_mode: str,
                            quantization: str = "none") -> dict:
     """The engine's batch-1 decode step (gather, model, sampling, scatter) in the default dtype, compiled; against
@@ -113,18 +148,25 @@ def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile
                       cache_dir=str(REPO / "data" / "p17" / "compile"), autotune=Settings().compile_autotune)
     step.start()
     step.wait_compiled()
-    times = [median_step(lambda: step([1], [0], [0]), steps, device)  # (it writes slot 0's state itself)
-             for _ in range(3)]
+    times, beside = [], []
+    for _ in range(3):  # the host's DRAM figure drifts within minutes: measured again beside each timing
+        beside.append(read_bandwidth_gbs(device, bandwidth["dram_buffer_bytes"]))
+        times.append(median_step(lambda: step([1], [0], [0]), steps, device))  # (it writes slot 0's state itself)
+    dram = statistics.median(beside)
     read_bytes = threads.weight_bytes
     if quantization == "int8":  # the projections' weights at one byte each, the rest (embeddings, norms) as they are
         read_bytes -= sum(w.numel() for w in projection.packed_weights())
-    read_ms = read_bytes / (bandwidth["dram_gb_s"] * 1e9) * 1e3
+    read_ms = read_bytes / (dram * 1e9) * 1e3
+    state_bytes = model.config.state_bytes()  # read and written once a step besides the weights
+    moved_ms = (read_bytes + 2 * state_bytes) / (dram * 1e9) * 1e3
     step_ms = 1e3 * statistics.median(times)
     step.close(wait=True)
     return {"dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "compiled": step.status,
-            "threads": threads.threads, "weight_bytes": read_bytes, "weight_read_ms": read_ms,
+            "threads": threads.threads, "dram_gb_s_beside": beside, "weight_bytes": read_bytes,
+            "weight_read_ms": read_ms,
             "step_ms": step_ms, "ratio": step_ms / read_ms,
-            "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5}
+            "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5,
+            "weights_and_state_ms": moved_ms, "ratio_with_state": step_ms / moved_ms}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,7 +230,9 @@ def main(argv: list[str] | None = None) -> None:
         for port in servers.values():
             one_load(port, 1, 8)  # warm-up
         long_load = list(loads)[2] if len(loads) > 2 else None  # (the long one; --no-long: none)
+        during = []  # the DRAM figure before each repetition of the loads
         for _ in range(args.reps):
+            during.append(read_bandwidth_gbs(torch.device("cpu"), bandwidth["dram_buffer_bytes"]))
             for load, (streams, tokens) in loads.items():
                 if load == long_load and _ > 0:
                     continue  # the 8,192-token load once per server: minutes each at this size
@@ -204,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         for process in processes.values():
             process.wait(60)
     table = {name: {load: statistics.median(rates[(name, load)]) for load in loads} for name in servers}
-    result = {"loads": loads, "reps": args.reps, "bandwidth": bandwidth,
+    result = {"loads": loads, "reps": args.reps, "bandwidth": {**bandwidth, "dram_gb_s_during_loads": during},
               "machine": machine_check(reference_before, reference_workload_ms()), "tokens_per_s": table,
               "rss_bytes": rss, "P17": {}}
     for name in checkpoints:
@@ -220,10 +264,17 @@ def main(argv: list[str] | None = None) -> None:
             ratio = flat[label][0]
             entry["itl_late_over_early"] = {"ratio": ratio, "target": "<= 1.10", "pass": ratio <= 1.10}
         if with_peer:
+            peer_moves = peer_bytes(PEERS / "models" / f"{peer_model}.gguf")
             for load in list(loads)[:2]:
                 peer = table[peer_label][load]
                 entry[load] = {"linserve": table[label][load], "peer": peer, "ratio": table[label][load] / peer,
                                "target": ">= 1.0", "pass": table[label][load] >= peer}
+                streams = loads[load][0]
+                ours = bytes_per_token(steps[name]["weight_bytes"], card["state_bytes"], streams)
+                theirs = bytes_per_token(peer_moves["weights"], peer_moves["state"], streams)
+                entry[load]["bytes_per_token"] = {"linserve": ours, "peer": theirs,
+                                                  "ratio_at_equal_bandwidth": theirs / ours,
+                                                  "bandwidth_vs_peer": entry[load]["ratio"] * ours / theirs}
         result["P17"][name] = entry
     emit(result, args.out)
 

@@ -5,12 +5,14 @@ speculative decoding gives plain decoding's tokens; every engine test's slot acc
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
 
 from linserve.model.checkpoint import load_checkpoint
-from tests.helpers import prompt, run, tokens_of
+from linserve.server.engine import EngineRequest, step_runner
+from tests.helpers import Collector, prompt, run, tokens_of
 from tests.model.families.checkpoints import FAMILY_CASES, write_checkpoint
 from tests.server.engine.test_batch_invariance import BUILD_WAIT_S, GREEDY, PROMPTS, SEEDED, together, together_these
 
@@ -59,3 +61,44 @@ def test_speculation_gives_plain_decodings_tokens(make_engine, family_model):
     fast.speculation.always = True  # verify whenever drafts exist
     assert [tokens_of(o) for o in together_these(fast, [looping, *PROMPTS[:3]], params)] == want
     assert sum(s.drafted for s in fast.test_stats if hasattr(s, "drafted")) > 0
+
+
+class RowsPerCall:
+    """The engine's model, counting the rows of each eager prefill call (everything else passes through)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.rows = model, []
+
+    def __call__(self, ids, state):
+        self.rows.append(ids.shape[0])
+        return self.model(ids, state)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_rows_whose_state_is_large_prefill_a_few_a_call_with_the_same_tokens(make_engine, device, tmp_path,
+                                                                              monkeypatch):
+    """Six equal prompts arriving in one step prefill in one eager call; with a budget of two rows' state a call
+    (EAGER_PREFILL_STATE_BYTES: fla's 340M states are tens of MB a row) they take three calls — the same tokens."""
+    model = model_of("gated_deltanet", tmp_path, device)
+    prompts = [prompt(8, 900 + i) for i in range(6)]  # 48 tokens: one step's prefill (max_batch_tokens 64)
+
+    def arriving_together(engine):
+        spy = engine.runner.model = RowsPerCall(engine.runner.model)
+        gate = threading.Event()
+        engine.commands.post(gate.wait)  # the engine thread waits: all six are admitted in one round
+        sinks = [Collector() for _ in prompts]
+        futures = [engine.submit(EngineRequest(f"r{i}", ids, GREEDY), sink)
+                   for i, (ids, sink) in enumerate(zip(prompts, sinks))]
+        gate.set()
+        for future in futures:
+            future.result(10)
+        return [tokens_of(sink.wait()) for sink in sinks], spy.rows
+
+    want, rows = arriving_together(make_engine(model, num_slots=8))
+    assert rows == [6]
+    engine = make_engine(model, num_slots=8)
+    monkeypatch.setattr(step_runner, "EAGER_PREFILL_STATE_BYTES", 2 * engine.pool.slot_bytes)
+    got, rows = arriving_together(engine)
+    assert rows == [2, 2, 2] and got == want
