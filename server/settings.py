@@ -40,7 +40,11 @@ class Settings(BaseSettings):
     max_prefill_chunk: int = Field(256, ge=1, description="prefill tokens per request per step")
     max_prefill_while_decoding: int = Field(16, ge=1, description="prefill tokens per step while streams decode")
     prefix_cache_entries: int = Field(64, ge=0)
+    prefix_cache_mb: float = Field(1024.0, gt=0, description="the prefix cache's states at most: fewer entries "
+                                   "than prefix_cache_entries where the model's state is large")
     max_host_sessions: int = Field(1024, ge=0, description="sessions offloaded to host memory")
+    host_sessions_mb: float = Field(4096.0, gt=0, description="host memory for offloaded sessions' states at most: "
+                                    "fewer sessions than max_host_sessions where the model's state is large")
     session_ttl_s: float = Field(3600.0, gt=0)
     session_turns_kept: int = Field(8, ge=0, description="turn snapshots kept per session for rewind")
     session_text_chars: int = Field(

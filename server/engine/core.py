@@ -52,6 +52,7 @@ from .sessions.registry import SessionRegistry
 from .sessions.service import SessionService
 from .sessions.worker import StoreStep, StoreWorker
 from .slots import EngineSlots
+from .state_pool import states_within
 from .step_runner import Delivery
 from .types import (
     EngineConfig,
@@ -110,8 +111,9 @@ class Engine:
         store = parts.store
         self.store_worker = StoreWorker(store, config.session_store_timeout_s, self._store_result) if store.keeps \
             else None
+        host_sessions = states_within(config.max_host_sessions, config.host_sessions_mb, self.pool.slot_bytes)
         # a snapshot names the decode weights: they made its state's tokens
-        self.registry = SessionRegistry(self.pool, self.model, config.max_host_sessions, config.session_ttl_s,
+        self.registry = SessionRegistry(self.pool, self.model, host_sessions, config.session_ttl_s,
                                         self.reserved_slots, config.session_turns_kept, store, self.store_worker,
                                         parts.text_chars, int(config.session_responses_mb * 2**20))
         self.commands = CommandQueue()

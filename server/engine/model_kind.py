@@ -23,7 +23,7 @@ from .sessions.backends import open_store
 from .sessions.stores import NoStore, SessionStore
 from .softmax_baseline import KVCachePool, KVCacheRunner, check_context
 from .spec.speculation import SpeculationPolicy, SpeculativeDecoding
-from .state_pool import SlotPool, StatePool
+from .state_pool import SlotPool, StatePool, states_within
 from .step_runner import StepRunner
 from .types import EngineConfig, SamplingParams
 
@@ -95,7 +95,8 @@ def model_parts(model, config: EngineConfig, sampling: SlotSampling, device: tor
     if config.compile != "off" and prefill is not None:
         prefill_step = DecodeStep(model, pool, sampling, device, config.compile, min(PREFILL_ROWS, config.num_slots),
                                   config.compile_cache_dir, config.compile_autotune, kind=prefill, after=decode_step)
-    prefix_cache = PrefixCache(config.prefix_cache_entries, config.max_prefill_chunk, pool.slot_bytes)
+    entries = states_within(config.prefix_cache_entries, config.prefix_cache_mb, pool.slot_bytes)
+    prefix_cache = PrefixCache(entries, config.max_prefill_chunk, pool.slot_bytes)
     runner = StepRunner(model, pool, sampling, decode_step, prefix_cache, device, eos_ids, threads,
                         speculative.verify_steps, speculative.policy, prefill_step)
     store = open_store(config.session_store, config.session_ttl_s, config.session_store_timeout_s)

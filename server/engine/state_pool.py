@@ -18,6 +18,11 @@ def slots_for_budget(memory_bytes: int, state_bytes: int) -> int:
     return max(memory_bytes // state_bytes, 0)
 
 
+def states_within(count: int, budget_mb: float, state_bytes: int) -> int:
+    """`count` states, or as many as `budget_mb` holds where that is fewer (fla's 340M shapes: 25-68 MB each)."""
+    return min(count, slots_for_budget(int(budget_mb * 2**20), max(state_bytes, 1)))
+
+
 class SlotPool:
     """Slot bookkeeping shared by the pools: free list and exact byte accounting."""
 

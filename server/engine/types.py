@@ -58,6 +58,8 @@ class EngineConfig:
     adapt_threads: bool  # both are ceilings, lowered while other processes hold the CPUs (cpu_contention.py)
     prefill_program_tokens: int  # CPU: short prompt chunks as compiled programs of this many tokens; 0: eager
     session_responses_mb: float = 64.0  # a session's stored responses (their own store entries), at most
+    prefix_cache_mb: float = 1024.0  # the prefix cache's states, at most (its entries: the fewer of the two)
+    host_sessions_mb: float = 4096.0  # offloaded sessions' states in host memory, at most (likewise)
 
     @classmethod
     def from_settings(cls, settings: object, **overrides: object) -> EngineConfig:

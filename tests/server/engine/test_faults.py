@@ -190,6 +190,27 @@ def test_full_session_tiers_never_starve_stateless_or_host_work(make_engine):
     assert_slots_balance(engine)
 
 
+def test_host_sessions_and_prefix_entries_are_capped_by_their_memory_budgets(make_engine, tiny_model):
+    """The counts (max_host_sessions 1,024, prefix_cache_entries 64) are not what binds where states are large:
+    budgets of two states' bytes each hold two host sessions and two prefix-cache entries — the full-tiers case
+    above, reached through the budget."""
+    two_states_mb = 2.5 * tiny_model.config.state_bytes() / 2**20
+    engine = make_engine(num_slots=4, max_n=1, reserved_slots=1, max_host_sessions=1024, host_sessions_mb=two_states_mb,
+                         prefix_cache_entries=64, prefix_cache_mb=two_states_mb)
+    created = []
+    for i in range(5):  # 2 host + (4 - 1) device: the limit
+        created.append(engine.sessions.create(None).result(10))
+        run(engine, prompt(6, i), SamplingParams(max_tokens=0), f"fill{i}", session_id=created[-1].id)
+    with pytest.raises(EngineError) as error:
+        engine.sessions.create(None).result(10)
+    assert error.value.kind == "capacity"
+    for i in range(3):  # 48 tokens: two chunk boundaries (16, 32) remembered a prompt, six in all
+        assert len(tokens_of(run(engine, prompt(48, 100 + i), GREEDY, f"long{i}"))) == 12
+    assert len(engine.prefix_cache) == 2 and engine.prefix_cache.bytes_in_use == 2 * engine.pool.slot_bytes
+    assert [engine.sessions.info(s.id, None).result(10).tier for s in created].count("host") == 2
+    assert_slots_balance(engine)
+
+
 def test_a_request_keeps_nothing_that_grows_with_its_length(make_engine):
     """Invariant 4 for a stateless stream: the live request's containers are no bigger at token 1,500 than at 50."""
     engine = make_engine()
