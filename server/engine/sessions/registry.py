@@ -10,8 +10,9 @@ delete leaves the session as it was.
 
 Capacity: once host memory is full, idle sessions pin at most `num_slots - reserved_slots` device slots,
 so running requests (stateless ones above all) always get a slot eventually: the session limit is
-`max_host_sessions + num_slots - reserved_slots`, and a session coming back from host memory may push
-the least recently used one out in its place.
+`max_host_sessions + num_slots - reserved_slots` (the host count as many states as `host_sessions_mb` holds,
+where that is fewer), and a session coming back from host memory may push the least recently used one out in
+its place.
 """
 
 from __future__ import annotations
