@@ -169,15 +169,22 @@ def test_forking_the_lru_session_with_every_slot_full_leaks_nothing(make_engine)
     assert_slots_balance(engine)
 
 
-def test_full_session_tiers_never_starve_stateless_or_host_work(make_engine):
-    engine = make_engine(num_slots=4, max_n=1, reserved_slots=1, max_host_sessions=2)
+def fill_session_tiers(engine) -> list:
+    """Sessions up to the limit of an engine with 4 slots, 1 reserved and room for 2 on the host tier (2 host +
+    (4 - 1) device); one more is refused with `capacity`. Returns the five."""
     created = []
-    for i in range(5):  # 2 host + (4 - 1) device: the limit
+    for i in range(5):
         created.append(engine.sessions.create(None).result(10))
         run(engine, prompt(6, i), SamplingParams(max_tokens=0), f"fill{i}", session_id=created[-1].id)
     with pytest.raises(EngineError) as error:
         engine.sessions.create(None).result(10)
     assert error.value.kind == "capacity"
+    return created
+
+
+def test_full_session_tiers_never_starve_stateless_or_host_work(make_engine):
+    engine = make_engine(num_slots=4, max_n=1, reserved_slots=1, max_host_sessions=2)
+    created = fill_session_tiers(engine)
     assert len(tokens_of(run(engine, prompt(4), GREEDY, "stateless"))) == 12
     tiers = [engine.sessions.info(s.id, None).result(10).tier for s in created]
     assert tiers.count("host") == 2  # host memory is full now: 3 sessions pin device slots, 1 stays free
@@ -197,13 +204,7 @@ def test_host_sessions_and_prefix_entries_are_capped_by_their_memory_budgets(mak
     two_states_mb = 2.5 * tiny_model.config.state_bytes() / 2**20
     engine = make_engine(num_slots=4, max_n=1, reserved_slots=1, max_host_sessions=1024, host_sessions_mb=two_states_mb,
                          prefix_cache_entries=64, prefix_cache_mb=two_states_mb)
-    created = []
-    for i in range(5):  # 2 host + (4 - 1) device: the limit
-        created.append(engine.sessions.create(None).result(10))
-        run(engine, prompt(6, i), SamplingParams(max_tokens=0), f"fill{i}", session_id=created[-1].id)
-    with pytest.raises(EngineError) as error:
-        engine.sessions.create(None).result(10)
-    assert error.value.kind == "capacity"
+    created = fill_session_tiers(engine)
     for i in range(3):  # 48 tokens: two chunk boundaries (16, 32) remembered a prompt, six in all
         assert len(tokens_of(run(engine, prompt(48, 100 + i), GREEDY, f"long{i}"))) == 12
     assert len(engine.prefix_cache) == 2 and engine.prefix_cache.bytes_in_use == 2 * engine.pool.slot_bytes
