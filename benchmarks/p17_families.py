@@ -106,8 +106,9 @@ def peer_bytes(gguf: Path) -> dict:
     reader = GGUFReader(gguf)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     weights = sum(sizes.values()) - (sizes["token_embd.weight"] if "output.weight" in sizes else 0)
-    field = lambda key: int(reader.fields[key].parts[reader.fields[key].data[0]][0])  # noqa: E731
-    arch = bytes(reader.fields["general.architecture"].parts[reader.fields["general.architecture"].data[0]]).decode()
+    value = lambda key: reader.fields[key].parts[reader.fields[key].data[0]]  # noqa: E731 (a field's value's array)
+    field = lambda key: int(value(key)[0])  # noqa: E731
+    arch = bytes(value("general.architecture")).decode()
     layers, width = field(f"{arch}.block_count"), field(f"{arch}.embedding_length")
     if arch in ("mamba", "mamba2"):  # the SSM's (d_inner, d_state) and the convolution's last d_conv - 1 inputs
         inner, state, conv = (field(f"{arch}.ssm.{k}") for k in ("inner_size", "state_size", "conv_kernel"))
@@ -163,8 +164,7 @@ def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile
     step.close(wait=True)
     return {"dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "compiled": step.status,
             "threads": threads.threads, "dram_gb_s_beside": beside, "weight_bytes": read_bytes,
-            "weight_read_ms": read_ms,
-            "step_ms": step_ms, "ratio": step_ms / read_ms,
+            "weight_read_ms": read_ms, "step_ms": step_ms, "ratio": step_ms / read_ms,
             "target": "<= 1.5", "pass": step_ms / read_ms <= 1.5,
             "weights_and_state_ms": moved_ms, "ratio_with_state": step_ms / moved_ms}
 
