@@ -145,7 +145,8 @@ class Settings(BaseSettings):
         None, ge=1, le=1024, description="intra-op CPU threads while a compiled CPU program (decode, verification) "
         "runs: its Inductor kernels keep the count they were built for (`threads`), linserve's own kernels (the "
         "projections, the scans) split over this one; unset: the CPUs this process may use, at most 4, never "
-        "fewer than `threads`")
+        "fewer than `threads`, for a step of at least 32 rows — narrower ones run on `threads` (a second thread "
+        "spinning between their small regions takes the CPU the HTTP side needs); set: every compiled step")
     adapt_threads: bool = Field(
         True, description="treat `threads`, `kernel_threads` and `prefill_threads` as ceilings: every 0.5 s the "
         "engine reads the kernel's CPU counters and runs each phase on the CPUs other processes leave free "

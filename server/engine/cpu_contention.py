@@ -173,11 +173,12 @@ class ThreadCounts:
                         counts[1], self.prefill, counts[2], self.contention.others)
             self.decode, self.kernel, self.prefill = counts
 
-    def decoding(self, compiled: bool = False) -> None:
-        """Before a decode (or verification) step: the decode count in force — the compiled program's
-        (`kernel_threads`) when the step runs a compiled CPU program, whose Inductor kernels keep their own."""
+    def decoding(self, compiled: bool = False, rows: int = 1) -> None:
+        """Before a decode (or verification) step of `rows` rows: the decode count in force — the compiled
+        program's (`kernel_threads`) when the step runs a compiled CPU program, whose Inductor kernels keep their
+        own, of at least the plan's `kernel_from_rows` rows."""
         self._refresh()
-        want = self.kernel if compiled else self.decode
+        want = self.kernel if compiled and rows >= self.plan.kernel_from_rows else self.decode
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 

@@ -44,6 +44,9 @@ import torch
 
 MAX_DEFAULT_THREADS = 4  # the default's ceiling; `threads` set explicitly may go higher
 MAX_DEFAULT_PREFILL_THREADS = 8  # likewise for `prefill_threads`
+# a compiled step of fewer rows than this runs on `threads` unless `kernel_threads` is set: below it a second
+# OpenMP thread's spinning between the program's small regions takes the CPU the HTTP side needs (docs/engine.md)
+KERNEL_THREADS_FROM_ROWS = 32
 # weights this large make a decode step bandwidth-bound for milliseconds: every usable CPU decodes (the shipped
 # model's 12 MB fit in cache, fla's 340M shapes' 620 MB do not — measured on both sides of it, docs/benchmarks.md)
 STREAMED_WEIGHT_BYTES = 256 * 2**20
@@ -60,6 +63,8 @@ class ThreadPlan:
     # the engine thread's count while a compiled CPU program runs: its Inductor kernels keep the count they were
     # built for (`threads`), linserve's own kernels (the projections, the scans) split over this one
     kernel_threads: int = 1
+    # ... from a step of this many rows; smaller compiled steps run on `threads` (1: every compiled step)
+    kernel_from_rows: int = 1
     weight_bytes: int = 0  # the model's weights as the decode step reads them (0: not known when planned)
     adaptive: bool = False  # both counts are ceilings, lowered while other processes hold the CPUs (cpu_contention)
 
@@ -159,8 +164,10 @@ def plan_threads(requested: int | None, prefill_requested: int | None = None, we
     threads = requested if requested is not None else default_threads(usable, weight_bytes)
     prefill = prefill_requested if prefill_requested is not None else default_prefill_threads(usable)
     kernel = kernel_requested if kernel_requested is not None else default_kernel_threads(usable, threads)
+    from_rows = 1 if kernel_requested is not None else KERNEL_THREADS_FROM_ROWS
     return ThreadPlan(threads, usable, "setting" if requested is not None else "default",
-                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill, kernel, weight_bytes, adaptive)
+                      os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill, kernel, from_rows, weight_bytes,
+                      adaptive)
 
 
 def apply_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0,

@@ -93,7 +93,7 @@ class StepRunner:
         if plan is not None:
             return self.verify(rows, plan, step_started)
         if self.threads is not None:
-            self.threads.decoding(compiled=self.decode_step.bucket_ready(len(rows)) is not None)
+            self.threads.decoding(self.decode_step.bucket_ready(len(rows)) is not None, len(rows))
         started = time.perf_counter()
         out = self.decode_step(tokens, slots, positions)  # (the program commits each finite row's new state)
         program_s = time.perf_counter() - started
@@ -130,7 +130,7 @@ class StepRunner:
         ids = [[row.next_token, *draft] + [row.next_token] * (k - len(draft)) for row, draft in zip(rows, drafts)]
         slots = [row.slot for row in rows]
         if self.threads is not None:
-            self.threads.decoding(compiled=self.verify_steps[k].bucket_ready(len(rows)) is not None)
+            self.threads.decoding(self.verify_steps[k].bucket_ready(len(rows)) is not None, len(rows))
         started = time.perf_counter()
         raw = self.verify_steps[k].run([*map(list, zip(*ids)), limits, slots, [row.position for row in rows]])
         program_s = time.perf_counter() - started

@@ -198,6 +198,22 @@ def test_a_compiled_step_runs_on_the_kernel_count_an_eager_one_on_the_decode_cou
         torch.set_num_threads(before)
 
 
+def test_a_compiled_step_narrower_than_the_plan_s_rows_runs_on_the_decode_count():
+    plan = ThreadPlan(threads=1, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
+                      kernel_threads=2, kernel_from_rows=32)
+    counts = ThreadCounts(plan)
+    before = torch.get_num_threads()
+    try:
+        counts.decoding(compiled=True, rows=31)
+        assert torch.get_num_threads() == 1  # a narrow step: `threads`
+        counts.decoding(compiled=True, rows=32)
+        assert torch.get_num_threads() == 2
+        counts.decoding(compiled=False, rows=64)
+        assert torch.get_num_threads() == 1  # eager: the decode count, however wide
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_plan_that_does_not_adapt_keeps_its_counts():
     plan = ThreadPlan(threads=1, usable_cpus=2, source="setting", omp_wait_policy="default", prefill_threads=2)
     assert ThreadCounts(plan).contention is None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from linserve.server.engine.cpu_threads import (
+    KERNEL_THREADS_FROM_ROWS,
     MAX_DEFAULT_PREFILL_THREADS,
     MAX_DEFAULT_THREADS,
     STREAMED_WEIGHT_BYTES,
@@ -119,7 +120,9 @@ def test_plan_names_its_source(monkeypatch):
     assert chosen.prefill_threads == asked.prefill_threads == default_prefill_threads(usable_cpus())
     assert plan_threads(None, 5).prefill_threads == 5
     assert chosen.kernel_threads == default_kernel_threads(usable_cpus(), chosen.threads)
-    assert plan_threads(None, kernel_requested=3).kernel_threads == 3
+    assert chosen.kernel_from_rows == KERNEL_THREADS_FROM_ROWS > 1  # by default only for wide steps
+    asked_kernel = plan_threads(None, kernel_requested=3)
+    assert (asked_kernel.kernel_threads, asked_kernel.kernel_from_rows) == (3, 1)  # asked: every compiled step
 
 
 def engine_thread_count(engine) -> int:
