@@ -42,6 +42,8 @@ SUITE_CACHE = os.path.join(tempfile.gettempdir(), "linserve-gpu-suite-cache")
 PART_ENV = {"fla": {"LINSERVE_FLA_GPU": "1"},
             **{part: {"LINSERVE_COMPILE_CACHE_DIR": SUITE_CACHE} for part in ("p5", "served", "p15")}}
 SERVED_STREAMS = (1, 32, 128)
+# one frontend and four: one tops out near 40,000 streamed tokens/s by docs/engine.md's host-cost model, P11's 128
+SERVED_FRONTENDS = (1, 4)
 
 
 def machine() -> dict:
@@ -102,7 +104,8 @@ def part_commands(name: str, out: Path, quick: bool, tests: list[str] | None = N
         return [py, "benchmarks/serving_overhead.py", "--device", "cuda", *q, "--out", str(out / "p5.json")]
     if name == "served":
         return [py, "benchmarks/served_load.py", "--device", "cuda", *q, "--streams",
-                *(str(n) for n in SERVED_STREAMS), "--out", str(out / "served.json")]
+                *(str(n) for n in SERVED_STREAMS), "--api-servers", *(str(n) for n in SERVED_FRONTENDS),
+                "--out", str(out / "served.json")]
     if name == "p12":  # first start on the GPU: first token, every bucket at graph speed, the warm cache
         return [py, "benchmarks/p12_first_start.py", "--device", "cuda", *q, "--cold-cache", SUITE_CACHE,
                 "--warm-cache", "same", "--out", str(out / "p12.json")]
@@ -139,9 +142,11 @@ def rows(results: dict) -> list[str]:
                              f"`{parts['p5']['command']}` |")
     served = parts.get("served", {}).get("result")
     if served:
-        for key, entry in served.get("P11", {}).items():
-            lines.append(f"| P11 {key} ({where}) | {entry['measured']:.4g} | {entry['target']} | "
-                         f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['served']['command']}` |")
+        for placement, figures in served.get("placements", {"": served}).items():
+            for key, entry in figures.get("P11", {}).items():
+                named = f"{placement} {key}" if placement else key
+                lines.append(f"| P11 {named} ({where}) | {entry['measured']:.4g} | {entry['target']} | "
+                             f"{'PASS' if entry['pass'] else 'FAIL'} | `{parts['served']['command']}` |")
     p12 = parts.get("p12", {}).get("result")
     if p12:
         cold, warm = p12.get("P12", {}).get("cold", {}), p12.get("P12", {}).get("warm", {})

@@ -2,9 +2,11 @@
 `linserve serve` on 127.0.0.1, once the decode step is compiled (or settled on eager).
 
     python benchmarks/served_load.py [--device cuda] [--streams 1 32 128] [--tokens 512] [--reps 2] [--quick]
+                                     [--api-servers N [N ...]]
 
 Targets (SPEC P11, GPU only): 1-stream ITL p50 ≤ 0.8 ms, ≥ 20,000 tokens/s at 32 streams, ≥ 40,000 at 128.
-On CPU the same figures are reported without targets.
+On CPU the same figures are reported without targets. `--api-servers`: one server per value, in turn (the
+figures under `placements`, keyed `api_servers_N`); unset, one server with its default.
 """
 
 from __future__ import annotations
@@ -50,14 +52,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8771)
     parser.add_argument("--quick", action="store_true", help="short loads, one repetition, eager (tests)")
     parser.add_argument("--out")
+    parser.add_argument("--api-servers", type=int, nargs="+",
+                        help="linserve serve --api-servers, one server per value in turn [default: the server's]")
     add_device_argument(parser)
     add_compile_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     if args.quick:
         args.tokens, args.reps, args.compile = 16, 1, "off"
+    placements = {f"api_servers_{n}": n for n in args.api_servers} if args.api_servers else {"default": None}
+    results = {where: serve_and_measure(args, device, frontends) for where, frontends in placements.items()}
+    result = {"device": device.type, "tokens_per_stream": args.tokens, "reps": args.reps}
+    if len(results) == 1:
+        result.update(next(iter(results.values())))
+    else:
+        result["placements"] = results
+    emit(result, args.out)
+
+
+def serve_and_measure(args, device, frontends: int | None) -> dict:
+    """One server (`frontends`: its --api-servers, None: its default), each load `reps` times: its figures."""
     slots = max(64, max(args.streams))
-    extra = ["--log-level", "warning", *(["--threads", str(args.threads)] if args.threads else [])]
+    extra = ["--log-level", "warning", *(["--threads", str(args.threads)] if args.threads else []),
+             *(["--api-servers", str(frontends)] if frontends is not None else [])]
     server = start_server(args.model, args.port, slots, extra=extra, env={"LINSERVE_SESSION_STORE": "none"},
                           device=device.type, compile=args.compile)
     runs: dict[int, list[dict]] = {n: [] for n in args.streams}
@@ -75,9 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         loads[f"streams_{n}"] = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
         loads[f"streams_{n}"]["tokens_per_s_spread"] = [min(s["tokens_per_s"] for s in samples),
                                                         max(s["tokens_per_s"] for s in samples)]
-    result = {"device": device.type, "server": {k: version.get(k) for k in ("device", "dtype", "threads",
-                                                                             "cpu_threads", "decode_step")},
-              "tokens_per_stream": args.tokens, "reps": args.reps, "loads": loads}
+    result = {"server": {k: version.get(k) for k in ("device", "dtype", "threads", "cpu_threads", "decode_step")},
+              "api_servers": frontends, "loads": loads}
     if device.type == "cuda":
         result["P11"] = {}
         for n, (key, bound, sense) in P11.items():
@@ -85,8 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                 measured = loads[f"streams_{n}"][key]
                 ok = measured <= bound if sense == "<=" else measured >= bound
                 result["P11"][f"streams_{n}_{key}"] = {"measured": measured, "target": f"{sense} {bound}", "pass": ok}
-    emit(result, args.out)
-
+    return result
 
 if __name__ == "__main__":
     main()

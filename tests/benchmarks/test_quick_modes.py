@@ -150,6 +150,16 @@ def test_served_load(tmp_path):
     assert ("P11" in data) == (device_name_under_test() == "cuda")
 
 
+def test_served_load_with_each_frontend_count(tmp_path):
+    """`--api-servers 1 2`: one server per count, in turn, each with its own figures."""
+    run("served_load.py", "--streams", "2", "--api-servers", "1", "2", "--out", str(tmp_path / "s.json"),
+        "--port", "8796")
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert set(data["placements"]) == {"api_servers_1", "api_servers_2"}
+    for frontends, placement in zip((1, 2), data["placements"].values()):
+        assert placement["api_servers"] == frontends and placement["loads"]["streams_2"]["tokens_per_s"] > 0
+
+
 def test_families_served(tmp_path):
     """fla families served (issue 48's figures on a GPU): each checkpoint's load, and its state bytes as the
     server's /v1/models reports them — the family's own formula."""
