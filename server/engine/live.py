@@ -197,11 +197,9 @@ class LiveRequest:
 
     def output(self, index, token, text, logprob, reason, generated, position, error=None,
                end_of_text: bool = False) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request.request_id, index=index, token_id=token, text=text, logprob=logprob,
-            finish_reason=reason, prompt_tokens=len(self.request.prompt_ids), generated_tokens=generated,
-            position=position, session_id=self.request.session_id, error=error, end_of_text=end_of_text,
-        )
+        request = self.request  # (positional, in RequestOutput's order: made once a row a step)
+        return RequestOutput(request.request_id, index, token, text, logprob, reason, len(request.prompt_ids),
+                             generated, position, request.session_id, error, None, None, end_of_text)
 
     def final_outputs(self, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
         """The last event of every sequence that has not ended yet (abort or failure)."""

@@ -203,9 +203,12 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives, best first
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """One event of one sequence: a new token (with its text delta) and/or the end of the sequence."""
+    """One event of one sequence: a new token (with its text delta) and/or the end of the sequence. Made once a row
+    a step in the engine and again in the frontend when it crosses, and never changed after (`dataclasses.replace`
+    makes another): slots and a plain __init__, 0.12 µs a construction against a frozen dataclass's 1.0–1.4
+    (its `object.__setattr__` per field)."""
 
     request_id: str
     index: int  # which of the n sequences
