@@ -103,5 +103,6 @@ def serve_and_measure(args, device, frontends: int | None) -> dict:
                 result["P11"][f"streams_{n}_{key}"] = {"measured": measured, "target": f"{sense} {bound}", "pass": ok}
     return result
 
+
 if __name__ == "__main__":
     main()
