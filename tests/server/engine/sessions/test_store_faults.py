@@ -19,7 +19,12 @@ from tests.helpers import Collector, assert_slots_balance, prompt, run, start_re
 
 GREEDY_6 = SamplingParams(max_tokens=6, temperature=0)
 TIMEOUT_S = 0.5  # the store deadline in these tests
+DURABLE_TIMEOUT_S = 5.0  # against a Redis that fsyncs every write
 
+
+def assert_stored(outputs) -> None:
+    """A session turn that ended as asked: its record was written before its end was sent."""
+    assert outputs[-1].finish_reason is not FinishReason.ERROR, outputs[-1].error
 
 
 def store_error(future) -> EngineError:
@@ -200,11 +205,15 @@ def test_a_dead_redis_leaves_nothing_behind_and_its_sessions_return_with_it(make
     url, server = start_redis(tmp_path, durable=True)
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     try:
-        engine = make_engine(num_slots=8, session_store=url, session_store_timeout_s=TIMEOUT_S)
+        # a dead Redis refuses at once: the deadline only has to outlast a write fsync'd by a loaded machine
+        engine = make_engine(num_slots=8, session_store=url, session_store_timeout_s=DURABLE_TIMEOUT_S)
         kept = engine.sessions.create(None).result(10)
-        run(engine, prompt(8, 3), GREEDY_6, "t1", session_id=kept.id)
+        assert_stored(run(engine, prompt(8, 3), GREEDY_6, "t1", session_id=kept.id))
         twin = engine.sessions.fork(kept.id, None).result(10)
-        expected = tokens_of(run(engine, [3], GREEDY_6, "ref", session_id=twin.id))
+        assert twin.tokens == 8 + 6
+        reference = run(engine, [3], GREEDY_6, "ref", session_id=twin.id)
+        assert_stored(reference)
+        expected = tokens_of(reference)
         before = memory_sessions(engine)
         server.kill()  # SIGKILL: what it acknowledged is in its append-only file
         server.wait(10)
