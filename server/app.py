@@ -23,6 +23,7 @@ from .api.common.limits import RequestLimits
 from .api.common.logprob_budget import LogprobBudget
 from .api.common.metrics import CONTENT_TYPE_LATEST, Metrics
 from .api.common.openapi import OPERATIONAL_RESPONSES, document_errors
+from .api.common.streaming import BODY_SEND
 from .api.completions.router import router as completions_router
 from .api.models.router import router as models_router
 from .api.responses.router import router as responses_router
@@ -193,9 +194,19 @@ def add_docs(app: FastAPI, settings: Settings) -> None:
                               with_google_fonts=False)
 
 
+class LinserveAPI(FastAPI):
+    """The app; it hands the server's own `send` to responses that stream (streaming.BODY_SEND: their body chunks
+    skip the middlewares' send wrappers, which only look at a response's start)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[BODY_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.load()
-    app = FastAPI(title="linserve", version=package_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = LinserveAPI(title="linserve", version=package_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, description="Causal linear-attention LM server: constant per-token latency "
                   "and state size.")
     app.state.settings = settings

@@ -234,10 +234,11 @@ class RequestOutput:
     def __reduce__(self) -> tuple:
         """Pickled as its fields in order: every row's output crosses to the frontend process each step, and
         this takes half the time of a dataclass's pickling (its __dict__, by name)."""
-        return RequestOutput, _output_values(self)
+        return RequestOutput, output_values(self)
 
 
-_output_values = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
+# an output's fields in order, as a tuple: RequestOutput(*output_values(output)) is the same output
+output_values = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ core → frontend
     ("ready", EngineFacts, GenerationDefaults)   the model is loaded and the engine runs
     ("failed", message)                          it could not start (the message says why); the core exits
     ("batch", events)                            once per engine step (and per batch of commands), in order:
-        ("o", RequestOutput)                         every row's output of the step
+        ("o", fields)                                every row's output of the step: RequestOutput's fields in order
         ("s", stats)                                 StepStats, PoolStats (when changed), RequestStats, StoreStats…
                                                      (to every frontend: each one's /metrics shows the engine)
         ("c", endpoint, status)                      a request some frontend counted (its requests_total)

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection, wait
 
 from ..engine.command_queue import ENGINE_DEAD
 from ..engine.cpu_threads import in_passing_thread
-from ..engine.types import PoolStats
+from ..engine.types import PoolStats, output_values
 from .channel import ANSWERED_AT_ONCE, CALLS, crossing
 
 logger = logging.getLogger("linserve.server.engine_process")
@@ -48,8 +48,9 @@ class Outbox:
             self.running[request_id] = rows
 
     def output(self, output) -> None:
-        """Every request's sink (engine thread)."""
-        self.events.append(("o", output))
+        """Every request's sink (engine thread). The output crosses as its fields' tuple, which C pickles whole
+        (an object's own reduction is a Python call: 0.4 µs a row a step more)."""
+        self.events.append(("o", output_values(output)))
         if output.finished:
             with self._running_lock:
                 left = self.running.get(output.request_id, 1) - 1

@@ -207,10 +207,11 @@ class RemoteEngine:
         for event in events:
             tag = event[0]
             if tag == "o":
-                output: RequestOutput = event[1]
-                entry = self._open.get(output.request_id)
+                values = event[1]  # (RequestOutput's fields in order: core_main.Outbox.output)
+                entry = self._open.get(values[0])
                 if entry is None:
                     continue
+                output = RequestOutput(*values)
                 if output.finished:
                     entry.finished.add(output.index)
                     if len(entry.finished) >= entry.rows:

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fastapi import BackgroundTasks, Request
@@ -20,7 +20,7 @@ from ...engine.types import AlreadyApplied, EngineError, FinishReason, Idempoten
 from .dependencies import get_engine
 from .errors import ENGINE_STATUS, APIError, from_engine_error
 from .logprob_budget import Reservation, logprob_bytes
-from .streaming import EventStreamResponse, OutputStream, race_disconnect, sse_event
+from .streaming import GenerationStreamResponse, OutputStream, race_disconnect, sse_event
 
 
 @dataclass
@@ -172,35 +172,46 @@ def error_event(generation: Generation, output: RequestOutput) -> bytes:
     )
 
 
+class GenerationEvents:
+    """The SSE events of a generation (an EventSource): one event per token (and per finish), the optional usage
+    event, then [DONE]; a failed row's error event once, its other prompts aborted."""
+
+    def __init__(self, generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=()) -> None:
+        self.generation, self.stream = generation, generation.stream
+        self.make_chunk, self.include_usage, self.usage_chunk = make_chunk, include_usage, usage_chunk
+        self.first_chunks = first_chunks
+        self.finished_rows, self.failed = 0, False
+
+    def first(self) -> bytes:
+        return b"".join(sse_event(chunk) for chunk in self.first_chunks)
+
+    def render(self, batch: list[RequestOutput]) -> bytes:
+        generation, events = self.generation, []
+        for output in batch:
+            generation.count(output)
+            self.finished_rows += output.finished
+            if output.finish_reason is FinishReason.ERROR:
+                if not self.failed:  # one error event per request, whichever of its rows reports it
+                    events.append(error_event(generation, output))
+                    generation.abort()  # its other prompts stop too
+                self.failed = True
+                continue
+            events.append(sse_event(self.make_chunk(output)))  # one event per token, even if its text is withheld
+        return b"".join(events)  # a backlog goes out in one write
+
+    def last(self) -> bytes:
+        usage = sse_event(self.usage_chunk()) if self.include_usage and not self.failed else b""
+        return usage + sse_event("[DONE]")
+
+    def close(self) -> None:
+        if self.finished_rows < self.generation.rows:
+            self.generation.abort()  # cancelled: the client went away or the server is stopping
+
+
 def stream_events(
     generation: Generation, make_chunk, include_usage: bool, usage_chunk, first_chunks=(), on_close=None
-) -> EventStreamResponse:
+) -> GenerationStreamResponse:
     """SSE: one event per token (and per finish), optional usage event, then [DONE]. `on_close()` runs once
     the response has ended, however it ended."""
-
-    async def events() -> AsyncIterator[bytes]:
-        finished_rows, failed = 0, False
-        try:
-            for chunk in first_chunks:
-                yield sse_event(chunk)
-            async for batch in generation.stream.batches():
-                events = []
-                for output in batch:
-                    generation.count(output)
-                    finished_rows += output.finished
-                    if output.finish_reason is FinishReason.ERROR:
-                        if not failed:  # one error event per request, whichever of its rows reports it
-                            events.append(error_event(generation, output))
-                            generation.abort()  # its other prompts stop too
-                        failed = True
-                        continue
-                    events.append(sse_event(make_chunk(output)))  # one event per token, even if its text is withheld
-                yield b"".join(events)  # a backlog goes out in one write
-            if include_usage and not failed:
-                yield sse_event(usage_chunk())
-            yield sse_event("[DONE]")
-        finally:
-            if finished_rows < generation.rows:
-                generation.abort()  # cancelled: the client went away or the server is stopping
-
-    return EventStreamResponse(events(), background=None if on_close is None else BackgroundTask(on_close))
+    source = GenerationEvents(generation, make_chunk, include_usage, usage_chunk, first_chunks)
+    return GenerationStreamResponse(source, background=None if on_close is None else BackgroundTask(on_close))

@@ -14,6 +14,7 @@ import collections
 import json
 import weakref
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -91,24 +92,32 @@ class OutputStream:
             for output in batch:
                 yield output
 
-    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
-        """Everything that has arrived, at least one output at a time: a writer that fell behind sends
+    @property
+    def open(self) -> bool:
+        """Some row has not sent its finished output yet."""
+        return self._open_rows > 0
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """Everything that has arrived, at least one output (call while `open`): a writer that fell behind sends
         the backlog in one write instead of one per token."""
         outputs = self._outputs
+        while not outputs:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        batch, open_rows = [], self._open_rows
+        while outputs and open_rows > 0:
+            output = outputs.popleft()
+            batch.append(output)
+            open_rows -= output.finish_reason is not None
+        self._open_rows = open_rows
+        return batch
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
         while self._open_rows > 0:
-            while not outputs:
-                self._waiter = self._loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-            batch, open_rows = [], self._open_rows
-            while outputs and open_rows > 0:
-                output = outputs.popleft()
-                batch.append(output)
-                open_rows -= output.finish_reason is not None
-            self._open_rows = open_rows
-            yield batch
+            yield await self.next_batch()
 
 
 def sse_event(payload: dict | str) -> bytes:
@@ -141,7 +150,16 @@ async def race_disconnect(receive: Receive, work: Callable[[], object]) -> tuple
     return bool(result.get("disconnected")), result.get("value")
 
 
+BODY_SEND = "linserve.body_send"  # scope key: the server's own `send` (app.LinserveAPI puts it there)
+
+
 class EventStreamResponse(StreamingResponse):
+    """`text/event-stream`, raced against the client's disconnect. Its body chunks go straight to the server's own
+    `send` (`scope[BODY_SEND]`, when the app put it there) instead of through each middleware's send wrapper: the
+    wrappers look only at `http.response.start`, which still passes through them, as does the body's end — one
+    coroutine a chunk instead of five on a stream's hot path. (A middleware that rewrote bodies would have to
+    drop BODY_SEND from the scope.)"""
+
     media_type = "text/event-stream"
 
     def __init__(self, content, **kwargs) -> None:
@@ -149,11 +167,15 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(content, media_type=self.media_type, headers=headers, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body_send = scope.get(BODY_SEND, send)
+
         async def stream() -> None:
             try:
-                await self.stream_response(send)
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                await self.stream_body(body_send)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:
-                pass  # the client went away mid-write; the body iterator has been closed
+                pass  # the client went away mid-write; the body has been closed
 
         try:
             await race_disconnect(receive, stream)
@@ -161,3 +183,41 @@ class EventStreamResponse(StreamingResponse):
             if self.background is not None:
                 await self.background()
 
+    async def stream_body(self, send: Send) -> None:
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+class EventSource(Protocol):
+    """What a `GenerationStreamResponse` writes: a generation's events, rendered per batch of outputs."""
+
+    stream: OutputStream
+
+    def first(self) -> bytes: ...  # before any output (may be empty)
+
+    def render(self, batch: list[RequestOutput]) -> bytes: ...  # one batch's events (may be empty)
+
+    def last(self) -> bytes: ...  # after the last output
+
+    def close(self) -> None: ...  # however the response ended (a generation cut short is aborted)
+
+
+class GenerationStreamResponse(EventStreamResponse):
+    """An engine generation's SSE stream without an async generator between a step's outputs and the write: each
+    wake-up of the stream's task renders what arrived and sends it."""
+
+    def __init__(self, source: EventSource, **kwargs) -> None:
+        super().__init__((), **kwargs)
+        self.source = source
+
+    async def stream_body(self, send: Send) -> None:
+        source, stream = self.source, self.source.stream
+        try:
+            if first := source.first():
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+            while stream.open:
+                if data := source.render(await stream.next_batch()):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": source.last(), "more_body": True})
+        finally:
+            source.close()

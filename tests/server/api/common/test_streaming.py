@@ -8,6 +8,8 @@ import asyncio
 import threading
 import time
 
+from starlette.middleware import Middleware
+
 from linserve.server.api.common.streaming import OutputStream
 from linserve.server.engine.types import FinishReason, RequestOutput
 
@@ -77,3 +79,35 @@ def test_an_output_put_while_the_loop_is_flushing_is_not_stranded():
         return got
 
     assert asyncio.run(run()) == ["first", "second"]
+
+
+def test_a_stream_s_start_passes_every_middleware_and_its_chunks_go_straight_to_the_server(make_client):
+    """An SSE stream's `http.response.start` and its end go through the middlewares' send wrappers (the status
+    they record, the X-Request-Id they add), its body chunks straight to the server's own send (BODY_SEND):
+    one coroutine a chunk, not five."""
+    client = make_client()
+    seen: list[str] = []
+
+    class Watch:  # a pass-through middleware, as RequestMetrics and ServerErrors are
+        def __init__(self, app) -> None:
+            self.app = app
+
+        async def __call__(self, scope, receive, send) -> None:
+            async def watching(message) -> None:
+                seen.append(message["type"] + ("" if message.get("more_body") else ":end")
+                            if message["type"] == "http.response.body" else message["type"])
+                await send(message)
+
+            await self.app(scope, receive, watching)
+
+    app = client.app
+    app.user_middleware.insert(0, Middleware(Watch))
+    app.middleware_stack = app.build_middleware_stack()
+    body = {"prompt": "HAMLET.", "max_tokens": 12, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert response.status_code == 200 and response.headers["x-request-id"]
+    assert len(events) == 12 + 1 and events[-1] == "data: [DONE]"
+    assert seen == ["http.response.start", "http.response.body:end"], seen
+    metrics = client.get("/metrics").text
+    assert 'linserve_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
