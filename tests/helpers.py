@@ -208,12 +208,12 @@ def poison_sampling(monkeypatch, temperature: float, times: int | None = None) -
     real = StepRunner._sampled
     armed = {"n": times}
 
-    def sampled(self, rows, out, index, **kwargs):
+    def sampled(self, rows, out, *args, **kwargs):
         if armed["n"] != 0 and any(row.live.request.params.temperature == temperature for row in rows):
             if armed["n"] is not None:
                 armed["n"] -= 1
             raise RuntimeError("injected sampler fault")
-        return real(self, rows, out, index, **kwargs)
+        return real(self, rows, out, *args, **kwargs)
 
     monkeypatch.setattr(StepRunner, "_sampled", sampled)
     return armed

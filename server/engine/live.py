@@ -17,7 +17,7 @@ from .state_pool import StatePool
 from .types import EngineRequest, FinishReason, RequestOutput, RequestStats, TokenLogprob
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One sampled sequence. Constant size whatever its length: a token count and the last token; its
     sampling parameters and penalty statistics live in its slot's row of SlotSampling; per-token latencies
@@ -40,6 +40,7 @@ class Row:
     said: str | None = None  # a session row's text, its last `text_chars` characters (the turn's text)
     speculation: object | None = None  # speculation.RowSpeculation: its drafter (bounded) and acceptance
     next_logits: torch.Tensor | None = None  # (V,) set only when a failed step's program consumed next_token
+    top_logprobs: int | None = None  # the request's `logprobs` (read for every row every step)
 
     @property
     def position(self) -> int:
@@ -77,7 +78,8 @@ class Row:
         if reason is not None and not hit:
             text += self.stop.flush()
         self.finished, self.reason = reason is not None, reason
-        self._keep(text)
+        if self.kept is not None or self.said is not None:  # a session turn's text (most rows keep none)
+            self._keep(text)
         return self.live.output(self.index, token, text, logprob, reason, self.num_generated, position,
                                 end_of_text=token in eos_ids)
 
@@ -128,10 +130,11 @@ class LiveRequest:
     text_dropped: bool = False  # a keyed turn's text outgrew what is kept to answer a retry
     text_chars: int = 0  # a session turn's text kept with the session, at most (session_text_chars)
 
-    @property
-    def base_position(self) -> int:
-        """Position of the first generated token in the whole sequence (session history included)."""
-        return (self.session.tokens if self.session else 0) + len(self.request.prompt_ids)
+    base_position: int = field(init=False)  # the first generated token's position in the whole sequence
+
+    def __post_init__(self) -> None:
+        # (session history included: the session's count cannot change while its request runs — it is busy)
+        self.base_position = (self.session.tokens if self.session else 0) + len(self.request.prompt_ids)
 
     def detokenizer_context(self) -> list[int]:
         """The last tokens before the first generated one: a character split across them decodes whole."""
@@ -153,7 +156,7 @@ class LiveRequest:
             seed = (params.seed + index) % 2**64 if params.seed is not None else random.getrandbits(63)
             sampling.assign(slot, params, seed - 2**64 if seed >= 2**63 else seed, history, self.request.prompt_ids)
             detokenizer = IncrementalDetokenizer(self.decoder, skip, self.detokenizer_context())
-            row = Row(self, index, slot, detokenizer, StopMatcher(params.stop))
+            row = Row(self, index, slot, detokenizer, StopMatcher(params.stop), top_logprobs=params.logprobs)
             if grammars is not None:  # the first token is drawn under the grammar's first mask
                 row.constraint = GrammarConstraint(grammars, params.grammar, sampling.bias[slot])
                 row.constraint.write(sampling.bias[slot], params.max_tokens)
@@ -164,7 +167,10 @@ class LiveRequest:
             self.rows.append(row)
 
     def row_for_slot(self, slot: int) -> Row:
-        return next(row for row in self.rows if row.slot == slot)
+        rows = self.rows
+        if len(rows) == 1 and rows[0].slot == slot:  # (n = 1: every step, every row)
+            return rows[0]
+        return next(row for row in rows if row.slot == slot)
 
     def consumed_chunk(self, n_tokens: int, logits: torch.Tensor) -> None:
         self.consumed += n_tokens

@@ -97,13 +97,12 @@ class StepRunner:
         started = time.perf_counter()
         out = self.decode_step(tokens, slots, positions)  # (the program commits each finite row's new state)
         program_s = time.perf_counter() - started
-        index = torch.tensor(slots, device=self.device)  # (B,)
         self._host_counted = None
         try:
-            sampled = self._sampled(rows, out, index, counted=True)
+            sampled = self._sampled(rows, out, slots, counted=True)  # (the slots' tensor only if a redraw needs it)
             delivery = self.deliver(rows, sampled)
         except BaseException:
-            self._undo_step(rows, out, index)
+            self._undo_step(rows, out, torch.tensor(slots, device=self.device))
             raise
         delivery.program_s, delivery.tokens = program_s, len(rows)
         if self.speculation is not None:
@@ -138,7 +137,7 @@ class StepRunner:
         index = torch.tensor(slots, device=self.device)  # (B,)
         nexts = out.emitted.gather(1, out.kept[:, None])[:, 0]  # (B,) the token after the accepted drafts
         sampled = self._sampled(rows, DecodeOutputs(nexts, None, out.finite, out.uniforms, out.processed,
-                                                    out.logits, None), index)
+                                                    out.logits, None), slots, index)
         table = torch.cat([out.emitted, out.kept[:, None]], dim=1).tolist()  # (B, k+2): one transfer
         kept = [line[-1] for line in table]
         accepted = [line[:n] for line, n in zip(table, kept)]
@@ -250,14 +249,16 @@ class StepRunner:
     def choose(self, rows: list[Row], logits: torch.Tensor) -> Sampled:
         """logits (B, V) → one token per row (eagerly, with the decode program's sampling), without side
         effects on slots or outputs other than the rows' penalty counts."""
-        index = torch.tensor([row.slot for row in rows], device=self.device)  # (B,)
+        slots = [row.slot for row in rows]
+        index = torch.tensor(slots, device=self.device)  # (B,)
         positions = torch.tensor([row.position for row in rows], device=self.device)  # (B,)
         tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, index, positions,
                                                                              *self.sampling.tensors())
         outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, redraw)
-        return self._sampled(rows, outputs, index)
+        return self._sampled(rows, outputs, slots, index)
 
-    def _sampled(self, rows: list[Row], out: DecodeOutputs, index: torch.Tensor, counted: bool = False) -> Sampled:
+    def _sampled(self, rows: list[Row], out: DecodeOutputs, slots: list[int], index: torch.Tensor | None = None,
+                 counted: bool = False) -> Sampled:
         """A program's draw → the rows' tokens, in one transfer to Python: the program drew top-k where it could;
         rows whose filters it could not apply (`out.redraw`; every filtered row when a program does not say) are
         redrawn here from the processed logits with their own uniforms (their tokens a second transfer, only
@@ -273,7 +274,7 @@ class StepRunner:
             filtered = [b for b, row in enumerate(rows) if row.live.request.params.uses_filters]
         if filtered:
             pick = torch.tensor(filtered, device=self.device)  # (b,)
-            where = index.index_select(0, pick)  # (b,) slots
+            where = torch.tensor([slots[b] for b in filtered], device=self.device)  # (b,) their slots
             redrawn = sample_filtered(out.processed.index_select(0, pick), self.sampling.floats[0, where],
                                       self.sampling.top_k[where], self.sampling.floats[1, where],
                                       self.sampling.floats[2, where], out.uniforms.index_select(0, pick))  # (b,)
@@ -283,8 +284,8 @@ class StepRunner:
                 self.sampling.record(where, redrawn)
                 self._host_counted = (where, redrawn)
         if not counted:
-            self.sampling.record(index, tokens)
-        top_n = [row.live.request.params.logprobs for row in rows]
+            self.sampling.record(index if index is not None else torch.tensor(slots, device=self.device), tokens)
+        top_n = [row.top_logprobs for row in rows]
         wanted = any(n is not None for n in top_n)
         logprobs = token_logprobs(out.logits, tokens, top_n) if wanted else [None] * len(rows)
         return Sampled(chosen, logprobs, [not flag for flag in ok])
