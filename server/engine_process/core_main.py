@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import pickle
 import signal
 import threading
 from concurrent.futures import Future
@@ -82,9 +83,10 @@ class Outbox:
             self.send(("batch", events))
 
     def send(self, message: tuple) -> None:
-        try:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # (C pickle: multiprocessing's own copies its
+        try:                                                    # reducer table on every message)
             with self.send_lock:
-                self.conn.send(message)
+                self.conn.send_bytes(data)
         except (OSError, ValueError):  # the frontend is gone: the main thread sees it and stops the engine
             self.broken = True
 

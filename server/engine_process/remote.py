@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -180,9 +181,10 @@ class RemoteEngine:
             self._open.pop(request_id, None)
 
     def _send(self, message: tuple) -> None:
-        try:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # (what `conn.send` does, less multiprocessing's
+        try:                                                    # copy of its reducer table a message)
             with self._send_lock:
-                self.conn.send(message)
+                self.conn.send_bytes(data)
         except (OSError, ValueError) as error:
             raise EngineError(ENGINE_DEAD, kind="dead") from error
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -72,6 +73,14 @@ class Session:
         return {"tokens": self.tokens, "pending": list(self.pending), "tail": list(self.tail),
                 "logits": None if self.logits is None else self.logits.clone(),
                 "seen": None if self.seen is None else self.seen.clone()}
+
+
+class TurnMark(NamedTuple):
+    """A kept turn as a listing shows it (no state: it crosses to the frontend process)."""
+
+    index: int
+    tokens: int
+    created: float  # unix time
 
 
 @dataclass(frozen=True)

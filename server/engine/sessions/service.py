@@ -27,7 +27,7 @@ from . import copies
 from .failures import SessionBusy, StaleLookup, store_failure
 from .leases import LEASE_GRACE_S, LeaseHeld, Lookup
 from .listing import list_sessions
-from .records import Session
+from .records import Session, TurnMark
 from .registry import SessionRegistry
 from .worker import StoreStep, StoreWorker
 
@@ -85,8 +85,9 @@ class SessionService:
         return self.command(lambda _: copies.import_(self.registry, data, owner))
 
     def turns(self, session_id: str, owner: str | None) -> Future:
-        """(the kept turn snapshots, the kept turn texts) of a session."""
-        return self.command(lambda session: (list(session.turns), list(session.texts)), session_id, owner)
+        """(each kept turn snapshot's TurnMark, the kept turn texts) of a session — no state: what a listing shows."""
+        return self.command(lambda session: ([TurnMark(t.index, t.tokens, t.created) for t in session.turns],
+                                             list(session.texts)), session_id, owner)
 
     def rewind(self, session_id: str, owner: str | None, turn: int, idempotency=None) -> Future:
         return self.command(lambda session: self.registry.rewind(session, turn, idempotency), session_id, owner,
