@@ -103,6 +103,7 @@ def assert_slots_balance(engine: Engine) -> dict:
     no slot held twice or free twice, pool bytes == slots × state bytes."""
     a = engine.slot_accounting().result(10)
     assert a["slots_in_use"] == a["running_rows"] + a["device_sessions"], a
+    assert a["counted_device_sessions"] == a["device_sessions"], a  # the tiers' running count, recounted
     assert a["distinct_session_slots"] == a["device_sessions"] and a["distinct_row_slots"] == a["row_slots"], a
     assert a["distinct_free"] == a["free_list"] == a["num_slots"] - a["slots_in_use"], a
     assert a["bytes_in_use"] == a["slots_in_use"] * a["slot_bytes"], a

@@ -49,6 +49,7 @@ def slot_accounting(pool, registry, scheduler, live: dict) -> dict[str, int]:
         "slots_in_use": pool.used_slots,
         "running_rows": len(row_only),
         "device_sessions": len(session_slots),
+        "counted_device_sessions": registry.tiers.counts()["device"],  # what the gauges report (tiers.on_device)
         "distinct_session_slots": len(set(session_slots)),
         "distinct_row_slots": len(set(seq_slots)),
         "row_slots": len(seq_slots),

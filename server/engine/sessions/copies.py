@@ -40,7 +40,7 @@ def fork(registry: SessionRegistry, source: Session, owner: str | None,
     slot = registry.tiers.allocate_slot(keep=source) if source.slot is not None else None  # never offload the source
     if slot is not None:
         registry.pool.copy(source.slot, slot)  # a device copy of one fixed-size state
-        child.slot = slot
+        registry.tiers.place(child, slot)
     else:
         child.host = {name: t.clone() for name, t in registry.tiers.state_of(source).items()}
     registry.touch(source)

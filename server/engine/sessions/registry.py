@@ -199,8 +199,7 @@ class SessionRegistry:
 
     def _drop(self, session: Session) -> None:
         if session.slot is not None:
-            self.pool.free(session.slot)
-            session.slot = None
+            self.tiers.unplace(session)
         del self.by_id[session.id]
 
     # ---- lifecycle ----
@@ -213,7 +212,10 @@ class SessionRegistry:
             check_token_ids(prompt_ids, self.vocab_size)
         self.check_store()
         self.check_capacity()
-        session = Session(id=new_session_id(), owner=owner, slot=self.tiers.allocate_slot())
+        session = Session(id=new_session_id(), owner=owner)
+        slot = self.tiers.allocate_slot()
+        if slot is not None:
+            self.tiers.place(session, slot)
         if first_prompt:
             session.stored = False
             self.by_id[session.id] = session

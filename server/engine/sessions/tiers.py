@@ -14,13 +14,27 @@ from .records import Session
 class Tiers:
     def __init__(self, pool: StatePool, by_id: OrderedDict[str, Session], max_host_sessions: int) -> None:
         self.pool, self.by_id, self.max_host_sessions = pool, by_id, max_host_sessions
+        # the sessions holding a slot — every session's slot is given by `place` and taken by `unplace` — so the
+        # counts reported after every step cost the pool's size, not the host tier's (1,024 sessions by default)
+        self.on_device: dict[str, Session] = {}
 
     def counts(self) -> dict[str, int]:
-        """Sessions per tier, in one pass (reported after every engine step)."""
-        counts = {"device": 0, "host": 0}
-        for session in self.by_id.values():
-            counts[session.tier] += 1
-        return counts
+        """Sessions per tier (reported after every engine step)."""
+        by_id = self.by_id
+        device = sum(1 for session in self.on_device.values() if by_id.get(session.id) is session)
+        return {"device": device, "host": len(by_id) - device}
+
+    def place(self, session: Session, slot: int) -> None:
+        """Give a session a device slot."""
+        session.slot = slot
+        self.on_device[session.id] = session
+
+    def unplace(self, session: Session) -> None:
+        """Free a session's slot (its state is wherever the caller put it)."""
+        self.pool.free(session.slot)
+        session.slot = None
+        if self.on_device.get(session.id) is session:
+            del self.on_device[session.id]
 
     def allocate_slot(self, keep: Session | None = None) -> int | None:
         """A free slot, offloading the least recently used idle session (never `keep`) to host memory if
@@ -42,8 +56,7 @@ class Tiers:
     def offload(self, session: Session) -> None:
         """Device → host memory (its slot freed)."""
         session.host = self.pool.export(session.slot, "cpu")
-        self.pool.free(session.slot)
-        session.slot = None
+        self.unplace(session)
 
     def bring_to_device(self, session: Session) -> int | None:
         if session.slot is not None:
@@ -54,7 +67,7 @@ class Tiers:
         if session.host is not None:
             self.pool.load(slot, session.host)
             session.host = None
-        session.slot = slot
+        self.place(session, slot)
         return slot
 
     def state_of(self, session: Session) -> dict:
