@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import pickle
 import signal
 import threading
 from concurrent.futures import Future
@@ -23,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from ..engine.command_queue import ENGINE_DEAD
 from ..engine.cpu_threads import in_passing_thread
 from ..engine.types import PoolStats, output_values
+from . import channel
 from .channel import ANSWERED_AT_ONCE, CALLS, crossing
 
 logger = logging.getLogger("linserve.server.engine_process")
@@ -83,10 +83,9 @@ class Outbox:
             self.send(("batch", events))
 
     def send(self, message: tuple) -> None:
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # (C pickle: multiprocessing's own copies its
-        try:                                                    # reducer table on every message)
+        try:
             with self.send_lock:
-                self.conn.send_bytes(data)
+                channel.send(self.conn, message)
         except (OSError, ValueError):  # the frontend is gone: the main thread sees it and stops the engine
             self.broken = True
 

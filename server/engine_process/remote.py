@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from linserve.model.loading import DEFAULT_CHECKPOINT
 from ..engine.command_queue import ENGINE_DEAD
 from ..engine.cpu_contention import stat_fields
 from ..engine.types import EngineError, EngineFacts, EngineRequest, FinishReason, RequestOutput
-from . import core_main
+from . import channel, core_main
 
 logger = logging.getLogger("linserve.server.engine_process")
 
@@ -181,10 +180,9 @@ class RemoteEngine:
             self._open.pop(request_id, None)
 
     def _send(self, message: tuple) -> None:
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # (what `conn.send` does, less multiprocessing's
-        try:                                                    # copy of its reducer table a message)
+        try:
             with self._send_lock:
-                self.conn.send_bytes(data)
+                channel.send(self.conn, message)
         except (OSError, ValueError) as error:
             raise EngineError(ENGINE_DEAD, kind="dead") from error
 
