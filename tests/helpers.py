@@ -107,6 +107,7 @@ def assert_slots_balance(engine: Engine) -> dict:
     assert a["distinct_session_slots"] == a["device_sessions"] and a["distinct_row_slots"] == a["row_slots"], a
     assert a["distinct_free"] == a["free_list"] == a["num_slots"] - a["slots_in_use"], a
     assert a["bytes_in_use"] == a["slots_in_use"] * a["slot_bytes"], a
+    assert a["speculating"] == a["counted_speculating"], a  # the step's count of speculating requests
     return a
 
 

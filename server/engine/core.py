@@ -127,6 +127,9 @@ class Engine:
                                    config.max_prefill_while_decoding, config.scheduling_policy,
                                    config.priority_aging_s, self._prefill_call)
         self._preempted_seen = 0  # the scheduler's preemptions already reported in a step's stats
+        self.speculating = 0  # live requests whose rows may speculate (none: a step plans no drafts at all)
+        self._decode_plan: list | None = None  # the scheduler's decode list last step, and its rows
+        self._decode_rows: list[Row] = []
         self.on_death: list[Callable[[BaseException], None]] = []
         self._skipped_logged: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="linserve-engine", daemon=True)
@@ -253,9 +256,12 @@ class Engine:
         """decode → deliver, then prefill → deliver the first tokens of the prompts it completed."""
         started, latencies, program_s, decoded, drafted, accepted = time.perf_counter(), [], 0.0, 0, 0, 0
         if plan.decode:
-            rows = [self.live[seq_id].row_for_slot(slot) for seq_id, slot in plan.decode]
+            if plan.decode is not self._decode_plan:  # (the scheduler's list stays the same while no row changes)
+                self._decode_rows = [self.live[seq_id].row_for_slot(slot) for seq_id, slot in plan.decode]
+                self._decode_plan = plan.decode
+            rows = self._decode_rows
             # no speculation in a step that also prefills: a longer step would delay every prompt in it
-            delivery = self.runner.decode(rows, speculate=not plan.prefill)
+            delivery = self.runner.decode(rows, speculate=self.speculating > 0 and not plan.prefill)
             program_s, decoded = delivery.program_s, delivery.tokens
             drafted, accepted = delivery.drafted, delivery.accepted
             self._deliver(delivery, latencies)
@@ -277,9 +283,14 @@ class Engine:
         goes out, so whoever sees it also sees its metrics), then fail the requests it could not serve."""
         latencies += delivery.latencies
         for row, output in delivery.outputs:
-            if output.finished:
+            if output.finish_reason is not None:
                 self._retire_row(row, output.finish_reason)
-            self._emit(row.live, output)
+                self._emit(row.live, output)  # (a session turn's end may wait for its store write)
+                continue
+            try:  # (_emit, for an output that does not end its row: every row, every step)
+                row.live.sink(output)
+            except Exception:  # noqa: BLE001 - a broken sink must not take the engine down
+                self._sink_failed(row.live)
         for request_id, why in delivery.failed:
             self._end(request_id, FinishReason.ERROR, why)
 
@@ -313,6 +324,9 @@ class Engine:
         live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.decoder,
                            eos_ids=self.eos_ids, arrival=time.monotonic(),
                            text_chars=self.registry.text_chars if session is not None else 0)
+        if self.speculation is not None and self.speculation.method(params)[0] != "off":
+            live.speculates = True
+            self.speculating += 1
         self.live[request.request_id] = live
         self.scheduler.add(SchedSeq(request.request_id, to_prefill=len(feed), rows=params.n,
                                     priority=params.priority))
@@ -335,6 +349,7 @@ class Engine:
 
     def _finish_live(self, live: LiveRequest, reason: FinishReason) -> None:
         del self.live[live.request.request_id]
+        self.speculating -= live.speculates
         if live.session is not None:
             step = self.registry.commit(live.session, live.turn_result(self.sampling))
             if step is not None:  # its final outputs are held until the turn is stored
@@ -365,8 +380,11 @@ class Engine:
         try:
             live.sink(output)
         except Exception:  # noqa: BLE001 - a broken sink must not take the engine down
-            logger.exception("output sink of %s failed; aborting it", live.request.request_id)
-            self.abort(live.request.request_id)
+            self._sink_failed(live)
+
+    def _sink_failed(self, live: LiveRequest) -> None:
+        logger.exception("output sink of %s failed; aborting it", live.request.request_id)
+        self.abort(live.request.request_id)
 
     def _die(self, error: BaseException) -> None:
         logger.critical("the engine thread died: %r", error, exc_info=error)
@@ -378,6 +396,7 @@ class Engine:
                 except Exception:  # noqa: BLE001 - best effort: the engine is gone
                     logger.exception("output sink failed while the engine was dying")
         self.live.clear()
+        self.speculating = 0
         for callback in self.on_death:
             try:
                 callback(error)
@@ -393,7 +412,9 @@ class Engine:
         self.stats_sink(pool_stats(self.pool, self.registry, self.scheduler))
 
     def _slot_accounting(self) -> dict[str, int]:
-        return slot_accounting(self.pool, self.registry, self.scheduler, self.live)
+        return {**slot_accounting(self.pool, self.registry, self.scheduler, self.live),
+                "speculating": self.speculating,  # the count the step reads, and a recount
+                "counted_speculating": sum(live.speculates for live in self.live.values())}
 
     def _store_result(self, op: str, result: str, seconds: float) -> None:
         worker = getattr(self, "store_worker", None)  # (a probe may report before the constructor has finished)

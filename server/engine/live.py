@@ -49,23 +49,28 @@ class Row:
 
     def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_ids: frozenset[int],
                latencies: list[tuple[int, float]]) -> RequestOutput:
-        """Record a sampled token (its latency into `latencies`); decide whether the row ends; build the output."""
-        params = self.live.request.params
-        position = self.position
-        self.num_generated += 1
+        """Record a sampled token (its latency into `latencies`); decide whether the row ends; build the output.
+        (Every row, every step: locals over attribute reads, the output made here rather than by a call.)"""
+        live = self.live
+        request = live.request
+        params = request.params
+        position = live.base_position + self.num_generated  # (self.position)
+        generated = self.num_generated = self.num_generated + 1
         if self.recent is not None:
             self.recent.append(token)
         if self.speculation is not None:
             self.speculation.drafter.push(token)
-        if self.last_time is not None:
-            latencies.append((position, now - self.last_time))
-        elif self.live.first_token_time is None:
-            self.live.first_token_time = now
+        last = self.last_time
+        if last is not None:
+            latencies.append((position, now - last))
+        elif live.first_token_time is None:
+            live.first_token_time = now
         self.last_time = now
         self.next_token = token
 
+        end_of_text = token in eos_ids
         reason, text, hit = None, "", False
-        if token in eos_ids and (not params.ignore_eos or self.constraint is not None):  # a grammar's end is final
+        if end_of_text and (not params.ignore_eos or self.constraint is not None):  # a grammar's end is final
             reason = FinishReason.STOP
         elif self.stop.stops:  # stop strings are matched only for rows that have them
             text, hit = self.stop.push(self.detokenizer.add(token))
@@ -73,15 +78,16 @@ class Row:
                 reason = FinishReason.STOP
         else:
             text = self.detokenizer.add(token)
-        if reason is None and self.num_generated >= params.max_tokens:
+        if reason is None and generated >= params.max_tokens:
             reason = FinishReason.LENGTH
-        if reason is not None and not hit:
-            text += self.stop.flush()
-        self.finished, self.reason = reason is not None, reason
+        if reason is not None:
+            if not hit:
+                text += self.stop.flush()
+            self.finished, self.reason = True, reason
         if self.kept is not None or self.said is not None:  # a session turn's text (most rows keep none)
             self._keep(text)
-        return self.live.output(self.index, token, text, logprob, reason, self.num_generated, position,
-                                end_of_text=token in eos_ids)
+        return RequestOutput(request.request_id, self.index, token, text, logprob, reason, len(request.prompt_ids),
+                             generated, position, request.session_id, None, None, None, end_of_text)  # (live.output)
 
     def consumed_pending(self, logits: torch.Tensor, committed: bool) -> None:
         """A decode program committed this row's state (`committed`: its logits were finite) and then the step
@@ -129,6 +135,7 @@ class LiveRequest:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's tokens scored so far (when asked)
     text_dropped: bool = False  # a keyed turn's text outgrew what is kept to answer a retry
     text_chars: int = 0  # a session turn's text kept with the session, at most (session_text_chars)
+    speculates: bool = False  # its rows may verify drafts (its `speculative`, or the server's default, is not off)
 
     base_position: int = field(init=False)  # the first generated token's position in the whole sequence
 

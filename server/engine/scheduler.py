@@ -87,6 +87,9 @@ class Scheduler:
         self.preemptions = 0  # running sequences parked for more urgent ones, so far
         self.waiting: OrderedDict[str, SchedSeq] = OrderedDict()
         self.active: OrderedDict[str, SchedSeq] = OrderedDict()  # prefilling or running, arrival order
+        # the decode rows (seq_id, slot) as the last step had them, until a running row starts, ends or moves: the
+        # same list object step after step (the engine keeps what it derives from it while it is the same)
+        self._decode: list[tuple[str, int]] | None = None
 
     # ---- queue changes ----
     def add(self, seq: SchedSeq) -> None:
@@ -97,6 +100,8 @@ class Scheduler:
     def remove(self, seq_id: str) -> SchedSeq | None:
         """Drop a sequence wherever it is (abort or finish) and release its slots."""
         seq = self.waiting.pop(seq_id, None) or self.active.pop(seq_id, None)
+        if seq is not None and seq.status is Status.RUNNING:
+            self._decode = None
         if seq is not None and seq.slots:
             self.allocator.release(seq, list(seq.slots))
             seq.slots = []
@@ -105,6 +110,7 @@ class Scheduler:
     def finish_row(self, seq_id: str, slot: int) -> bool:
         """One row of a running sequence is done; returns True when the whole sequence is."""
         seq = self.active[seq_id]
+        self._decode = None
         seq.slots.remove(slot)
         self.allocator.release(seq, [slot])
         if not seq.slots:
@@ -118,13 +124,17 @@ class Scheduler:
         seq.prefilled += n_tokens
         if seq.prefill_left <= 0:
             seq.status = Status.RUNNING
+            self._decode = None
             return True
         return False
 
     # ---- the decision ----
     def schedule(self) -> StepPlan:
         """One decode token for every running row, then prefill in arrival order within the budget."""
-        decode = [(s.seq_id, slot) for s in self.active.values() if s.status is Status.RUNNING for slot in s.slots]
+        decode = self._decode
+        if decode is None:
+            decode = self._decode = [(s.seq_id, slot) for s in self.active.values() if s.status is Status.RUNNING
+                                     for slot in s.slots]
         budget = self.max_batch_tokens - len(decode)
         call = (0, 0)  # while decoding: (T, a prompt's share of one prefill program call) — see _priced_chunk
         if decode:
@@ -156,6 +166,7 @@ class Scheduler:
             self.active[seq.seq_id] = seq
             if seq.parked:  # preempted while running: it decodes again from the next step
                 seq.slots, seq.status, seq.parked = slots, Status.RUNNING, False
+                self._decode = None
                 budget -= len(slots)
                 continue
             seq.slots, seq.status = slots, Status.PREFILLING
@@ -186,6 +197,7 @@ class Scheduler:
 
     def _park(self, victim: SchedSeq) -> None:
         del self.active[victim.seq_id]
+        self._decode = None
         victim.slots, victim.status, victim.parked = [], Status.WAITING, True
         self.waiting[victim.seq_id] = victim
         self.preemptions += 1

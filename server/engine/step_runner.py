@@ -46,7 +46,7 @@ class Sampled:
 
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
-    broken: list[bool]  # rows whose logits were not finite: their requests fail
+    finite: list[int]  # 0 for rows whose logits were not finite: their requests fail
 
 
 @dataclass
@@ -63,6 +63,12 @@ class Delivery:
     accepted: int = 0
 
 
+def wanted_logprobs(rows: list[Row]) -> list[int | None] | None:
+    """Each row's `logprobs` (top-N alternatives), or None when no row wants any."""
+    top_n = [row.top_logprobs for row in rows]
+    return top_n if any(n is not None for n in top_n) else None
+
+
 def with_prompt_logprobs(output: RequestOutput, scored: list[TokenLogprob | None] | None) -> RequestOutput:
     return output if scored is None else dataclasses.replace(output, prompt_logprobs=tuple(scored))
 
@@ -77,6 +83,9 @@ class StepRunner:
         self.verify_steps, self.speculation = verify_steps, speculation  # width → verification DecodeStep
         self.prefix_cache, self.device, self.eos_ids = prefix_cache, device, eos_ids
         self._host_counted: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's redraws, counted
+        self._rows: list[Row] | None = None  # the last decode step's rows, their slots and `logprobs` (None: none)
+        self._slots: list[int] = []
+        self._top_n: list[int | None] | None = None
         # the engine thread's CPU threads per phase (fewer while other processes hold the CPUs)
         self.threads = ThreadCounts(threads) if threads is not None and device.type == "cpu" else None
 
@@ -85,9 +94,11 @@ class StepRunner:
         """One token for every running row (more where a verification step accepts drafts: only when
         `speculate`, which the core clears while prompts are prefilled in the same step): one program
         (eager, a compiled bucket or a CUDA graph). The softmax baseline's: softmax_baseline.KVCacheRunner."""
-        slots = [row.slot for row in rows]
+        if rows is not self._rows:  # (the core passes the same list while no row starts, ends or moves)
+            self._rows, self._slots, self._top_n = rows, [row.slot for row in rows], wanted_logprobs(rows)
+        slots = self._slots
         tokens = [row.next_token for row in rows]
-        positions = [row.position for row in rows]
+        positions = [row.live.base_position + row.num_generated for row in rows]  # (Row.position, inlined)
         step_started = time.perf_counter()  # (the policy compares whole steps: planning and delivery count)
         plan = self.speculation.plan(rows) if self.speculation is not None and speculate else None
         if plan is not None:
@@ -99,7 +110,7 @@ class StepRunner:
         program_s = time.perf_counter() - started
         self._host_counted = None
         try:
-            sampled = self._sampled(rows, out, slots, counted=True)  # (the slots' tensor only if a redraw needs it)
+            sampled = self._sampled(rows, out, slots, self._top_n, counted=True)  # (slots' tensor: redraws only)
             delivery = self.deliver(rows, sampled)
         except BaseException:
             self._undo_step(rows, out, torch.tensor(slots, device=self.device))
@@ -137,7 +148,7 @@ class StepRunner:
         index = torch.tensor(slots, device=self.device)  # (B,)
         nexts = out.emitted.gather(1, out.kept[:, None])[:, 0]  # (B,) the token after the accepted drafts
         sampled = self._sampled(rows, DecodeOutputs(nexts, None, out.finite, out.uniforms, out.processed,
-                                                    out.logits, None), slots, index)
+                                                    out.logits, None), slots, wanted_logprobs(rows), index)
         table = torch.cat([out.emitted, out.kept[:, None]], dim=1).tolist()  # (B, k+2): one transfer
         kept = [line[-1] for line in table]
         accepted = [line[:n] for line, n in zip(table, kept)]
@@ -255,21 +266,21 @@ class StepRunner:
         tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, index, positions,
                                                                              *self.sampling.tensors())
         outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, redraw)
-        return self._sampled(rows, outputs, slots, index)
+        return self._sampled(rows, outputs, slots, wanted_logprobs(rows), index)
 
-    def _sampled(self, rows: list[Row], out: DecodeOutputs, slots: list[int], index: torch.Tensor | None = None,
-                 counted: bool = False) -> Sampled:
+    def _sampled(self, rows: list[Row], out: DecodeOutputs, slots: list[int], top_n: list[int | None] | None,
+                 index: torch.Tensor | None = None, counted: bool = False) -> Sampled:
         """A program's draw → the rows' tokens, in one transfer to Python: the program drew top-k where it could;
         rows whose filters it could not apply (`out.redraw`; every filtered row when a program does not say) are
         redrawn here from the processed logits with their own uniforms (their tokens a second transfer, only
         then); then the counts are recorded — only the redrawn rows' when the program `counted` its own draws
-        (the decode program does)."""
+        (the decode program does). `top_n`: the rows' `logprobs` (`wanted_logprobs`)."""
         tokens = out.tokens
         table = out.table.t() if out.table is not None else torch.stack(  # (the decode program made it)
             [tokens, out.finite.long(), *([] if out.redraw is None else [out.redraw.long()])])
         chosen, ok, *redraw = table.tolist()  # (2 or 3, B)
         if redraw:  # (the program's flags imply the row's filters: no per-row look at its parameters)
-            filtered = [b for b, flag in enumerate(redraw[0]) if flag]
+            filtered = [b for b, flag in enumerate(redraw[0]) if flag] if any(redraw[0]) else ()
         else:
             filtered = [b for b, row in enumerate(rows) if row.live.request.params.uses_filters]
         if filtered:
@@ -285,33 +296,28 @@ class StepRunner:
                 self._host_counted = (where, redrawn)
         if not counted:
             self.sampling.record(index if index is not None else torch.tensor(slots, device=self.device), tokens)
-        top_n = [row.top_logprobs for row in rows]
-        wanted = any(n is not None for n in top_n)
-        logprobs = token_logprobs(out.logits, tokens, top_n) if wanted else [None] * len(rows)
-        return Sampled(chosen, logprobs, [not flag for flag in ok])
+        logprobs = [None] * len(rows) if top_n is None else token_logprobs(out.logits, tokens, top_n)
+        return Sampled(chosen, logprobs, ok)
 
     def deliver(self, rows: list[Row], sampled: Sampled, accepted: list[list[int]] | None = None) -> Delivery:
         """Record each row's token (after its accepted drafts, when it verified some) and make its outputs;
         requests with a broken row fail instead. A row that ends on an accepted draft drops what follows."""
         delivery = Delivery()
-        failed = {row.live.request.request_id for row, bad in zip(rows, sampled.broken) if bad}
+        outputs, latencies, eos_ids = delivery.outputs, delivery.latencies, self.eos_ids
+        failed = set() if all(sampled.finite) else {row.live.request.request_id for row, ok in zip(rows, sampled.finite)
+                                                    if not ok}
         now = time.monotonic()
         constrained = []
         for b, (row, token, logprob) in enumerate(zip(rows, sampled.tokens, sampled.logprobs)):
-            if row.live.request.request_id not in failed:
-                output = None
-                for draft in accepted[b] if accepted is not None else ():
-                    output = row.accept(draft, None, now, self.eos_ids, delivery.latencies)
-                    delivery.outputs.append((row, output))
-                    if output.finished:
-                        break
-                if output is not None and output.finished:
-                    continue
-                output = row.accept(token, logprob, now, self.eos_ids, delivery.latencies)
-                delivery.outputs.append((row, output))
-                if row.constraint is not None and not output.finished:
-                    row.constraint.accept(token)
-                    constrained.append(row)
+            if failed and row.live.request.request_id in failed:
+                continue
+            if accepted is not None and self._accept_drafts(row, accepted[b], now, outputs, latencies):
+                continue  # (it ended on an accepted draft)
+            output = row.accept(token, logprob, now, eos_ids, latencies)
+            outputs.append((row, output))
+            if row.constraint is not None and not output.finished:
+                row.constraint.accept(token)
+                constrained.append(row)
         if constrained:  # the next position's masks, into the rows' bias (an input of the decode program)
             slots = torch.tensor([row.slot for row in constrained], device=self.device)  # (R,)
             left = [row.live.request.params.max_tokens - row.num_generated for row in constrained]
@@ -321,6 +327,15 @@ class StepRunner:
             logger.error("request %s: %s", request_id, NON_FINITE)
             delivery.failed.append((request_id, NON_FINITE))
         return delivery
+
+    def _accept_drafts(self, row: Row, drafts: list[int], now: float, outputs: list, latencies: list) -> bool:
+        """A verified row's accepted drafts, each an output; True when the row ended on one (what follows drops)."""
+        for draft in drafts:
+            output = row.accept(draft, None, now, self.eos_ids, latencies)
+            outputs.append((row, output))
+            if output.finished:
+                return True
+        return False
 
     def _remember_prefix(self, live: LiveRequest, end: int, slot: int) -> None:
         block = self.prefix_cache.block

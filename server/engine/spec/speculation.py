@@ -96,8 +96,9 @@ class SpeculationPolicy:
         self.always = False  # verify whenever a row has drafts, whatever it costs (exactness tests, benchmarks)
 
     # ------------------------------------------------------------------ rows
-    def method(self, row: Row) -> tuple[str, int]:
-        spec = row.live.request.params.speculative
+    def method(self, params: SamplingParams) -> tuple[str, int]:
+        """A request's method and its drafts a step at most."""
+        spec = params.speculative
         if spec is None:
             return self.default_method, self.k
         return spec.method, min(spec.k or self.k, self.k)
@@ -114,7 +115,7 @@ class SpeculationPolicy:
     def speculating(self, row: Row) -> RowSpeculation | None:
         """The row's drafter, made on its first decode step (its prompt, a session's tail, its first token)."""
         if row.speculation is None:
-            method, k = self.method(row)
+            method, k = self.method(row.live.request.params)
             if method == "off":
                 return None
             live = row.live

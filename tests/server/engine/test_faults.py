@@ -256,3 +256,28 @@ def test_prefix_cache_entries_are_scoped_by_api_key(make_engine):
     hits = [s.prefix_cache_hit for s in engine.test_stats if hasattr(s, "prefix_cache_hit")]
     assert hits == [False, False, True]
     assert a == b == again
+
+
+@pytest.mark.parametrize("failing_output", [3, 8], ids=["mid-stream", "the-last"])
+def test_a_sink_that_raises_aborts_only_its_request(make_engine, failing_output):
+    """A request's sink raising (a frontend's bug, say) aborts that request — on a token or on its final output —
+    and the engine, its slots and the request beside it go on."""
+    engine = make_engine(num_slots=4)
+    seen = []
+
+    def broken(output):
+        seen.append(output)
+        if len(seen) == failing_output:
+            raise RuntimeError("injected: the sink is broken")
+
+    beside = Collector()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.submit(EngineRequest("beside", prompt(9), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
+                  beside).result(10)
+    engine.submit(EngineRequest("broken", prompt(9, 2), params), broken).result(10)
+    outputs = beside.wait()
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and len(tokens_of(outputs)) == 30
+    assert engine.alive and engine.counts().result(10) == (0, 0, 0)
+    assert len(seen) == failing_output + (failing_output < 8)  # (mid-stream: then its abort's last output)
+    assert seen[-1].finished and (failing_output == 8 or seen[-1].finish_reason is FinishReason.ABORT)
+    assert assert_slots_balance(engine)["slots_in_use"] == 0

@@ -257,3 +257,45 @@ def test_equally_patient_requests_never_preempt_each_other():
     assert admitted(aged.schedule()) == ["patient"] and aged.preemptions == 1
     plan = aged.schedule()  # the parked one (level 4) does not take the slot back from the patient one (level 3)
     assert aged.preemptions == 1 and "fresh" in aged.waiting
+
+
+def test_the_decode_list_is_the_same_object_until_a_running_row_starts_ends_or_moves():
+    """The engine keeps the rows it derives from `plan.decode` while it is the same list: so every change to the
+    running rows must give a new one, and one always equal to a fresh recount."""
+    scheduler = Scheduler(FakeAllocator(4), max_batch_tokens=16, max_prefill_chunk=8, policy="priority")
+
+    def recount():
+        return [(s.seq_id, slot) for s in scheduler.active.values() if s.status is Status.RUNNING for slot in s.slots]
+
+    scheduler.add(SchedSeq("a", to_prefill=1, rows=2, priority=5))
+    scheduler.add(SchedSeq("b", to_prefill=1, priority=5))
+    run_to_running(scheduler)
+    first = scheduler.schedule().decode
+    assert first == recount() and len(first) == 3
+    assert scheduler.schedule().decode is first  # nothing changed
+    scheduler.add(SchedSeq("waits", to_prefill=20, priority=5))  # a waiting or prefilling sequence: still the same
+    plan = scheduler.schedule()
+    assert plan.decode is first and plan.prefill == [("waits", 0, 8)]
+    scheduler.prefilled("waits", 8)  # part of its prompt: not running yet
+    assert scheduler.schedule().decode is first
+    changes = [
+        lambda: scheduler.prefilled("waits", 12),  # a prompt done: its row starts
+        lambda: scheduler.finish_row("a", scheduler.active["a"].slots[0]),  # one of n rows ends
+        lambda: scheduler.remove("b"),  # aborted while running
+    ]
+    for change in changes:
+        before = scheduler.schedule().decode
+        change()
+        after = scheduler.schedule().decode
+        assert after is not before and after == recount()
+    before = scheduler.schedule().decode
+    scheduler.add(SchedSeq("urgent", to_prefill=1, rows=3, priority=0))  # preempts "waits" (parks it)
+    plan = scheduler.schedule()
+    assert scheduler.preemptions == 1 and plan.decode == [("a", before[0][1])] == recount()
+    assert scheduler.schedule().decode == recount()  # (the next step's list: the parked row is not in it)
+    run_to_running(scheduler)  # "urgent" runs
+    assert scheduler.schedule().decode == recount() and len(recount()) == 4
+    scheduler.remove("urgent")
+    plan = scheduler.schedule()  # "waits" resumes on slots again: decoding from the next step
+    resumed = scheduler.schedule().decode
+    assert resumed is not plan.decode and resumed == recount() and [seq for seq, _ in resumed] == ["a", "waits"]
