@@ -13,7 +13,7 @@ import asyncio
 import collections
 import json
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import anyio
@@ -45,12 +45,17 @@ class LoopDelivery:
             self._loop.call_soon_threadsafe(self._flush)
 
     def _flush(self) -> None:
-        """Event-loop thread."""
+        """Event-loop thread. A stream written from the hand-over (`OutputStream.push_to`) gets what arrived for it
+        once the drain is done: a step's outputs for it in one write."""
         self._scheduled = False
         pending = self._pending
+        pushed = []
         for _ in range(len(pending)):  # (what arrives meanwhile waits for the flush it schedules)
             target, output = pending.popleft()
-            target.arrived(output)
+            if target.arrived(output):
+                pushed.append(target)
+        for target in pushed:
+            target.push()
 
 
 _deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopDelivery] = weakref.WeakKeyDictionary()
@@ -73,19 +78,45 @@ class OutputStream:
         self._outputs: collections.deque[RequestOutput] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._open_rows = rows
+        self._pusher: Callable[[], None] | None = None  # writes what arrived, from the hand-over (push_to)
+        self._push_due = False  # a push is owed for outputs that arrived in the flush under way
 
     def sink(self, output: RequestOutput) -> None:
         """Called on the engine thread."""
         self._delivery.put(self, output)
 
-    def arrived(self, output: RequestOutput) -> None:
-        """Event-loop thread (LoopDelivery)."""
+    def arrived(self, output: RequestOutput) -> bool:
+        """Event-loop thread (LoopDelivery). True: push this stream once the flush has handed out its outputs."""
         self._outputs.append(output)
+        if self._pusher is not None:
+            due, self._push_due = self._push_due, True
+            return not due
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+        return False
+
+    def push_to(self, pusher: Callable[[], None] | None) -> None:
+        """While set (call with nothing pending), each flush that brings outputs calls `pusher()` once, in the
+        flush, instead of waking the reading task; None: back to `next_batch`."""
+        self._pusher, self._push_due = pusher, False
+
+    def push(self) -> None:
+        self._push_due = False
+        if self._pusher is not None:
+            self._pusher()
+
+    def take(self) -> list[RequestOutput]:
+        """Everything that has arrived (maybe nothing), up to the last row's finished output."""
+        outputs, batch, open_rows = self._outputs, [], self._open_rows
+        while outputs and open_rows > 0:
+            output = outputs.popleft()
+            batch.append(output)
+            open_rows -= output.finish_reason is not None
+        self._open_rows = open_rows
+        return batch
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         async for batch in self.batches():
@@ -107,13 +138,7 @@ class OutputStream:
                 await self._waiter
             finally:
                 self._waiter = None
-        batch, open_rows = [], self._open_rows
-        while outputs and open_rows > 0:
-            output = outputs.popleft()
-            batch.append(output)
-            open_rows -= output.finish_reason is not None
-        self._open_rows = open_rows
-        return batch
+        return self.take()
 
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
         while self._open_rows > 0:
@@ -203,21 +228,101 @@ class EventSource(Protocol):
 
 
 class GenerationStreamResponse(EventStreamResponse):
-    """An engine generation's SSE stream without an async generator between a step's outputs and the write: each
-    wake-up of the stream's task renders what arrived and sends it."""
+    """An engine generation's SSE stream, written from the loop's hand-over of each step's outputs: while nothing
+    is waiting, the stream's task sleeps and each flush renders what arrived for it and sends it then and there
+    (`send_now`: the server's send runs to its end unless it has to wait) — no task wake-up, future or coroutine
+    chain a step. The task takes over whenever a write has to wait (a client reading slower than the stream: the
+    transport's buffer full), when the generation ends (the last events, the end through every middleware) and
+    when something raises; it races the client's disconnect throughout, as every event stream does. Only a
+    server's send known to run outside a task is called from the hand-over (`sends_outside_a_task`: uvicorn's);
+    any other — a test client's, which needs anyio's task — is awaited by the task, a wake-up a step."""
 
     def __init__(self, source: EventSource, **kwargs) -> None:
         super().__init__((), **kwargs)
         self.source = source
+        self._send: Send | None = None
+        self._woken: asyncio.Future | None = None  # the task's: a write to finish, an error, or None: the end
 
     async def stream_body(self, send: Send) -> None:
         source, stream = self.source, self.source.stream
+        self._send = send
         try:
             if first := source.first():
                 await send({"type": "http.response.body", "body": first, "more_body": True})
+            pushes = sends_outside_a_task(send)
             while stream.open:
-                if data := source.render(await stream.next_batch()):
+                if not pushes:
+                    batch = await stream.next_batch()
+                elif not (batch := stream.take()):  # nothing pending: the flushes write from here on
+                    if (unfinished := await self._pushed(stream)) is not None:
+                        await unfinished  # a write that had to wait, finished here; then the task reads again
+                    continue
+                if data := source.render(batch):
                     await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": source.last(), "more_body": True})
         finally:
             source.close()
+
+    async def _pushed(self, stream: OutputStream) -> Awaitable[None] | None:
+        """Let the flushes write until the task must take over: what `_push` woke it with."""
+        self._woken = woken = asyncio.get_running_loop().create_future()
+        stream.push_to(self._push)
+        try:
+            return await woken
+        finally:
+            stream.push_to(None)
+
+    def _push(self) -> None:
+        """The loop's flush brought outputs: render and send them now; wake the task when it must take over."""
+        woken = self._woken
+        if woken is None or woken.done():
+            return
+        try:
+            unfinished = None
+            if data := self.source.render(self.source.stream.take()):
+                unfinished = send_now(self._send, {"type": "http.response.body", "body": data, "more_body": True})
+            if unfinished is not None or not self.source.stream.open:
+                woken.set_result(unfinished)
+        except BaseException as error:  # noqa: BLE001 - the task raises it (a client gone: OSError, as before)
+            woken.set_exception(error)
+
+
+def sends_outside_a_task(send: Send) -> bool:
+    """Whether `send` is an ASGI server's own that needs no task to run in: uvicorn's HTTP protocols' (a transport
+    write, or a wait on its flow control's event), which `send_now` may call from a loop callback."""
+    return type(getattr(send, "__self__", None)).__module__.startswith("uvicorn.protocols.http.")
+
+
+def send_now(send: Send, message: dict) -> Awaitable[None] | None:
+    """`await send(message)` run to its end right here when it does not have to wait (None); else an awaitable
+    that finishes it — the coroutine resumed where it stopped, as a task would."""
+    coroutine = send(message)
+    if not hasattr(coroutine, "send"):  # (an awaitable that is not a coroutine: the task awaits it)
+        return coroutine
+    try:
+        waiting_on = coroutine.send(None)
+    except StopIteration:
+        return None
+    return _finish(coroutine, waiting_on)
+
+
+async def _finish(coroutine, waiting_on) -> None:
+    """Drive a started coroutine to its end from a task: what it yielded (an asyncio future, or None for a bare
+    yield) awaited here, then it resumes; an exception raised while waiting (the task cancelled) goes into it."""
+    while True:
+        try:
+            if waiting_on is None:
+                await asyncio.sleep(0)
+            else:
+                waiting_on._asyncio_future_blocking = False  # (given back to a task: as Task.__step does)
+                await waiting_on
+        except BaseException as error:  # noqa: BLE001 - into the coroutine, which decides
+            try:
+                waiting_on = coroutine.throw(error)
+            except StopIteration:
+                return
+            continue
+        try:
+            waiting_on = coroutine.send(None)
+        except StopIteration:
+            return

@@ -111,3 +111,114 @@ def test_a_stream_s_start_passes_every_middleware_and_its_chunks_go_straight_to_
     assert seen == ["http.response.start", "http.response.body:end"], seen
     metrics = client.get("/metrics").text
     assert 'linserve_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
+
+
+def test_send_now_runs_a_send_to_its_end_or_hands_back_what_finishes_it():
+    """A server's send called from a loop callback: run to its end when it does not wait; else the rest of it, for
+    a task to await — resumed where it stopped, and a cancellation of that task thrown into it."""
+    from linserve.server.api.common.streaming import send_now
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        log, gate = [], loop.create_future()
+
+        async def send(message):
+            if message == "waits":
+                log.append(await gate)  # the transport's buffer is full: its flow control waits
+            log.append(message)
+
+        assert send_now(send, "at once") is None and log == ["at once"]
+        rest = send_now(send, "waits")
+        assert rest is not None and log == ["at once"]
+        loop.call_later(0.01, gate.set_result, "drained")
+        await rest
+        assert log == ["at once", "drained", "waits"]
+
+        stuck = loop.create_future()
+
+        async def send_until_cancelled(message):
+            try:
+                await stuck
+            except asyncio.CancelledError:
+                log.append("cancelled inside")
+                raise
+
+        task = asyncio.ensure_future(send_now(send_until_cancelled, "never"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            log.append("task cancelled")
+        return log
+
+    assert asyncio.run(run())[-2:] == ["cancelled inside", "task cancelled"]
+
+
+def test_a_stream_written_from_the_hand_over_gives_way_to_its_task_when_a_write_must_wait(monkeypatch):
+    """The hand-over writes each step's events itself (no task in the send) until a write has to wait (a client
+    not reading): then the task finishes that write and sends the backlog in one write; every token arrives, in
+    order, and the last events close the stream."""
+    from linserve.server.api.common import streaming
+    from linserve.server.api.common.streaming import GenerationStreamResponse, OutputStream
+
+    monkeypatch.setattr(streaming, "sends_outside_a_task", lambda send: True)  # (a plain send, as uvicorn's is)
+    tokens = 20
+
+    async def run() -> list[tuple[bytes, bool]]:
+        loop = asyncio.get_running_loop()
+        stream, gate, produced = OutputStream(loop, 1), loop.create_future(), threading.Event()
+
+        class Source:
+            def __init__(self) -> None:
+                self.stream, self.closed = stream, False
+
+            def first(self) -> bytes:
+                return b""
+
+            def render(self, batch) -> bytes:
+                return b"".join(b"%d;" % output.token_id for output in batch)
+
+            def last(self) -> bytes:
+                return b"end"
+
+            def close(self) -> None:
+                self.closed = True
+
+        sent: list[tuple[bytes, bool]] = []  # (body, whether a task sent it)
+
+        async def send(message) -> None:
+            if message["type"] == "http.response.start":  # (the task reaches its first wait without yielding)
+                producer.start()
+            if message["type"] == "http.response.body":
+                sent.append((message["body"], asyncio.current_task() is not None))
+                if b"3;" in message["body"]:
+                    await gate  # the client stops reading: this write waits
+
+        async def receive():
+            await loop.create_future()  # the client never leaves
+
+        def produce() -> None:
+            for position in range(tokens):
+                stream.sink(RequestOutput("r", 0, position, "x",
+                                          finish_reason=FinishReason.LENGTH if position == tokens - 1 else None))
+                time.sleep(0.003)
+            produced.set()
+
+        source = Source()
+        producer = threading.Thread(target=produce)
+        serving = asyncio.ensure_future(GenerationStreamResponse(source)({"type": "http"}, receive, send))
+        await asyncio.to_thread(produced.wait, 10)
+        gate.set_result(None)  # the client reads again
+        await asyncio.wait_for(serving, 10)
+        await asyncio.to_thread(producer.join)
+        assert source.closed
+        return sent
+
+    sent = asyncio.run(run())
+    bodies = [body for body, _ in sent]
+    assert b"".join(bodies[:-2]) == b"".join(b"%d;" % t for t in range(tokens)) and bodies[-2:] == [b"end", b""]
+    waited = next(i for i, body in enumerate(bodies) if b"3;" in body)
+    assert not any(in_task for _, in_task in sent[:waited + 1])  # written from the hand-over, the wait's too
+    backlog, in_task = sent[waited + 1]
+    assert in_task and backlog.count(b";") > 1  # the task took over: what queued meanwhile, in one write
