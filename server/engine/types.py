@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 
@@ -237,8 +238,13 @@ class RequestOutput:
         return RequestOutput, output_values(self)
 
 
-# an output's fields in order, as a tuple: RequestOutput(*output_values(output)) is the same output
-output_values = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
+def values_of(cls: type) -> Callable[[object], tuple]:
+    """A dataclass's fields in order, as a tuple, in one C call: cls(*values_of(cls)(obj)) is the same object (what
+    C pickles whole, where an object's own reduction is a Python call)."""
+    return operator.attrgetter(*(f.name for f in fields(cls)))
+
+
+output_values = values_of(RequestOutput)
 
 
 @dataclass(frozen=True)
@@ -261,8 +267,11 @@ class EngineFacts:
     decode_step: bool  # whether there is a decode step to describe (compile status)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepStats:
+    """One engine step, made every step (slots and a plain `__init__`, as `RequestOutput`: never changed after it
+    is made) and crossing to a frontend as its fields' tuple (`step_values`)."""
+
     duration_s: float
     phase: str  # "decode", "prefill" or "mixed"
     batch_size: int  # sequences decoded this step
@@ -277,9 +286,10 @@ class StepStats:
     accepted: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PoolStats:
-    """Occupancy, emitted after every step and every batch of commands (aborts, session changes)."""
+    """Occupancy, emitted after every step and every batch of commands (aborts, session changes); never changed
+    after it is made, and crossing as its fields' tuple (`pool_values`)."""
 
     running: int
     waiting: int
@@ -289,6 +299,10 @@ class PoolStats:
     sessions_device: int
     sessions_host: int
     sessions_store: int = 0  # records in the session store
+
+
+step_values = values_of(StepStats)
+pool_values = values_of(PoolStats)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ core → frontend
     ("failed", message)                          it could not start (the message says why); the core exits
     ("batch", events)                            once per engine step (and per batch of commands), in order:
         ("o", fields)                                every row's output of the step: RequestOutput's fields in order
-        ("s", stats)                                 StepStats, PoolStats (when changed), RequestStats, StoreStats…
-                                                     (to every frontend: each one's /metrics shows the engine)
+        ("t", fields)                                the step's StepStats, its fields in order
+        ("p", fields)                                PoolStats when it changed, its fields in order
+        ("s", stats)                                 RequestStats, StoreStats… (stats go to every frontend: each
+                                                     one's /metrics shows the engine)
         ("c", endpoint, status)                      a request some frontend counted (its requests_total)
         ("r", call_id, ok, value)                    a call's answer: its result, or the EngineError it raised
     ("dead", message)                            the engine died (its requests' error outputs came first)

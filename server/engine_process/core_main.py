@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection, wait
 
 from ..engine.command_queue import ENGINE_DEAD
 from ..engine.cpu_threads import in_passing_thread
-from ..engine.types import PoolStats, output_values
+from ..engine.types import PoolStats, StepStats, output_values, pool_values, step_values
 from . import channel
 from .channel import ANSWERED_AT_ONCE, CALLS, crossing
 
@@ -96,13 +96,17 @@ class Outboxes:
 
     def __init__(self, conns: list[Connection]) -> None:
         self.all = [Outbox(conn) for conn in conns]
-        self._last_pool: PoolStats | None = None
+        self._last_pool: tuple | None = None  # the last PoolStats sent, its values
 
     def stats(self, stats: object) -> None:
-        if isinstance(stats, PoolStats):
-            if stats != self._last_pool:
-                self._append(("s", stats))
-                self._last_pool = stats
+        kind = type(stats)
+        if kind is StepStats:  # (every step: its fields' tuple, as an output's)
+            self._append(("t", step_values(stats)))
+        elif kind is PoolStats:
+            values = pool_values(stats)
+            if values != self._last_pool:
+                self._append(("p", values))
+                self._last_pool = values
             self.flush()
         else:
             self._append(("s", stats))

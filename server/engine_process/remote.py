@@ -27,7 +27,7 @@ from linserve.model.loading import DEFAULT_CHECKPOINT
 
 from ..engine.command_queue import ENGINE_DEAD
 from ..engine.cpu_contention import stat_fields
-from ..engine.types import EngineError, EngineFacts, EngineRequest, FinishReason, RequestOutput
+from ..engine.types import EngineError, EngineFacts, EngineRequest, FinishReason, PoolStats, RequestOutput, StepStats
 from . import channel, core_main
 
 logger = logging.getLogger("linserve.server.engine_process")
@@ -217,6 +217,10 @@ class RemoteEngine:
                     if len(entry.finished) >= entry.rows:
                         del self._open[output.request_id]
                 entry.sink(output)
+            elif tag == "t":
+                self.stats_sink(StepStats(*event[1]))
+            elif tag == "p":
+                self.stats_sink(PoolStats(*event[1]))
             elif tag == "s":
                 self.stats_sink(event[1])
             elif tag == "c":
