@@ -50,10 +50,9 @@ class Row:
     def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_ids: frozenset[int],
                latencies: list[tuple[int, float]]) -> RequestOutput:
         """Record a sampled token (its latency into `latencies`); decide whether the row ends; build the output.
-        (Every row, every step: locals over attribute reads, the output made here rather than by a call.)"""
+        (Every row, every step: locals over attribute reads.)"""
         live = self.live
-        request = live.request
-        params = request.params
+        params = live.request.params
         position = live.base_position + self.num_generated  # (self.position)
         generated = self.num_generated = self.num_generated + 1
         if self.recent is not None:
@@ -86,8 +85,7 @@ class Row:
             self.finished, self.reason = True, reason
         if self.kept is not None or self.said is not None:  # a session turn's text (most rows keep none)
             self._keep(text)
-        return RequestOutput(request.request_id, self.index, token, text, logprob, reason, len(request.prompt_ids),
-                             generated, position, request.session_id, None, None, None, end_of_text)  # (live.output)
+        return live.output(self.index, token, text, logprob, reason, generated, position, end_of_text=end_of_text)
 
     def consumed_pending(self, logits: torch.Tensor, committed: bool) -> None:
         """A decode program committed this row's state (`committed`: its logits were finite) and then the step

@@ -98,7 +98,7 @@ class StepRunner:
             self._rows, self._slots, self._top_n = rows, [row.slot for row in rows], wanted_logprobs(rows)
         slots = self._slots
         tokens = [row.next_token for row in rows]
-        positions = [row.live.base_position + row.num_generated for row in rows]  # (Row.position, inlined)
+        positions = [row.position for row in rows]
         step_started = time.perf_counter()  # (the policy compares whole steps: planning and delivery count)
         plan = self.speculation.plan(rows) if self.speculation is not None and speculate else None
         if plan is not None:
