@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import codecs
 import json
 import logging
 import random
+from codecs import utf_8_decode
 from typing import Protocol
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class IncrementalDetokenizer:
         self.skip_ids = skip_ids
         self.table = getattr(decoder, "table", None)  # a ByteLevelDecoder's: bytes per token, decoded as they come
         if self.table is not None:  # (a character split across context and this text is U+FFFD either way: the
-            self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # tokenizer decodes the text alone)
+            self.held = b""  # tokenizer decodes the text alone) — the bytes of an unfinished character
             self.add = self._add_bytes
             return
         self.ids: list[int] = [t for t in context if t not in skip_ids]  # already-seen text, never emitted
@@ -118,11 +118,17 @@ class IncrementalDetokenizer:
             self.prefix_offset = 0
         return delta
 
-
     def _add_bytes(self, token_id: int) -> str:
+        """What an incremental UTF-8 decoder ("replace") gives, without its Python `decode` method: the C decode
+        consumes all but an unfinished character's bytes, which wait for the next token's (a row, every step)."""
         if token_id in self.skip_ids:
             return ""
-        return self.utf8.decode(self.table[token_id])  # an incomplete character waits for the next token's bytes
+        data = self.table[token_id]
+        if self.held:
+            data = self.held + data
+        text, used = utf_8_decode(data, "replace", False)
+        self.held = data[used:]
+        return text
 
 
 class StopMatcher:

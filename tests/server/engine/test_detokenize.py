@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+
 from linserve.server.engine.detokenize import IncrementalDetokenizer, StopMatcher
 
 SAMPLES = ["ROMEO. But soft, what light", "emoji 😀👩‍👩‍👧 and 日本語", "tabs\tand\nnewlines  "]
@@ -84,7 +86,10 @@ def test_a_byte_level_tokenizer_detokenizes_from_its_table_as_it_decodes(hf_toke
     for n, ids in enumerate(cases):
         fast = IncrementalDetokenizer(table, skip_ids=frozenset({0}))
         assert fast.table is not None
-        text = "".join(fast.add(i) for i in ids)
+        deltas = [fast.add(i) for i in ids]
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # token by token, what Python's own decoder gives
+        assert deltas == [utf8.decode(table.table[i]) if i != 0 else "" for i in ids]
+        text = "".join(deltas)
         whole = backend.decode([i for i in ids if i != 0])
         assert whole.startswith(text) and len(whole) - len(text) <= 1  # at most an unfinished character held
         if n < len(SAMPLES):  # well-formed text: the two-decode path's too (on malformed bytes it places a U+FFFD
