@@ -9,8 +9,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 import httpx
+
+from .http_client import Client
 
 
 class BenchError(Exception):
@@ -56,12 +57,12 @@ def synthetic_prompt(n_tokens: int, rng: random.Random) -> str:
     return " ".join(rng.choice(words) for _ in range(n_tokens))
 
 
-async def discover_model(session: aiohttp.ClientSession, spec: LoadSpec) -> str:
+async def discover_model(client: Client, spec: LoadSpec) -> str:
     try:
-        async with session.get(f"{spec.url}/v1/models") as response:
-            status, text = response.status, await response.text()
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as error:
+        status, body = await client.request("GET", "/v1/models")
+    except (OSError, TimeoutError) as error:
         raise BenchError(f"cannot reach {spec.url}: {error.__class__.__name__}: {error}") from None
+    text = body.decode(errors="replace")
     if status != 200:
         raise BenchError(f"{spec.url}/v1/models answered {status}: {text[:200]}")
     try:
@@ -90,43 +91,43 @@ def server_info(spec: LoadSpec) -> dict | None:
     return {name: body[name] for name in SERVER_FIELDS if name in body} or None
 
 
-async def stream_one(session: aiohttp.ClientSession, spec: LoadSpec, model: str, prompt: str, epoch: float,
+class TokenEvents:
+    """A streamed completion's lines as they arrive: each token event's arrival into the record (seconds since the
+    request started), the usage noted; nothing after `data: [DONE]`."""
+
+    def __init__(self, record: RequestRecord, started: float) -> None:
+        self.record, self.started, self.done = record, started, False
+
+    def __call__(self, line: bytes, arrived: float) -> None:
+        if self.done or not line.startswith(b"data:"):
+            return
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return
+        event = json.loads(data)
+        if usage := event.get("usage"):
+            self.record.prompt_tokens = usage.get("prompt_tokens")
+            self.record.completion_tokens = usage.get("completion_tokens")
+        for _ in event.get("choices") or []:
+            self.record.token_times.append(arrived - self.started)  # servers send one event per token
+
+
+async def stream_one(client: Client, spec: LoadSpec, model: str, prompt: str, epoch: float,
                      seed: int) -> RequestRecord:
-    """One streamed completion, every token event timestamped as it arrives (SSE lines parsed from the raw bytes:
-    aiohttp's stream costs a quarter of httpx's CPU per event, and a load generator must cost less than the
-    server)."""
+    """One streamed completion, every token event timestamped as its bytes arrive (http_client.py)."""
     record = RequestRecord(start=time.perf_counter() - epoch)
     body = {"model": model, "prompt": prompt, "max_tokens": spec.max_tokens, "temperature": spec.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "seed": seed, "ignore_eos": spec.ignore_eos}
     started = time.perf_counter()
     try:
-        async with session.post(f"{spec.url}/v1/completions", json=body) as response:
-            record.status = response.status
-            if response.status != 200:
-                record.error = (await response.text(errors="replace"))[:300]
-                return record
-            pending, done = b"", False
-            async for chunk in response.content.iter_any():
-                now = time.perf_counter() - started
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        break
-                    event = json.loads(data)
-                    if event.get("usage"):
-                        record.prompt_tokens = event["usage"].get("prompt_tokens")
-                        record.completion_tokens = event["usage"].get("completion_tokens")
-                    for _ in event.get("choices") or []:
-                        record.token_times.append(now)  # servers send one event per token
-                if done:
-                    break
-        if record.completion_tokens is not None:
+        record.status, kept = await client.request("POST", "/v1/completions", json.dumps(body).encode(),
+                                                   TokenEvents(record, started))
+        if record.status != 200:
+            record.error = kept.decode(errors="replace")[:300]
+        elif record.completion_tokens is not None:
             del record.token_times[record.completion_tokens :]  # a finish-only event carries no token
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as error:
+    except (OSError, TimeoutError, ValueError) as error:
         record.error = f"{error.__class__.__name__}: {error}"
     finally:
         record.end = time.perf_counter() - epoch
@@ -154,10 +155,10 @@ class Issuer:
         return index if index < self.budget else None
 
 
-def open_session(spec: LoadSpec) -> aiohttp.ClientSession:
+def open_client(spec: LoadSpec) -> Client:
+    """Connections to the server, as many as streams in flight."""
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=spec.timeout_s),
-                                 connector=aiohttp.TCPConnector(limit=0))  # (as many connections as streams)
+    return Client(spec.url, headers, spec.timeout_s)
 
 
 def prompts_of(spec: LoadSpec) -> list[str]:
@@ -165,25 +166,25 @@ def prompts_of(spec: LoadSpec) -> list[str]:
     return [synthetic_prompt(spec.prompt_tokens, rng) for _ in range(16)]
 
 
-async def warm_up(session: aiohttp.ClientSession, spec: LoadSpec) -> str:
+async def warm_up(client: Client, spec: LoadSpec) -> str:
     """The model to ask for, and the warm-up requests sent (not measured)."""
-    model = spec.model or await discover_model(session, spec)
+    model = spec.model or await discover_model(client, spec)
     prompts, t0 = prompts_of(spec), time.perf_counter()
     for i in range(spec.warmup):
-        warm = await stream_one(session, spec, model, prompts[i % 16], t0, spec.seed + i)
+        warm = await stream_one(client, spec, model, prompts[i % 16], t0, spec.seed + i)
         if not warm.ok:
             raise BenchError(f"warm-up request failed: status {warm.status}: {warm.error}")
     return model
 
 
-async def drive_load(session: aiohttp.ClientSession, spec: LoadSpec, model: str, issuer: Issuer, epoch: float,
+async def drive_load(client: Client, spec: LoadSpec, model: str, issuer: Issuer, epoch: float,
                      progress=None, arrivals_seed: int | None = None) -> list[RequestRecord]:
     """The measured load from `epoch` on: closed loop (spec.concurrency streams, each sending its next request
     when the last ends) or open loop (Poisson arrivals at spec.rate, independent of completions)."""
     prompts, records = prompts_of(spec), []
 
     async def one(index: int) -> None:
-        record = await stream_one(session, spec, model, prompts[index % 16], epoch, spec.seed + 1000 + index)
+        record = await stream_one(client, spec, model, prompts[index % 16], epoch, spec.seed + 1000 + index)
         records.append(record)
         if progress is not None:
             progress(record)
@@ -206,8 +207,8 @@ async def drive_load(session: aiohttp.ClientSession, spec: LoadSpec, model: str,
 async def run_load(spec: LoadSpec, progress=None) -> tuple[str, list[RequestRecord], float]:
     """Warm up, then drive the load in this process; returns (model, records, wall seconds of the measured
     part). `processes.drive` spreads a load over several processes."""
-    async with open_session(spec) as session:
-        model = await warm_up(session, spec)
+    async with open_client(spec) as client:
+        model = await warm_up(client, spec)
         epoch = time.perf_counter()
-        records = await drive_load(session, spec, model, Issuer(spec, epoch), epoch, progress)
+        records = await drive_load(client, spec, model, Issuer(spec, epoch), epoch, progress)
         return model, records, time.perf_counter() - epoch

@@ -1,7 +1,7 @@
 """A load spread over several processes of the load generator, so that the client is never what limits a run.
 
-One Python process parses at most ~20,000–30,000 streamed token events a second (`client_cpu_us_per_token` in
-a result says what it cost); a GPU server streams more than that at 32–128 streams. `drive` warms the server up
+One Python process parses at most ~45,000–65,000 streamed token events a second (a result's `client.cpu_us_per_token`
+says what it cost); a GPU server may stream more than that at 128 streams. `drive` warms the server up
 in this process, then starts `processes` workers (spawned: nothing of this process's threads is inherited):
 each opens its connections, all start together at one shared epoch (perf_counter is the system's monotonic
 clock, the same in every process), they take request indices from one shared counter — the same requests,
@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from .client import BenchError, Issuer, LoadSpec, RequestRecord, drive_load, open_session, run_load, warm_up
+from .client import BenchError, Issuer, LoadSpec, RequestRecord, drive_load, open_client, run_load, warm_up
 
 START_TIMEOUT_S = 120.0  # workers that are not all ready by then (spawning, importing) fail the run
 
@@ -53,20 +53,30 @@ def processes_for(spec: LoadSpec, asked: int | None) -> int:
     return max(1, min(streams // 8, cpus // 4, 8))
 
 
+def run_async(coroutine):
+    """`asyncio.run` on uvloop's event loop where it is installed (uvicorn[standard] brings it), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coroutine)
+
+
 def drive(spec: LoadSpec, progress=None, processes: int | None = None) -> LoadRun:
     """Run the load of `spec` (warm-up included) in `processes` processes (None: `processes_for`)."""
     count = processes_for(spec, processes)
     if count == 1:
         cpu = time.process_time()
-        model, records, wall = asyncio.run(run_load(spec, progress))
+        model, records, wall = run_async(run_load(spec, progress))
         return LoadRun(model, records, wall, 1, [time.process_time() - cpu])
-    model = asyncio.run(_warm(spec))
+    model = run_async(_warm(spec))
     return _spread(replace(spec, model=model, warmup=0), count, progress)
 
 
 async def _warm(spec: LoadSpec) -> str:
-    async with open_session(spec) as session:
-        return await warm_up(session, spec)
+    async with open_client(spec) as client:
+        return await warm_up(client, spec)
 
 
 def _shares(spec: LoadSpec, count: int) -> list[LoadSpec]:
@@ -86,7 +96,7 @@ def _spread(spec: LoadSpec, count: int, progress) -> LoadRun:
     for worker in workers:
         worker.start()
     try:
-        barrier.wait(START_TIMEOUT_S)  # every worker has its connections' session open
+        barrier.wait(START_TIMEOUT_S)  # every worker has its client open
         epoch.value = time.perf_counter()
         barrier.wait(START_TIMEOUT_S)  # … and starts now
     except threading.BrokenBarrierError:
@@ -133,18 +143,18 @@ def _end(workers: list) -> None:
 def _worker(spec: LoadSpec, index: int, counter, epoch, barrier, results) -> None:
     """One process's share of the load; every record is sent back as it completes, then ("done", end, CPU)."""
     try:
-        asyncio.run(_work(spec, index, counter, epoch, barrier, results))
+        run_async(_work(spec, index, counter, epoch, barrier, results))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which fails the run with it
         barrier.abort()
         results.put(("error", index, f"load-generator process {index}: {error.__class__.__name__}: {error}"))
 
 
 async def _work(spec: LoadSpec, index: int, counter, epoch, barrier, results) -> None:
-    async with open_session(spec) as session:
+    async with open_client(spec) as client:
         barrier.wait(START_TIMEOUT_S)
         barrier.wait(START_TIMEOUT_S)
         start, cpu = epoch.value, time.process_time()
-        await drive_load(session, spec, spec.model, Issuer(spec, start, counter), start,
+        await drive_load(client, spec, spec.model, Issuer(spec, start, counter), start,
                          progress=lambda record: results.put(("record", index, record)),
                          arrivals_seed=spec.seed + 1 + index)
         results.put(("done", index, (time.perf_counter(), time.process_time() - cpu)))

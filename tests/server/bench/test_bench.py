@@ -76,6 +76,27 @@ def test_several_processes_send_exactly_the_load_of_one(server, tmp_path):
     assert completions_served(server["base"]) - before == 7 + 1 + 5 + 1
 
 
+def test_one_stream_keeps_one_connection_and_counts_every_token(server):
+    """Against the real server: a stream's requests go over one kept connection (uvicorn keeps it alive), every
+    token event is counted, and a refused request keeps the server's message."""
+    import asyncio
+
+    from linserve.server.bench.client import LoadSpec, discover_model, stream_one
+    from linserve.server.bench.http_client import Client
+
+    async def go():
+        spec = LoadSpec(server["base"], max_tokens=9, prompt_tokens=4)
+        async with Client(server["base"], {}, 60) as client:
+            model = await discover_model(client, spec)
+            records = [await stream_one(client, spec, model, "to be or not", 0.0, seed) for seed in range(3)]
+            refused = await stream_one(client, LoadSpec(server["base"], max_tokens=-1), model, "x", 0.0, 0)
+            return records, refused, client.opened
+
+    records, refused, opened = asyncio.run(go())
+    assert [(r.ok, len(r.token_times), r.completion_tokens) for r in records] == [(True, 9, 9)] * 3
+    assert refused.status == 400 and "max_tokens" in refused.error and opened == 1
+
+
 def test_how_many_processes_by_default(monkeypatch):
     from linserve.server.bench import processes
     from linserve.server.bench.client import LoadSpec
