@@ -2,7 +2,7 @@
 the event loop's data callback, and each line of a streamed (server-sent events) body handed to the request's own
 handler right there, stamped with the time its bytes arrived — no task woken, future resolved, stream reader fed or
 coroutine resumed per token. A load generator that shares the server's host takes its CPU from the server: aiohttp's
-client spent 24–27 µs of CPU a streamed token at 32 streams on 2 cores, this one ~15 (docs/benchmarks.md).
+client spent 25–33 µs of CPU a streamed token at 32 streams on 2 cores, this one 14–22 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -152,7 +152,6 @@ class Client:
         if body is not None:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
         request = head + b"\r\n" + (body or b"")
-        connection = None
         async with asyncio.timeout(self.timeout_s):
             connection = await self._connection()
             answer = Answer(on_line, asyncio.get_running_loop().create_future())
