@@ -90,8 +90,10 @@ class IncrementalDetokenizer:
         self.decoder = decoder
         self.skip_ids = skip_ids
         self.table = getattr(decoder, "table", None)  # a ByteLevelDecoder's: bytes per token, decoded as they come
-        if self.table is not None:  # (a character split across context and this text is U+FFFD either way: the
-            self.held = b""  # tokenizer decodes the text alone) — the bytes of an unfinished character
+        # (with a table, a character split across context and this text is U+FFFD either way: the tokenizer
+        # decodes the text alone)
+        if self.table is not None:
+            self.held = b""  # the bytes of an unfinished character, until the next token's complete it
             self.add = self._add_bytes
             return
         self.ids: list[int] = [t for t in context if t not in skip_ids]  # already-seen text, never emitted
