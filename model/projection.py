@@ -1,7 +1,8 @@
 """The projections (x Wᵀ + b) of exact inference: linserve's batch-invariant kernel over weights packed once.
 
 `linear` is every projection's function where `numerics.exact_inference` holds: each output one fixed sequence of
-roundings whatever else shares the call (model/kernels/invariant_linear.cpp). A weight is packed for the kernel
+roundings whatever else shares the call (model/kernels/invariant_linear.cpp); `linear_cat` runs several weights
+over one input (a layer's q, k and v) in one call, each output the same bits. A weight is packed for the kernel
 once, on first use, and kept beside it (`packed`); a compiled program holds the packed form as its own constant
 (`traced_tiles`, set by the program compiler). The weights' format is process-wide (`set_weight_format`):
 
@@ -89,15 +90,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x Wᵀ + b with every row the same bits whatever else is in x. x (..., K) bf16; weight (N, K) bf16 → (..., N).
     Eager and compiled alike, one `invariant_linear` call over the weight's packed form."""
     if kernels.load():
-        if torch.compiler.is_compiling():  # the program's own packed constants (traced_tiles), else packed in it
-            entry = _TRACED_TILES.get(id(weight)) or PACKERS[weight_format()](weight)
-        else:
-            entry = packed(weight, PACKERS[weight_format()])
-        tiles, scale = entry
+        tiles, scale = _entry(weight)  # (compiling: the program's own packed constants, traced_tiles)
         return torch.ops.linserve.invariant_linear(x, tiles, scale, bias, weight.shape[0])
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed(weight, _onednn_one_row), bias, "none", [], "")
+
+
+CAT_WEIGHTS = 4  # weights one kernel call reads at most (linear_cat)
+
+
+def linear_cat(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[x W_0ᵀ, x W_1ᵀ, …] for weights without biases over one x — each output the bits `linear` gives it — in one
+    kernel call per four weights: one parallel region (one fork and join of the threads) where separate calls
+    would make one each. Views into one (..., ΣN) output. Without the kernel: `linear` each."""
+    if not kernels.load():
+        return [linear(x, weight) for weight in weights]
+    outputs = []
+    for start in range(0, len(weights), CAT_WEIGHTS):
+        part = weights[start:start + CAT_WEIGHTS]
+        if len(part) == 1:
+            outputs.append(linear(x, part[0]))
+            continue
+        entries = [_entry(weight) for weight in part] + [(None, None)] * (CAT_WEIGHTS - len(part))
+        sizes = [weight.shape[0] for weight in part] + [0] * (CAT_WEIGHTS - len(part))
+        y = torch.ops.linserve.invariant_linear_cat(x, *(tiles for tiles, _ in entries),
+                                                    *(scale for _, scale in entries), *sizes)  # (..., ΣN)
+        outputs.extend(y.split(sizes[:len(part)], dim=-1))
+    return outputs
+
+
+def _entry(weight: torch.Tensor) -> tuple:
+    """(the weight's packed form, its int8 scale or None): the traced program's own while one is compiled."""
+    if torch.compiler.is_compiling():
+        return _TRACED_TILES.get(id(weight)) or PACKERS[weight_format()](weight)
+    return packed(weight, PACKERS[weight_format()])
 
 
 _TRACED_TILES: dict[int, tuple] = {}  # while a program is traced: id(weight) → (tiles, scale or None)

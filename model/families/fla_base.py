@@ -190,8 +190,8 @@ class GatedMLP(nn.Module):
         self.act = "silu" if config.hidden_act == "swish" else config.hidden_act
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = numerics.activation(self.act, numerics.project(self.gate_proj, x))  # (B, T, I)
-        return numerics.project(self.down_proj, gate * numerics.project(self.up_proj, x))  # (B, T, C)
+        gate, up = numerics.project_all([self.gate_proj, self.up_proj], x)  # (B, T, I) each
+        return numerics.project(self.down_proj, numerics.activation(self.act, gate) * up)  # (B, T, C)
 
 
 class ShortConvolution(nn.Module):
@@ -227,7 +227,7 @@ class ShortConvolution(nn.Module):
 def project_qkv(mixer: nn.Module, x: Tensor, state: dict, prefixes: bool, new: dict) -> tuple[Tensor, Tensor, Tensor]:
     """A mixer's q/k/v projections (`q_proj`, `k_proj`, `v_proj`), each through its short convolution
     (`q_conv1d`, …) when `mixer.config.use_short_conv`, whose windows go into `new`. (B, T, ·) each."""
-    q, k, v = (numerics.project(layer, x) for layer in (mixer.q_proj, mixer.k_proj, mixer.v_proj))
+    q, k, v = numerics.project_all([mixer.q_proj, mixer.k_proj, mixer.v_proj], x)  # (B, T, ·) each
     if mixer.config.use_short_conv:
         q, new["conv_q"] = mixer.q_conv1d(q, state["conv_q"], prefixes)
         k, new["conv_k"] = mixer.k_conv1d(k, state["conv_k"], prefixes)

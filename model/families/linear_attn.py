@@ -138,9 +138,10 @@ class LinearAttention(nn.Module):
                 prefixes: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = self.config
         B, T, _ = x.shape
-        q = numerics.project(self.q_proj, x).view(B, T, c.num_heads, c.head_k_dim)  # (B, T, H, dk)
-        k = repeat_groups(numerics.project(self.k_proj, x), c.num_heads, c.head_k_dim)  # (B, T, H, dk)
-        v = repeat_groups(numerics.project(self.v_proj, x), c.num_heads, c.head_v_dim).float()  # (B, T, H, dv)
+        q, k, v = numerics.project_all([self.q_proj, self.k_proj, self.v_proj], x)  # (B, T, ·) each
+        q = q.view(B, T, c.num_heads, c.head_k_dim)  # (B, T, H, dk)
+        k = repeat_groups(k, c.num_heads, c.head_k_dim)  # (B, T, H, dk)
+        v = repeat_groups(v, c.num_heads, c.head_v_dim).float()  # (B, T, H, dv)
         q, k = self.features(q, "q", exact), self.features(k, "k", exact)  # (B, T, H, F) fp32
         if c.norm_q:
             q = q / (self.sum(q, exact) + 1e-4)

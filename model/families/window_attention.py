@@ -87,9 +87,9 @@ class SlidingWindowAttention(nn.Module):
         start = state["position"]  # (B,) int64: tokens seen
         positions = start[:, None] + torch.arange(T, device=x.device)  # (B, T)
         cos, sin = rope_cos_sin(positions, hd, self.rope_theta, x.dtype)  # (B, T, 1, hd/2) each
-        q = rotate(numerics.project(self.q_proj, x).view(B, T, self.heads, hd), cos, sin)  # (B, T, H, hd)
-        k = rotate(numerics.project(self.k_proj, x).view(B, T, kv, hd), cos, sin)  # (B, T, kv, hd)
-        v = numerics.project(self.v_proj, x)  # (B, T, kv·hd)
+        q, k, v = numerics.project_all([self.q_proj, self.k_proj, self.v_proj], x)  # (B, T, ·) each
+        q = rotate(q.view(B, T, self.heads, hd), cos, sin)  # (B, T, H, hd)
+        k = rotate(k.view(B, T, kv, hd), cos, sin)  # (B, T, kv, hd)
         keys = torch.cat([state["keys"], k.reshape(B, T, kv * hd).float()], dim=1)  # (B, W+T, kv·hd), oldest first
         values = torch.cat([state["values"], v.float()], dim=1)  # (B, W+T, kv·hd)
         first_valid = W - torch.clamp(start, max=W)  # (B,): slots before it were never written

@@ -8,9 +8,11 @@ generalised delta rule for every row and head in one pass over the state (`torch
 `delta_read` from each row's slot, then `state_commit` in place once the step's rows are known good).
 `top_k_draw.cpp` holds the decode program's top-k draw (`torch.ops.linserve.top_k_draw`: one pass a row for what
 torch did in two `topk` calls, a tie mask and a window — server/engine/sampling.py's `_draw_survivors`, to the
-bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`): each
-output a fixed sequence of roundings whatever the number of rows, bf16 or int8 weights in the checkpoint's own (N,
-K) layout, AVX512-BF16 where the CPU has it and the same arithmetic in scalar code elsewhere. It is built
+bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
+`invariant_linear_cat` for up to four weights over one input in one parallel region): each output a fixed sequence
+of roundings whatever the number of rows, bf16 or int8 weights packed once (on memory advised as huge pages) or in
+the checkpoint's own (N, K) layout, AMX or AVX512-BF16 where the CPU has them and the same arithmetic in scalar
+code elsewhere. It is built
 once per (source, torch, CPU instruction set) with the C++ compiler Inductor uses into
 `$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
 process with its symbols global — a compiled program's C++ calls the op's C shim
@@ -45,6 +47,10 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
     "invariant_linear": "AOTITorchError aoti_torch_cpu_invariant_linear(AtenTensorHandle x, AtenTensorHandle weight, "
                         "AtenTensorHandle* scale, AtenTensorHandle* bias, int64_t out_features, "
                         "AtenTensorHandle* ret0)",
+    "invariant_linear_cat": "AOTITorchError aoti_torch_cpu_invariant_linear_cat(AtenTensorHandle x, "
+                            "AtenTensorHandle w0, AtenTensorHandle w1, AtenTensorHandle* w2, AtenTensorHandle* w3, "
+                            "AtenTensorHandle* s0, AtenTensorHandle* s1, AtenTensorHandle* s2, AtenTensorHandle* s3, "
+                            "int64_t n0, int64_t n1, int64_t n2, int64_t n3, AtenTensorHandle* ret0)",
     "linear_scan": "AOTITorchError aoti_torch_cpu_linear_scan(AtenTensorHandle q, AtenTensorHandle k, "
                    "AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle S, int32_t prefixes, "
                    "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
@@ -202,6 +208,10 @@ def _register_fake() -> None:
 
     for name in ("invariant_linear", "invariant_linear_scalar"):
         torch.library.register_fake(f"linserve::{name}")(shape)
+
+    @torch.library.register_fake("linserve::invariant_linear_cat")
+    def cat_shape(x, w0, w1, w2, w3, s0, s1, s2, s3, n0, n1, n2, n3):
+        return x.new_empty((*x.shape[:-1], n0 + n1 + n2 + n3))
 
     @torch.library.register_fake("linserve::delta_step")
     def delta_shapes(q, k, v, beta, alpha, S):

@@ -28,10 +28,12 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #ifdef LINSERVE_AVX512BF16
 #include <immintrin.h>
 #endif
+#include <sys/mman.h>
 #ifdef LINSERVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -43,6 +45,21 @@ constexpr int64_t CHUNK = 32;  // k's per chunk: 16 lanes × 2
 constexpr int64_t GROUP = 16;  // outputs reduced together (one vector of sums)
 constexpr int64_t FETCH_AHEAD = 4;  // chunks ahead a partial pass over packed weights prefetches its whole block
 constexpr int64_t PAIR_BYTES = 16 * 1024;  // packed bf16: rows two at a time while 8 outputs' chunks fit (see below)
+constexpr int MAX_PARTS = 4;  // weights one call reads (invariant_linear_cat)
+
+// one weight of a call over x: its N outputs are y's columns [column, column + N)
+template <typename W>
+struct Part {
+  const W* w;
+  const float* scale;  // int8: (N,), else null
+  const float* bias;   // (N,) or null
+  int64_t N, column;
+};
+template <typename W>
+struct Parts {
+  Part<W> part[MAX_PARTS];
+  int count;
+};
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -102,7 +119,7 @@ inline float tree16(float* v) {  // the fixed tree of halves
 
 template <typename W>
 void rows_scalar(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
-                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys) {  // ys: y's row stride
   float lanes[16];
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t n = n0; n < n1; ++n) {
@@ -110,7 +127,7 @@ void rows_scalar(const uint16_t* x, const W* w, const float* scale, const float*
       float s = tree16(lanes);
       if (scale) s = s * scale[n];
       if (bias) s = s + bias[n];
-      y[m * N + n] = float_to_bf16(s);
+      y[m * ys + n] = float_to_bf16(s);
     }
 }
 
@@ -252,7 +269,7 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
 
 template <typename W, typename L>
 void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
-                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys) {  // ys: y's row stride
   constexpr bool packed = std::is_same<L, Packed>::value;
   // packed bf16: rows two at a time over 8 outputs a pass while those outputs' chunks stay in L1 (faster than 6
   // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
@@ -282,7 +299,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
         if (scale) s = _mm512_mul_ps(s, sc);
         if (bias) s = _mm512_add_ps(s, bi);
         __m256i out = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s));
-        _mm256_mask_storeu_epi16(y + (m + r) * N + g, keep, out);
+        _mm256_mask_storeu_epi16(y + (m + r) * ys + g, keep, out);
       }
       m += rows;
     }
@@ -336,7 +353,8 @@ inline const void* tile<int8_t>(const int8_t* b, uint16_t* wide) {
 // rows [m0, m0 + rows) (≤ 32) × n blocks nb, nb + 1 (the second only if two): all of K
 template <typename W>
 inline void amx_block(const uint16_t* x, int64_t x_stride, const W* packed, int64_t Kb, int rows, int64_t nb,
-                      bool two, const float* scale, const float* bias, uint16_t* y, int64_t N, int64_t m0) {
+                      bool two, const float* scale, const float* bias, uint16_t* y, int64_t N, int64_t ys,
+                      int64_t m0) {
   const int r0 = rows > 16 ? 16 : rows, r1 = rows - r0;
   _tile_zero(0);
   _tile_zero(1);
@@ -383,26 +401,34 @@ inline void amx_block(const uint16_t* x, int64_t x_stride, const W* packed, int6
       __m512 s = _mm512_load_ps(row);
       if (scale) s = _mm512_mul_ps(s, sc);
       if (bias) s = _mm512_add_ps(s, bi);
-      _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, keep, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s)));
+      _mm256_mask_storeu_epi16(y + (m0 + r) * ys + n0, keep, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s)));
     }
   }
 }
 
 template <typename W>
-void run_amx(const uint16_t* x, int64_t x_stride, const W* packed, const float* scale, const float* bias,
-             uint16_t* y, int64_t M, int64_t N, int64_t Kb) {
-  // tasks: groups of output pairs × groups of 32-row blocks, so a prefill chunk reads each weight tile once per
-  // 128 rows (a group's tiles stay in L2) rather than once per 32; a decode batch (≤ 32 rows): one pair a task
-  const int64_t Nb = (N + 15) / 16, pairs = (Nb + 1) / 2;
+void run_amx(const uint16_t* x, int64_t x_stride, const Parts<W>& parts, uint16_t* y, int64_t ys, int64_t M,
+             int64_t Kb) {
+  // tasks: each part's groups of output pairs × groups of 32-row blocks, so a prefill chunk reads each weight tile
+  // once per 128 rows (a group's tiles stay in L2) rather than once per 32; a decode batch (≤ 32 rows): one pair a
+  // task. The parts' tasks in one range: one parallel region a call however many weights it reads
   const int64_t row_blocks = (M + 31) / 32;
   const int64_t pair_group = row_blocks > 1 ? 8 : 1, row_group = row_blocks > 1 ? 4 : 1;
-  const int64_t pair_groups = (pairs + pair_group - 1) / pair_group;
   const int64_t row_groups = (row_blocks + row_group - 1) / row_group;
-  at::parallel_for(0, pair_groups * row_groups, 1, [&](int64_t begin, int64_t end) {
+  int64_t first[MAX_PARTS + 1] = {0};  // part j's tasks: [first[j], first[j + 1])
+  for (int j = 0; j < parts.count; ++j) {
+    const int64_t pairs = ((parts.part[j].N + 15) / 16 + 1) / 2;
+    first[j + 1] = first[j] + (pairs + pair_group - 1) / pair_group * row_groups;
+  }
+  at::parallel_for(0, first[parts.count], 1, [&](int64_t begin, int64_t end) {
     linserve::FlushSubnormals flushed;
-    int configured = -1;
+    int configured = -1, j = 0;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t pg = t % pair_groups, rg = t / pair_groups;
+      while (t >= first[j + 1]) ++j;
+      const Part<W>& part = parts.part[j];
+      const int64_t Nb = (part.N + 15) / 16, pairs = (Nb + 1) / 2;
+      const int64_t pair_groups = (pairs + pair_group - 1) / pair_group;
+      const int64_t pg = (t - first[j]) % pair_groups, rg = (t - first[j]) / pair_groups;
       for (int64_t b = rg * row_group; b < std::min(row_blocks, (rg + 1) * row_group); ++b) {
         const int64_t m0 = b * 32;
         const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
@@ -411,7 +437,8 @@ void run_amx(const uint16_t* x, int64_t x_stride, const W* packed, const float* 
           configured = rows;
         }
         for (int64_t p = pg * pair_group; p < std::min(pairs, (pg + 1) * pair_group); ++p)
-          amx_block<W>(x, x_stride, packed, Kb, rows, 2 * p, 2 * p + 1 < Nb, scale, bias, y, N, m0);
+          amx_block<W>(x, x_stride, part.w, Kb, rows, 2 * p, 2 * p + 1 < Nb, part.scale, part.bias,
+                       y + part.column, part.N, ys, m0);
       }
     }
     _tile_release();
@@ -422,32 +449,56 @@ void run_amx(const uint16_t* x, int64_t x_stride, const W* packed, const float* 
 bool avx512_path = false;  // set at load when the CPU has AVX512-BF16 (and the library was built with it)
 
 template <typename W>
-void run(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t M, int64_t N,
-         int64_t K, bool force_scalar, bool lanes_packed) {
-  // tasks: groups of outputs × blocks of rows; every output's arithmetic is the same whichever task holds it
-  const int64_t groups = (N + GROUP - 1) / GROUP;
+void run(const uint16_t* x, const Parts<W>& parts, uint16_t* y, int64_t ys, int64_t M, int64_t K, bool force_scalar,
+         bool lanes_packed) {
+  // tasks: each part's groups of outputs × blocks of rows, the parts' tasks in one range (one parallel region a
+  // call); every output's arithmetic is the same whichever task holds it
   const int64_t row_block = M <= 64 ? M : 64;
   const int64_t row_blocks = (M + row_block - 1) / row_block;
   const int64_t per_task = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * std::min<int64_t>(M, 64)));
-  at::parallel_for(0, groups * row_blocks, per_task, [&](int64_t begin, int64_t end) {
+  int64_t first[MAX_PARTS + 1] = {0};  // part j's tasks: [first[j], first[j + 1])
+  for (int j = 0; j < parts.count; ++j) first[j + 1] = first[j] + (parts.part[j].N + GROUP - 1) / GROUP * row_blocks;
+  at::parallel_for(0, first[parts.count], per_task, [&](int64_t begin, int64_t end) {
     linserve::FlushSubnormals flushed;
+    int j = 0;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t % groups, b = t / groups;
-      const int64_t n0 = g * GROUP, n1 = std::min(N, n0 + GROUP);
+      while (t >= first[j + 1]) ++j;
+      const Part<W>& part = parts.part[j];
+      const int64_t groups = (part.N + GROUP - 1) / GROUP;
+      const int64_t g = (t - first[j]) % groups, b = (t - first[j]) / groups;
+      const int64_t n0 = g * GROUP, n1 = std::min(part.N, n0 + GROUP);
       const int64_t m0 = b * row_block, m1 = std::min(M, m0 + row_block);
+      uint16_t* yp = y + part.column;
 #ifdef LINSERVE_AVX512BF16
       if (lanes_packed) {
-        rows_avx512<W, Packed>(x, w, scale, bias, y, m0, m1, n0, n1, K, N);
+        rows_avx512<W, Packed>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
         continue;
       }
       if (avx512_path && !force_scalar) {
-        rows_avx512<W, RowMajor>(x, w, scale, bias, y, m0, m1, n0, n1, K, N);
+        rows_avx512<W, RowMajor>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
         continue;
       }
 #endif
-      rows_scalar<W>(x, w, scale, bias, y, m0, m1, n0, n1, K, N);
+      rows_scalar<W>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
     }
   });
+}
+
+// An empty tensor whose memory is asked to be backed by transparent huge pages (madvise before the first touch;
+// honoured where THP is `madvise` or `always`, harmless where `never`): a decode step streams every packed weight
+// once, and on 4 KB pages each 4 KB is a TLB miss and a restart of the hardware prefetchers (one row over 340M's
+// gate and up: 21 -> 28 GB/s on one Zen 4 thread). Below 1 MB (less than half a huge page) plain memory.
+at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  constexpr size_t HUGE_PAGE = 2u << 20;
+  size_t bytes = options.dtype().itemsize();
+  for (int64_t size : sizes) bytes *= static_cast<size_t>(size);
+  if (bytes < HUGE_PAGE / 2) return at::empty(sizes, options);
+  const size_t rounded = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE, length = rounded + HUGE_PAGE;
+  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return at::empty(sizes, options);
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(base) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1));
+  madvise(aligned, rounded, MADV_HUGEPAGE);  // (untouched pages of the mapping's slack cost nothing)
+  return at::from_blob(aligned, sizes, [base, length](void*) { munmap(base, length); }, options);
 }
 
 at::Tensor pack_weight(const at::Tensor& weight) {
@@ -461,24 +512,28 @@ at::Tensor pack_weight(const at::Tensor& weight) {
     padded = at::zeros({Nb * 16, Kb * 32}, weight.options());
     padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
   }
+  at::Tensor packed = huge_page_empty({Nb, Kb, 16, 32}, weight.options());
 #ifdef LINSERVE_AMX
-  if (amx_path)  // (N, K) → (Nb, Kb, 16, 32): tile (nb, kb), row kp, column 2n + e = w[16nb + n][32kb + 2kp + e]
-    return padded.view({Nb, 16, Kb, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous().view({Nb, Kb, 16, 32});
+  if (amx_path) {  // (N, K) → (Nb, Kb, 16, 32): tile (nb, kb), row kp, column 2n + e = w[16nb + n][32kb + 2kp + e]
+    packed.view({Nb, Kb, 16, 16, 2}).copy_(padded.view({Nb, 16, Kb, 16, 2}).permute({0, 2, 3, 1, 4}));
+    return packed;
+  }
 #endif
   // lanes: (N, K) → (Nb, Kb, 16, 32): [nb][kb][n][j] = w[16nb + n][32kb + j] — a group's chunks side by side
-  return padded.view({Nb, 16, Kb, 32}).permute({0, 2, 1, 3}).contiguous();
+  packed.copy_(padded.view({Nb, 16, Kb, 32}).permute({0, 2, 1, 3}));
+  return packed;
 }
 
-at::Tensor invariant_linear_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                                 const c10::optional<at::Tensor>& bias, int64_t N, bool force_scalar) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "invariant_linear: x must be bfloat16");
+// one weight's checks: (N, K) as it is or packed (N/16, K/32, 16, 32); int8 with a scale, bf16 without
+bool check_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& scale, int64_t N, int64_t K,
+                  bool force_scalar) {
   TORCH_CHECK(weight.is_contiguous() && (weight.dim() == 2 || weight.dim() == 4),
               "invariant_linear: weight must be pack_weight's (contiguous (N, K), or packed (N/16, K/32, 16, 32))");
   const bool int8 = weight.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || weight.scalar_type() == at::kBFloat16, "invariant_linear: weight must be bfloat16 or int8");
   TORCH_CHECK(int8 == (scale.has_value() && scale->defined()), "invariant_linear: int8 weights take a scale, bf16 none");
+  TORCH_CHECK(!int8 || (scale->numel() == N), "invariant_linear: an int8 weight's scale must be (N,) = (", N, ",)");
   const bool tiles = weight.dim() == 4;
-  const int64_t K = x.size(-1);
   if (tiles) {
     TORCH_CHECK(weight.size(0) == (N + 15) / 16 && weight.size(1) == (K + 31) / 32 && weight.size(2) == 16 &&
                     weight.size(3) == 32,
@@ -488,48 +543,95 @@ at::Tensor invariant_linear_impl(const at::Tensor& x, const at::Tensor& weight, 
                 " is not (N, K) = (", N, ", ", K, ")");
   }
   TORCH_CHECK(!(tiles && force_scalar), "invariant_linear_scalar: takes (N, K) weights");
-  at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  at::Tensor s, b;
-  if (int8) s = scale->to(at::kFloat).contiguous();
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());
-  if (M == 0 || N == 0) return y;
+  return tiles;
+}
+
+template <typename W>
+void run_parts(const at::Tensor& x2, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+               const at::Tensor& bias, const std::vector<int64_t>& Ns, at::Tensor& y, bool tiles, bool force_scalar) {
+  const int64_t M = x2.size(0), K = x2.size(1), ys = y.size(-1);
+  Parts<W> parts{};
+  parts.count = static_cast<int>(weights.size());
+  for (int j = 0, column = 0; j < parts.count; column += Ns[j], ++j)
+    parts.part[j] = {reinterpret_cast<const W*>(weights[j].data_ptr()),
+                     scales[j].defined() ? scales[j].data_ptr<float>() : nullptr,
+                     bias.defined() ? bias.data_ptr<float>() : nullptr, Ns[j], column};
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float* sp = s.defined() ? s.data_ptr<float>() : nullptr;
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 #ifdef LINSERVE_AMX
   if (tiles && amx_path) {
-    const int64_t Kb = weight.size(1);
-    if (K % 32) x2 = at::constant_pad_nd(x2, {0, Kb * 32 - K});  // the tiles read whole 32-wide blocks
-    const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
-    if (int8)
-      run_amx<int8_t>(xp, Kb * 32, weight.data_ptr<int8_t>(), sp, bp, yp, M, N, Kb);
-    else
-      run_amx<uint16_t>(xp, Kb * 32, reinterpret_cast<const uint16_t*>(weight.data_ptr()), sp, bp, yp, M, N, Kb);
-    return y;
+    const int64_t Kb = (K + 31) / 32;
+    const at::Tensor xp = K % 32 ? at::constant_pad_nd(x2, {0, Kb * 32 - K}) : x2;  // tiles read whole 32-wide blocks
+    run_amx<W>(reinterpret_cast<const uint16_t*>(xp.data_ptr()), Kb * 32, parts, yp, ys, M, Kb);
+    return;
   }
 #endif
   TORCH_CHECK(!tiles || avx512_path, "invariant_linear: packed weights on a CPU without AVX512-BF16");
-  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  run<W>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), parts, yp, ys, M, K, force_scalar, tiles);
+}
+
+// y = [x W_0ᵀ, x W_1ᵀ, …] (+ b where one weight has a bias): each weight's outputs exactly as a call over it alone
+// (the same groups, the same arithmetic; only the tasks are shared out together)
+at::Tensor invariant_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                  const std::vector<c10::optional<at::Tensor>>& scales,
+                                  const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& Ns,
+                                  bool force_scalar) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "invariant_linear: x must be bfloat16");
+  TORCH_CHECK(!weights.empty() && weights.size() <= MAX_PARTS, "invariant_linear: 1 to ", MAX_PARTS, " weights");
+  const int64_t K = x.size(-1);
+  const bool int8 = weights[0].scalar_type() == at::kChar;
+  const bool tiles = check_weight(weights[0], scales[0], Ns[0], K, force_scalar);
+  std::vector<at::Tensor> s(weights.size());
+  int64_t total = 0;
+  for (size_t j = 0; j < weights.size(); ++j) {
+    TORCH_CHECK(check_weight(weights[j], scales[j], Ns[j], K, force_scalar) == tiles &&
+                    (weights[j].scalar_type() == at::kChar) == int8,
+                "invariant_linear_cat: the weights must share one form (packed or not, bf16 or int8)");
+    if (int8) s[j] = scales[j]->to(at::kFloat).contiguous();
+    total += Ns[j];
+  }
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(weights.size() == 1, "invariant_linear_cat: no bias");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = total;
+  at::Tensor y = at::empty(shape, x.options());
+  if (x2.size(0) == 0 || total == 0) return y;
   if (int8)
-    run<int8_t>(xp, weight.data_ptr<int8_t>(), sp, bp, yp, M, N, K, force_scalar, tiles);
+    run_parts<int8_t>(x2, weights, s, b, Ns, y, tiles, force_scalar);
   else
-    run<uint16_t>(xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), sp, bp, yp, M, N, K, force_scalar, tiles);
+    run_parts<uint16_t>(x2, weights, s, b, Ns, y, tiles, force_scalar);
   return y;
 }
 
 at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                             const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  return invariant_linear_impl(x, weight, scale, bias, out_features, false);
+  return invariant_linear_parts(x, {weight}, {scale}, bias, {out_features}, false);
 }
 
 at::Tensor invariant_linear_scalar(const at::Tensor& x, const at::Tensor& weight,
                                    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
                                    int64_t out_features) {
-  return invariant_linear_impl(x, weight, scale, bias, out_features, true);
+  return invariant_linear_parts(x, {weight}, {scale}, bias, {out_features}, true);
+}
+
+// up to four weights over one x in one call: (…, K) → (…, n0 + n1 + n2 + n3), each weight's outputs its own columns
+at::Tensor invariant_linear_cat(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& w1,
+                                const c10::optional<at::Tensor>& w2, const c10::optional<at::Tensor>& w3,
+                                const c10::optional<at::Tensor>& s0, const c10::optional<at::Tensor>& s1,
+                                const c10::optional<at::Tensor>& s2, const c10::optional<at::Tensor>& s3, int64_t n0,
+                                int64_t n1, int64_t n2, int64_t n3) {
+  std::vector<at::Tensor> weights{w0, w1};
+  std::vector<c10::optional<at::Tensor>> scales{s0, s1};
+  std::vector<int64_t> Ns{n0, n1};
+  if (w2.has_value() && w2->defined()) weights.push_back(*w2), scales.push_back(s2), Ns.push_back(n2);
+  if (w3.has_value() && w3->defined()) {
+    TORCH_CHECK(weights.size() == 3, "invariant_linear_cat: w3 without w2");
+    weights.push_back(*w3), scales.push_back(s3), Ns.push_back(n3);
+  }
+  return invariant_linear_parts(x, weights, scales, c10::nullopt, Ns, false);
 }
 
 bool has_avx512_bf16() {
@@ -564,12 +666,15 @@ struct Init {
 TORCH_LIBRARY(linserve, m) {
   m.def("invariant_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int out_features) -> Tensor");
   m.def("invariant_linear_scalar(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int out_features) -> Tensor");
+  m.def("invariant_linear_cat(Tensor x, Tensor w0, Tensor w1, Tensor? w2, Tensor? w3, Tensor? s0, Tensor? s1, "
+        "Tensor? s2, Tensor? s3, int n0, int n1, int n2, int n3) -> Tensor");
   m.def("pack_weight(Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("invariant_linear", &invariant_linear);
   m.impl("invariant_linear_scalar", &invariant_linear_scalar);
+  m.impl("invariant_linear_cat", &invariant_linear_cat);
   m.impl("pack_weight", &pack_weight);
 }
 
@@ -582,6 +687,22 @@ extern "C" AOTITorchError aoti_torch_cpu_invariant_linear(AtenTensorHandle x, At
                                    *torch::aot_inductor::tensor_handle_to_tensor_pointer(weight),
                                    torch::aot_inductor::pointer_to_optional<at::Tensor>(scale),
                                    torch::aot_inductor::pointer_to_optional<at::Tensor>(bias), out_features);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(result));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_invariant_linear_cat(
+    AtenTensorHandle x, AtenTensorHandle w0, AtenTensorHandle w1, AtenTensorHandle* w2, AtenTensorHandle* w3,
+    AtenTensorHandle* s0, AtenTensorHandle* s1, AtenTensorHandle* s2, AtenTensorHandle* s3, int64_t n0, int64_t n1,
+    int64_t n2, int64_t n3, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::pointer_to_optional;
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    auto result = invariant_linear_cat(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w0),
+                                       *tensor_handle_to_tensor_pointer(w1), pointer_to_optional<at::Tensor>(w2),
+                                       pointer_to_optional<at::Tensor>(w3), pointer_to_optional<at::Tensor>(s0),
+                                       pointer_to_optional<at::Tensor>(s1), pointer_to_optional<at::Tensor>(s2),
+                                       pointer_to_optional<at::Tensor>(s3), n0, n1, n2, n3);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(result));
   });
 }

@@ -87,6 +87,56 @@ def test_every_row_is_the_same_bits_alone_or_in_any_batch(M, N, K, dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("Ns,K", [((1024, 256, 256), 1024), ((50, 7, 33, 16), 77), ((17, 40), 1100), ((768, 5), 31)])
+def test_several_weights_in_one_call_are_each_the_bits_of_its_own_call(Ns, K, dtype):
+    """invariant_linear_cat: [x W_0ᵀ, x W_1ᵀ, …] in one parallel region, each weight's columns exactly what a call
+    over it alone gives — outputs not a multiple of 16, packed or (N, K), bf16 or int8, any rows, any threads."""
+    weights = [operands(1, N, K, seed=j, dtype=dtype)[1] for j, N in enumerate(Ns)]
+    scales = [torch.rand(N, generator=torch.Generator().manual_seed(j)) / 20 if dtype == torch.int8 else None
+              for j, N in enumerate(Ns)]
+    pad = 4 - len(Ns)
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            for forms in ([OP.pack_weight(w) for w in weights], weights):
+                for M in (1, 3, 8, 65):
+                    x = operands(M, 1, K, seed=M)[0]
+                    alone = [OP.invariant_linear(x, w, s, None, N) for w, s, N in zip(forms, scales, Ns)]
+                    together = OP.invariant_linear_cat(x, *forms, *[None] * pad, *scales, *[None] * pad, *Ns,
+                                                       *[0] * pad)
+                    assert together.shape == (M, sum(Ns))
+                    assert torch.equal(together, torch.cat(alone, -1)), (count, M)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_project_all_is_project_each_to_the_bit_and_one_call_per_four_weights(monkeypatch):
+    layers = [torch.nn.Linear(96, N, bias=False).bfloat16() for N in (64, 64, 80, 16, 40)]
+    x = operands(5, 1, 96)[0].view(5, 1, 96)
+    calls = []
+    original = torch.ops.linserve.invariant_linear_cat
+
+    class Counting:  # (the op is looked up on torch.ops.linserve at each call)
+        def __getattr__(self, name):
+            if name == "invariant_linear_cat":
+                return lambda *args: calls.append(args) or original(*args)
+            return getattr(OP, name)
+
+    with torch.no_grad():
+        each = [numerics.project(layer, x) for layer in layers]
+        monkeypatch.setattr(torch.ops, "linserve", Counting())
+        together = numerics.project_all(layers, x)
+    assert len(calls) == 1  # four weights in one call, the fifth alone
+    assert [t.shape for t in together] == [t.shape for t in each]
+    assert all(torch.equal(a, b) for a, b in zip(together, each))
+    with_bias = [torch.nn.Linear(96, 32).bfloat16(), torch.nn.Linear(96, 32, bias=False).bfloat16()]
+    with torch.no_grad():  # a bias: each alone (the kernel's call over several weights takes none)
+        assert all(torch.equal(a, numerics.project(layer, x))
+                   for a, layer in zip(numerics.project_all(with_bias, x), with_bias))
+
+
 def test_the_kernel_refuses_what_it_cannot_compute_with_a_message():
     x, w, b = operands(2, 16, 32)
     with pytest.raises(RuntimeError, match="not \\(N, K\\)"):
@@ -95,6 +145,9 @@ def test_the_kernel_refuses_what_it_cannot_compute_with_a_message():
         OP.invariant_linear(x, w.to(torch.int8), None, b, 16)
     with pytest.raises(RuntimeError, match="bfloat16"):
         OP.invariant_linear(x.float(), w, None, b, 16)
+    with pytest.raises(RuntimeError, match="share one form"):
+        OP.invariant_linear_cat(x, w, OP.pack_weight(w.to(torch.int8)), None, None, None, torch.ones(16), None, None,
+                                16, 16, 0, 0)
 
 
 def test_numerics_linear_uses_the_kernel_over_weights_packed_once():
