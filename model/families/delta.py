@@ -64,11 +64,12 @@ class DeltaMixer(nn.Module):
         self.o_proj = nn.Linear(config.value_dim, C, bias=False)
 
     def projections(self, x: torch.Tensor, state: dict, prefixes: bool, new: dict):
-        q, k, v = project_qkv(self, x, state, prefixes, new)
+        """q, k, v (B, T, ·) and, where the layer has an output gate, its projection of x in the same call."""
+        q, k, v, *g = project_qkv(self, x, state, prefixes, new, (self.g_proj,) if self.config.use_gate else ())
         if not self.config.use_short_conv:
             q, k = (self.unconvolved(t) for t in (q, k))
             v = numerics.activation("silu", v)
-        return q, k, v  # (B, T, ·) each
+        return q, k, v, *g  # (B, T, ·) each
 
     def unconvolved(self, t: torch.Tensor) -> torch.Tensor:
         """q or k without a short convolution: SiLU where the convolution would have applied it."""
@@ -80,7 +81,7 @@ class DeltaMixer(nn.Module):
         B, T, _ = x.shape
         H, HV = c.num_heads, c.value_heads
         new: dict[str, torch.Tensor] = {}
-        q, k, v = self.projections(x, state, prefixes, new)
+        q, k, v, *g = self.projections(x, state, prefixes, new)
         q, k = self.qk(q.view(B, T, H, c.head_k), k.view(B, T, H, c.head_k), exact)  # (B, T, H, dk) fp32 each
         if HV != H:  # each q/k head serves HV/H consecutive value heads
             q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)  # (B, T, HV, dk)
@@ -95,7 +96,7 @@ class DeltaMixer(nn.Module):
             prefixes)  # (B, HV, T, dv)
         o = self.o_norm(o.transpose(1, 2), exact)  # (B, T, HV, dv) fp32
         if c.use_gate:
-            g = numerics.activation(self.output_gate, numerics.project(self.g_proj, x), torch.float32)
+            g = numerics.activation(self.output_gate, g[0], torch.float32)  # (B, T, value_dim)
             o = o * g.view(B, T, HV, c.head_v)
         o = o.to(x.dtype).reshape(B, T, c.value_dim)  # (B, T, value_dim)
         return numerics.project(self.o_proj, o), new  # (B, T, C)

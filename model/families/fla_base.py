@@ -224,15 +224,17 @@ class ShortConvolution(nn.Module):
         return y, padded[:, T:].float()  # (B, W-1, D)
 
 
-def project_qkv(mixer: nn.Module, x: Tensor, state: dict, prefixes: bool, new: dict) -> tuple[Tensor, Tensor, Tensor]:
+def project_qkv(mixer: nn.Module, x: Tensor, state: dict, prefixes: bool, new: dict,
+                also: tuple[nn.Linear, ...] = ()) -> list[Tensor]:
     """A mixer's q/k/v projections (`q_proj`, `k_proj`, `v_proj`), each through its short convolution
-    (`q_conv1d`, …) when `mixer.config.use_short_conv`, whose windows go into `new`. (B, T, ·) each."""
-    q, k, v = numerics.project_all([mixer.q_proj, mixer.k_proj, mixer.v_proj], x)  # (B, T, ·) each
+    (`q_conv1d`, …) when `mixer.config.use_short_conv`, whose windows go into `new`; then the projections of x by
+    the layers `also` (an output gate's), computed in the same kernel call. (B, T, ·) each."""
+    q, k, v, *rest = numerics.project_all([mixer.q_proj, mixer.k_proj, mixer.v_proj, *also], x)  # (B, T, ·) each
     if mixer.config.use_short_conv:
         q, new["conv_q"] = mixer.q_conv1d(q, state["conv_q"], prefixes)
         k, new["conv_k"] = mixer.k_conv1d(k, state["conv_k"], prefixes)
         v, new["conv_v"] = mixer.v_conv1d(v, state["conv_v"], prefixes)
-    return q, k, v
+    return [q, k, v, *rest]
 
 
 def repeat_groups(x: Tensor, heads: int, dim: int) -> Tensor:

@@ -77,7 +77,8 @@ class GatedMixer(nn.Module):
         c = self.config
         B, T, _ = x.shape
         new: dict[str, torch.Tensor] = {}
-        q, k, v = project_qkv(self, x, state, prefixes, new)  # (B, T, ·) each
+        q, k, v, *g = project_qkv(self, x, state, prefixes, new,  # (B, T, ·) each; g: [the output gate's]
+                                  (self.g_proj,) if c.use_output_gate else ())
         q = self.features(q.view(B, T, c.num_heads, c.head_k_dim))  # (B, T, H, dk)
         if self.rotate_before_repeat:
             k = self.features(k.view(B, T, c.num_kv_heads, c.head_k_dim))  # (B, T, kv, dk)
@@ -92,8 +93,7 @@ class GatedMixer(nn.Module):
                                      exact, prefixes)  # (B, H, T, dv)
         o = getattr(self, self.norm_name)(o.transpose(1, 2), exact)  # (B, T, H, dv) fp32
         if c.use_output_gate:
-            g = numerics.project(self.g_proj, x)  # (B, T, value_dim)
-            g = numerics.activation("silu" if c.gate_fn == "swish" else c.gate_fn, g, torch.float32)
+            g = numerics.activation("silu" if c.gate_fn == "swish" else c.gate_fn, g[0], torch.float32)
             o = o * g.view(B, T, c.num_heads, c.head_v_dim)
         o = o.to(x.dtype).reshape(B, T, c.value_dim)  # (B, T, value_dim)
         return numerics.project(self.o_proj, o), new  # (B, T, C)
