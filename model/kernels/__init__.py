@@ -11,11 +11,10 @@ torch did in two `topk` calls, a tie mask and a window — server/engine/samplin
 bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
 `invariant_linear_cat` for up to four weights over one input in one parallel region): each output a fixed sequence
 of roundings whatever the number of rows, bf16 or int8 weights packed once (on memory advised as huge pages) or in
-the checkpoint's own (N, K) layout, AMX or AVX512-BF16 where the CPU has them and the same arithmetic in scalar
-code elsewhere. It is built
-once per (source, torch, CPU instruction set) with the C++ compiler Inductor uses into
-`$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
-process with its symbols global — a compiled program's C++ calls the op's C shim
+the checkpoint's own (N, K) layout: AMX tiles or AVX512-BF16 lanes where the CPU has them, the lanes' arithmetic in
+scalar code elsewhere. It is built once per (source, torch, CPU instruction set) with the C++ compiler Inductor
+uses into `$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded
+into the process with its symbols global — a compiled program's C++ calls the op's C shim
 (`aoti_torch_cpu_invariant_linear`) by name — and its op registered with a shape function so that torch.export
 traces it as one call. Without a C++ compiler (a slim image), or with `LINSERVE_KERNELS=off` in the environment,
 `load()` says why and returns False: the model then keeps oneDNN's inner product (numerics.linear).
