@@ -1,12 +1,12 @@
-"""Host memory that a decode step streams, backed by transparent huge pages where Linux offers them.
+"""Host memory backed by transparent huge pages where Linux offers them.
 
-A decode step reads every projection weight once and every running row's state from the pool: hundreds of MB
-a step for fla's 340M shapes. On 4 KB pages each 4 KB of that stream is a TLB miss and a restart of the hardware
-prefetchers; asked for huge pages (madvise(MADV_HUGEPAGE) before the first touch: honoured where
-/sys/kernel/mm/transparent_hugepage/enabled is `madvise` or `always`) the same read runs faster — one row over
-340M's gate and up projections went from 21 to 28 GB/s on one Zen 4 thread. The packed weights get theirs in the
-kernel (`pack_weight`); the state pool's buffers here. Elsewhere (no mmap's madvise, another OS, a CUDA device,
-less than a megabyte) a plain torch allocation.
+A decode step reads every projection weight once: hundreds of MB a step for fla's 340M shapes. On 4 KB pages each
+4 KB of that stream is a TLB miss and a restart of the hardware prefetchers; asked for huge pages
+(madvise(MADV_HUGEPAGE) before the first touch: honoured where /sys/kernel/mm/transparent_hugepage/enabled is
+`madvise` or `always`) the same read runs faster — one row over 340M's gate and up projections went from 21 to 28
+GB/s on one Zen 4 thread. The packed weights get theirs in the kernel (`pack_weight`); the benchmarks read their
+DRAM floor from a buffer made here. Elsewhere (no mmap's madvise, another OS, a CUDA device, less than a megabyte)
+a plain torch allocation.
 """
 
 from __future__ import annotations

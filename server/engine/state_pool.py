@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from linserve.model import ModelState, host_memory
+from linserve.model import ModelState
 from linserve.model.interface import ServedModel, fixed_state
 
 
@@ -88,7 +88,7 @@ class StatePool(SlotPool):
             raise ValueError("the state pool holds fixed-size (S, z) states: attention must be 'linear'")
         template = model.init_state(1, device).tensors()  # name → (1, …) fp32
         buffers = {
-            name: host_memory.zeros((num_slots, *t.shape[1:]), t.dtype, device) for name, t in template.items()
+            name: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device) for name, t in template.items()
         }
         super().__init__(buffers, num_slots, model.config.n_layers, device)
         self.model = model
