@@ -61,8 +61,8 @@ def last_level_cache_bytes(device: torch.device) -> int:
 def read_bandwidth_gbs(device: torch.device, nbytes: int, reps: int = 7, threads: int | None = None) -> float:
     """Read bandwidth (GB/s): an fp32 buffer of `nbytes` summed, bytes read / median time; with every CPU
     this process may use (a reduction's threads), whatever the decode step's own thread count — or `threads`.
-    On a CPU the buffer lies on memory advised as huge pages, as the packed weights and the state pool do
-    (model/host_memory.py): the floor is what the memory gives at its best, not on 4 KB pages (which read slower)."""
+    On a CPU the buffer lies on memory advised as huge pages, as the packed weights do (model/host_memory.py): the
+    floor is what the memory gives at its best, not on 4 KB pages (which read slower)."""
     from linserve.model import host_memory
     from linserve.server.engine.cpu_threads import usable_cpus
 

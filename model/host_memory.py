@@ -20,8 +20,7 @@ HUGE_PAGE = 2 << 20
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros(shape), on a CPU in memory asked to be huge pages (touched here, so no page is first faulted in
-    while serving)."""
+    """torch.zeros(shape), on a CPU in memory asked to be huge pages (touched here: every page faulted in now)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if (device.type != "cpu" or nbytes < HUGE_PAGE // 2 or not hasattr(mmap, "MADV_HUGEPAGE")
             or not hasattr(mmap, "MAP_ANONYMOUS")):

@@ -578,8 +578,7 @@ at::Tensor invariant_linear_parts(const at::Tensor& x, const std::vector<at::Ten
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "invariant_linear: x must be bfloat16");
   TORCH_CHECK(!weights.empty() && weights.size() <= MAX_PARTS, "invariant_linear: 1 to ", MAX_PARTS, " weights");
   const int64_t K = x.size(-1);
-  const bool int8 = weights[0].scalar_type() == at::kChar;
-  const bool tiles = check_weight(weights[0], scales[0], Ns[0], K, force_scalar);
+  const bool int8 = weights[0].scalar_type() == at::kChar, tiles = weights[0].dim() == 4;  // (checked below)
   std::vector<at::Tensor> s(weights.size());
   int64_t total = 0;
   for (size_t j = 0; j < weights.size(); ++j) {
