@@ -28,11 +28,12 @@ LOADS = {"1x512": (1, 512), "8x256": (8, 256), "32x128": (32, 128)}
 CHILD = """
 import json, sys
 sys.path.insert(0, {benchmarks!r})
+from common import wait_programs
 from engine_inprocess import run_streams
 from linserve.server.loading import load_engine
 from linserve.server.settings import Settings
 engine, _, generation = load_engine(Settings.load(), lambda stats: None)
-assert engine.decode_step.wait_compiled(1800), "the compiled buckets did not settle"
+assert wait_programs(engine), "the compiled buckets did not settle"
 defaults = {{"top_k": 50}}
 run_streams(engine, 1, 64, "warm", sampling=defaults)
 run_streams(engine, 8, 32, "warm8", sampling=defaults)

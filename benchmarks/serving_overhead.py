@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     describe,
     emit,
     resolve_device,
+    wait_programs,
     wait_until_up,
 )
 from engine_inprocess import DecodeTotals, run_streams  # noqa: E402
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     totals = DecodeTotals()  # the engine thread's Python around the decode program, per row
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device, totals,
                     dtype=dtype).start()
-    engine.decode_step.wait_compiled()  # compiled first here: the server then finds Inductor's cache warm
+    wait_programs(engine)  # compiled first here: the servers then find the compile cache warm
     # the same load on both sides: a server applies the checkpoint's generation defaults (the shipped one's top_k 50)
     sampling = {name: value for name, value in
                 GenerationDefaults.read(args.model, model.config.vocab_size).sampling.items() if name != "temperature"}

@@ -213,6 +213,21 @@ def test_machine_check_judges_drift():
     assert reference_workload_ms(reps=3) > 0
 
 
+def test_compile_settled_waits_for_the_prefill_program_too():
+    """A benchmark measures only once nothing compiles beside it: the decode step's buckets and the prefill
+    program's (a compile takes a core; /ready's body nests the prefill program's status under the decode step's)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import compile_settled
+
+    assert compile_settled({"decode_step": None})  # the softmax baseline: nothing to compile
+    assert compile_settled({"decode_step": {"status": "compiled"}})  # no prefill program (a GPU, a large model)
+    assert not compile_settled({"decode_step": {"status": "compiling"}})
+    assert not compile_settled({"decode_step": {"status": "compiled", "prefill": {"status": "pending"}}})
+    assert not compile_settled({"decode_step": {"status": "compiled", "prefill": {"status": "compiling"}}})
+    assert compile_settled({"decode_step": {"status": "compiled", "prefill": {"status": "declined"}}})
+    assert compile_settled({"decode_step": {"status": "eager", "prefill": {"status": "eager"}}})
+
+
 def test_session_affinity(tmp_path):
     for program in ("haproxy", "redis-server"):
         require_program(program, program)
