@@ -112,6 +112,29 @@ def test_several_weights_in_one_call_are_each_the_bits_of_its_own_call(Ns, K, dt
         torch.set_num_threads(threads)
 
 
+def test_every_task_runs_once_however_the_threads_share_them_out():
+    """A call's tasks start as one contiguous share a thread and a thread done first takes the rest of the others'
+    from their ends (run_tasks): whatever the interleaving, every output is written, once, with its own bits. Two
+    inputs in turn, so an output left unwritten would keep the other call's values (the allocator hands back the
+    same block); three threads on two cores make the shares finish unevenly, as a busy host does."""
+    Ns, K = (1024, 1024, 512), 1024  # 160 groups of 16 outputs: many tasks a share
+    weights = [OP.pack_weight(operands(1, N, K, seed=j)[1]) for j, N in enumerate(Ns)]
+    inputs = [operands(M, 1, K, seed=M)[0] for M in (1, 1, 4)]
+    inputs[1] = -inputs[1]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        wanted = [OP.invariant_linear_cat(x, *weights, None, *[None] * 4, *Ns, 0) for x in inputs]
+        for count in (2, 3):
+            torch.set_num_threads(count)
+            for call in range(200):
+                i = call % len(inputs)
+                got = OP.invariant_linear_cat(inputs[i], *weights, None, *[None] * 4, *Ns, 0)
+                assert torch.equal(got, wanted[i]), (count, call)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_project_all_is_project_each_to_the_bit_and_one_call_per_four_weights(monkeypatch):
     layers = [torch.nn.Linear(96, N, bias=False).bfloat16() for N in (64, 64, 80, 16, 40)]
     x = operands(5, 1, 96)[0].view(5, 1, 96)
