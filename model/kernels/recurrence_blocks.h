@@ -42,15 +42,24 @@ inline void scaled_copy(const float* __restrict s, float* __restrict s1, const f
   }
 }
 
+// a thread's d_k × block scratch, kept for the thread's life: every call writes the rows it then reads, so it is
+// neither allocated nor zeroed per call (a fresh vector a call was a 256-512 KiB memset per thread per layer, twice
+// a step, and cold lines) — the same addresses call after call, warm in L2
+inline float* scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats) buf.resize(floats);
+  return buf.data();
+}
+
 // fn(bh, c0, w, buf) for every (row, head) bh of n and column block [c0, c0 + w) of d_v: (row, head)s are the
 // parallel tasks, each thread with its own d_k × block scratch and subnormals flushed
 template <class Fn>
 void for_each_block(int64_t n, int64_t dk, int64_t dv, const Fn& fn) {
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     linserve::FlushSubnormals flushed;
-    std::vector<float> buf(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
+    float* buf = scratch(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
     for (int64_t bh = begin; bh < end; ++bh)
-      for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS) fn(bh, c0, std::min(MAX_COLUMNS, dv - c0), buf.data());
+      for (int64_t c0 = 0; c0 < dv; c0 += MAX_COLUMNS) fn(bh, c0, std::min(MAX_COLUMNS, dv - c0), buf);
   });
 }
 
