@@ -50,7 +50,38 @@ def test_a_large_packed_weight_is_advised_as_huge_pages():
         pytest.skip("the scalar form reads weights as they are: nothing is packed")
     weight = torch.randn(2816, 1024).bfloat16()
     packed = torch.ops.linserve.pack_weight(weight)
-    assert packed.data_ptr() % host_memory.HUGE_PAGE == 0 and advised_huge(packed)
+    assert packed.data_ptr() % 4096 == 0 and advised_huge(packed)
     x = torch.randn(3, 1024).bfloat16()
     assert torch.equal(torch.ops.linserve.invariant_linear(x, packed, None, None, 2816),
                        torch.ops.linserve.invariant_linear(x, weight, None, None, 2816))
+
+
+def mapped(address: int) -> bool:
+    """Whether `address` lies in one of this process's mappings (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+@linux
+def test_packed_weights_lie_back_to_back_and_their_memory_goes_with_the_last_of_them():
+    """Weights share huge pages (a mapping a weight would leave up to 2 MB of its last huge page resident and empty):
+    the next weight starts at the next 4 KB after the last, or at the start of a new 2 MB-aligned chunk when it does
+    not fit. A chunk is unmapped once no tensor lies on it."""
+    require_kernel()
+    if kernels.form() == "scalar":
+        pytest.skip("the scalar form reads weights as they are: nothing is packed")
+    first, second = (torch.ops.linserve.pack_weight(torch.ones(1040, 1056).bfloat16()) for _ in range(2))
+    size = first.numel() * first.element_size()  # 2.2 MB: past one huge page, not a multiple of 4 KB
+    assert size % 4096 and advised_huge(first) and advised_huge(second)
+    assert (second.data_ptr() == first.data_ptr() + -(-size // 4096) * 4096
+            or second.data_ptr() % host_memory.HUGE_PAGE == 0)
+    assert torch.equal(first, second) and first.data_ptr() != second.data_ptr()
+    alone = torch.ops.linserve.pack_weight(torch.empty(8448, 8192).bfloat16())  # 138 MB: a chunk of its own
+    address = alone.data_ptr()
+    assert address % host_memory.HUGE_PAGE == 0 and mapped(address)
+    del alone
+    assert not mapped(address)
