@@ -480,7 +480,8 @@ template <typename Task>
 void run_tasks(int64_t total, int64_t grain, const Task& task) {
   // as many shares as at::parallel_for would make threads busy (none: a call of at most `grain` tasks runs here)
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (total + grain - 1) / grain));
-  if (threads < 2 || threads > MAX_SHARES || total < 4 * threads || at::in_parallel_region()) {
+  if (threads < 2 || threads > MAX_SHARES || total < 4 * threads || total >= (int64_t{1} << 31) ||
+      at::in_parallel_region()) {  // (a share's front and back are 32-bit halves of one word)
     at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
       linserve::FlushSubnormals flushed;
       for (int64_t t = begin; t < end; ++t) task(t);
