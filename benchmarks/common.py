@@ -15,14 +15,18 @@ import torch
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
+def steps_settled(steps: list[dict | None]) -> bool:
+    """Each of /ready's program statuses (None: no such program) settled: built, loaded or given up on."""
+    from linserve.server.engine.compile.compiled_decode import SETTLED
+
+    return all(step is None or step["status"] in SETTLED for step in steps)
+
+
 def compile_settled(body: dict) -> bool:
     """linserve's /ready body: nothing left to compile — every decode bucket and the prefill program's ready, or
     eager for good. (A prefill program still compiling takes a core from whatever is measured beside it.)"""
-    from linserve.server.engine.compile.compiled_decode import SETTLED
-
     step = body.get("decode_step")
-    return step is None or (step["status"] in SETTLED and step.get("prefill", {"status": "compiled"})["status"]
-                            in SETTLED)
+    return step is None or steps_settled([step, step.get("prefill")])
 
 
 def wait_programs(engine, timeout_s: float = 1800.0) -> bool:

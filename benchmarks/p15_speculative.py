@@ -38,7 +38,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from common import add_compile_argument, add_device_argument, emit, wait_until_up  # noqa: E402
+from common import (  # noqa: E402
+    add_compile_argument,
+    add_device_argument,
+    compile_settled,
+    emit,
+    steps_settled,
+    wait_until_up,
+)
 from serving_overhead import COMPILE_TIMEOUT_S, start_server  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
@@ -49,13 +56,11 @@ ONE_STREAM, ACCEPTED_WELL, NEVER_BELOW = 1.5, 2.0, 0.97
 
 
 def settled(body: dict) -> bool:
-    """Nothing left to compile: the decode step, the verification and the draft model's step."""
-    from linserve.server.engine.compile.compiled_decode import SETTLED
-
-    steps = [body.get("decode_step")]
+    """Nothing left to compile: the decode step and the prefill program (compile_settled), the verification and
+    the draft model's step."""
     spec = body.get("speculation") or {}
-    steps += [*(spec.get("verify_steps") or {}).values(), (spec.get("draft_model") or {}).get("draft_step")]
-    return all(step is None or step["status"] in SETTLED for step in steps)
+    return compile_settled(body) and steps_settled(
+        [*(spec.get("verify_steps") or {}).values(), (spec.get("draft_model") or {}).get("draft_step")])
 
 
 def prompts(corpus_dir: str, client: httpx.Client, count: int, seed: int) -> dict[str, list[str]]:

@@ -557,12 +557,12 @@ std::weak_ptr<Chunk> current_chunk;  // where the next weight goes while a tenso
 
 std::shared_ptr<Chunk> new_chunk(size_t bytes) {
   const size_t length = std::max(CHUNK_BYTES, (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
-  void* base = mmap(nullptr, length + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const size_t mapped = length + HUGE_PAGE;  // room to start on a 2 MB boundary
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED) return nullptr;
   const uintptr_t start = reinterpret_cast<uintptr_t>(base), aligned = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
-  if (aligned > start) munmap(base, aligned - start);  // the mapping from a 2 MB boundary, its slack given back
-  if (aligned + length < start + length + HUGE_PAGE)
-    munmap(reinterpret_cast<void*>(aligned + length), start + length + HUGE_PAGE - (aligned + length));
+  if (aligned > start) munmap(base, aligned - start);  // the slack before the boundary and after the chunk given back
+  munmap(reinterpret_cast<void*>(aligned + length), start + mapped - (aligned + length));
   auto chunk = std::make_shared<Chunk>();
   chunk->base = reinterpret_cast<void*>(aligned), chunk->length = length;
   madvise(chunk->base, length, MADV_HUGEPAGE);  // (pages never touched cost nothing)
