@@ -55,13 +55,19 @@ def keep_one_copy(model: torch.nn.Module) -> int:
     with torch.inference_mode():
         model(torch.zeros(1, 2, dtype=torch.long))
     packed = {id(weight) for weight in projection.packed_weights()}
-    read_as_themselves = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+    kept = {id(weight) for weight in read_as_themselves(model)}
     freed = 0
     for weight in model.parameters():
-        if id(weight) not in packed or id(weight) in read_as_themselves or released(weight):
+        if id(weight) not in packed or id(weight) in kept or released(weight):
             continue
         freed += projection.release_original(weight)
     return freed
+
+
+def read_as_themselves(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights the model reads as they are, not (only) through a projection: its embedding tables (a head
+    tied to one is both)."""
+    return [module.weight for module in model.modules() if isinstance(module, torch.nn.Embedding)]
 
 
 def state_dict_for_compiler(model: torch.nn.Module) -> dict[str, torch.Tensor]:

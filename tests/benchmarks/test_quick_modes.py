@@ -74,6 +74,14 @@ def test_compile_vs_eager(tmp_path, compile_cache):
         assert load["compiled_tokens_per_s"] > 0 and load["eager_tokens_per_s"] > 0
 
 
+def test_bucket_memory(tmp_path, compile_cache):
+    """The shipped model's bucket 1 at 2 slots (test_compiled_decode builds it: one cache)."""
+    run("bucket_memory.py", "--out", str(tmp_path / "b.json"), "--cache", compile_cache)
+    data = json.loads((tmp_path / "b.json").read_text())["bucket_memory"]
+    assert data["sizes"] == [1] and data["vocab"] > 0 and data["table_mb"] > 1
+    assert set(data["added_mb"]) == {"all", "anonymous", "file"} and data["rss_after_buckets_mb"]["all"] > 0
+
+
 def test_served_flatness(tmp_path):
     run("served_flatness.py", "--out-dir", str(tmp_path))
     data = json.loads((tmp_path / "p2_served_flatness.json").read_text())

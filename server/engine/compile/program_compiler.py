@@ -31,16 +31,16 @@ import torch
 
 from linserve.model import families, kernels, numerics, projection
 from linserve.model.interface import LINEAR_GPT, ServedModel, model_type
-from linserve.model.weights import state_dict_for_compiler
+from linserve.model.weights import read_as_themselves, state_dict_for_compiler
 
 logger = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
 
 MODEL_FILE = "model.pt"
-ARTIFACT_FORMAT = 5  # part of the cache key: raise it whenever `build` makes different artifacts (3: no add
+ARTIFACT_FORMAT = 6  # part of the cache key: raise it whenever `build` makes different artifacts (3: no add
 # fused into a projection, same_bits_as_eager; 4: projections through linserve's kernel; 5: their packed weights
-# as inputs, listed in the artifact's weights manifest)
+# as inputs, listed in the artifact's weights manifest; 6: the large parameters read as they are, inputs too)
 
 
 PARENT_PID = "LINSERVE_COMPILER_PARENT_PID"  # the server's pid, which the child checks once it will die with it
@@ -69,13 +69,14 @@ def write_model(directory: str, model: ServedModel) -> None:
 
 
 def weights_manifest(path: str) -> str:
-    """Beside an artifact: the parameters whose packed projection weights are its trailing inputs, in order."""
+    """Beside an artifact: the parameters that are its trailing inputs, in order — those read as they are, then
+    those whose packed projection weights it reads."""
     return f"{os.path.splitext(path)[0]}.weights.json"
 
 
 class WithWeights:
-    """A compiled program that reads the projections' weights as inputs: called with the program's arguments, it
-    passes the engine's own packed weights after them — every bucket shares the process's one packed copy."""
+    """A compiled program that reads the model's weights as inputs: called with the program's arguments, it passes
+    the engine's own tensors after them (shared_weights) — every bucket shares the process's one copy."""
 
     def __init__(self, program, weights: list[torch.Tensor]) -> None:
         self.program, self.weights = program, weights
@@ -85,15 +86,20 @@ class WithWeights:
 
 
 def shared_weights(path: str, model: ServedModel) -> list[torch.Tensor]:
-    """The tensors an artifact takes after the program's arguments: each listed parameter's packed projection
-    weight (and int8 scale), from this process's packing — the eager program's own."""
+    """The tensors an artifact takes after the program's arguments: the listed parameters read as they are (the
+    model's own tensors), then each listed projection's packed weight (and int8 scale), from this process's
+    packing — the eager program's own."""
     with open(weights_manifest(path)) as manifest:
         listed = json.load(manifest)
     if listed["format"] != projection.weight_format():
         raise RuntimeError(f"{path} was built for {listed['format']} weights, this process serves "
                            f"{projection.weight_format()}")
+    parameters = [model.get_parameter(name) for name in listed["parameters"]]
+    if any(projection.released(parameter) for parameter in parameters):
+        raise RuntimeError(f"{path} reads a parameter this process keeps only packed")
     packer = projection.PACKERS[listed["format"]]
-    return projection.as_inputs(projection.packed(model.get_parameter(name), packer) for name in listed["weights"])
+    return [*(parameter.detach() for parameter in parameters),
+            *projection.as_inputs(projection.packed(model.get_parameter(name), packer) for name in listed["weights"])]
 
 
 def load_artifact(directory: str, num_slots: int, size: int, program: str = "decode",
@@ -204,22 +210,37 @@ def build(directory: str, model: ServedModel, num_slots: int, size: int, autotun
     tiled = projection_weights(model, program, args)
     packer = projection.PACKERS[projection.weight_format()]
     weights = projection.as_inputs(packer(weight) for _, weight in tiled)  # the trailing inputs
+    shared = parameters_as_inputs(model, tiled) if device.type == "cpu" else []
     count, int8 = len(args), projection.weight_format() == "int8"
 
-    class Program(torch.nn.Module):  # export wants a module; the weights are its (frozen) parameters — but the
-        # projections': those are the program's trailing inputs, the engine's own packed tensors at every call
+    class Over(torch.nn.Module):  # the program over the model (functional_call swaps the shared parameters in)
         def __init__(self) -> None:
             super().__init__()
             self.model = model
 
         def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            packed = iter(inputs[count:])
-            tiles = {id(self.model.get_parameter(name)): (next(packed), next(packed) if int8 else None)
-                     for name, _ in tiled}
-            with projection.traced_tiles(tiles):
-                return program(*inputs[:count])
+            return program(*inputs)
 
-    args = (*args, *weights)
+    class Program(torch.nn.Module):  # export wants a module; the rest of its parameters are frozen constants.
+        # After the program's arguments: the large parameters read as they are (the embedding table), then the
+        # projections' packed weights — the engine's own tensors at every call
+        def __init__(self) -> None:
+            super().__init__()
+            self.over = Over()
+
+        def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            given = dict(zip(shared, inputs[count:count + len(shared)]))
+            traced = {id(model.get_parameter(name)): tensor for name, tensor in given.items()}
+            packed, tiles = iter(inputs[count + len(shared):]), {}
+            for name, _ in tiled:
+                weight = model.get_parameter(name)
+                tiles[id(weight)] = tiles[id(traced.get(id(weight), weight))] = (
+                    next(packed), next(packed) if int8 else None)  # (a tied head is read as the input in its place)
+            swapped = {f"model.{name}": tensor for name, tensor in given.items()}
+            with projection.traced_tiles(tiles):
+                return torch.func.functional_call(self.over, swapped, inputs[:count])
+
+    args = (*args, *(model.get_parameter(name).detach() for name in shared), *weights)
     inductor_config.freezing = True  # weights become constants
     inductor_config.autotune_num_choices_displayed = 0
     inductor_config.max_autotune_report_choices_stats = False
@@ -232,7 +253,8 @@ def build(directory: str, model: ServedModel, num_slots: int, size: int, autotun
     torch._inductor.aoti_compile_and_package(exported, package_path=temp, inductor_configs=configs)
     path = artifact_path(directory, num_slots, size, name)
     with open(f"{temp}.json", "w") as manifest:  # what the trailing inputs are (before the artifact appears)
-        json.dump({"weights": [name for name, _ in tiled], "format": projection.weight_format()}, manifest)
+        json.dump({"parameters": shared, "weights": [name for name, _ in tiled], "format": projection.weight_format()},
+                  manifest)
     os.replace(f"{temp}.json", weights_manifest(path))
     os.replace(temp, path)
 
@@ -246,6 +268,22 @@ def projection_weights(model: ServedModel, program, args: tuple) -> list[tuple[s
         program(*[a.clone() for a in args])  # (clones: the program writes nothing, but the pool is the child's own)
     used = {id(weight) for weight in projection.packed_weights()}
     return [(name, weight) for name, weight in model.named_parameters() if id(weight) in used]
+
+
+SHARED_PARAMETER_BYTES = 1 << 16  # a parameter this large (and not read only packed) is an input, not a constant
+
+
+def parameters_as_inputs(model: ServedModel, tiled: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The parameters a CPU program takes as inputs as they are, rather than freezing a copy into each bucket's
+    artifact (which AOTInductor copies again into memory of its own when the program loads): the embedding tables
+    of at least SHARED_PARAMETER_BYTES (at 32k tokens × 1,024 a 64 MB copy a bucket). Only where the projections
+    run through linserve's kernel (`tiled`): elsewhere a head tied to the table must stay a constant, which
+    oneDNN packs for one row as eager's call does (same_bits_as_eager)."""
+    if not tiled:
+        return []
+    tables = {id(weight) for weight in read_as_themselves(model)}
+    return [name for name, weight in model.named_parameters()
+            if id(weight) in tables and weight.numel() * weight.element_size() >= SHARED_PARAMETER_BYTES]
 
 
 def same_bits_as_eager(model: ServedModel) -> dict:

@@ -1,5 +1,6 @@
 """The compiled decode step (buckets, padding, CUDA graphs on CUDA) computes what the eager one does."""
 
+import json
 import threading
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from linserve.server.engine.compile.cuda_graphs import STEP_LOCK, Bucket
 from linserve.server.engine.compile.verdict import Measurement, VerdictStore
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
-from tests.helpers import Collector, EngineRequest, SamplingParams, assert_slots_balance, run, tokens_of
+from tests.helpers import Collector, EngineRequest, SamplingParams, assert_slots_balance, require_kernel, run, tokens_of
 
 # each test compiles (about a minute on 2 cores); the compiler child runs at nice +10, so on a machine kept busy
 # by others a build takes many minutes: the waits are long enough that only a hang fails, never a busy machine
@@ -265,6 +266,29 @@ def test_shipped_model_compiled_over_512_tokens_and_bf16(device, compile_cache):
     _, logits = decode_through(*steps[torch.bfloat16, "off"], prompt, 512, forced=fp32_tokens)
     assert (logits - fp32_logits).abs().max() < 0.3
     assert (logits.argmax(-1) == fp32_logits.argmax(-1)).float().mean() >= 0.97
+
+
+def test_a_compiled_bucket_reads_the_processs_embedding_table_and_keeps_no_copy_of_it(compile_cache):
+    """A CPU bucket's artifact holds no copy of the embedding table (AOTInductor would copy each constant into
+    memory of its own at every load: one table a bucket): the program takes the model's own tensor as an input,
+    as it takes the projections' packed weights — and computes the same bits as eager (the test above)."""
+    from linserve.server.engine.compile.program_compiler import artifact_path, load_artifact, weights_manifest
+
+    require_kernel()
+    cpu = torch.device("cpu")
+    model = load_model(DEFAULT_CHECKPOINT, cpu, torch.bfloat16).model
+    table = model.wte.weight
+    assert table.numel() * table.element_size() >= 1 << 16  # (the shipped table: 2 MB)
+    step = make_step(model, StatePool(model, 2, cpu), cpu, "on", cache_dir=compile_cache)
+    step.start()
+    assert step.wait_compiled(BUILD_WAIT_S), step.status
+    program = load_artifact(step.cache_dir, 2, 1, model=model)
+    assert program.weights[0].data_ptr() == table.data_ptr()  # the model's own table, then the packed weights
+    assert sum(t.data_ptr() == table.data_ptr() for t in program.weights) == 1
+    with open(weights_manifest(artifact_path(step.cache_dir, 2, 1))) as manifest:
+        assert json.load(manifest)["parameters"] == ["wte.weight"]
+    constants = torch._inductor.aoti_load_package(artifact_path(step.cache_dir, 2, 1)).get_constant_fqns()
+    assert constants and not any(name.endswith("wte.weight") for name in constants)
 
 
 def test_auto_on_a_cpu_without_a_cpp_compiler_declines_at_once(tiny_model, monkeypatch, tmp_path):
