@@ -201,6 +201,23 @@ def form() -> str | None:
     return FORMS[library.linserve_kernel_form()] if library else None
 
 
+def streamed_rows() -> int:
+    """Up to how many rows a lanes-form call over packed bf16 weights now takes one row at a time: SINGLE_ROWS while
+    the process's packed weights of a megabyte or more exceed one L3 cache (a decode step streams them from DRAM),
+    else 0 (invariant_linear.cpp, `rows_avx512`). Which way a call goes changes no bit of its outputs."""
+    library = _state.get("library")
+    return library.linserve_streamed_rows() if library else 0
+
+
+def last_level_cache_bytes() -> int:
+    """One L3 instance's bytes, as the kernel reads them (0 when not loaded)."""
+    library = _state.get("library")
+    if not library:
+        return 0
+    library.linserve_last_level_cache_bytes.restype = ctypes.c_int64
+    return library.linserve_last_level_cache_bytes()
+
+
 def _register_fake() -> None:
     def shape(x, weight, scale, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))

@@ -28,8 +28,10 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -48,7 +50,35 @@ constexpr int64_t CHUNK = 32;  // k's per chunk: 16 lanes × 2
 constexpr int64_t GROUP = 16;  // outputs reduced together (one vector of sums)
 constexpr int64_t FETCH_AHEAD = 4;  // chunks ahead a partial pass over packed weights prefetches its whole block
 constexpr int64_t PAIR_BYTES = 16 * 1024;  // packed bf16: rows two at a time while 8 outputs' chunks fit (see below)
+constexpr int64_t SINGLE_ROWS = 8;  // streamed packed bf16: at most this many rows one at a time (see below)
 constexpr int MAX_PARTS = 4;  // weights one call reads (invariant_linear_cat)
+
+// Packed weights of a megabyte or more that tensors still hold (pack_weight's, on huge pages): more than the last-level
+// cache means a decode step streams them from DRAM (fla's 340M shapes: 0.6-0.9 GB), less that they stay cached
+// between steps (the shipped model: 11.6 MB)
+std::atomic<int64_t> large_weight_bytes{0};
+
+// one L3 instance's size, as Linux describes the caches of CPU 0 (sysconf's figure can be the whole package's: 320 MB
+// on a 2-vCPU slice of an EPYC whose vCPUs share one 32 MB L3); 32 MB where nothing says
+int64_t last_level_cache_bytes() {
+  static const int64_t bytes = [] {
+    for (int index = 0; index < 8; ++index) {
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+      std::ifstream level(dir + "level"), size(dir + "size");
+      int lv = 0;
+      int64_t amount = 0;
+      std::string unit;
+      if (level >> lv && lv == 3 && size >> amount) {
+        size >> unit;
+        return amount << (unit == "K" ? 10 : unit == "M" ? 20 : 0);
+      }
+    }
+    return int64_t{32} << 20;
+  }();
+  return bytes;
+}
+
+bool weights_streamed() { return large_weight_bytes.load(std::memory_order_relaxed) > last_level_cache_bytes(); }
 
 // one weight of a call over x: its N outputs are y's columns [column, column + N)
 template <typename W>
@@ -278,6 +308,10 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
   // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
   // the 6 rows); otherwise 6 rows × 4 outputs a pass
   const bool pairs = packed && sizeof(W) == 2 && 8 * K * static_cast<int64_t>(sizeof(W)) <= PAIR_BYTES;
+  // packed bf16 streamed from DRAM, a decode batch (≤ SINGLE_ROWS rows): a row at a time over each group's 16 outputs
+  // — the weights one contiguous stream, as at one row, the other rows reading the group from L1/L2 (2-8 rows of
+  // 340M's projections on Zen 4: 0.62-0.89x the pairs' time; slower from 12 rows, and for cached weights or int8)
+  const bool singles = packed && sizeof(W) == 2 && m1 - m0 <= SINGLE_ROWS && weights_streamed();
   const Tree tree;
   __m512 u[6][4];
   for (int64_t g = n0; g < n1; g += GROUP) {
@@ -289,7 +323,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
     for (int64_t m = m0; m < m1;) {
       const int64_t left = m1 - m;
-      const int64_t rows = pairs ? (left >= 2 ? 2 : 1) : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
+      const int64_t rows = singles ? 1 : pairs ? (left >= 2 ? 2 : 1) : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
       const uint16_t* xm = x + m * K;
       switch (rows) {
         case 6: group_quads<6, W, L>(tree, xm, wg, K, computed, u, m == m0); break;
@@ -586,7 +620,9 @@ at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& optio
     memory = static_cast<char*>(chunk->base) + chunk->used;
     chunk->used = (chunk->used + bytes + WEIGHT_ALIGN - 1) / WEIGHT_ALIGN * WEIGHT_ALIGN;
   }
-  return at::from_blob(memory, sizes, [chunk](void*) {}, options);  // (the chunk lives while a tensor on it does)
+  large_weight_bytes += static_cast<int64_t>(bytes);
+  return at::from_blob(memory, sizes, [chunk, bytes](void*) { large_weight_bytes -= static_cast<int64_t>(bytes); },
+                       options);  // (the chunk lives while a tensor on it does)
 }
 
 at::Tensor pack_weight(const at::Tensor& weight) {
@@ -793,6 +829,15 @@ extern "C" AOTITorchError aoti_torch_cpu_invariant_linear_cat(
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(result));
   });
 }
+
+extern "C" int linserve_streamed_rows() {  // rows a call takes one at a time now (0: none; the weights fit the cache)
+#ifdef LINSERVE_AMX
+  if (amx_path) return 0;  // (tiles: run_amx)
+#endif
+  return avx512_path && weights_streamed() ? static_cast<int>(SINGLE_ROWS) : 0;
+}
+
+extern "C" int64_t linserve_last_level_cache_bytes() { return last_level_cache_bytes(); }
 
 extern "C" int linserve_kernel_form() {  // 2: AMX tiles, 1: AVX512-BF16 lanes, 0: scalar lanes
 #ifdef LINSERVE_AMX

@@ -135,6 +135,39 @@ def test_every_task_runs_once_however_the_threads_share_them_out():
         torch.set_num_threads(threads)
 
 
+def test_rows_taken_one_at_a_time_once_the_weights_outgrow_the_cache_are_the_same_bits():
+    """Packed bf16 weights of more than one L3 stream from DRAM a decode step: then a call of at most 8 rows takes
+    them one at a time over each group of outputs (faster on Zen 4), else several at a time — each row's bits the
+    same both ways, and the way follows the packed weights the process holds."""
+    from linserve.model import kernels
+
+    if kernels.form() != "avx512bf16":
+        pytest.skip(f"the lanes form over packed weights is not this CPU's ({kernels.form()})")
+    assert kernels.streamed_rows() == 0  # (this process's packed weights so far fit the cache)
+    N, K = 1040, 1000  # a short last group of outputs, a tail of K
+    x, w, b = operands(24, N, K)
+    tiles = OP.pack_weight(w)
+    cached = {rows: OP.invariant_linear(x[:rows], tiles, None, b, N) for rows in range(1, 13)}
+    filler = [OP.pack_weight(torch.zeros(2048, 1024, dtype=torch.bfloat16))  # 4 MB each, past one L3
+              for _ in range(kernels.last_level_cache_bytes() // (4 << 20) + 2)]
+    assert kernels.streamed_rows() == 8
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            for rows in range(1, 13):
+                for start in (0, 5):
+                    got = OP.invariant_linear(x[start : start + rows], tiles, None, b, N)
+                    want = torch.cat([OP.invariant_linear(x[i : i + 1], tiles, None, b, N)
+                                      for i in range(start, start + rows)])
+                    assert torch.equal(got, want), (count, rows, start)
+                assert torch.equal(OP.invariant_linear(x[:rows], tiles, None, b, N), cached[rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+    del filler
+    assert kernels.streamed_rows() == 0  # their bytes went with them
+
+
 def test_project_all_is_project_each_to_the_bit_and_one_call_per_four_weights(monkeypatch):
     layers = [torch.nn.Linear(96, N, bias=False).bfloat16() for N in (64, 64, 80, 16, 40)]
     x = operands(5, 1, 96)[0].view(5, 1, 96)
