@@ -310,7 +310,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
   const bool pairs = packed && sizeof(W) == 2 && 8 * K * static_cast<int64_t>(sizeof(W)) <= PAIR_BYTES;
   // packed bf16 streamed from DRAM, a decode batch (≤ SINGLE_ROWS rows): a row at a time over each group's 16 outputs
   // — the weights one contiguous stream, as at one row, the other rows reading the group from L1/L2 (2-8 rows of
-  // 340M's projections on Zen 4: 0.62-0.89x the pairs' time; slower from 12 rows, and for cached weights or int8)
+  // 340M's projections on Zen 4: 0.62-0.92x the blocked forms' time; slower from 12 rows, for cached weights, int8)
   const bool singles = packed && sizeof(W) == 2 && m1 - m0 <= SINGLE_ROWS && weights_streamed();
   const Tree tree;
   __m512 u[6][4];
@@ -323,7 +323,9 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
     for (int64_t m = m0; m < m1;) {
       const int64_t left = m1 - m;
-      const int64_t rows = singles ? 1 : pairs ? (left >= 2 ? 2 : 1) : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
+      const int64_t rows = singles ? 1
+                           : pairs ? (left >= 2 ? 2 : 1)
+                                   : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
       const uint16_t* xm = x + m * K;
       switch (rows) {
         case 6: group_quads<6, W, L>(tree, xm, wg, K, computed, u, m == m0); break;
