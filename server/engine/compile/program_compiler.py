@@ -270,7 +270,7 @@ def projection_weights(model: ServedModel, program, args: tuple) -> list[tuple[s
     return [(name, weight) for name, weight in model.named_parameters() if id(weight) in used]
 
 
-SHARED_PARAMETER_BYTES = 1 << 16  # a parameter this large (and not read only packed) is an input, not a constant
+SHARED_PARAMETER_BYTES = 1 << 16  # an embedding table this large is a CPU program's input, not a constant
 
 
 def parameters_as_inputs(model: ServedModel, tiled: list[tuple[str, torch.Tensor]]) -> list[str]:
