@@ -230,12 +230,14 @@ def build(directory: str, model: ServedModel, num_slots: int, size: int, autotun
 
         def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             given = dict(zip(shared, inputs[count:count + len(shared)]))
-            traced = {id(model.get_parameter(name)): tensor for name, tensor in given.items()}
-            packed, tiles = iter(inputs[count + len(shared):]), {}
+            swapped_in = {id(model.get_parameter(name)): tensor for name, tensor in given.items()}
+            packed = iter(inputs[count + len(shared):])
+            # each packed weight under the tensor the traced call reads: the parameter as export traces it (read
+            # here, not before), or the input swapped in for it (a head tied to the table)
+            tiles = {}
             for name, _ in tiled:
                 weight = model.get_parameter(name)
-                tiles[id(weight)] = tiles[id(traced.get(id(weight), weight))] = (
-                    next(packed), next(packed) if int8 else None)  # (a tied head is read as the input in its place)
+                tiles[id(swapped_in.get(id(weight), weight))] = (next(packed), next(packed) if int8 else None)
             swapped = {f"model.{name}": tensor for name, tensor in given.items()}
             with projection.traced_tiles(tiles):
                 return torch.func.functional_call(self.over, swapped, inputs[:count])
