@@ -20,6 +20,8 @@ Protocol (one line each, text): the parent writes a bucket size; the child answe
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -50,6 +52,25 @@ def artifact_path(directory: str, num_slots: int, size: int, program: str = "dec
     """A bucket's program ("decode" or "verify{k}"); it reads the whole pool, so the slot count is compiled
     in (and named)."""
     return os.path.join(directory, f"{program}-s{num_slots}-b{size}.pt2")
+
+
+@contextlib.contextmanager
+def building(path: str):
+    """Held while one process builds the artifact at `path`: an exclusive flock on `path.lock`, so two servers (or
+    replicas, or test workers) sharing a cache directory build each bucket once — the second waits, then finds the
+    artifact. The kernel drops the lock of a process that dies mid-build; on a file system without locks each
+    builds on its own (the artifact still appears by rename, whole)."""
+    try:
+        handle = open(f"{path}.lock", "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
 
 
 def write_model(directory: str, model: ServedModel) -> None:
@@ -368,8 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         size = int(line)
         started = time.perf_counter()
         try:
-            if not os.path.exists(artifact_path(directory, num_slots, size, name)):
-                build(directory, model, num_slots, size, autotune, name)
+            path = artifact_path(directory, num_slots, size, name)
+            with building(path):  # (another process sharing the directory may be building it: then it waits)
+                if not os.path.exists(path):
+                    build(directory, model, num_slots, size, autotune, name)
             answers.write(f"ready {size} {time.perf_counter() - started:.3f}\n")
         except Exception as error:  # noqa: BLE001 - reported to the parent, which serves eagerly
             logger.exception("compiling bucket %d failed", size)

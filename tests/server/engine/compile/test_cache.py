@@ -133,3 +133,49 @@ def test_a_compiler_child_whose_server_is_already_gone_exits(tmp_path):
                              str(tmp_path), "2", "plain"], env=env, capture_output=True, text=True, timeout=120,
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 1 and "the server that started this compiler is gone" in result.stderr, result.stderr
+
+
+def waiting_on(pid: int, path: str) -> bool:
+    """Whether process `pid` has `path` open."""
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def test_a_bucket_another_process_is_building_is_waited_for_and_not_built_again(tmp_path):
+    """Two servers (replicas, test workers) sharing a cache directory build each bucket once: a real compiler child
+    asked for a bucket whose build lock another process holds waits, and once that process has put the artifact in
+    place and let go, answers `ready` without building it again (the artifact is the other's, byte for byte)."""
+    import select
+
+    from linserve.model import LinearGPT, ModelConfig
+    from linserve.server.engine.compile import program_compiler
+
+    model = LinearGPT(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2)).eval()
+    program_compiler.write_model(str(tmp_path), model)
+    path = program_compiler.artifact_path(str(tmp_path), 2, 1)
+    with program_compiler.building(path):  # this process "builds" bucket 1
+        child = program_compiler.CompilerProcess(str(tmp_path), 2, autotune=False)
+        try:
+            child.process.stdin.write("1\n")
+            child.process.stdin.flush()
+            deadline = time.monotonic() + 120  # it loads the model, then opens the lock file and waits on it
+            while not waiting_on(child.process.pid, f"{path}.lock"):
+                answered, _, _ = select.select([child.process.stdout], [], [], 0.1)
+                assert not answered, f"the child built the bucket: {child.process.stdout.readline()}"
+                assert time.monotonic() < deadline and child.process.poll() is None, "the child never took the lock"
+            answered, _, _ = select.select([child.process.stdout], [], [], 1)
+            assert not answered, "the child answered while another process held the bucket's build lock"
+            other = os.urandom(4096)
+            with open(path, "wb") as artifact:  # the other process's artifact appears
+                artifact.write(other)
+        except BaseException:
+            child.close()
+            raise
+    try:
+        assert child.process.stdout.readline().startswith("ready 1 ")
+        with open(path, "rb") as artifact:
+            assert artifact.read() == other  # not built again: a build would have replaced it
+    finally:
+        child.close()
