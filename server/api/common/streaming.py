@@ -241,6 +241,7 @@ class GenerationStreamResponse(EventStreamResponse):
         super().__init__((), **kwargs)
         self.source = source
         self._send: Send | None = None
+        self._write: Callable[[bytes], bool] | None = None  # the body chunk straight to the transport, if it can
         self._woken: asyncio.Future | None = None  # the task's: a write to finish, an error, or None: the end
 
     async def stream_body(self, send: Send) -> None:
@@ -250,6 +251,7 @@ class GenerationStreamResponse(EventStreamResponse):
             if first := source.first():
                 await send({"type": "http.response.body", "body": first, "more_body": True})
             pushes = sends_outside_a_task(send)
+            self._write = chunk_writer(send) if pushes else None
             while stream.open:
                 if not pushes:
                     batch = await stream.next_batch()
@@ -278,8 +280,8 @@ class GenerationStreamResponse(EventStreamResponse):
         if woken is None or woken.done():
             return
         try:
-            unfinished = None
-            if data := self.source.render(self.source.stream.take()):
+            unfinished, write = None, self._write
+            if (data := self.source.render(self.source.stream.take())) and (write is None or not write(data)):
                 unfinished = send_now(self._send, {"type": "http.response.body", "body": data, "more_body": True})
             if unfinished is not None or not self.source.stream.open:
                 woken.set_result(unfinished)
@@ -291,6 +293,34 @@ def sends_outside_a_task(send: Send) -> bool:
     """Whether `send` is an ASGI server's own that needs no task to run in: uvicorn's HTTP protocols' (a transport
     write, or a wait on its flow control's event), which `send_now` may call from a loop callback."""
     return type(getattr(send, "__self__", None)).__module__.startswith("uvicorn.protocols.http.")
+
+
+HTTPTOOLS_CYCLE = "uvicorn.protocols.http.httptools_impl"  # its RequestResponseCycle's send, read by chunk_writer
+
+
+def chunk_writer(send: Send) -> Callable[[bytes], bool] | None:
+    """For uvicorn's httptools protocol (its default where httptools is installed): a function that writes one
+    body chunk of a started, chunked, unfinished response straight to the transport — the bytes its `send` would
+    write (`size-in-hex CRLF data CRLF`) without the message dict, the coroutine and its checks a token — and says
+    False, writing nothing, whenever `send` itself must run: the transport paused (a client not reading), the client
+    gone, the response not chunked or already complete. None for any other server's send (h11's frames through its
+    own state machine)."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle).__module__ != HTTPTOOLS_CYCLE or not all(
+            hasattr(cycle, name) for name in ("transport", "flow", "disconnected", "chunked_encoding",
+                                              "response_complete", "scope")):
+        return None
+    if cycle.scope.get("method") == "HEAD":
+        return None
+    transport, flow = cycle.transport, cycle.flow
+
+    def write(data: bytes) -> bool:
+        if flow.write_paused or cycle.disconnected or cycle.response_complete or not cycle.chunked_encoding:
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+    return write
 
 
 def send_now(send: Send, message: dict) -> Awaitable[None] | None:

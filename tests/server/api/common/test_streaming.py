@@ -222,3 +222,105 @@ def test_a_stream_written_from_the_hand_over_gives_way_to_its_task_when_a_write_
     assert not any(in_task for _, in_task in sent[:waited + 1])  # written from the hand-over, the wait's too
     backlog, in_task = sent[waited + 1]
     assert in_task and backlog.count(b";") > 1  # the task took over: what queued meanwhile, in one write
+
+
+def test_chunks_written_straight_to_uvicorns_transport_arrive_whole_and_in_order_past_a_paused_transport(monkeypatch):
+    """A real uvicorn (httptools) serving a generation's stream to a socket that reads nothing until the last token
+    has been produced: the hand-over writes chunks straight to the transport (`chunk_writer`) until it pauses, then
+    the send takes over, and the chunked body the client finally reads is every token's bytes, in order, once."""
+    import socket
+
+    import uvicorn
+
+    from linserve.server.api.common import streaming
+    from linserve.server.api.common.streaming import GenerationStreamResponse
+    from tests.helpers import free_port
+
+    tokens, size = 400, 32 * 1024
+    direct = {True: 0, False: 0}
+    made = streaming.chunk_writer
+
+    def counted(send):
+        write = made(send)
+        assert write is not None, "uvicorn's httptools send should be written to directly"
+
+        def count(data: bytes) -> bool:
+            written = write(data)
+            direct[written] += 1
+            return written
+
+        return count
+
+    monkeypatch.setattr(streaming, "chunk_writer", counted)
+    produced = threading.Event()
+
+    def token_bytes(position: int) -> bytes:
+        return (b"%06d" % position) * (size // 6)
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        stream = OutputStream(asyncio.get_running_loop(), 1)
+
+        class Source:
+            def __init__(self) -> None:
+                self.stream = stream
+
+            def first(self) -> bytes:
+                threading.Thread(target=produce, daemon=True).start()
+                return b""
+
+            def render(self, batch) -> bytes:
+                return b"".join(token_bytes(output.token_id) for output in batch)
+
+            def last(self) -> bytes:
+                return b"end"
+
+            def close(self) -> None:
+                pass
+
+        def produce() -> None:
+            for position in range(tokens):
+                stream.sink(RequestOutput("r", 0, position, "x",
+                                          finish_reason=FinishReason.LENGTH if position == tokens - 1 else None))
+                time.sleep(0.001)
+            produced.set()
+
+        await GenerationStreamResponse(Source())(scope, receive, send)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http="httptools", loop="asyncio",
+                                           log_level="warning", lifespan="off"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and serving.is_alive()
+            time.sleep(0.02)
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", port))
+            client.sendall(b"POST / HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            assert produced.wait(60)  # nothing read until every token has been handed over
+            received = bytearray()
+            client.settimeout(60)
+            while chunk := client.recv(1 << 20):
+                received += chunk
+    finally:
+        server.should_exit = True
+        serving.join(30)
+    head, _, chunked = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    body, rest = bytearray(), chunked
+    while True:  # the chunked framing, every chunk checked
+        length, _, rest = rest.partition(b"\r\n")
+        n = int(length, 16)
+        if n == 0:
+            assert rest == b"\r\n"
+            break
+        body += rest[:n]
+        assert rest[n:n + 2] == b"\r\n"
+        rest = rest[n + 2:]
+    assert bytes(body) == b"".join(token_bytes(position) for position in range(tokens)) + b"end"
+    assert direct[True] > 0 and direct[False] > 0, direct  # straight to the transport, and the send once it paused
