@@ -30,6 +30,16 @@ def pytest_addoption(parser):
                           "on 2 CPUs or more; 0: the engine in the HTTP process; 2: the core and two frontends)")
 
 
+WORKERS_AT_MOST = 4  # `-n auto`'s workers: one per CPU up to this (each starts servers and compiler children)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """pytest-xdist's `-n auto` (pyproject's addopts): one worker per CPU this process may use, at most
+    WORKERS_AT_MOST — on CI's 2 cores, 2: a test waiting on a server, a subprocess or a socket leaves its CPU to
+    the other worker's."""
+    return max(1, min(len(os.sched_getaffinity(0)), WORKERS_AT_MOST))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device; runs only under --device cuda")
     name = config.getoption("--device")
@@ -83,11 +93,18 @@ def hf_tokenizer(small_tokenizer):
 
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
-    """One compile cache for the whole run: every test that compiles the same model with the same slot count
-    loads what an earlier one built (an AOTInductor build takes up to a few minutes on 2 cores).
+    """One compile cache for the whole run, shared by its workers: every test that compiles the same model with the
+    same slot count loads what an earlier one built (an AOTInductor build takes up to a few minutes on 2 cores), and
+    a bucket two workers ask for at once is built by one while the other waits (program_compiler.building).
     `LINSERVE_TEST_COMPILE_CACHE=DIR` keeps it between runs (repeating the compile tests, e.g. under load)."""
     kept = os.environ.get("LINSERVE_TEST_COMPILE_CACHE")
-    return kept if kept else str(tmp_path_factory.mktemp("compile_cache"))
+    if kept:
+        return kept
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # (each worker's base temp is a folder of the run's own)
+        shared = tmp_path_factory.getbasetemp().parent / "compile_cache"
+        shared.mkdir(exist_ok=True)
+        return str(shared)
+    return str(tmp_path_factory.mktemp("compile_cache"))
 
 
 @pytest.fixture(scope="session")
