@@ -33,6 +33,7 @@ def pytest_addoption(parser):
 WORKERS_AT_MOST = 4  # `-n auto`'s workers: one per CPU up to this (each starts servers and compiler children)
 
 
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook)
 def pytest_xdist_auto_num_workers(config):
     """pytest-xdist's `-n auto` (pyproject's addopts): one worker per CPU this process may use, at most
     WORKERS_AT_MOST — on CI's 2 cores, 2: a test waiting on a server, a subprocess or a socket leaves its CPU to
