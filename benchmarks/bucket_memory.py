@@ -73,8 +73,9 @@ def measure(args) -> dict:
         for size in step.ready_sizes:
             step(list(range(1, size + 1)), list(range(size)), [1] * size)
     after = rss_mb()
-    table = sum(module.weight.numel() * module.weight.element_size() for module in model.modules()  # (as
-                if isinstance(module, torch.nn.Embedding)) / 2**20  # weights.read_as_themselves: older trees lack it)
+    # the tables counted here, as weights.read_as_themselves finds them (a baseline tree through PYTHONPATH lacks it)
+    table = sum(module.weight.numel() * module.weight.element_size() for module in model.modules()
+                if isinstance(module, torch.nn.Embedding)) / 2**20
     added = {key: round(after[key] - before[key], 1) for key in after}
     step.close()
     return {"sizes": step.ready_sizes, "vocab": vocab, "table_mb": round(table, 1),

@@ -299,23 +299,23 @@ HTTPTOOLS_CYCLE = "uvicorn.protocols.http.httptools_impl"  # its RequestResponse
 
 
 def chunk_writer(send: Send) -> Callable[[bytes], bool] | None:
-    """For uvicorn's httptools protocol (its default where httptools is installed): a function that writes one
-    body chunk of a started, chunked, unfinished response straight to the transport — the bytes its `send` would
-    write (`size-in-hex CRLF data CRLF`) without the message dict, the coroutine and its checks a token — and says
-    False, writing nothing, whenever `send` itself must run: the transport paused (a client not reading), the client
-    gone, the response not chunked or already complete. None for any other server's send (h11's frames through its
-    own state machine)."""
+    """For uvicorn's httptools protocol (its default where httptools is installed), called once the response has
+    started: a function that writes one body chunk of the chunked, unfinished response straight to the transport —
+    the bytes its `send` would write (`size-in-hex CRLF data CRLF`) without the message dict, the coroutine and its
+    checks a token — and says False, writing nothing, whenever `send` itself must run: the transport paused (a client
+    not reading), the client gone, the response already complete. None for a response that is not chunked and for
+    any other server's send (h11's frames through its own state machine)."""
     cycle = getattr(send, "__self__", None)
     if type(cycle).__module__ != HTTPTOOLS_CYCLE or not all(
             hasattr(cycle, name) for name in ("transport", "flow", "disconnected", "chunked_encoding",
                                               "response_complete", "scope")):
         return None
-    if cycle.scope.get("method") == "HEAD":
+    if cycle.scope.get("method") == "HEAD" or not cycle.chunked_encoding:  # (fixed once the response has started)
         return None
     transport, flow = cycle.transport, cycle.flow
 
     def write(data: bytes) -> bool:
-        if flow.write_paused or cycle.disconnected or cycle.response_complete or not cycle.chunked_encoding:
+        if flow.write_paused or cycle.disconnected or cycle.response_complete:
             return False
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         return True

@@ -271,8 +271,8 @@ def test_shipped_model_compiled_over_512_tokens_and_bf16(device, compile_cache):
 def test_a_compiled_bucket_reads_the_processs_embedding_table_and_keeps_no_copy_of_it(compile_cache):
     """A CPU bucket's artifact holds no copy of the embedding table (AOTInductor copies each constant into memory
     of its own at every load, from the library's mapped pages: two tables a bucket): the program takes the model's
-    own tensor as an input,
-    as it takes the projections' packed weights — and computes the same bits as eager (the test above)."""
+    own tensor as an input, as it takes the projections' packed weights — and computes the same bits as eager (the
+    test above)."""
     from linserve.server.engine.compile.program_compiler import artifact_path, load_artifact, weights_manifest
 
     require_kernel()
