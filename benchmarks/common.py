@@ -38,6 +38,30 @@ def wait_programs(engine, timeout_s: float = 1800.0) -> bool:
     return ready and (prefill is None or prefill.wait_compiled(timeout_s))
 
 
+def ready_programs(url: str) -> dict | None:
+    """/ready's `decode_step` (its buckets: compiled, CUDA graphs of the eager program, compiling), or None."""
+    try:
+        return httpx.get(url, timeout=5).json().get("decode_step")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def wait_settled(url: str, seconds: float, poll_s: float = 1.0) -> bool:
+    """Poll a started server's /ready `url` until nothing is left to compile or `seconds` have passed (then the
+    programs ready by then are what is measured: on a GPU, graphs of the eager program serve the buckets still
+    compiling). True if settled."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if compile_settled(httpx.get(url, timeout=5).json()):
+                return True
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
 def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: float = 120.0,
                   settled=None, poll_s: float = 0.2) -> subprocess.Popen:
     """Poll `url` every `poll_s` until it answers 200 (and `settled(json body)` holds, if given); kill the process

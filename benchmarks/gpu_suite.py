@@ -4,7 +4,7 @@ served load at 1/32/128 streams (P11), P15 (speculative decoding), and the CPU t
 machine; one results file and the rows for docs/benchmarks.md's GPU table, with the machine named.
 
     bash benchmarks/gpu.sh [--parts tests,fla,p1p6,p5,served,p12,p15,families,threads] [--quick] [--out-dir DIR]
-        [--tests 'PYTEST ARGS'] [--workers N] [--timeout PART=SECONDS ...]
+        [--tests 'PYTEST ARGS'] [--workers N] [--timeout PART=SECONDS ...] [--compile-wait SECONDS]
 
 Without CUDA it says so, runs the CPU-only parts (the thread sweep) and exits 0: CI runs it that way. Each
 part is a separate child process with its own deadline; a part that fails is recorded as failed and the rest
@@ -84,9 +84,11 @@ def load_json(path: Path) -> dict | None:
         return None
 
 
-def part_commands(name: str, out: Path, quick: bool, tests: list[str] | None = None, workers: int = 0) -> list[str]:
+def part_commands(name: str, out: Path, quick: bool, tests: list[str] | None = None, workers: int = 0,
+                  compile_wait: float | None = None) -> list[str]:
     py = sys.executable
     q = ["--quick"] if quick else []
+    wait = ["--compile-wait", str(compile_wait)] if compile_wait is not None else []
     if name == "tests":
         return [py, "-m", "pytest", "-q", "--device", "cuda", "-p", "no:cacheprovider",
                 *(["-n", str(workers)] if workers else []),
@@ -101,10 +103,12 @@ def part_commands(name: str, out: Path, quick: bool, tests: list[str] | None = N
         return [py, "benchmarks/decode_vs_context.py", "--device", "cuda", *q, "--out", str(out / "p1_p6.json"),
                 "--plot", str(out / "p1_decode_vs_context.png")]
     if name == "p5":
-        return [py, "benchmarks/serving_overhead.py", "--device", "cuda", *q, "--out", str(out / "p5.json")]
+        # the served part's slot count: its compiled buckets, in the same cache, serve here too
+        return [py, "benchmarks/serving_overhead.py", "--device", "cuda", *q, "--slots", str(max(SERVED_STREAMS)),
+                *wait, "--out", str(out / "p5.json")]
     if name == "served":
         return [py, "benchmarks/served_load.py", "--device", "cuda", *q, "--streams",
-                *(str(n) for n in SERVED_STREAMS), "--api-servers", *(str(n) for n in SERVED_FRONTENDS),
+                *(str(n) for n in SERVED_STREAMS), "--api-servers", *(str(n) for n in SERVED_FRONTENDS), *wait,
                 "--out", str(out / "served.json")]
     if name == "p12":  # first start on the GPU: first token, every bucket at graph speed, the warm cache
         return [py, "benchmarks/p12_first_start.py", "--device", "cuda", *q, "--cold-cache", SUITE_CACHE,
@@ -190,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", type=shlex.split, help="the tests part's pytest arguments, one string "
                         "(default: the whole suite), e.g. --tests 'tests/server/engine -m \"not slow\"'")
     parser.add_argument("--workers", type=int, default=0, help="the tests part's pytest-xdist workers (-n)")
+    parser.add_argument("--compile-wait", type=float, metavar="SECONDS",
+                        help="served and p5: measure after this long even if buckets are still compiling "
+                        "[default: wait for every bucket]")
     parser.add_argument("--timeout", nargs="+", default=[], metavar="PART=SECONDS",
                         help="a part's deadline instead of its default")
     args = parser.parse_args(argv)
@@ -210,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
               "running the CPU-only parts", flush=True)
         wanted = [p for p in wanted if p in CPU_PARTS]
     for name in wanted:
-        command = part_commands(name, out, args.quick, args.tests, args.workers)
-        record = run_part(name, command, deadlines[name])
+        command = part_commands(name, out, args.quick, args.tests, args.workers, args.compile_wait)
         json_out = next((Path(a) for a in command if a.endswith(".json")), None)
-        record["result"] = load_json(json_out) if json_out and record["status"] == 0 else None
+        if json_out:
+            json_out.unlink(missing_ok=True)  # (an earlier run's file is not this run's result)
+        record = run_part(name, command, deadlines[name])
+        # (a part cut short keeps what it wrote: served_load writes each server's figures as they come)
+        record["result"] = load_json(json_out) if json_out else None
         results.setdefault("parts", {})[name] = record
         write(results, out)  # after each part: a call cut short keeps what it measured
     table = write(results, out)

@@ -31,6 +31,7 @@ from common import (  # noqa: E402
     emit,
     resolve_device,
     wait_programs,
+    wait_settled,
     wait_until_up,
 )
 from engine_inprocess import DecodeTotals, run_streams  # noqa: E402
@@ -46,9 +47,11 @@ COMPILE_TIMEOUT_S = 900.0  # a cold compile of every bucket takes minutes on 2 c
 
 
 def start_server(model: str, port: int, slots: int, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None, device: str = "cpu", compile: str = "auto") -> subprocess.Popen:
+                 env: dict[str, str] | None = None, device: str = "cpu", compile: str = "auto",
+                 compile_wait_s: float | None = None) -> subprocess.Popen:
     """`linserve serve` on 127.0.0.1:port, returned once /ready answers 200 and the decode step is compiled
-    (or settled on eager)."""
+    (or settled on eager) — or, with `compile_wait_s`, once that long has passed after /ready's 200, whatever
+    is compiled by then (a GPU's lease is short: the buckets still compiling serve graphs of the eager program)."""
     command = [sys.executable, "-m", "linserve.server.cli", "serve", "--model", model, "--port", str(port),
                "--device", device, "--num-slots", str(slots), "--compile", compile,
                *(extra or ["--log-level", "warning"])]
@@ -56,9 +59,12 @@ def start_server(model: str, port: int, slots: int, extra: list[str] | None = No
     output = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
     process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
                                env={**os.environ, **(env or {})})
-    return wait_until_up(
-        process, f"http://127.0.0.1:{port}/ready", "linserve serve", COMPILE_TIMEOUT_S, compile_settled
-    )
+    ready = f"http://127.0.0.1:{port}/ready"
+    if compile_wait_s is None:
+        return wait_until_up(process, ready, "linserve serve", COMPILE_TIMEOUT_S, compile_settled)
+    wait_until_up(process, ready, "linserve serve", COMPILE_TIMEOUT_S)
+    wait_settled(ready, compile_wait_s)
+    return process
 
 
 def http_rate(port: int, streams: int, tokens: int) -> float:
@@ -87,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--api-servers", type=int, nargs="+", default=[0, 1], choices=range(0, 9),
                         help="one server per value: the engine in the HTTP process (0) or its own with N frontends")
+    parser.add_argument("--slots", type=int, default=64, help="the engine's and the servers' slots (a GPU run "
+                        "shares served_load's 128: the slot count is compiled into each bucket)")
+    parser.add_argument("--compile-wait", type=float, metavar="SECONDS",
+                        help="measure after this long even if buckets are still compiling [default: wait for all]")
     parser.add_argument("--out")
     add_device_argument(parser)
     add_compile_argument(parser)
@@ -103,13 +113,14 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model, device, dtype).model
     config = EngineConfig.from_settings(
         # the server's settings, compile cache and thread count too
-        Settings(session_store="none", num_slots=64, compile=args.compile, threads=args.threads,
+        Settings(session_store="none", num_slots=args.slots, compile=args.compile, threads=args.threads,
                  prefill_threads=args.prefill_threads)
     )
     totals = DecodeTotals()  # the engine thread's Python around the decode program, per row
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model), config, device, totals,
                     dtype=dtype).start()
-    wait_programs(engine)  # compiled first here: the servers then find the compile cache warm
+    # compiled first here: the servers then find the compile cache warm
+    wait_programs(engine, *([args.compile_wait] if args.compile_wait is not None else []))
     # the same load on both sides: a server applies the checkpoint's generation defaults (the shipped one's top_k 50)
     sampling = {name: value for name, value in
                 GenerationDefaults.read(args.model, model.config.vocab_size).sampling.items() if name != "temperature"}
@@ -117,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
              *(["--threads", str(args.threads)] if args.threads else []),
              *(["--prefill-threads", str(args.prefill_threads)] if args.prefill_threads else [])]
     placements = {f"http_api_servers_{a}": a for a in args.api_servers}
-    servers = {where: start_server(args.model, args.port + a, 64, extra=[*extra, "--api-servers", str(a)],
-                                   device=device.type, compile=args.compile) for where, a in placements.items()}
+    servers = {where: start_server(args.model, args.port + a, args.slots, extra=[*extra, "--api-servers", str(a)],
+                                   device=device.type, compile=args.compile, compile_wait_s=args.compile_wait)
+               for where, a in placements.items()}
     rates = {(where, n): [] for where in ("engine", *placements) for n in sizes}
     python_us = {n: [] for n in sizes}
     step_ms = {n: [] for n in sizes}  # (program, engine step) per decode step
@@ -140,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
             server.terminate()
             server.wait(30)
     result = {**describe(device), "threads": engine.threads.describe(), "dtype": str(dtype), "sampling": sampling,
-              "tokens_per_stream": args.tokens, "reps": args.reps}
+              "tokens_per_stream": args.tokens, "reps": args.reps, "slots": args.slots,
+              "engine_programs": engine.decode_step.describe()}
     targets = {1: 0.9, 32: 0.9}  # SPEC P5: 0.9 at both
     for where in placements:
         for n in sizes:

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,8 +52,11 @@ def test_engine_inprocess(tmp_path):
 
 
 def test_serving_overhead(tmp_path):
-    run("serving_overhead.py", "--out", str(tmp_path / "p5.json"), "--port", "8791")
+    run("serving_overhead.py", "--out", str(tmp_path / "p5.json"), "--port", "8791", "--slots", "32",
+        "--compile-wait", "0")
     data = json.loads((tmp_path / "p5.json").read_text())
+    # the slots asked for (a GPU run shares served_load's compiled buckets) and the engine's programs as measured
+    assert data["slots"] == 32 and data["engine_programs"]["buckets"] == [1, 2, 4, 8, 16, 32]
     assert set(data["P5"]) == {"http_api_servers_0", "http_api_servers_1"}  # the engine's two placements, side by side
     for where, p5 in data["P5"].items():
         assert p5["streams_1"]["http_tokens_per_s"] > 0 and p5["streams_32"]["engine_tokens_per_s"] > 0
@@ -161,11 +165,48 @@ def test_served_load(tmp_path):
 def test_served_load_with_each_frontend_count(tmp_path):
     """`--api-servers 1 2`: one server per count, in turn, each with its own figures."""
     run("served_load.py", "--streams", "2", "--api-servers", "1", "2", "--out", str(tmp_path / "s.json"),
-        "--port", "8796")
+        "--port", "8796", "--compile-wait", "0")
     data = json.loads((tmp_path / "s.json").read_text())
     assert set(data["placements"]) == {"api_servers_1", "api_servers_2"}
     for frontends, placement in zip((1, 2), data["placements"].values()):
         assert placement["api_servers"] == frontends and placement["loads"]["streams_2"]["tokens_per_s"] > 0
+        # /ready's programs before and after the loads (what a run that did not wait for every bucket measured)
+        assert [placement["programs"][when]["compile"] for when in ("at_start", "at_end")] == ["off", "off"]
+
+
+def test_wait_settled_gives_up_after_its_time_and_returns_at_once_when_settled():
+    """`--compile-wait`: a server still compiling is measured after that long (a GPU lease is short), one that
+    has settled at once."""
+    import http.server
+    import threading
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import wait_settled
+
+    status = {"value": "compiling"}
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            body = json.dumps({"decode_step": {"status": status["value"]}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/ready"
+    try:
+        started = time.monotonic()
+        assert wait_settled(url, 0.6, poll_s=0.1) is False and time.monotonic() - started >= 0.6
+        status["value"] = "compiled"
+        started = time.monotonic()
+        assert wait_settled(url, 30, poll_s=0.1) is True and time.monotonic() - started < 10
+    finally:
+        server.shutdown()
 
 
 def test_families_served(tmp_path):
