@@ -43,17 +43,19 @@ access_log = logging.getLogger("linserve.access")
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     state = app.state
+    loop = asyncio.get_running_loop()  # (reads and writes the engine core's connection: engine_process/loop_link.py)
     # loading on every CPU, in a thread that ends with it: the engine's OpenMP team stays the only one
     # (engine/cpu_threads.py)
     if state.core_link is not None:  # one of `api_servers` > 1 frontends (serve.py spawned the core and us)
         conn, process = state.core_link
         state.engine, state.tokenizer, state.generation = await asyncio.to_thread(  # every frontend's requests,
-            connect_core, state.settings, conn, process, state.metrics.observe, state.metrics.counted)  # counted
+            connect_core, state.settings, conn, process, state.metrics.observe, state.metrics.counted,  # counted
+            loop)
         state.metrics.count_request = state.engine.count_request
         state.metrics.describe_processes(os.getppid())
     elif state.settings.engine_placement():  # the engine core in a process of its own (engine_process/)
         state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
-            start_core, state.settings, state.metrics.observe)
+            start_core, state.settings, state.metrics.observe, loop=loop)
     else:
         state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
             in_passing_thread, load_engine, state.settings, state.metrics.observe)
@@ -62,7 +64,6 @@ async def lifespan(app: FastAPI):
     if facts.decode_step:
         state.metrics.watch_decode_step(state.engine.describe_decode_step)
     state.limits = RequestLimits.of(state.settings, state.tokenizer, state.generation)  # what a request may ask
-    loop = asyncio.get_running_loop()
     state.engine.on_death.append(lambda error: loop.call_soon_threadsafe(engine_died, app))
     state.ready = True
     try:
@@ -250,7 +251,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine = getattr(request.app.state, "engine", None)
         if request.app.state.core_link is not None and engine is not None:
             await asyncio.to_thread(engine.sync)  # the requests other frontends counted reach us through the core
-        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # (off the loop: the decode step's status is a question to the engine core, whose answer the loop reads)
+        return Response(await asyncio.to_thread(request.app.state.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     add_docs(app, settings)
     document_errors(app)

@@ -2,15 +2,17 @@
 API uses of the in-process `Engine` — submit, abort, sessions, the questions /ready asks, facts, grammars,
 alive, on_death, stop — and carries each over the channel (channel.py).
 
-One reader thread receives the core's batches: each output goes to its request's sink (the same sinks as in
-one process: OutputStream hands them to the event loop), each stats object to the metrics, each answer to
-its future. The core's end — its "dead" word, or its connection closing without "stopped" — fails every
-pending call and every open request (finish reason `error`) and runs `on_death`: /health and /ready turn
-503 and the server exits for a restart, as when the engine thread dies in one process.
+The core's batches are read by the frontend's event loop itself (loop_link.py: no thread between the socket
+and the loop) — or, where no loop is given (tests, tools), by a reader thread: each output goes to its
+request's sink (the same sinks as in one process: OutputStream hands them to the event loop), each stats object
+to the metrics, each answer to its future. The core's end — its "dead" word, or its connection closing without
+"stopped" — fails every pending call and every open request (finish reason `error`) and runs `on_death`:
+/health and /ready turn 503 and the server exits for a restart, as when the engine thread dies in one process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing
@@ -29,6 +31,7 @@ from ..engine.command_queue import ENGINE_DEAD
 from ..engine.cpu_contention import stat_fields
 from ..engine.types import EngineError, EngineFacts, EngineRequest, FinishReason, PoolStats, RequestOutput, StepStats
 from . import channel, core_main
+from .loop_link import LoopLink
 
 logger = logging.getLogger("linserve.server.engine_process")
 
@@ -55,8 +58,13 @@ class RemoteSessions:
 
 
 class RemoteEngine:
+    """`loop`: the event loop that reads and writes the connection (the frontend's; everything that waits on the
+    core's answers — `stop`, the questions — must then run off that loop's thread, as the app's do); None: a
+    reader thread reads it and every thread writes it under a lock."""
+
     def __init__(self, conn: Connection, process, facts: EngineFacts, tokenizer,
-                 stats_sink: Callable[[object], None], on_counted: Callable[[str, str], None] | None = None) -> None:
+                 stats_sink: Callable[[object], None], on_counted: Callable[[str, str], None] | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.conn, self.process, self.facts, self.tokenizer = conn, process, facts, tokenizer
         self.stats_sink = stats_sink
         # N > 1: a request some frontend counted (set before the reader starts: the core may have sent some)
@@ -73,8 +81,12 @@ class RemoteEngine:
         self._stopped = threading.Event()
         self._grammars = None
         self._grammars_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name="linserve-engine-channel", daemon=True)
-        self._reader.start()
+        self._link: LoopLink | None = None
+        if loop is not None:
+            self._link = LoopLink(conn, loop, self._handle, self._link_closed)
+            self._link.attach()
+        else:
+            threading.Thread(target=self._read, name="linserve-engine-channel", daemon=True).start()
 
     # ---------------------------------------------------------------- the engine's surface
     @property
@@ -130,7 +142,10 @@ class RemoteEngine:
         return self._grammars
 
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
-        """Drain the core (it aborts what runs, flushes the session store) and wait for its exit."""
+        """Drain the core (it aborts what runs, flushes the session store) and wait for its exit (not on the
+        loop that reads the connection: its "stopped" could not arrive)."""
+        if self._link is not None and self._link.on_loop:
+            raise RuntimeError("RemoteEngine.stop() waits for the core: call it off the event loop's thread")
         self._stopping = True
         if self.process.is_alive():  # (also after its engine died: the core still drains the store and exits)
             try:
@@ -147,6 +162,9 @@ class RemoteEngine:
     # ---------------------------------------------------------------- internals
     def _answer(self, name: str):
         if self.death is not None:
+            return None
+        if self._link is not None and self._link.on_loop:  # the answer would arrive on this very thread
+            logger.warning("%s asked of the engine core on the event loop's thread: no answer", name)
             return None
         try:
             return self.call(name).result(ANSWER_WAIT_S)
@@ -181,27 +199,39 @@ class RemoteEngine:
 
     def _send(self, message: tuple) -> None:
         try:
+            if self._link is not None:
+                self._link.send(message)
+                return
             with self._send_lock:
                 channel.send(self.conn, message)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RuntimeError) as error:  # (RuntimeError: the loop is closed)
             raise EngineError(ENGINE_DEAD, kind="dead") from error
 
     def _read(self) -> None:
+        """The reader thread (no loop given)."""
         try:
             while True:
                 message = self.conn.recv()
-                if message[0] == "batch":
-                    self._dispatch(message[1])
-                elif message[0] == "dead":
-                    self._die(RuntimeError(message[1]))
-                elif message[0] == "stopped":
-                    self._stopped.set()
+                self._handle(message)
+                if message[0] == "stopped":
                     return
         except (EOFError, OSError) as error:
-            if not self._stopped.is_set():
-                self.process.join(1)
-                self._die(RuntimeError(f"the engine core process ended (exit status {self.process.exitcode})"),
-                          error)
+            self._link_closed(error)
+
+    def _handle(self, message: tuple) -> None:
+        if message[0] == "batch":
+            self._dispatch(message[1])
+        elif message[0] == "dead":
+            self._die(RuntimeError(message[1]))
+        elif message[0] == "stopped":
+            self._stopped.set()
+            if self._link is not None:
+                self._link.close()
+
+    def _link_closed(self, error: BaseException) -> None:
+        if not self._stopped.is_set():
+            self.process.join(0.5 if self._link is not None else 1)  # (for its exit status; the loop waits less)
+            self._die(RuntimeError(f"the engine core process ended (exit status {self.process.exitcode})"), error)
 
     def _dispatch(self, events: list[tuple]) -> None:
         for event in events:
@@ -259,7 +289,8 @@ class RemoteEngine:
                     logger.exception("on_death callback failed")
 
 
-def start_core(settings, stats_sink: Callable[[object], None], target: Callable = core_main.run):
+def start_core(settings, stats_sink: Callable[[object], None], target: Callable = core_main.run,
+               loop: asyncio.AbstractEventLoop | None = None):
     """Spawn the engine core process (`target(settings, connection)`: core_main.run), load the tokenizer
     meanwhile, wait until the core is ready: (RemoteEngine, tokenizer, GenerationDefaults). A core that cannot
     start raises with its reason."""
@@ -268,14 +299,15 @@ def start_core(settings, stats_sink: Callable[[object], None], target: Callable 
     process = context.Process(target=target, args=(settings, theirs), name="linserve-engine-core")
     process.start()
     theirs.close()
-    return connect_core(settings, ours, process, stats_sink)
+    return connect_core(settings, ours, process, stats_sink, loop=loop)
 
 
 def connect_core(settings, ours: Connection, process, stats_sink: Callable[[object], None],
-                 on_counted: Callable[[str, str], None] | None = None):
+                 on_counted: Callable[[str, str], None] | None = None, loop: asyncio.AbstractEventLoop | None = None):
     """Load the tokenizer while the core (`process`: a multiprocessing.Process, or a CoreProcess where the core
     is not this process's child) starts; wait for its "ready": (RemoteEngine, tokenizer, GenerationDefaults).
-    `on_counted`: where the requests other frontends counted go (N > 1)."""
+    `on_counted`: where the requests other frontends counted go (N > 1); `loop`: the event loop that reads and
+    writes the connection (RemoteEngine)."""
     tokenizer = load_tokenizer(Path(settings.model) if settings.model else DEFAULT_CHECKPOINT)
     while not ours.poll(START_POLL_S):
         if not process.is_alive():
@@ -289,7 +321,7 @@ def connect_core(settings, ours: Connection, process, stats_sink: Callable[[obje
         process.join(10)
         raise RuntimeError(f"the engine core could not start: {message[1]}")
     _, facts, generation = message
-    return RemoteEngine(ours, process, facts, tokenizer, stats_sink, on_counted), tokenizer, generation
+    return RemoteEngine(ours, process, facts, tokenizer, stats_sink, on_counted, loop), tokenizer, generation
 
 
 class CoreProcess:

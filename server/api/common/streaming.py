@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -36,17 +37,23 @@ class LoopDelivery:
         self._loop = loop
         self._pending: collections.deque[tuple[OutputStream, RequestOutput]] = collections.deque()
         self._scheduled = False
+        self._loop_thread: int | None = None  # the loop's thread, known from its first flush
 
     def put(self, target: OutputStream, output: RequestOutput) -> None:
-        """Engine thread (or the engine core's reader thread)."""
+        """Engine thread, or the loop itself (it reads the engine core's connection: engine_process/loop_link.py)
+        — which needs no wake-up through the loop's self-pipe."""
         self._pending.append((target, output))
         if not self._scheduled:
             self._scheduled = True
-            self._loop.call_soon_threadsafe(self._flush)
+            if threading.get_ident() == self._loop_thread:
+                self._loop.call_soon(self._flush)
+            else:
+                self._loop.call_soon_threadsafe(self._flush)
 
     def _flush(self) -> None:
         """Event-loop thread. A stream written from the hand-over (`OutputStream.push_to`) gets what arrived for it
         once the drain is done: a step's outputs for it in one write."""
+        self._loop_thread = threading.get_ident()
         self._scheduled = False
         pending = self._pending
         pushed = []

@@ -138,3 +138,50 @@ def test_a_frontend_that_is_gone_has_its_requests_aborted_while_another_serves(t
     assert sinks[1].wait(timeout=10)[-1].finish_reason is FinishReason.ABORT
     process.join(10)
     assert process.exitcode == 0
+
+
+def test_a_frontend_loop_reads_the_channel_itself_without_a_reader_thread(tiny_checkpoint):
+    """With the frontend's event loop given (as the app does): no reader thread; outputs, answers and stats
+    arrive on the loop's own thread; the same tokens as with a reader thread; a question asked on the loop gets
+    no answer instead of hanging it; `stop` from a worker thread drains the core through the loop."""
+    import asyncio
+    import threading
+
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=11)
+
+    async def main() -> tuple[list[int], set[int], int, object]:
+        loop = asyncio.get_running_loop()
+        before = {thread.name for thread in threading.enumerate()}
+        engine, _, _ = await asyncio.to_thread(start_core, settings_for(tiny_checkpoint), lambda stats: None,
+                                               loop=loop)
+        try:
+            assert "linserve-engine-channel" not in {t.name for t in threading.enumerate()} - before
+            threads, tokens, done = set(), [], loop.create_future()
+
+            def sink(output) -> None:
+                threads.add(threading.get_ident())
+                if output.token_id is not None:
+                    tokens.append(output.token_id)
+                if output.finished:
+                    done.set_result(None)
+
+            await asyncio.wrap_future(engine.submit(EngineRequest("on-loop", prompt(6, 3), params), sink))
+            await asyncio.wait_for(done, 60)
+            in_use = (await asyncio.wrap_future(engine.slot_accounting()))["slots_in_use"]
+            started = time.monotonic()
+            unanswered = engine.describe_decode_step()  # on the loop's thread: None at once, not a 10 s hang
+            assert time.monotonic() - started < 1
+            assert (await asyncio.to_thread(engine.describe_decode_step))["status"] == "eager"  # off it: answered
+        finally:
+            await asyncio.to_thread(engine.stop, 30)
+        return tokens, threads, in_use, (unanswered, engine.process.exitcode)
+
+    tokens, threads, in_use, (unanswered, exitcode) = asyncio.run(main())
+    assert threads == {threading.get_ident()} and in_use == 0 and unanswered is None and exitcode == 0
+    engine, _, _ = start_core(settings_for(tiny_checkpoint), lambda stats: None)  # a reader thread, as before
+    try:
+        sink = Collector()
+        engine.submit(EngineRequest("in-thread", prompt(6, 3), params), sink).result(30)
+        assert [o.token_id for o in sink.wait(timeout=60) if o.token_id is not None] == tokens
+    finally:
+        engine.stop(timeout=30)

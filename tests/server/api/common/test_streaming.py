@@ -81,6 +81,52 @@ def test_an_output_put_while_the_loop_is_flushing_is_not_stranded():
     assert asyncio.run(run()) == ["first", "second"]
 
 
+def test_outputs_put_on_the_loop_itself_need_no_wake_up_through_its_self_pipe():
+    """The frontend's loop reads the engine core's channel itself (engine_process/loop_link.py): its puts schedule
+    the flush with `call_soon`; another thread's (the in-process engine's) still wake the loop threadsafe — and
+    every output arrives either way."""
+    from linserve.server.api.common.streaming import LoopDelivery
+
+    async def run() -> tuple[list[str], int, int]:
+        loop = asyncio.get_running_loop()
+        threadsafe = []
+        wake = loop.call_soon_threadsafe
+        delivery, got, arrived = LoopDelivery(loop), [], asyncio.Event()
+
+        def counted(callback, *args):  # (the delivery's wake-ups counted, not to_thread's own)
+            if callback == delivery._flush:
+                threadsafe.append(callback)
+            return wake(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+
+        class Target:
+            def arrived(self, output: str) -> bool:
+                got.append(output)
+                arrived.set()
+                return False
+
+        async def put(output: str, from_thread: bool) -> None:
+            arrived.clear()
+            if from_thread:
+                await asyncio.to_thread(delivery.put, Target(), output)
+            else:
+                delivery.put(Target(), output)
+            await asyncio.wait_for(arrived.wait(), 10)
+
+        await put("from the engine thread", True)  # (the first flush tells the delivery its loop's thread)
+        woken_before = len(threadsafe)
+        for number in range(5):
+            await put(f"on the loop {number}", False)
+        on_loop = len(threadsafe) - woken_before
+        await put("from the engine thread again", True)
+        return got, on_loop, len(threadsafe) - woken_before
+
+    got, on_loop, after = asyncio.run(run())
+    assert got == ["from the engine thread", *(f"on the loop {n}" for n in range(5)), "from the engine thread again"]
+    assert on_loop == 0 and after == 1
+
+
 def test_a_stream_s_start_passes_every_middleware_and_its_chunks_go_straight_to_the_server(make_client):
     """An SSE stream's `http.response.start` and its end go through the middlewares' send wrappers (the status
     they record, the X-Request-Id they add), its body chunks straight to the server's own send (BODY_SEND):
