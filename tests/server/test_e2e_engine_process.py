@@ -134,6 +134,32 @@ def test_per_step_stats_reach_the_frontends_metrics_and_a_client_that_leaves_fre
     assert metric(split.base, 'linserve_state_pool_bytes{kind="in_use"}') == 0
 
 
+def test_prompts_larger_than_the_channels_buffers_cross_while_streams_flow_back(split):
+    """The frontend's loop reads and writes the core's channel (engine_process/loop_link.py): requests of ~390 KB
+    pickled each (130,000 ids ≥ 256: 3 bytes each; a socket pair's buffers take ~230 KB, so each is written in
+    parts as the core reads it) sent while 8 streams' steps flow the other way — every one answered, nothing
+    stuck."""
+    import concurrent.futures
+
+    def stream() -> int:
+        return len(streamed(split.base, {"prompt": "ROMEO.", "max_tokens": 400, "temperature": 0.8, "seed": 1,
+                                         "ignore_eos": True}))
+
+    def large(number: int) -> dict:
+        tokens = [256 + (number * 7 + i) % 700 for i in range(130_000)]  # (the test tokenizer's 1k vocabulary)
+        response = httpx.post(f"{split.base}/v1/completions", timeout=120,
+                              json={"prompt": tokens, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        streams = [pool.submit(stream) for _ in range(8)]
+        larges = [pool.submit(large, number) for number in range(3)]
+        assert [f.result(timeout=180) for f in streams] == [400] * 8
+        assert [f.result(timeout=180)["prompt_tokens"] for f in larges] == [130_000] * 3
+    wait_for_metric(split.base, "linserve_requests_running", 0)
+
+
 @pytest.mark.parametrize("frontends", [1, 2])
 def test_sigterm_drains_through_the_core(tiny_checkpoint, tmp_path, frontends):
     server = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--api-servers", str(frontends))
