@@ -20,7 +20,10 @@ from tests.helpers import ServerProcess, free_port, metric, require_program, sta
 
 pytestmark = pytest.mark.slow
 
-STORE_TIMEOUT = {"LINSERVE_SESSION_STORE_TIMEOUT_S": "0.5"}
+# long enough that an engine waiting on the store shows gaps no busy CI host makes (0.17-0.31 s were seen with the
+# store up or down, one core busy beside the test), short enough to keep the outages quick
+STORE_TIMEOUT_S = 1.0
+STORE_TIMEOUT = {"LINSERVE_SESSION_STORE_TIMEOUT_S": str(STORE_TIMEOUT_S)}
 ASK = {"prompt": " and", "max_tokens": 5, "temperature": 0}
 
 
@@ -79,9 +82,9 @@ class Stream:
 
 def assert_kept_pace(pace: dict) -> None:
     """p99 gap during the outage near its own baseline (a ratio; same machine, same run), and no gap near
-    the store's 0.5 s timeout (an engine that waited on the store shows whole timeouts)."""
+    the store's timeout (an engine that waited on the store shows whole timeouts)."""
     assert pace["outage"] <= 3.0 * pace["baseline"], pace
-    assert pace["max_outage"] < 0.25, pace
+    assert pace["max_outage"] < 0.6 * STORE_TIMEOUT_S, pace
 
 
 def store_503(response: httpx.Response) -> dict:
