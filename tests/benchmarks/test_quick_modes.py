@@ -247,6 +247,19 @@ def test_gpu_suite_without_a_gpu_says_so_and_runs_the_cpu_parts(tmp_path):
     assert "CPU threads sweep" in (tmp_path / "gpu_rows.md").read_text()
 
 
+def test_gpu_wheels_names_only_pinned_packages_the_gpu_image_lacks():
+    """benchmarks/gpu_wheels.sh downloads each package at configs/constraints.txt's pin: every name it lists has
+    one, and the server's own dependencies that the GPU image lacks are all among them."""
+    script = (BENCHMARKS / "gpu_wheels.sh").read_text()
+    names = re.search(r"PACKAGES=\(([^)]*)\)", script).group(1).split()
+    pins = {re.split(r"==", line)[0].lower().replace("_", "-") for line in
+            (BENCHMARKS.parent / "configs" / "constraints.txt").read_text().splitlines() if "==" in line}
+    listed = {name.lower().replace("_", "-") for name in names}
+    assert listed <= pins, listed - pins
+    assert {"fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "pydantic-settings", "redis",
+            "llguidance", "fastapi-offline", "httptools"} <= listed
+
+
 def test_gpu_suite_rejects_an_unknown_part(tmp_path):
     result = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "--parts", "tests,nope", "--out-dir", str(tmp_path)],
                             capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
