@@ -44,10 +44,15 @@ CALLS = frozenset({*(f"sessions.{name}" for name in SESSION_CALLS), *ENGINE_CALL
 ANSWERED_AT_ONCE = frozenset({"store_status", "describe_speculation", "describe_decode_step", "sync"})
 
 
+def encode(message: tuple) -> bytes:
+    """A message's bytes: C `pickle` (`conn.send`'s `ForkingPickler` copies its reducer table for every message —
+    2 µs a step — and nothing that crosses needs those reducers)."""
+    return pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+
+
 def send(conn: Connection, message: tuple) -> None:
-    """One message, as `conn.recv` reads it: C `pickle` and `send_bytes` (`conn.send`'s `ForkingPickler` copies its
-    reducer table for every message — 2 µs a step — and nothing that crosses needs those reducers)."""
-    conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+    """One message, as `conn.recv` reads it."""
+    conn.send_bytes(encode(message))
 
 
 def crossing(error: BaseException) -> BaseException:

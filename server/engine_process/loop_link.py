@@ -32,6 +32,8 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from .channel import encode
+
 logger = logging.getLogger("linserve.server.engine_process")
 
 READ_BYTES = 1 << 18  # one recv: a 128-row step's message is ~10 KB
@@ -40,8 +42,8 @@ _LONG_LENGTH = struct.Struct("!Q")
 
 
 def frame(message: tuple) -> bytes:
-    """`message` as `Connection.recv` reads it (channel.send's pickle, Connection's framing)."""
-    data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+    """`message` as `Connection.recv` reads it (the channel's encoding, Connection's framing)."""
+    data = encode(message)
     if len(data) > 0x7FFFFFFF:
         return _LENGTH.pack(-1) + _LONG_LENGTH.pack(len(data)) + data
     return _LENGTH.pack(len(data)) + data
