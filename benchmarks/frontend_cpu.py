@@ -4,12 +4,14 @@ so the figure is CPU time spent, not wall time (a busy host stretches both sides
 count only what each process ran).
 
     python benchmarks/frontend_cpu.py [--model DIR] [--loads 1x256 32x128] [--reps 3] [--compile auto]
-                                      [--profile DIR] [--out FILE]
+                                      [--profile DIR] [--floor] [--quick] [--out FILE]
 
 One `linserve serve --api-servers 1` (the engine core a process of its own); each load's requests are sent
 by `linserve bench`'s client in this process. Per load: the frontend's and the core's CPU µs per streamed
 token, the client's, the engine steps it took (/metrics: `linserve_engine_step_seconds`'s count) and the core's
 CPU per step. `--profile DIR`: py-spy records the frontend over each load (a flame graph per load in DIR).
+`--floor`: beside each load, the floor under the frontend's figure — one chunk written to each stream a step by a
+bare uvloop writer at the load's own step interval (write_floor.py) — and the frontend's CPU above it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_compile_argument, add_dtype_argument, describe, emit  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
+from write_floor import measure as write_floor  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
 from linserve.server.bench.client import LoadSpec  # noqa: E402
@@ -107,10 +110,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--port", type=int, default=8791)
     parser.add_argument("--profile", help="py-spy records the frontend over each load into this directory")
+    parser.add_argument("--floor", action="store_true", help="measure each load's write floor beside it")
+    parser.add_argument("--quick", action="store_true", help="2 × 16 tokens once, eager, with its floor")
     parser.add_argument("--out")
     add_compile_argument(parser)
     add_dtype_argument(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.loads, args.reps, args.compile, args.floor = ["2x16"], 1, "off", True
     loads = [tuple(int(n) for n in load.split("x")) for load in args.loads]
     server = start_server(args.model, args.port, 64, compile=args.compile,
                           extra=["--log-level", "warning", "--dtype", args.dtype, "--api-servers", "1"])
@@ -128,14 +135,25 @@ def main(argv: list[str] | None = None) -> None:
                       f"{figures['frontend_us_per_token']:.1f} ({figures['frontend_system_us_per_token']:.1f} in the "
                       f"kernel), core {figures['core_us_per_token']:.1f}, client {figures['client_us_per_token']:.1f}; "
                       f"core {figures['core_us_per_step']:.0f} µs a step", file=sys.stderr)
+        floors = {}
+        for n, t in loads if args.floor else ():  # (the server idle meanwhile)
+            label = f"{n}x{t}"
+            interval = statistics.median(r["wall_s"] / r["engine_steps"] for r in results[label])
+            floors[label] = write_floor(n, max(200, min(2000, 32_768 // n)), interval)
+            print(f"{label} floor: {floors[label]['us_per_write']:.1f} µs a write "
+                  f"({floors[label]['kernel_us_per_write']:.1f} in the kernel)", file=sys.stderr)
     finally:
         server.terminate()
         server.wait(60)
     summary = {label: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
                for label, runs in results.items()}
-    for figures in summary.values():
+    for label, figures in summary.items():
         figures["frontend_target"] = "<= 15 us a streamed token (issue 57)"
         figures["frontend_pass"] = figures["frontend_us_per_token"] <= 15
+        if label in floors:
+            figures["write_floor"] = floors[label]
+            figures["frontend_above_floor_us_per_token"] = (figures["frontend_us_per_token"]
+                                                            - floors[label]["us_per_write"])
     emit({**describe(torch.device("cpu")), "compile": args.compile, "dtype": args.dtype,
           "reps": args.reps, "loads": summary, "runs": results}, args.out)
 

@@ -67,6 +67,22 @@ def test_serving_overhead(tmp_path):
     assert data["threads"]["threads"] >= 1
 
 
+def test_write_floor(tmp_path):
+    run("write_floor.py", "--out", str(tmp_path / "floor.json"))
+    data = json.loads((tmp_path / "floor.json").read_text())
+    assert data["streams"] == 4 and data["steps"] == 50 and data["us_per_write"] > 0
+    assert data["us_per_write"] == pytest.approx(data["user_us_per_write"] + data["kernel_us_per_write"])
+
+
+def test_frontend_cpu_beside_its_floor(tmp_path):
+    run("frontend_cpu.py", "--out", str(tmp_path / "fe.json"), "--port", "8793")
+    load = json.loads((tmp_path / "fe.json").read_text())["loads"]["2x16"]
+    assert load["tokens"] == 32 and load["frontend_us_per_token"] > 0 and load["core_us_per_token"] > 0
+    assert load["write_floor"]["streams"] == 2 and load["write_floor"]["us_per_write"] > 0
+    assert load["frontend_above_floor_us_per_token"] == pytest.approx(
+        load["frontend_us_per_token"] - load["write_floor"]["us_per_write"])
+
+
 def test_compile_vs_eager(tmp_path, compile_cache):
     """The shipped model at 2 slots (its bucket 1 is the one test_compiled_decode builds: one cache)."""
     run("compile_vs_eager.py", "--out", str(tmp_path / "c.json"), "--port", "8793",

@@ -13,7 +13,9 @@ import json
 
 from ...engine.types import RequestOutput
 
-_escape = json.JSONEncoder(ensure_ascii=False).encode  # str → JSON string literal, quotes included
+# str → JSON string literal, quotes included: what `json.dumps(text, ensure_ascii=False)` writes (the C function
+# its encoder calls for a str, without the encoder's Python frame a token)
+_escape = json.encoder.encode_basestring
 
 
 def chunk_json(chunk) -> str:
@@ -39,7 +41,7 @@ def _head(request_id: str, kind: str, created: int, model: str) -> str:
 
 
 def _finish(output: RequestOutput) -> str:
-    return _escape(output.finish_reason.value) if output.finished else "null"
+    return "null" if output.finish_reason is None else _escape(output.finish_reason.value)
 
 
 class CompletionChunks:

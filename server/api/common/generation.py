@@ -42,7 +42,7 @@ class Generation:
         """Account one output: a generated token, and the prompt tokens its request added as the engine counts
         them (an empty session's first call starts from end-of-text: one token, not zero)."""
         self.generated += output.token_id is not None
-        if output.finished and output.request_id:  # once a row: the count is the request's, not the token's
+        if output.finish_reason is not None and output.request_id:  # once a row: the request's count
             self.consumed[output.index // self.params.n] = output.prompt_tokens
 
     @property
@@ -186,18 +186,21 @@ class GenerationEvents:
         return b"".join(sse_event(chunk) for chunk in self.first_chunks)
 
     def render(self, batch: list[RequestOutput]) -> bytes:
-        generation, events = self.generation, []
+        """One event per token, even if its text is withheld (a token's chunk is JSON text: its event is
+        `sse_event`'s, written here — the stream's hot path, a call fewer a token); a backlog in one write."""
+        generation, make_chunk, events = self.generation, self.make_chunk, []
         for output in batch:
             generation.count(output)
-            self.finished_rows += output.finished
-            if output.finish_reason is FinishReason.ERROR:
-                if not self.failed:  # one error event per request, whichever of its rows reports it
-                    events.append(error_event(generation, output))
-                    generation.abort()  # its other prompts stop too
-                self.failed = True
-                continue
-            events.append(sse_event(self.make_chunk(output)))  # one event per token, even if its text is withheld
-        return b"".join(events)  # a backlog goes out in one write
+            if output.finish_reason is not None:
+                self.finished_rows += 1
+                if output.finish_reason is FinishReason.ERROR:
+                    if not self.failed:  # one error event per request, whichever of its rows reports it
+                        events.append(error_event(generation, output))
+                        generation.abort()  # its other prompts stop too
+                    self.failed = True
+                    continue
+            events.append(f"data: {make_chunk(output)}\n\n".encode())
+        return b"".join(events)
 
     def last(self) -> bytes:
         usage = sse_event(self.usage_chunk()) if self.include_usage and not self.failed else b""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import threading
 import weakref
@@ -36,12 +37,22 @@ class LoopDelivery:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._pending: collections.deque[tuple[OutputStream, RequestOutput]] = collections.deque()
+        self._pushed: list[OutputStream] = []  # streams to push at the next flush (loop thread only)
         self._scheduled = False
         self._loop_thread: int | None = None  # the loop's thread, known from its first flush
 
     def put(self, target: OutputStream, output: RequestOutput) -> None:
-        """Engine thread, or the loop itself (it reads the engine core's connection: engine_process/loop_link.py)
-        — which needs no wake-up through the loop's self-pipe."""
+        """Engine thread, or the loop itself (it reads the engine core's connection: engine_process/loop_link.py).
+        On the loop, with nothing from another thread queued before it, the output is the stream's at once — no
+        wake-up through the loop's self-pipe, no queue — and the stream is pushed by the flush that runs once the
+        loop has read all that arrived (each of a step's streams gets its outputs in one write)."""
+        if not self._pending and threading.get_ident() == self._loop_thread:
+            if target.arrived(output):
+                self._pushed.append(target)
+            if not self._scheduled:
+                self._scheduled = True
+                self._loop.call_soon(self._flush)
+            return
         self._pending.append((target, output))
         if not self._scheduled:
             self._scheduled = True
@@ -55,14 +66,16 @@ class LoopDelivery:
         once the drain is done: a step's outputs for it in one write."""
         self._loop_thread = threading.get_ident()
         self._scheduled = False
-        pending = self._pending
-        pushed = []
+        pending, pushed = self._pending, self._pushed
+        self._pushed = []
         for _ in range(len(pending)):  # (what arrives meanwhile waits for the flush it schedules)
             target, output = pending.popleft()
             if target.arrived(output):
                 pushed.append(target)
-        for target in pushed:
-            target.push()
+        for target in pushed:  # (OutputStream.push written out: a call fewer a token)
+            target._push_due = False
+            if target._pusher is not None:
+                target._pusher()
 
 
 _deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopDelivery] = weakref.WeakKeyDictionary()
@@ -88,9 +101,9 @@ class OutputStream:
         self._pusher: Callable[[], None] | None = None  # writes what arrived, from the hand-over (push_to)
         self._push_due = False  # a push is owed for outputs that arrived in the flush under way
 
-    def sink(self, output: RequestOutput) -> None:
-        """Called on the engine thread."""
-        self._delivery.put(self, output)
+        # the engine's sink for this stream (its thread, or the loop's): the delivery's `put` bound to it, with no
+        # Python frame of its own a token
+        self.sink: Callable[[RequestOutput], None] = functools.partial(self._delivery.put, self)
 
     def arrived(self, output: RequestOutput) -> bool:
         """Event-loop thread (LoopDelivery). True: push this stream once the flush has handed out its outputs."""

@@ -127,6 +127,46 @@ def test_outputs_put_on_the_loop_itself_need_no_wake_up_through_its_self_pipe():
     assert on_loop == 0 and after == 1
 
 
+def test_outputs_put_on_the_loop_are_the_streams_at_once_and_each_stream_is_pushed_once_a_flush():
+    """On the loop (the frontend reading the engine core's channel), a step's outputs are each stream's as they are
+    put — no queue — and a stream written from the hand-over is pushed once, after the loop has dispatched all of
+    them (one write a stream a step); an output put on the loop while another thread's wait in the queue goes
+    behind them."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        streams = [OutputStream(loop, 1) for _ in range(3)]
+        pushes: list[tuple[int, list[int]]] = []
+        for number, stream in enumerate(streams):
+            stream.push_to(lambda number=number, stream=stream: pushes.append(
+                (number, [o.token_id for o in stream.take()])))
+        delivery = streams[0]._delivery
+        await asyncio.to_thread(streams[0].sink, RequestOutput("r0", 0, 0, "x"))  # (the loop's thread made known)
+        await asyncio.sleep(0.05)
+        assert pushes == [(0, [0])]
+        pushes.clear()
+
+        for position in (1, 2, 3):  # one read's frames: three steps for streams 0 and 1, one for stream 2
+            for number in (0, 1):
+                streams[number].sink(RequestOutput(f"r{number}", 0, position, "x"))
+        streams[2].sink(RequestOutput("r2", 0, 1, "x"))
+        assert [len(stream._outputs) for stream in streams] == [3, 3, 1] and not delivery._pending
+        assert pushes == []  # (not before the loop has read everything that came)
+        await asyncio.sleep(0)
+        assert sorted(pushes) == [(0, [1, 2, 3]), (1, [1, 2, 3]), (2, [1])]
+        pushes.clear()
+
+        producer = threading.Thread(target=streams[2].sink, args=(RequestOutput("r2", 0, 2, "x"),))
+        producer.start()
+        producer.join()  # (another thread's output queued while the loop is busy here)
+        streams[2].sink(RequestOutput("r2", 0, 3, "x", finish_reason=FinishReason.LENGTH))
+        assert len(delivery._pending) == 2 and not streams[2]._outputs
+        await asyncio.sleep(0.05)
+        assert pushes == [(2, [2, 3])] and not streams[2].open
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
 def test_a_stream_s_start_passes_every_middleware_and_its_chunks_go_straight_to_the_server(make_client):
     """An SSE stream's `http.response.start` and its end go through the middlewares' send wrappers (the status
     they record, the X-Request-Id they add), its body chunks straight to the server's own send (BODY_SEND):
