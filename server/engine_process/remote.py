@@ -242,7 +242,7 @@ class RemoteEngine:
                 if entry is None:
                     continue
                 output = RequestOutput(*values)
-                if output.finished:
+                if output.finish_reason is not None:  # (`finished` without its call: a row a step)
                     entry.finished.add(output.index)
                     if len(entry.finished) >= entry.rows:
                         del self._open[output.request_id]

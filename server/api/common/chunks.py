@@ -51,8 +51,9 @@ class CompletionChunks:
         self._head = _head(request_id, "text_completion", created, model)
 
     def __call__(self, output: RequestOutput, echo_text: str = "") -> str:
+        finish = "null" if output.finish_reason is None else _finish(output)  # (a call only for the last)
         return (f'{self._head}{output.index},"text":{_escape(echo_text + output.text)},"logprobs":null,'
-                f'"finish_reason":{_finish(output)}}}]}}')
+                f'"finish_reason":{finish}}}]}}')
 
 
 class ChatChunks:
@@ -63,4 +64,5 @@ class ChatChunks:
 
     def __call__(self, output: RequestOutput) -> str:
         delta = f'{{"content":{_escape(output.text)}}}' if output.text else "{}"
-        return f'{self._head}{output.index},"delta":{delta},"finish_reason":{_finish(output)}}}]}}'
+        finish = "null" if output.finish_reason is None else _finish(output)
+        return f'{self._head}{output.index},"delta":{delta},"finish_reason":{finish}}}]}}'

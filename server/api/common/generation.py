@@ -190,15 +190,18 @@ class GenerationEvents:
         `sse_event`'s, written here — the stream's hot path, a call fewer a token); a backlog in one write."""
         generation, make_chunk, events = self.generation, self.make_chunk, []
         for output in batch:
+            if output.finish_reason is None:  # a token: `generation.count`'s only work for it, written out
+                generation.generated += output.token_id is not None
+                events.append(f"data: {make_chunk(output)}\n\n".encode())
+                continue
             generation.count(output)
-            if output.finish_reason is not None:
-                self.finished_rows += 1
-                if output.finish_reason is FinishReason.ERROR:
-                    if not self.failed:  # one error event per request, whichever of its rows reports it
-                        events.append(error_event(generation, output))
-                        generation.abort()  # its other prompts stop too
-                    self.failed = True
-                    continue
+            self.finished_rows += 1
+            if output.finish_reason is FinishReason.ERROR:
+                if not self.failed:  # one error event per request, whichever of its rows reports it
+                    events.append(error_event(generation, output))
+                    generation.abort()  # its other prompts stop too
+                self.failed = True
+                continue
             events.append(f"data: {make_chunk(output)}\n\n".encode())
         return b"".join(events)
 
