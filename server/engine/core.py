@@ -369,7 +369,7 @@ class Engine:
             self._emit(live, output)
 
     def _emit(self, live: LiveRequest, output: RequestOutput) -> None:
-        if output.finished and live.held is not None:  # a session turn's end waits for its store write
+        if output.finish_reason is not None and live.held is not None:  # a session turn's end waits for its write
             live.held.append(output)
             return
         try:
