@@ -192,16 +192,15 @@ class GenerationEvents:
         for output in batch:
             if output.finish_reason is None:  # a token: `generation.count`'s only work for it, written out
                 generation.generated += output.token_id is not None
-                events.append(f"data: {make_chunk(output)}\n\n".encode())
-                continue
-            generation.count(output)
-            self.finished_rows += 1
-            if output.finish_reason is FinishReason.ERROR:
-                if not self.failed:  # one error event per request, whichever of its rows reports it
-                    events.append(error_event(generation, output))
-                    generation.abort()  # its other prompts stop too
-                self.failed = True
-                continue
+            else:
+                generation.count(output)
+                self.finished_rows += 1
+                if output.finish_reason is FinishReason.ERROR:
+                    if not self.failed:  # one error event per request, whichever of its rows reports it
+                        events.append(error_event(generation, output))
+                        generation.abort()  # its other prompts stop too
+                    self.failed = True
+                    continue
             events.append(f"data: {make_chunk(output)}\n\n".encode())
         return b"".join(events)
 

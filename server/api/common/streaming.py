@@ -1,10 +1,11 @@
 """Engine outputs into asyncio, and a server-sent-events response that notices a client leaving.
 
-The engine calls a sink on its own thread; `OutputStream` hands each output to the event loop with
-`call_soon_threadsafe`. `EventStreamResponse` writes events while a second task waits for the ASGI
-`http.disconnect` message: whichever finishes first cancels the other, so a client that goes away
-cancels its generation at once (the generator's `finally` aborts it in the engine), even while no
-token is being written.
+The engine calls a sink on its own thread, or the loop calls it as it reads the engine core's channel
+(engine_process/loop_link.py); `LoopDelivery` hands each output to its `OutputStream` on the event loop — from
+another thread with one `call_soon_threadsafe` a step, on the loop at once. `EventStreamResponse` writes
+events while a second task waits for the ASGI `http.disconnect` message: whichever finishes first cancels the
+other, so a client that goes away cancels its generation at once (the generator's `finally` aborts it in the
+engine), even while no token is being written.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class LoopDelivery:
             target, output = pending.popleft()
             if target.arrived(output):
                 pushed.append(target)
-        for target in pushed:  # (OutputStream.push written out: a call fewer a token)
+        for target in pushed:  # (the stream's push, written out here: a call fewer a token)
             target._push_due = False
             if target._pusher is not None:
                 target._pusher()
@@ -122,11 +123,6 @@ class OutputStream:
         """While set (call with nothing pending), each flush that brings outputs calls `pusher()` once, in the
         flush, instead of waking the reading task; None: back to `next_batch`."""
         self._pusher, self._push_due = pusher, False
-
-    def push(self) -> None:
-        self._push_due = False
-        if self._pusher is not None:
-            self._pusher()
 
     def take(self) -> list[RequestOutput]:
         """Everything that has arrived (maybe nothing), up to the last row's finished output."""
