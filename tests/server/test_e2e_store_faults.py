@@ -81,9 +81,10 @@ class Stream:
 
 
 def assert_kept_pace(pace: dict) -> None:
-    """p99 gap during the outage near its own baseline (a ratio; same machine, same run), and no gap near
-    the store's timeout (an engine that waited on the store shows whole timeouts)."""
-    assert pace["outage"] <= 3.0 * pace["baseline"], pace
+    """No gap of the stream near the store's timeout: an engine that waited on the store shows whole timeouts.
+    How close the outage's p99 stays to the baseline's is a timing, measured by P13
+    (benchmarks/p13_store_outage.py), not asserted here: the suite's two workers made a p99 of millisecond gaps
+    3.01x its baseline once while the engine never waited."""
     assert pace["max_outage"] < 0.6 * STORE_TIMEOUT_S, pace
 
 

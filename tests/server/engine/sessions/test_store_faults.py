@@ -18,7 +18,7 @@ from linserve.server.engine.types import FinishReason
 from tests.helpers import Collector, assert_slots_balance, prompt, run, start_redis, tokens_of
 
 GREEDY_6 = SamplingParams(max_tokens=6, temperature=0)
-TIMEOUT_S = 0.5  # the store deadline in these tests
+TIMEOUT_S = 1.0  # the store deadline in these tests (the paced stream's longest gap must stay well under it)
 DURABLE_TIMEOUT_S = 5.0  # against a Redis that fsyncs every write
 
 
@@ -88,8 +88,10 @@ def assert_kept_pace(pace: dict[str, float]) -> None:
     """The engine never waited for the store: no gap of the stream beside the session work comes near the
     store's timeout (a stalled engine shows whole timeouts). How close the outage's p99 stays to the baseline's
     is a timing, measured by P13 (benchmarks/p13_store_outage.py), not asserted here: under a loaded CI
-    machine a ratio of millisecond gaps failed while the engine never waited."""
-    assert pace["max_outage"] < TIMEOUT_S / 2, pace
+    machine a ratio of millisecond gaps failed while the engine never waited, and with a 0.5 s deadline a longest
+    gap of 0.45 s was measured once in the suite (two workers on two CPUs; 5 ms alone, 20-26 ms beside a busy
+    2-thread neighbour): 1 s deadlines keep a stalled engine's whole timeouts far from such a hiccup."""
+    assert pace["max_outage"] < 0.6 * TIMEOUT_S, pace
 
 
 def session_work(engine, session_id: str, owner: str | None, tag: str) -> list[bool]:
