@@ -51,6 +51,21 @@ def wait_for(condition, timeout: float = 30.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def click_row(driver, session_id: str) -> None:
+    """Open a session from the list, again if the list was drawn anew between the find and the click (it is after
+    every turn: a row found just before is then stale)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    def clicked() -> bool:
+        try:
+            driver.find_element("css selector", f"tr[data-id='{session_id}'] button").click()
+        except StaleElementReferenceException:
+            return False
+        return True
+
+    wait_for(clicked, what=f"session {session_id}'s row")
+
+
 def fill(driver, element_id: str, value: str) -> None:
     element = driver.find_element("id", element_id)
     element.clear()
@@ -157,7 +172,7 @@ def test_each_session_shows_its_own_text_from_the_server(browser, served):
         browser.find_element("id", "session-continue").click()
         wait_for(lambda: len(browser.find_elements("css selector", "#turns li")) == 2, what="the second turn")
     for name in ("A", "B", "A"):
-        browser.find_element("css selector", f"tr[data-id='{made[name]}'] button").click()
+        click_row(browser, made[name])
         wait_for(lambda wanted=made[name]: browser.find_element("id", "session-title").text == wanted,
                  what=f"session {name}")
         turns = httpx.get(f"{served.base}/v1/sessions/{made[name]}/turns").json()
