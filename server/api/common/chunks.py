@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from ...engine.types import RequestOutput
+from ...engine.types import FinishReason, RequestOutput
 
 # str → JSON string literal, quotes included: what `json.dumps(text, ensure_ascii=False)` writes (the C function
 # its encoder calls for a str, without the encoder's Python frame a token)
@@ -40,8 +40,8 @@ def _head(request_id: str, kind: str, created: int, model: str) -> str:
     return fields[:-1] + ',"choices":[{"index":'
 
 
-def _finish(output: RequestOutput) -> str:
-    return "null" if output.finish_reason is None else _escape(output.finish_reason.value)
+# a chunk's `finish_reason` as JSON, by the output's reason (None: `null`, every token but the last), looked up
+_FINISH = {None: "null", **{reason: _escape(reason.value) for reason in FinishReason}}
 
 
 class CompletionChunks:
@@ -51,9 +51,8 @@ class CompletionChunks:
         self._head = _head(request_id, "text_completion", created, model)
 
     def __call__(self, output: RequestOutput, echo_text: str = "") -> str:
-        finish = "null" if output.finish_reason is None else _finish(output)  # (a call only for the last)
         return (f'{self._head}{output.index},"text":{_escape(echo_text + output.text)},"logprobs":null,'
-                f'"finish_reason":{finish}}}]}}')
+                f'"finish_reason":{_FINISH[output.finish_reason]}}}]}}')
 
 
 class ChatChunks:
@@ -64,5 +63,4 @@ class ChatChunks:
 
     def __call__(self, output: RequestOutput) -> str:
         delta = f'{{"content":{_escape(output.text)}}}' if output.text else "{}"
-        finish = "null" if output.finish_reason is None else _finish(output)
-        return f'{self._head}{output.index},"delta":{delta},"finish_reason":{finish}}}]}}'
+        return f'{self._head}{output.index},"delta":{delta},"finish_reason":{_FINISH[output.finish_reason]}}}]}}'

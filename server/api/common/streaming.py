@@ -47,20 +47,15 @@ class LoopDelivery:
         On the loop, with nothing from another thread queued before it, the output is the stream's at once — no
         wake-up through the loop's self-pipe, no queue — and the stream is pushed by the flush that runs once the
         loop has read all that arrived (each of a step's streams gets its outputs in one write)."""
-        if not self._pending and threading.get_ident() == self._loop_thread:
+        on_loop = threading.get_ident() == self._loop_thread
+        if on_loop and not self._pending:
             if target.arrived(output):
                 self._pushed.append(target)
-            if not self._scheduled:
-                self._scheduled = True
-                self._loop.call_soon(self._flush)
-            return
-        self._pending.append((target, output))
+        else:
+            self._pending.append((target, output))
         if not self._scheduled:
             self._scheduled = True
-            if threading.get_ident() == self._loop_thread:
-                self._loop.call_soon(self._flush)
-            else:
-                self._loop.call_soon_threadsafe(self._flush)
+            (self._loop.call_soon if on_loop else self._loop.call_soon_threadsafe)(self._flush)
 
     def _flush(self) -> None:
         """Event-loop thread. A stream written from the hand-over (`OutputStream.push_to`) gets what arrived for it
