@@ -13,6 +13,7 @@ import httpx
 import torch
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def steps_settled(steps: list[dict | None]) -> bool:
@@ -201,6 +202,44 @@ def tree_rss_bytes(pid: int) -> int:
         except OSError:
             continue  # gone meanwhile
     return total
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a process (every thread), seconds: its own code, and the kernel's work for it; (0, 0) once
+    it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
+
+
+def core_pid(server: int) -> int | None:
+    """The engine core of a `linserve serve` process (None: the engine is a thread of `server` itself,
+    `--api-servers 0`). It is the server's spawned child with the most threads — the engine thread, its intra-op
+    pool, the store's and the channel's — whether `server` is its frontend (`--api-servers 1`) or the supervisor of
+    it and of N frontends (each an event loop and a thread or two)."""
+    from linserve.server.api.common.metrics import ProcessTree
+
+    spawned = []
+    for child in ProcessTree(server).pids()[1:]:
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+            threads = len(os.listdir(f"/proc/{child}/task"))
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            spawned.append((threads, child))
+    return max(spawned)[1] if spawned else None
+
+
+def host_busy_seconds() -> float:
+    """CPU seconds this process's CPUs have been busy since boot, everyone's (steal included: a CPU the hypervisor
+    took was not free) — /proc/stat's counters, as the engine's contention reading takes them."""
+    from linserve.server.engine.cpu_contention import cpus_busy_seconds
+    from linserve.server.engine.cpu_threads import affinity_set
+
+    return cpus_busy_seconds(Path("/proc/stat").read_text(), affinity_set())
 
 
 def reference_workload_ms(reps: int = 31) -> float:

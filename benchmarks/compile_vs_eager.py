@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
             order = list(ports) if rep % 2 == 0 else list(reversed(ports))
             for streams, tokens in loads:
                 for mode in order:
-                    rates[(mode, streams)].append(http_rate(ports[mode], streams, tokens))
+                    rates[(mode, streams)].append(http_rate(ports[mode], streams, tokens)[0])
     finally:
         for server in servers.values():
             server.terminate()

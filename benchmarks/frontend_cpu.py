@@ -17,7 +17,6 @@ bare uvloop writer at the load's own step interval (write_floor.py) — and the 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import statistics
@@ -31,39 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_compile_argument, add_dtype_argument, describe, emit  # noqa: E402
+from common import add_compile_argument, add_dtype_argument, core_pid, cpu_split, describe, emit  # noqa: E402
 from serving_overhead import start_server  # noqa: E402
 from write_floor import measure as write_floor  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
 from linserve.server.bench.client import LoadSpec  # noqa: E402
 from linserve.server.bench.processes import drive  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
-CORE_NAME = "linserve-engine-core"  # remote.start_core's process name (a spawned child of the frontend)
-
-
-def cpu_split(pid: int) -> tuple[float, float]:
-    """(utime, stime) of a process (every thread), seconds: its own code, and the kernel's work for it."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        found += [int(child) for child in text]
-    return found
-
-
-def core_pid(frontend: int) -> int:
-    """The engine core: the frontend's child that runs core_main (spawn's command line names it)."""
-    for child in children(frontend):
-        command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        if "multiprocessing" in command and "resource_tracker" not in command:
-            return child
-    raise SystemExit(f"no engine core process under {frontend} ({CORE_NAME}): is --api-servers 1 in force?")
 
 
 def steps(port: int) -> float:
@@ -125,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         frontend = server.pid
         core = core_pid(frontend)
+        if core is None:
+            raise SystemExit(f"no engine core process under {frontend}: is --api-servers 1 in force?")
         one_load(args.port, 1, 8, frontend, core, None, "warm-up")
         for rep in range(args.reps):
             for n, t in loads:

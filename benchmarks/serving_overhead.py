@@ -7,7 +7,9 @@ In-engine: N streams submitted straight to an Engine in this process. HTTP: the 
 `linserve bench`'s client to a `linserve serve` process on 127.0.0.1 with the same engine settings — one
 server per `--api-servers` value (0: the engine a thread of the HTTP process; N ≥ 1: the engine core a process
 of its own, with N frontend processes), all running side by side. Repetitions alternate between them; medians
-are compared.
+are compared. Around every load each side's CPU is read — in-engine this process's, served the engine core's, the
+frontends' and the load generator's, and how busy the host's CPUs were — and `cpu_us_per_token` says what the
+ratio must be where the CPUs are busy through both runs (`cpu_shares`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -27,8 +30,11 @@ from common import (  # noqa: E402
     add_dtype_argument,
     add_threads_argument,
     compile_settled,
+    core_pid,
+    cpu_split,
     describe,
     emit,
+    host_busy_seconds,
     resolve_device,
     wait_programs,
     wait_settled,
@@ -37,6 +43,7 @@ from common import (  # noqa: E402
 from engine_inprocess import DecodeTotals, run_streams  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model, resolve_dtype  # noqa: E402
+from linserve.server.api.common.metrics import ProcessTree  # noqa: E402
 from linserve.server.bench.client import LoadSpec  # noqa: E402
 from linserve.server.bench.processes import drive  # noqa: E402
 from linserve.server.engine import Engine, EngineConfig  # noqa: E402
@@ -67,7 +74,9 @@ def start_server(model: str, port: int, slots: int, extra: list[str] | None = No
     return process
 
 
-def http_rate(port: int, streams: int, tokens: int) -> float:
+def http_rate(port: int, streams: int, tokens: int, server: int | None = None) -> tuple[float, dict]:
+    """Tokens/s of `streams` streams through the server on `port`, and (given the server's pid) the CPU each side
+    spent a token meanwhile (`cpu_shares`)."""
     spec = LoadSpec(
         url=f"http://127.0.0.1:{port}",
         concurrency=streams,
@@ -78,10 +87,43 @@ def http_rate(port: int, streams: int, tokens: int) -> float:
         ignore_eos=True,
         temperature=0.8,
     )
+    pids = ProcessTree(server).pids() if server is not None else []
+    core = core_pid(server) if server is not None else None
+    before, busy, started = {pid: sum(cpu_split(pid)) for pid in pids}, host_busy_seconds(), time.perf_counter()
     run = drive(spec)
-    records, wall = run.records, run.wall_s
+    after, busy, wall = ({pid: sum(cpu_split(pid)) for pid in pids}, host_busy_seconds() - busy,
+                         time.perf_counter() - started)
+    records = run.records
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
-    return sum(r.completion_tokens for r in records) / wall
+    generated = sum(r.completion_tokens for r in records)
+    spent = {pid: after[pid] - before[pid] for pid in pids}
+    cpu = {"client_us": 1e6 * sum(run.cpu_s) / generated, "host_busy_cpus": busy / wall}
+    if core is not None:
+        cpu["core_us"] = 1e6 * spent.pop(core) / generated
+        cpu["frontends_us"] = 1e6 * sum(spent.values()) / generated  # (the frontends, and `serve` above them)
+    elif pids:
+        cpu["server_us"] = 1e6 * sum(spent.values()) / generated  # the engine a thread of the HTTP process
+    return generated / run.wall_s, cpu
+
+
+def cpu_shares(engine: list[dict], http: list[dict]) -> dict:
+    """Where the host's CPU went a token, medians over the repetitions: in-engine (`engine_us`: this process, the
+    engine alone) and served (the core, the frontends, the load generator). When the CPUs are busy throughout both
+    runs (`host_busy_cpus` ≈ the CPUs usable), served / in-engine tokens/s = engine_us / (all that the served run
+    spent a token) = the core's share of that × engine_us / core_us — P5's ceiling on a host the load generator
+    and the frontends share with the engine is `engine_share`, however efficient the core."""
+    median = lambda rows, key: statistics.median(row[key] for row in rows)  # noqa: E731
+    figures = {"engine_us": median(engine, "engine_us"),
+               "engine_host_busy_cpus": median(engine, "host_busy_cpus"),
+               **{key: median(http, key) for key in http[0]}}
+    served = figures["client_us"] + figures.get("server_us", 0.0) + figures.get("core_us", 0.0) \
+        + figures.get("frontends_us", 0.0)
+    figures["served_us"] = served
+    figures["predicted_ratio"] = figures["engine_us"] / served
+    if "core_us" in figures:
+        figures["engine_share"] = figures["core_us"] / served
+        figures["core_efficiency"] = figures["engine_us"] / figures["core_us"]
+    return figures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,18 +176,23 @@ def main(argv: list[str] | None = None) -> None:
     rates = {(where, n): [] for where in ("engine", *placements) for n in sizes}
     python_us = {n: [] for n in sizes}
     step_ms = {n: [] for n in sizes}  # (program, engine step) per decode step
+    cpu = {key: [] for key in rates}  # each run's CPU a token, by process (cpu_shares)
     try:
         for a in placements.values():
             http_rate(args.port + a, 1, 4)  # warm-up
         for rep in range(args.reps):
             for n in sizes:
-                mark = totals.mark()
+                mark, spent, busy = totals.mark(), time.process_time(), host_busy_seconds()
                 seconds, generated = run_streams(engine, n, args.tokens, f"p5-{rep}-{n}", sampling=sampling)
+                spent, busy = time.process_time() - spent, host_busy_seconds() - busy
                 rates[("engine", n)].append(generated / seconds)
+                cpu[("engine", n)].append({"engine_us": 1e6 * spent / generated, "host_busy_cpus": busy / seconds})
                 python_us[n].append(totals.python_us_per_row(mark))
                 step_ms[n].append(totals.per_step_ms(mark))
                 for where, a in placements.items():
-                    rates[(where, n)].append(http_rate(args.port + a, n, args.tokens))
+                    rate, spent = http_rate(args.port + a, n, args.tokens, servers[where].pid)
+                    rates[(where, n)].append(rate)
+                    cpu[(where, n)].append(spent)
     finally:
         engine.stop()
         for server in servers.values():
@@ -168,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                 "engine_python_us_per_row": statistics.median(python_us[n]),
                 "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
                 "http_spread": [min(rates[(where, n)]), max(rates[(where, n)])],
+                "cpu_us_per_token": cpu_shares(cpu[("engine", n)], cpu[(where, n)]),
             }
         result.setdefault("per_token_1_stream", {})[where] = breakdown(rates, step_ms, where)
     emit(result, args.out)
