@@ -13,7 +13,6 @@ import httpx
 import torch
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def steps_settled(steps: list[dict | None]) -> bool:
@@ -207,11 +206,10 @@ def tree_rss_bytes(pid: int) -> int:
 def cpu_split(pid: int) -> tuple[float, float]:
     """(utime, stime) of a process (every thread), seconds: its own code, and the kernel's work for it; (0, 0) once
     it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0, 0.0
-    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
+    from linserve.server.engine.cpu_contention import TICKS_PER_S, stat_fields
+
+    fields = stat_fields(pid)  # (from the state on: utime and stime are the 12th and 13th)
+    return (0.0, 0.0) if fields is None else (int(fields[11]) / TICKS_PER_S, int(fields[12]) / TICKS_PER_S)
 
 
 def core_pid(server: int) -> int | None:
