@@ -79,13 +79,16 @@ def verify_widths(k: int) -> list[int]:
 
 class SpeculationPolicy:
     def __init__(self, default_method: str, k: int, eos_ids: frozenset[int], bucket_of, draft=None,
-                 widths: list[int] | None = None, paid=None) -> None:
+                 widths: list[int] | None = None, paid=None, compile_gain=None) -> None:
         """`bucket_of(kind, rows) -> (size, compiled)`: where a program call of that many rows would run (kind
         "decode" or "verify{w}"); `draft`: the draft model (draft_model.DraftModel) when the server has one;
         `widths`: the verification programs there are (drafts per step), at most k; `paid(width, rows)`: told
-        whenever verification is chosen on its merits (not to be measured) — its program is worth compiling."""
+        whenever verification is chosen on its merits (not to be measured), or would be once compiled — its
+        program is worth compiling; `compile_gain()`: the decode step's measured eager / compiled time (None:
+        not measured), what a verification program run eagerly is expected to gain compiled."""
         self.default_method, self.k, self.eos_ids, self.bucket_of = default_method, k, eos_ids, bucket_of
         self.paid = paid or (lambda width, rows: None)
+        self.compile_gain = compile_gain or (lambda: None)
         self.draft, self.widths = draft, widths or [k]
         self.costs: dict[tuple[str, int, bool], float] = {}  # (kind, bucket, compiled) → seconds
         self.timings: dict[tuple[str, int, bool], deque[float]] = {}  # the recent timings behind each cost
@@ -193,7 +196,23 @@ class SpeculationPolicy:
             self.reprobe_after.pop(bucket, None)
             return best, False
         self.since_verify[bucket] += 1
+        if not suffix:
+            self._want_compiled(rows, bounds, decode_cost)
         return None, False
+
+    def _want_compiled(self, rows: int, bounds: dict[int, float], decode_cost: float) -> None:
+        """Verification refused because its program runs eagerly at this batch size while the decode step runs
+        compiled: the width whose eager cost, divided by the gain compiling brought the decode step, would pay is
+        worth compiling here (`paid`) — then it is measured compiled and weighed on its own cost. Without this
+        an eager verification, weighed against a compiled decode step ~10x faster on a CPU, never paid, so its
+        bucket was never built. (Prompt lookup only: a draft model's drafting, in the cost, gains no such factor.)"""
+        gain = self.compile_gain()
+        if not gain or gain <= 1.0 or not self.bucket_of("decode", rows)[1]:
+            return
+        for width in self.widths:
+            if not self.bucket_of(f"verify{width}", rows)[1] and \
+                    bounds[width] * gain / self._cost(f"verify{width}", rows) > rows / decode_cost:
+                self.paid(width, rows)
 
     def _trusted(self, kind: str, rows: int) -> bool:
         key = (kind, *self.bucket_of(kind.removesuffix("-draft"), rows))
@@ -263,7 +282,7 @@ class SpeculativeDecoding:
                                          kind=DraftKind(f"draft{config.speculative_k}"), after=decode_step,
                                          cache_max_gb=config.compile_cache_max_gb)
         self.policy = SpeculationPolicy(config.speculative, config.speculative_k, eos_ids, self.bucket_of, self.draft,
-                                        sorted(self.verify_steps), paid=self.paid)
+                                        sorted(self.verify_steps), paid=self.paid, compile_gain=self.compile_gain)
         self.policy.always = config.speculative_always
 
     def start(self, method: str) -> None:
@@ -300,6 +319,11 @@ class SpeculativeDecoding:
     def paid(self, width: int, rows: int) -> None:
         """Verification of `width` drafts paid for `rows` rows: its bucket is worth compiling."""
         self.verify_steps[width].want(rows)
+
+    def compile_gain(self) -> float | None:
+        """The decode step's eager / compiled time as its `auto` verdict measured it (None: not measured)."""
+        verdict = self.decode_step.verdict
+        return verdict.measurement.gain if verdict is not None and verdict.decision == "compiled" else None
 
     def bucket_of(self, kind: str, rows: int) -> tuple[int, bool]:
         """Where a program call over `rows` rows runs now: (its bucket's size, compiled or eager)."""

@@ -313,6 +313,45 @@ def test_the_policy_verifies_only_while_it_pays():
     assert policy.plan(rows) is not None and 4 not in policy.reprobe_after  # ...and the count starts over
 
 
+def test_an_eager_verification_that_would_pay_compiled_gets_its_bucket_compiled():
+    """Decoding runs compiled and verification eagerly (its bucket not built): weighed at its eager cost it does
+    not pay and is refused — but where that cost divided by the gain compiling brought the decode step would pay,
+    the width's bucket is asked for (`paid`), to be measured compiled; with a small gain, a compiled bucket or an
+    eager decode step, nothing is asked for. (Without it a CPU's compiled decode step, ~10x its eager form, left
+    every verification bucket unbuilt: P15 at one stream 0.94x.)"""
+    from types import SimpleNamespace
+
+    from linserve.server.engine.spec.drafting import NgramDrafter
+    from linserve.server.engine.spec.speculation import RowSpeculation, SpeculationPolicy
+
+    def row(slot):
+        params = SamplingParams(max_tokens=100, temperature=0, speculative=NGRAM)
+        spec = RowSpeculation(NgramDrafter([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]), 4)
+        for _ in range(20):  # drafts accepted all the time: ~5 tokens a row at width 4, ~3 at width 2
+            spec.observe(4, 4)
+        return SimpleNamespace(live=SimpleNamespace(request=SimpleNamespace(params=params), session=None),
+                               constraint=None, num_generated=1, slot=slot, next_token=2, speculation=spec)
+
+    def asked(gain, compiled):
+        paid = []
+        policy = SpeculationPolicy("off", 4, frozenset({0}), lambda kind, rows: (rows, compiled[kind]),
+                                   widths=[2, 4], paid=lambda width, n: paid.append((width, n)),
+                                   compile_gain=lambda: gain)
+        rows = [row(s) for s in range(4)]
+        policy.observe("decode", 4, 0.010)  # 4 rows: 400 tokens/s decoding
+        timed(policy, "verify4", 0.100)  # eager: 4 x ~5 tokens per 100 ms = ~200/s — does not pay as it is
+        timed(policy, "verify2", 0.080)  # 4 x ~3 per 80 ms = ~150/s
+        assert policy.plan(rows) is None
+        return paid
+
+    eager_verification = {"decode": True, "verify2": False, "verify4": False}
+    assert asked(11.0, eager_verification) == [(2, 4), (4, 4)]  # ~2,200 and ~1,650 tokens/s compiled: both pay
+    assert asked(1.5, eager_verification) == []  # ~300 and ~225: neither would
+    assert asked(None, eager_verification) == []  # no measured gain: nothing to go by
+    assert asked(11.0, {**eager_verification, "verify4": True}) == [(2, 4)]  # width 4 measured compiled already
+    assert asked(11.0, {"decode": False, "verify2": False, "verify4": False}) == []  # both eager: weighed as they are
+
+
 def timed(policy, kind: str, seconds: float) -> None:
     """A program that now takes `seconds` every time (its whole window of recent timings)."""
     for _ in range(8):
