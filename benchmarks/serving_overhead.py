@@ -122,7 +122,8 @@ def cpu_shares(engine: list[dict], http: list[dict]) -> dict:
     figures["predicted_ratio"] = figures["engine_us"] / served
     if "core_us" in figures:
         figures["engine_share"] = figures["core_us"] / served
-        figures["core_efficiency"] = figures["engine_us"] / figures["core_us"]
+        # (None where the core's counters did not tick: they count 10 ms at a time, a quick load may read 0)
+        figures["core_efficiency"] = figures["engine_us"] / figures["core_us"] if figures["core_us"] else None
     return figures
 
 

@@ -65,15 +65,16 @@ def test_serving_overhead(tmp_path):
         assert parts["program_ms"] > 0 and parts["engine_token_ms"] > parts["program_ms"]
         assert parts["in_engine"]["ratio"] > 1 and parts["over_http"]["ratio"] > 0
         for load in (p5["streams_1"], p5["streams_32"]):  # the CPU each side spent a token, and what it predicts
-            cpu = load["cpu_us_per_token"]
-            assert cpu["engine_us"] > 0 and cpu["client_us"] > 0 and cpu["host_busy_cpus"] > 0
+            cpu = load["cpu_us_per_token"]  # (a server's counters tick every 10 ms: a quick load may read 0)
+            assert cpu["engine_us"] > 0 and cpu["client_us"] > 0 and cpu["host_busy_cpus"] >= 0
             assert cpu["predicted_ratio"] == pytest.approx(cpu["engine_us"] / cpu["served_us"])
             if where == "http_api_servers_1":  # the core found in the server's processes, apart from its frontend
-                assert cpu["core_us"] > 0 and cpu["frontends_us"] > 0
+                assert cpu["core_us"] >= 0 and cpu["frontends_us"] >= 0 and "server_us" not in cpu
                 assert cpu["served_us"] == pytest.approx(cpu["core_us"] + cpu["frontends_us"] + cpu["client_us"])
-                assert 0 < cpu["engine_share"] < 1
+                assert 0 <= cpu["engine_share"] < 1
             else:  # one process: the engine a thread of it
-                assert cpu["server_us"] > 0 and "core_us" not in cpu
+                assert cpu["server_us"] >= 0 and "core_us" not in cpu
+                assert cpu["served_us"] == pytest.approx(cpu["server_us"] + cpu["client_us"])
     assert data["threads"]["threads"] >= 1
 
 
