@@ -345,7 +345,7 @@ def test_an_eager_verification_that_would_pay_compiled_gets_its_bucket_compiled(
         return paid
 
     eager_verification = {"decode": True, "verify2": False, "verify4": False}
-    assert asked(11.0, eager_verification) == [(2, 4), (4, 4)]  # ~2,200 and ~1,650 tokens/s compiled: both pay
+    assert asked(11.0, eager_verification) == [(2, 4), (4, 4)]  # ~1,650 and ~2,200 tokens/s compiled: both pay
     assert asked(1.5, eager_verification) == []  # ~300 and ~225: neither would
     assert asked(None, eager_verification) == []  # no measured gain: nothing to go by
     assert asked(11.0, {**eager_verification, "verify4": True}) == [(2, 4)]  # width 4 measured compiled already
