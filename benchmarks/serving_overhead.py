@@ -89,9 +89,9 @@ def http_rate(port: int, streams: int, tokens: int, server: int | None = None) -
     )
     pids = ProcessTree(server).pids() if server is not None else []
     core = core_pid(server) if server is not None else None
-    before, busy, started = {pid: sum(cpu_split(pid)) for pid in pids}, host_busy_seconds(), time.perf_counter()
+    before, busy_before, started = {pid: sum(cpu_split(pid)) for pid in pids}, host_busy_seconds(), time.perf_counter()
     run = drive(spec)
-    after, busy, wall = ({pid: sum(cpu_split(pid)) for pid in pids}, host_busy_seconds() - busy,
+    after, busy, wall = ({pid: sum(cpu_split(pid)) for pid in pids}, host_busy_seconds() - busy_before,
                          time.perf_counter() - started)
     records = run.records
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
@@ -110,8 +110,8 @@ def cpu_shares(engine: list[dict], http: list[dict]) -> dict:
     """Where the host's CPU went a token, medians over the repetitions: in-engine (`engine_us`: this process, the
     engine alone) and served (the core, the frontends, the load generator). When the CPUs are busy throughout both
     runs (`host_busy_cpus` ≈ the CPUs usable), served / in-engine tokens/s = engine_us / (all that the served run
-    spent a token) = the core's share of that × engine_us / core_us — P5's ceiling on a host the load generator
-    and the frontends share with the engine is `engine_share`, however efficient the core."""
+    spent a token) = the core's share of that × engine_us / core_us — on a host the load generator and the
+    frontends share with the engine, P5 is `engine_share` where the core spends a token what the engine alone does."""
     median = lambda rows, key: statistics.median(row[key] for row in rows)  # noqa: E731
     figures = {"engine_us": median(engine, "engine_us"),
                "engine_host_busy_cpus": median(engine, "host_busy_cpus"),
@@ -183,17 +183,17 @@ def main(argv: list[str] | None = None) -> None:
             http_rate(args.port + a, 1, 4)  # warm-up
         for rep in range(args.reps):
             for n in sizes:
-                mark, spent, busy = totals.mark(), time.process_time(), host_busy_seconds()
+                mark, cpu_before, busy_before = totals.mark(), time.process_time(), host_busy_seconds()
                 seconds, generated = run_streams(engine, n, args.tokens, f"p5-{rep}-{n}", sampling=sampling)
-                spent, busy = time.process_time() - spent, host_busy_seconds() - busy
+                spent, busy = time.process_time() - cpu_before, host_busy_seconds() - busy_before
                 rates[("engine", n)].append(generated / seconds)
                 cpu[("engine", n)].append({"engine_us": 1e6 * spent / generated, "host_busy_cpus": busy / seconds})
                 python_us[n].append(totals.python_us_per_row(mark))
                 step_ms[n].append(totals.per_step_ms(mark))
                 for where, a in placements.items():
-                    rate, spent = http_rate(args.port + a, n, args.tokens, servers[where].pid)
+                    rate, shares = http_rate(args.port + a, n, args.tokens, servers[where].pid)
                     rates[(where, n)].append(rate)
-                    cpu[(where, n)].append(spent)
+                    cpu[(where, n)].append(shares)
     finally:
         engine.stop()
         for server in servers.values():
