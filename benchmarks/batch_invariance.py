@@ -1,11 +1,13 @@
-"""Same request, same tokens — and what it costs. Three servers of the shipped model, side by side in one run:
+"""Same request, same tokens — and what it costs. Servers of the shipped model, side by side in one run:
 
-- `exact`: the default configuration (dtype auto → bf16 on a CPU with bf16 in hardware; compiled programs that
+- `exact`: the default configuration (dtype auto → bf16 on a CPU with bf16 lanes: AVX512; compiled programs that
   compute what the eager model does, bit for bit: `compile_autotune` off; projections through linserve's kernel);
 - `exact_onednn`: the same with the kernel off (`LINSERVE_KERNELS=off`: oneDNN's inner product, wave 6's default);
 - `autotuned`: `compile_autotune: true` with the kernel off (Inductor's max-autotune GEMM templates: fast, but a
   row's result depends on its bucket) — the default before 2026-11-26, except that prefill then ran in fp32;
-- `fp32`: `--dtype float32` with `compile_autotune: true` (what the issue proposed as the fallback).
+- `fp32`: `--dtype float32` with `compile_autotune: true` (what the issue proposed as the fallback);
+- `fp32_plain`: `--dtype float32` with the default programs (`dtype auto` on a CPU without AVX512, and on an AVX512
+  CPU without AVX512-BF16 before 2026-12-01).
 
 For each, two things:
 1. invariance, over 8 greedy prompts of `--prompt-tokens` tokens from the validation plays (`--generate` tokens
@@ -43,6 +45,7 @@ SERVERS = {
     "exact_onednn": ([], {"LINSERVE_KERNELS": "off"}),
     "autotuned": ([], {"LINSERVE_COMPILE_AUTOTUNE": "true", "LINSERVE_KERNELS": "off"}),
     "fp32": (["--dtype", "float32"], {"LINSERVE_COMPILE_AUTOTUNE": "true"}),
+    "fp32_plain": (["--dtype", "float32"], {}),
 }
 
 

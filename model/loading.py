@@ -35,13 +35,24 @@ def cpu_computes_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
+def cpu_serves_bf16() -> bool:
+    """Whether bf16 weights are this CPU's fast and batch-invariant configuration: bf16 arithmetic in hardware, or
+    AVX512 without it where linserve's projection kernel runs its lanes in plain AVX512 instructions (built here on
+    first use: without a C++ compiler, bf16 there would be widened by oneDNN in software — float32 then)."""
+    if cpu_computes_bf16():
+        return True
+    from . import kernels
+
+    return kernels.cpu_isa() == "avx512" and kernels.load()
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The weights' dtype: `auto` is bfloat16 on a CPU that computes bf16 natively, else float32 (CUDA keeps
-    float32 until measured otherwise: its step is launch-bound, not bandwidth-bound — docs/benchmarks.md)."""
+    """The weights' dtype: `auto` is bfloat16 on a CPU that serves it fast (`cpu_serves_bf16`), else float32 (CUDA
+    keeps float32 until measured otherwise: its step is launch-bound, not bandwidth-bound — docs/benchmarks.md)."""
     if name not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {name!r}")
     if name == "auto":
-        return torch.bfloat16 if device.type == "cpu" and cpu_computes_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cpu" and cpu_serves_bf16() else torch.float32
     return getattr(torch, name)
 
 

@@ -11,10 +11,11 @@ torch did in two `topk` calls, a tie mask and a window — server/engine/samplin
 bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
 `invariant_linear_cat` for up to four weights over one input in one parallel region): each output a fixed sequence
 of roundings whatever the number of rows, bf16 or int8 weights packed once (on memory advised as huge pages) or in
-the checkpoint's own (N, K) layout: AMX tiles or AVX512-BF16 lanes where the CPU has them, the lanes' arithmetic in
-scalar code elsewhere. It is built once per (source, torch, CPU instruction set) with the C++ compiler Inductor
-uses into `$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded
-into the process with its symbols global — a compiled program's C++ calls the op's C shim
+the checkpoint's own (N, K) layout: AMX tiles or AVX512-BF16 lanes where the CPU has them, the same lanes'
+arithmetic in plain AVX512 instructions on an AVX512 CPU without bf16 arithmetic, in scalar code elsewhere. It is
+built once per (source, torch, CPU instruction set) with the C++ compiler Inductor uses into
+`$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
+process with its symbols global — a compiled program's C++ calls the op's C shim
 (`aoti_torch_cpu_invariant_linear`) by name — and its op registered with a shape function so that torch.export
 traces it as one call. Without a C++ compiler (a slim image), or with `LINSERVE_KERNELS=off` in the environment,
 `load()` says why and returns False: the model then keeps oneDNN's inner product (numerics.linear).
@@ -78,14 +79,17 @@ _state: dict[str, object] = {}  # "library": the loaded CDLL, or "error": why th
 
 def cpu_isa() -> str:
     """The kernel form this CPU gets: "amx" (AMX-BF16 tiles), "avx512bf16" (bf16 dot products in vector
-    registers) or "scalar" — from Linux's CPU flags (elsewhere: scalar)."""
+    registers), "avx512" (AVX512 without bf16 arithmetic: the same lanes in plain vector instructions) or
+    "scalar" — from Linux's CPU flags (elsewhere: scalar)."""
     try:
         with open("/proc/cpuinfo") as info:
             flags = set(next((line for line in info if line.startswith("flags")), "").split())
     except OSError:
         return "scalar"
-    if platform.machine() != "x86_64" or not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
+    if platform.machine() != "x86_64" or not {"avx512f", "avx512bw", "avx512vl"} <= flags:
         return "scalar"
+    if "avx512_bf16" not in flags:
+        return "avx512"
     return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512bf16"
 
 
@@ -112,8 +116,8 @@ def build_command(cxx: str, output: str, isa: str) -> list[str]:
 
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-    flags = {"scalar": [],
-             "avx512bf16": ["-DLINSERVE_AVX512BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]}
+    avx512 = ["-DLINSERVE_LANES", "-mavx512f", "-mavx512bw", "-mavx512vl"]
+    flags = {"scalar": [], "avx512": avx512, "avx512bf16": [*avx512, "-DLINSERVE_AVX512BF16", "-mavx512bf16"]}
     flags["amx"] = [*flags["avx512bf16"], "-DLINSERVE_AMX", "-mamx-tile", "-mamx-bf16"]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     return [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", abi, *flags[isa], *includes,
@@ -171,7 +175,7 @@ def load() -> bool:
                 build(path, isa)
             _state["library"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # global: compiled programs call its shim
             global PACKS_TILES
-            PACKS_TILES = form() in ("amx", "avx512bf16")
+            PACKS_TILES = form() in LANES_FORMS or form() == "amx"
             _register_fake()
             logger.info("linserve kernels loaded from %s (%s)", path, form())
             return True
@@ -186,17 +190,19 @@ def load_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-FORMS = {2: "amx", 1: "avx512bf16", 0: "scalar"}
+FORMS = {2: "amx", 1: "avx512bf16", 3: "avx512", 0: "scalar"}
+LANES_FORMS = ("avx512bf16", "avx512")  # the lanes over packed weights in vector registers
 # set at load: the kernel reads weights packed by `pack_weight` (a new tensor: AMX tiles, or the lanes form's groups
-# of 16 outputs side by side) wherever the CPU has AVX512-BF16; the scalar form reads a weight as it is (N, K) and
-# nothing is packed — a plain module constant, so a compiler tracing a projection reads it as one (an op that
-# returned its own input would alias it, which torch's custom-op checks refuse)
+# of 16 outputs side by side) wherever the CPU has AVX512 (with AVX512-BF16 or without); the scalar form reads a
+# weight as it is (N, K) and nothing is packed — a plain module constant, so a compiler tracing a projection reads it
+# as one (an op that returned its own input would alias it, which torch's custom-op checks refuse)
 PACKS_TILES = False
 
 
 def form() -> str | None:
-    """Which form the loaded kernel runs: "amx" (tiles over packed weights), "avx512bf16" or "scalar" (lanes over
-    the (N, K) weights, the same bits as each other); None when not loaded."""
+    """Which form the loaded kernel runs: "amx" (tiles over packed weights), "avx512bf16" or "avx512" (lanes over
+    packed weights) or "scalar" (lanes over the (N, K) weights) — the three lanes forms the same bits; None when not
+    loaded."""
     library = _state.get("library")
     return FORMS[library.linserve_kernel_form()] if library else None
 

@@ -7,7 +7,8 @@
 // row's bits are the same with 1 or 16 rows configured — so one row, a decode batch and a prefill chunk agree.
 // AMX's internal rounding is its own (it matched no sequential or fused emulation), hence no scalar twin.
 //
-// Lanes (AVX512-BF16, else scalar code, the same bits), over W packed once into groups of 16 outputs whose 32-wide
+// Lanes (AVX512-BF16; on an AVX512 CPU without it, its arithmetic in plain AVX512 instructions; else scalar code —
+// the same bits, all three), over W packed once into groups of 16 outputs whose 32-wide
 // chunks lie side by side (pack_weight: (N/16, K/32, 16, 32), so a one-row pass over a group reads one stream; W as
 // it is (N, K) is read too, and by the scalar code), one output y[m, n]:
 //   lanes[j] = 0 (j < 16); for each 32-wide chunk c of K (the tail read as zeros), in order:
@@ -35,7 +36,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef LINSERVE_AVX512BF16
+#ifdef LINSERVE_LANES
 #include <immintrin.h>
 #endif
 #include <sys/mman.h>
@@ -164,25 +165,80 @@ void rows_scalar(const uint16_t* x, const W* w, const float* scale, const float*
     }
 }
 
-#ifdef LINSERVE_AVX512BF16
-// ------------------------------------------------------------------------------------------ the AVX512-BF16 form
-inline __m512i load_chunk(const uint16_t* p, int64_t left) {  // 32 bf16, zeros past the end
+#ifdef LINSERVE_LANES
+// ------------------------------------------------------------------------------------------ the AVX512 lanes forms
+inline __m512i load_x(const uint16_t* p, int64_t left) {  // 32 bf16, zeros past the end
   if (left >= CHUNK) return _mm512_loadu_si512(p);
   return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p);
 }
 
-inline __m512i load_chunk(const int8_t* p, int64_t left) {  // 32 int8 widened exactly to bf16
-  __m256i bytes = left >= CHUNK ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << left) - 1), p);
-  __m512i words = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes));
-  __m512 low = _mm512_cvtepi32_ps(words);  // k 0..15
-  __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));  // k 16..31
+inline __m256i load_bytes(const int8_t* p, int64_t left) {  // 32 int8, zeros past the end
+  return left >= CHUNK ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                       : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << left) - 1), p);
+}
+
+#ifdef LINSERVE_AVX512BF16
+using WeightChunk = __m512i;  // 32 bf16, as VDPBF16PS takes them
+
+inline __m256i to_bf16(__m512 s) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s)); }
+
+inline WeightChunk load_w(const uint16_t* p, int64_t left) { return load_x(p, left); }
+
+inline WeightChunk load_w(const int8_t* p, int64_t left) {  // 32 int8 widened exactly to bf16
+  const __m256i bytes = load_bytes(p, left);
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));  // k 0..15
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));  // k 16..31
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));  // exact: every int8 is a bf16
 }
 
-inline __m512 dot_chunk(__m512 acc, __m512i a, __m512i b) {
+inline __m512 dot_chunk(__m512 acc, __m512i a, WeightChunk b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
+#else
+// AVX512F/BW without AVX512-BF16 (Skylake-SP to Ice Lake; virtual machines that hide it): VDPBF16PS's and
+// VCVTNEPS2BF16's arithmetic as the scalar form states it, in plain AVX512 instructions — the same bits
+inline __m256i to_bf16(__m512 s) {  // float_to_bf16 on 16 lanes: RNE, an input subnormal read as zero, NaN kept
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  __m512i bits = _mm512_castps_si512(s);
+  bits = _mm512_mask_and_epi32(bits, _mm512_testn_epi32_mask(bits, exponent), bits, _mm512_set1_epi32(INT32_MIN));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), exponent);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, up), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+// a weight chunk as fp32 values, split once for every row that reads it: lane j's element 2j + 1 and element 2j
+struct WeightChunk {
+  __m512 odd, even;
+};
+
+inline __m512 odd_of(__m512i pairs) {  // each 32-bit lane's high bf16 as fp32 (exact)
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline __m512 even_of(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }  // the low one
+
+inline WeightChunk load_w(const uint16_t* p, int64_t left) {
+  const __m512i pairs = load_x(p, left);
+  return {odd_of(pairs), even_of(pairs)};
+}
+
+inline WeightChunk load_w(const int8_t* p, int64_t left) {  // 32 int8 as fp32 (exact, as their bf16 would be)
+  const __m512i words = _mm512_cvtepi8_epi16(load_bytes(p, left));  // lane j: element 2j low, 2j + 1 high
+  return {_mm512_cvtepi32_ps(_mm512_srai_epi32(words, 16)),
+          _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(words, 16), 16))};
+}
+
+// each 32-bit lane: its odd pair's product added, then its even pair's — bf16 products are exact in fp32, and the
+// kernel's threads run under FTZ/DAZ (FlushSubnormals), so a product then an add is VDPBF16PS's step as lanes_scalar
+// states it (a multiply and an add, not fused: -ffp-contract=off)
+inline __m512 dot_chunk(__m512 acc, __m512i a, const WeightChunk& b) {
+  acc = _mm512_add_ps(acc, _mm512_mul_ps(odd_of(a), b.odd));
+  return _mm512_add_ps(acc, _mm512_mul_ps(even_of(a), b.even));
+}
+#endif
 
 inline __m512 pair_sum(__m512 a, __m512 b, __m512i low, __m512i high) {
   return _mm512_add_ps(_mm512_permutex2var_ps(a, low, b), _mm512_permutex2var_ps(a, high, b));
@@ -234,7 +290,7 @@ template <int R, int O, typename W, typename L>
 __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
                                                       int64_t c, int64_t left, bool fetch) {
   __m512i a[R];
-  for (int r = 0; r < R; ++r) a[r] = load_chunk(x + r * K + c, left);
+  for (int r = 0; r < R; ++r) a[r] = load_x(x + r * K + c, left);
   if (std::is_same<L, Packed>::value && O < GROUP && fetch) {
     // the first pass over part of a group (several rows) brings the whole block in: the other passes then read
     // cached lines (int8 at 8 rows: 0.7x -> 1.1x the (N, K) form's speed, Zen 5)
@@ -243,7 +299,7 @@ __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const
       _mm_prefetch(ahead + line, _MM_HINT_T0);
   }
   for (int o = 0; o < O; ++o) {
-    __m512i b = load_chunk(w + L::at(o, c, K), left);
+    const WeightChunk b = load_w(w + L::at(o, c, K), left);
     for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], a[r], b);
   }
 }
@@ -337,8 +393,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
         __m512 s = tree.last(u[r]);
         if (scale) s = _mm512_mul_ps(s, sc);
         if (bias) s = _mm512_add_ps(s, bi);
-        __m256i out = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s));
-        _mm256_mask_storeu_epi16(y + (m + r) * ys + g, keep, out);
+        _mm256_mask_storeu_epi16(y + (m + r) * ys + g, keep, to_bf16(s));
       }
       m += rows;
     }
@@ -384,7 +439,7 @@ template <>
 inline const void* tile<uint16_t>(const uint16_t* b, uint16_t*) { return b; }
 template <>
 inline const void* tile<int8_t>(const int8_t* b, uint16_t* wide) {
-  for (int i = 0; i < 16; ++i) _mm512_store_si512(wide + 32 * i, load_chunk(b + 32 * i, CHUNK));
+  for (int i = 0; i < 16; ++i) _mm512_store_si512(wide + 32 * i, load_w(b + 32 * i, CHUNK));
   asm volatile("" ::: "memory");  // (GCC's tile intrinsics are asm that names no memory: keep the stores before it)
   return wide;
 }
@@ -440,7 +495,7 @@ inline void amx_block(const uint16_t* x, int64_t x_stride, const W* packed, int6
       __m512 s = _mm512_load_ps(row);
       if (scale) s = _mm512_mul_ps(s, sc);
       if (bias) s = _mm512_add_ps(s, bi);
-      _mm256_mask_storeu_epi16(y + (m0 + r) * ys + n0, keep, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s)));
+      _mm256_mask_storeu_epi16(y + (m0 + r) * ys + n0, keep, to_bf16(s));
     }
   }
 }
@@ -485,7 +540,7 @@ void run_amx(const uint16_t* x, int64_t x_stride, const Parts<W>& parts, uint16_
 }
 #endif
 
-bool avx512_path = false;  // set at load when the CPU has AVX512-BF16 (and the library was built with it)
+bool avx512_path = false;  // set at load when the CPU has the lanes form's instructions (the library was built for it)
 
 // A thread's contiguous share of a call's tasks, [front, back) in one word: its owner takes tasks from the front,
 // a thread done with its own share takes them from the back — each task once, whichever thread runs it
@@ -560,7 +615,7 @@ void run(const uint16_t* x, const Parts<W>& parts, uint16_t* y, int64_t ys, int6
     const int64_t n0 = g * GROUP, n1 = std::min(part.N, n0 + GROUP);
     const int64_t m0 = b * row_block, m1 = std::min(M, m0 + row_block);
     uint16_t* yp = y + part.column;
-#ifdef LINSERVE_AVX512BF16
+#ifdef LINSERVE_LANES
     if (lanes_packed) {
       rows_avx512<W, Packed>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
       return;
@@ -691,7 +746,7 @@ void run_parts(const at::Tensor& x2, const std::vector<at::Tensor>& weights, con
     return;
   }
 #endif
-  TORCH_CHECK(!tiles || avx512_path, "invariant_linear: packed weights on a CPU without AVX512-BF16");
+  TORCH_CHECK(!tiles || avx512_path, "invariant_linear: packed weights on a CPU without AVX512");
   run<W>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), parts, yp, ys, M, K, force_scalar, tiles);
 }
 
@@ -759,10 +814,15 @@ at::Tensor invariant_linear_cat(const at::Tensor& x, const at::Tensor& w0, const
   return invariant_linear_parts(x, weights, scales, c10::nullopt, Ns, false);
 }
 
-bool has_avx512_bf16() {
+bool has_lanes() {  // the instructions the lanes form was built with
+#ifdef LINSERVE_LANES
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
 #ifdef LINSERVE_AVX512BF16
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+  return avx512 && __builtin_cpu_supports("avx512bf16");
+#else
+  return avx512;
+#endif
 #else
   return false;
 #endif
@@ -779,7 +839,7 @@ bool has_amx() {
 
 struct Init {
   Init() {
-    avx512_path = has_avx512_bf16();
+    avx512_path = has_lanes();
 #ifdef LINSERVE_AMX
     amx_path = avx512_path && has_amx();
 #endif
@@ -841,9 +901,13 @@ extern "C" int linserve_streamed_rows() {  // rows a call takes one at a time no
 
 extern "C" int64_t linserve_last_level_cache_bytes() { return last_level_cache_bytes(); }
 
-extern "C" int linserve_kernel_form() {  // 2: AMX tiles, 1: AVX512-BF16 lanes, 0: scalar lanes
+extern "C" int linserve_kernel_form() {  // 2: AMX tiles, 1: AVX512-BF16 lanes, 3: AVX512 lanes, 0: scalar lanes
 #ifdef LINSERVE_AMX
   if (amx_path) return 2;
 #endif
+#ifdef LINSERVE_AVX512BF16
   return avx512_path ? 1 : 0;
+#else
+  return avx512_path ? 3 : 0;
+#endif
 }

@@ -53,7 +53,7 @@ def test_the_lanes_form_computes_its_definition_in_avx512_and_in_scalar_code(M, 
     want = lanes_reference(x, w, bias=b)
     assert torch.equal(OP.invariant_linear_scalar(x, w, None, b, N), want)
     assert torch.equal(OP.invariant_linear(x, w, None, b, N), want)  # (N, K) weights: the lanes form
-    if kernels.form() == "avx512bf16":  # the lanes form over weights packed in groups of 16 outputs: the same bits
+    if kernels.form() in kernels.LANES_FORMS:  # the lanes over weights packed in groups of 16 outputs: the same bits
         packed = OP.pack_weight(w)
         assert packed.shape == ((N + 15) // 16, (K + 31) // 32, 16, 32)
         assert torch.equal(OP.invariant_linear(x, packed, None, b, N), want)
@@ -61,6 +61,31 @@ def test_the_lanes_form_computes_its_definition_in_avx512_and_in_scalar_code(M, 
         scale = torch.rand(N, generator=torch.Generator().manual_seed(2)) / 20
         assert torch.equal(OP.invariant_linear(x, OP.pack_weight(q), scale, b, N),
                            lanes_reference(x, q.float().bfloat16(), scale, b))
+
+
+def test_the_vector_lanes_round_edge_values_as_the_scalar_code_does():
+    """Subnormal inputs (read as zero), products and sums below fp32's normal range (flushed), infinities, NaN, sums
+    that overflow and outputs halfway between two bf16 values: the vector lanes (VDPBF16PS, or its arithmetic in
+    plain AVX512) give the scalar code's bits — outputs compared as bit patterns, so NaN equals NaN."""
+    if kernels.form() not in kernels.LANES_FORMS:
+        pytest.skip(f"no vector lanes form on this CPU ({kernels.form()})")
+    generator = torch.Generator().manual_seed(5)
+    M, N, K = 4, 48, 96
+    x = torch.randn(M, K, generator=generator).bfloat16()  # (M, K)
+    w = torch.randn(N, K, generator=generator).bfloat16()  # (N, K)
+    tiny = torch.tensor([1e-39, -3e-40, 2e-20, 1e-30], dtype=torch.float32).bfloat16()  # subnormals; tiny products
+    x[0, :4], w[:4, :4] = tiny, tiny.repeat(4, 1)
+    x[1, 5], w[7, 5] = float("inf"), float("nan")
+    x[2, :K] = 3e38  # sums past fp32's range
+    w[9:11] = 0.0
+    w[9, 0] = w[10, 1] = 1.0
+    x[3, 0], x[3, 1] = 1.0, 1.0 + 2 ** -7  # + 2⁻⁸: halfway between two bf16 values, to even (down, then up)
+    bias = torch.randn(N, generator=generator).bfloat16()
+    bias[9] = bias[10] = 2 ** -8
+    want = OP.invariant_linear_scalar(x, w, None, bias, N)
+    got = OP.invariant_linear(x, OP.pack_weight(w), None, bias, N)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(OP.invariant_linear(x, w, None, bias, N).view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
@@ -141,7 +166,7 @@ def test_rows_taken_one_at_a_time_once_the_weights_outgrow_the_cache_are_the_sam
     same both ways, and the way follows the packed weights the process holds."""
     from linserve.model import kernels
 
-    if kernels.form() != "avx512bf16":
+    if kernels.form() not in kernels.LANES_FORMS:
         pytest.skip(f"the lanes form over packed weights is not this CPU's ({kernels.form()})")
     assert kernels.streamed_rows() == 0  # (this process's packed weights so far fit the cache)
     N, K = 1040, 1000  # a short last group of outputs, a tail of K
@@ -217,7 +242,7 @@ def test_numerics_linear_uses_the_kernel_over_weights_packed_once():
 
 
 def test_the_loaded_form_follows_the_cpu():
-    assert kernels.form() == {"amx": "amx", "avx512bf16": "avx512bf16", "scalar": "scalar"}[kernels.cpu_isa()]
+    assert kernels.form() == kernels.cpu_isa()  # (amx, avx512bf16, avx512 or scalar)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])

@@ -1,4 +1,4 @@
-"""Loading: the weights' dtype `auto` resolves from what the CPU computes in hardware."""
+"""Loading: the weights' dtype `auto` resolves from what the CPU computes in hardware and which kernel form it runs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from linserve.model.loading import (
     DEFAULT_CHECKPOINT,
     cpu_computes_bf16,
+    cpu_serves_bf16,
     in_dtype,
     load_model,
     resolve_dtype,
@@ -34,10 +35,27 @@ def test_unreadable_cpuinfo_is_not_native(tmp_path):
     assert cpu_computes_bf16(tmp_path / "absent") is False
 
 
+def test_bf16_is_served_where_the_kernels_lanes_run_in_vector_registers(monkeypatch):
+    """bf16 in hardware; else AVX512 with linserve's kernel built (its lanes in plain AVX512: the same bits, half the
+    bytes of fp32); else — no AVX512, or no compiler to build the kernel (oneDNN would widen bf16 in software) — not."""
+    from linserve.model import kernels, loading
+
+    monkeypatch.setattr(loading, "cpu_computes_bf16", lambda: False)
+    monkeypatch.setattr(kernels, "load", lambda: True)
+    for isa, served in (("avx512", True), ("scalar", False)):
+        monkeypatch.setattr(kernels, "cpu_isa", lambda isa=isa: isa)
+        assert cpu_serves_bf16() is served
+    monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx512")
+    monkeypatch.setattr(kernels, "load", lambda: False)
+    assert cpu_serves_bf16() is False
+    monkeypatch.setattr(loading, "cpu_computes_bf16", lambda: True)
+    assert cpu_serves_bf16() is True
+
+
 def test_resolve_dtype():
     cpu = torch.device("cpu")
     assert resolve_dtype("float32", cpu) is torch.float32 and resolve_dtype("bfloat16", cpu) is torch.bfloat16
-    assert resolve_dtype("auto", cpu) is (torch.bfloat16 if cpu_computes_bf16() else torch.float32)
+    assert resolve_dtype("auto", cpu) is (torch.bfloat16 if cpu_serves_bf16() else torch.float32)
     assert resolve_dtype("auto", torch.device("cuda")) is torch.float32  # resolved without touching a GPU
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("float16", cpu)
