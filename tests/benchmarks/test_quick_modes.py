@@ -4,9 +4,11 @@ Timing targets are judged by the full runs (README); here only that each measure
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -25,10 +27,20 @@ ON_ANY_DEVICE = {"decode_vs_context.py", "engine_inprocess.py", "serving_overhea
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    """The script's --quick run, in a session of its own: whatever ends it — its exit, or pytest-timeout's exception
+    while it runs — its whole process group (the servers it started) is killed after, so a timed-out benchmark's
+    server never holds its port for the tests after it."""
     if script in ON_ANY_DEVICE:
         args = (*args, "--device", device_name_under_test())
-    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", *args], capture_output=True,
-                            text=True, timeout=600, cwd=BENCHMARKS.parent)
+    process = subprocess.Popen([sys.executable, str(BENCHMARKS / script), "--quick", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=BENCHMARKS.parent, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
