@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens = 2048
+    # memory, not speed: one thread — two OpenMP threads beside other busy processes (the suite's other worker)
+    # spin at every barrier, and the quick run's 2,048 fp32 eager tokens took 103 s against 11 s on one
+    torch.set_num_threads(1)
     model = load_model(DEFAULT_CHECKPOINT, torch.device("cpu")).model
     c = model.config
     formula = (
