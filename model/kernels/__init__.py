@@ -175,7 +175,7 @@ def load() -> bool:
                 build(path, isa)
             _state["library"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # global: compiled programs call its shim
             global PACKS_TILES
-            PACKS_TILES = form() in LANES_FORMS or form() == "amx"
+            PACKS_TILES = form() != "scalar"  # AMX tiles or the vector lanes' groups
             _register_fake()
             logger.info("linserve kernels loaded from %s (%s)", path, form())
             return True

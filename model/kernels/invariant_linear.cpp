@@ -202,8 +202,8 @@ inline __m256i to_bf16(__m512 s) {  // float_to_bf16 on 16 lanes: RNE, an input 
   __m512i bits = _mm512_castps_si512(s);
   bits = _mm512_mask_and_epi32(bits, _mm512_testn_epi32_mask(bits, exponent), bits, _mm512_set1_epi32(INT32_MIN));
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), exponent);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+  const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));  // ties to even
+  const __m512i up = _mm512_add_epi32(kept_lsb, _mm512_set1_epi32(0x7fff));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, up), 16);
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
