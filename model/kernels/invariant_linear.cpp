@@ -18,6 +18,7 @@
 // Both: y = bf16_rne(s + bias[n]) (int8 weights: bf16_rne(s · scale[n] + bias[n]); every int8 is a bf16, so the
 // weights are widened exactly). The threads set FTZ/DAZ for the kernel's length so their fp32 adds round alike.
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -728,9 +729,10 @@ bool check_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& sca
 }
 
 template <typename W>
-void run_parts(const at::Tensor& x2, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
-               const at::Tensor& bias, const std::vector<int64_t>& Ns, at::Tensor& y, bool tiles, bool force_scalar) {
-  const int64_t M = x2.size(0), K = x2.size(1), ys = y.size(-1);
+void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::Tensor>& weights,
+               const std::vector<at::Tensor>& scales, const at::Tensor& bias, const std::vector<int64_t>& Ns,
+               at::Tensor& y, bool tiles, bool force_scalar) {
+  const int64_t ys = y.size(-1);
   Parts<W> parts{};
   parts.count = static_cast<int>(weights.size());
   for (int j = 0, column = 0; j < parts.count; column += Ns[j], ++j)
@@ -741,13 +743,17 @@ void run_parts(const at::Tensor& x2, const std::vector<at::Tensor>& weights, con
 #ifdef LINSERVE_AMX
   if (tiles && amx_path) {
     const int64_t Kb = (K + 31) / 32;
-    const at::Tensor xp = K % 32 ? at::constant_pad_nd(x2, {0, Kb * 32 - K}) : x2;  // tiles read whole 32-wide blocks
+    const at::Tensor xp = K % 32 ? at::constant_pad_nd(x.view({M, K}), {0, Kb * 32 - K}) : x;  // whole 32-wide blocks
     run_amx<W>(reinterpret_cast<const uint16_t*>(xp.data_ptr()), Kb * 32, parts, yp, ys, M, Kb);
     return;
   }
 #endif
   TORCH_CHECK(!tiles || avx512_path, "invariant_linear: packed weights on a CPU without AVX512");
-  run<W>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), parts, yp, ys, M, K, force_scalar, tiles);
+  run<W>(reinterpret_cast<const uint16_t*>(x.data_ptr()), parts, yp, ys, M, K, force_scalar, tiles);
+}
+
+at::Tensor as_float(const at::Tensor& t) {  // (a scale or a bias: fp32 and contiguous already, without a dispatch)
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
 }
 
 // y = [x W_0ᵀ, x W_1ᵀ, …] (+ b where one weight has a bias): each weight's outputs exactly as a call over it alone
@@ -766,23 +772,27 @@ at::Tensor invariant_linear_parts(const at::Tensor& x, const std::vector<at::Ten
     TORCH_CHECK(check_weight(weights[j], scales[j], Ns[j], K, force_scalar) == tiles &&
                     (weights[j].scalar_type() == at::kChar) == int8,
                 "invariant_linear_cat: the weights must share one form (packed or not, bf16 or int8)");
-    if (int8) s[j] = scales[j]->to(at::kFloat).contiguous();
+    if (int8) s[j] = as_float(*scales[j]);
     total += Ns[j];
   }
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(weights.size() == 1, "invariant_linear_cat: no bias");
-    b = bias->to(at::kFloat).contiguous();
+    b = as_float(*bias);
   }
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  // No operator goes through the dispatcher on a decode step's path (x contiguous, as every caller passes it): a
+  // reshape, a view and an `empty` through it cost ~5 µs a call on the engine's thread (autograd's layer included),
+  // a sixth of the shipped model's batch-1 step
+  const at::Tensor x2 = x.contiguous();  // (…, K): itself where it is contiguous
+  const int64_t M = K ? x2.numel() / K : 0;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = total;
-  at::Tensor y = at::empty(shape, x.options());
-  if (x2.size(0) == 0 || total == 0) return y;
+  at::Tensor y = at::detail::empty_cpu(shape, at::kBFloat16, false, c10::nullopt);  // (…, total)
+  if (M == 0 || total == 0) return y;
   if (int8)
-    run_parts<int8_t>(x2, weights, s, b, Ns, y, tiles, force_scalar);
+    run_parts<int8_t>(x2, M, K, weights, s, b, Ns, y, tiles, force_scalar);
   else
-    run_parts<uint16_t>(x2, weights, s, b, Ns, y, tiles, force_scalar);
+    run_parts<uint16_t>(x2, M, K, weights, s, b, Ns, y, tiles, force_scalar);
   return y;
 }
 

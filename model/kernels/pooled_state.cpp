@@ -20,6 +20,7 @@
 // them, and nothing reads a pool buffer after its commit within a step. A slot that appears in more than one row
 // (a bucket's padding repeats the first row) is updated once, by its first row.
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
@@ -27,9 +28,16 @@
 #include "recurrence_blocks.h"
 
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace {
+
+// a step's fp32 output rows, allocated without a trip through the dispatcher (these ops run on the CPU only, a
+// dozen times a decode step)
+at::Tensor rows_out(int64_t B, int64_t H, int64_t dv) {
+  return at::detail::empty_cpu({B, H, dv}, at::kFloat, false, c10::nullopt);
+}
 
 using linserve::for_each_block;
 using linserve::MAX_COLUMNS;
@@ -144,7 +152,7 @@ at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
   const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "linear_read");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  at::Tensor o = at::empty({B, H, dv}, pool.options());
+  at::Tensor o = rows_out(B, H, dv);  // (B, H, dv)
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const float *ap = gated ? a.data_ptr<float>() : nullptr, *sp = pool.data_ptr<float>();
   float* op = o.data_ptr<float>();
@@ -173,7 +181,7 @@ std::tuple<at::Tensor, at::Tensor> delta_read(const at::Tensor& q, const at::Ten
   }
   const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "delta_read");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), bc = beta.contiguous();
-  at::Tensor o = at::empty({B, H, dv}, pool.options()), u = at::empty({B, H, dv}, pool.options());
+  at::Tensor o = rows_out(B, H, dv), u = rows_out(B, H, dv);  // (B, H, dv) each
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const float *bp = bc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr, *sp = pool.data_ptr<float>();
   float *op = o.data_ptr<float>(), *up = u.data_ptr<float>();
@@ -264,7 +272,9 @@ at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const a
       }
     }
   });
-  return keep.clone();
+  at::Tensor kept_out = at::detail::empty_cpu(keep_c.sizes(), at::kBool, false, c10::nullopt);  // keep's copy
+  std::memcpy(kept_out.data_ptr(), kept, static_cast<size_t>(keep_c.numel()));
+  return kept_out;
 }
 
 }  // namespace

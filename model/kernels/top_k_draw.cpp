@@ -13,6 +13,7 @@
 // probs (B, V) float64, k (B,) int64 ≤ 64 (the caller clamps; a larger k is the host's), min_p (B,) fp32,
 // uniforms (B,) fp32 → tokens (B,) int64. Rows are independent tasks: no result depends on the batch or threads.
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -119,7 +120,7 @@ at::Tensor top_k_draw(const at::Tensor& probs, const at::Tensor& k, const at::Te
   const int64_t B = p.size(0), V = p.size(1);
   TORCH_CHECK(ks.numel() == B && floors.numel() == B && us.numel() == B, "top_k_draw: one k, min_p, uniform a row");
   TORCH_CHECK(V > 0, "top_k_draw: an empty vocabulary");
-  auto tokens = at::empty({B}, k.options());
+  auto tokens = at::detail::empty_cpu({B}, at::kLong, false, c10::nullopt);  // (B,) (no dispatch: CPU only)
   const double* data = p.data_ptr<double>();
   const int64_t* k_data = ks.data_ptr<int64_t>();
   const float* m_data = floors.data_ptr<float>();
