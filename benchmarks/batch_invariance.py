@@ -7,7 +7,9 @@
   row's result depends on its bucket) — the default before 2026-11-26, except that prefill then ran in fp32;
 - `fp32`: `--dtype float32` with `compile_autotune: true` (what the issue proposed as the fallback);
 - `fp32_plain`: `--dtype float32` with the default programs (`dtype auto` on a CPU without AVX512, and on an AVX512
-  CPU without AVX512-BF16 before 2026-12-01).
+  CPU without AVX512-BF16 before 2026-12-01);
+- `exact_int8`: the default configuration with `--quantization int8` (weight-only int8 through the same kernel:
+  the same guarantee, half the projection bytes).
 
 For each, two things:
 1. invariance, over 8 greedy prompts of `--prompt-tokens` tokens from the validation plays (`--generate` tokens
@@ -46,6 +48,7 @@ SERVERS = {
     "autotuned": ([], {"LINSERVE_COMPILE_AUTOTUNE": "true", "LINSERVE_KERNELS": "off"}),
     "fp32": (["--dtype", "float32"], {"LINSERVE_COMPILE_AUTOTUNE": "true"}),
     "fp32_plain": (["--dtype", "float32"], {}),
+    "exact_int8": (["--quantization", "int8"], {}),
 }
 
 

@@ -30,6 +30,7 @@ from .api.responses.router import router as responses_router
 from .api.sessions.idempotency import KeyedResults
 from .api.sessions.router import router as sessions_router
 from .api.web.router import router as web_router
+from .engine import heap
 from .engine.cpu_threads import in_passing_thread
 from .engine_process.remote import connect_core, start_core
 from .loading import load_engine
@@ -65,11 +66,13 @@ async def lifespan(app: FastAPI):
         state.metrics.watch_decode_step(state.engine.describe_decode_step)
     state.limits = RequestLimits.of(state.settings, state.tokenizer, state.generation)  # what a request may ask
     state.engine.on_death.append(lambda error: loop.call_soon_threadsafe(engine_died, app))
+    heap.freeze_startup_objects("frontend")  # (engine/heap.py: no 150 ms collection stops the event loop later)
     state.ready = True
     try:
         yield
     finally:
         await drain(app)
+        heap.unfreeze()  # (an app started again in this process: what this one froze may be freed)
 
 
 def engine_status(engine) -> dict:

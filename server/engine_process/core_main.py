@@ -19,6 +19,7 @@ import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 
+from ..engine import heap
 from ..engine.command_queue import ENGINE_DEAD
 from ..engine.cpu_threads import in_passing_thread
 from ..engine.types import PoolStats, StepStats, output_values, pool_values, step_values
@@ -152,6 +153,7 @@ def run(settings, conns: Connection | list[Connection]) -> None:
         outboxes.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
     engine.on_death.append(lambda error: died(outboxes))
+    heap.freeze_startup_objects("engine core")  # (engine/heap.py: no 150 ms collection holds the engine thread later)
     outboxes.send(("ready", engine.facts, generation))
     outboxes.opened()
     serve_frontends(engine, outboxes)

@@ -194,6 +194,13 @@ def test_a_core_that_dies_turns_health_to_503_and_ends_the_server(tiny_checkpoin
     assert "the engine core" in (tmp_path / "serve.log").read_text()
 
 
+def test_the_core_and_every_frontend_froze_startups_objects_out_of_the_collectors_walks(split):
+    """engine/heap.py, in each process of a split server: its startup objects frozen (the count each logged)."""
+    frozen = re.findall(r"(engine core|frontend): (\d+) objects made at startup frozen", split.log.read_text())
+    assert sorted(who for who, _ in frozen) == ["engine core"] + ["frontend"] * split.frontends
+    assert all(int(count) > 10_000 for _, count in frozen)
+
+
 def test_every_frontend_answers_and_each_metrics_counts_them_all(split):
     """Requests on fresh connections land on either frontend (the kernel picks); whichever answers a scrape
     counts every one of them, and its process_* covers the whole server."""
