@@ -781,8 +781,7 @@ at::Tensor invariant_linear_parts(const at::Tensor& x, const std::vector<at::Ten
     b = as_float(*bias);
   }
   // No operator goes through the dispatcher on a decode step's path (x contiguous, as every caller passes it): a
-  // reshape, a view and an `empty` through it cost ~5 µs a call on the engine's thread (autograd's layer included),
-  // a sixth of the shipped model's batch-1 step
+  // reshape, a view and an `empty` through it cost 1.1-1.5 µs a call, and a shipped-model step makes 27 calls
   const at::Tensor x2 = x.contiguous();  // (…, K): itself where it is contiguous
   const int64_t M = K ? x2.numel() / K : 0;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
