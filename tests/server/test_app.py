@@ -229,9 +229,10 @@ def test_a_started_app_serves_with_startups_objects_frozen_and_gives_them_back_w
 
     from linserve.server.app import create_app
     from linserve.server.settings import Settings
+    from tests.devices import device_name_under_test
 
-    settings = Settings(model=str(tiny_checkpoint), device="cpu", num_slots=2, compile="off", api_servers=0,
-                        session_store="none")
+    settings = Settings(model=str(tiny_checkpoint), device=device_name_under_test(), num_slots=2, compile="off",
+                        api_servers=0, session_store="none")
     with TestClient(create_app(settings)) as client:
         assert gc.get_freeze_count() > 10_000
         ok = client.post("/v1/completions", json={"prompt": "To be", "max_tokens": 3, "ignore_eos": True})
