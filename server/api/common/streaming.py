@@ -97,9 +97,13 @@ class OutputStream:
         self._pusher: Callable[[], None] | None = None  # writes what arrived, from the hand-over (push_to)
         self._push_due = False  # a push is owed for outputs that arrived in the flush under way
 
-        # the engine's sink for this stream (its thread, or the loop's): the delivery's `put` bound to it, with no
-        # Python frame of its own a token
-        self.sink: Callable[[RequestOutput], None] = functools.partial(self._delivery.put, self)
+    @property
+    def sink(self) -> Callable[[RequestOutput], None]:
+        """The engine's sink for this stream (its thread, or the loop's): the delivery's `put` bound to it, with no
+        Python frame of its own a token. Made for the caller, not kept: a stream that held its own sink would be a
+        reference cycle — freed by the garbage collector's walks instead of when its request ends (docs/engine.md,
+        "The collector's pauses")."""
+        return functools.partial(self._delivery.put, self)
 
     def arrived(self, output: RequestOutput) -> bool:
         """Event-loop thread (LoopDelivery). True: push this stream once the flush has handed out its outputs."""

@@ -410,3 +410,26 @@ def test_chunks_written_straight_to_uvicorns_transport_arrive_whole_and_in_order
         rest = rest[n + 2:]
     assert bytes(body) == b"".join(token_bytes(position) for position in range(tokens)) + b"end"
     assert direct[True] > 0 and direct[False] > 0, direct  # straight to the transport, and the send once it paused
+
+
+def test_a_finished_stream_is_freed_when_its_request_lets_go_not_by_the_garbage_collector():
+    """No reference cycle through a stream (its sink is made for the engine, not kept): a request's stream and its
+    outputs go when the last reference does — nothing per request waits for a collector's walk (engine/heap.py)."""
+    import gc
+    import weakref
+
+    async def run() -> weakref.ref:
+        stream = OutputStream(asyncio.get_running_loop(), 1)
+        sink = stream.sink  # what the engine holds while the request runs
+        sink(RequestOutput("r", 0, 7, "x"))
+        sink(RequestOutput("r", 0, 8, "y", finish_reason=FinishReason.STOP))
+        assert [output.token_id async for output in stream] == [7, 8]
+        del sink  # the engine lets go once the request is finished
+        return weakref.ref(stream)
+
+    gc.disable()
+    try:
+        gone = asyncio.run(run())
+        assert gone() is None
+    finally:
+        gc.enable()
