@@ -26,7 +26,9 @@ def test_freezing_collects_startups_garbage_and_keeps_what_lives_out_of_later_co
     try:
         frozen = heap.freeze_startup_objects("test")
         assert dead() is None  # collected before freezing: startup's garbage is not kept for good
-        assert frozen == gc.get_freeze_count() > 1000 and gc.is_tracked(kept)
+        # frozen objects still go when their last reference does (another thread's, between the two counts): the
+        # permanent generation can shrink, never grow without another freeze
+        assert frozen > 1000 and 0 < gc.get_freeze_count() <= frozen and gc.is_tracked(kept)
         assert not walked(kept)  # in the permanent generation: no collection walks it
         later = Node()  # what serving makes is still collected
         gone = weakref.ref(later)
