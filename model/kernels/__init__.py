@@ -39,7 +39,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp",
-                                                                           "pooled_state.cpp", "top_k_draw.cpp")]
+                                                                           "pooled_state.cpp", "top_k_draw.cpp",
+                                                                           "program_call.cpp")]
 HEADERS = [os.path.join(os.path.dirname(__file__), name)  # (part of the build's key)
            for name in ("flush_subnormals.h", "recurrence_blocks.h")]
 LIBRARY = "liblinserve_kernels.so"

@@ -8,7 +8,10 @@ Python thread beside the program advanced at 3% of its idle rate; measured in do
 The artifact is a zip holding one shared library with the program and its weights, whose C entry points are
 AOTInductor's stable ABI (`AOTInductorModelContainerCreateWithDevice`, `…Run`, `…Delete`). Called through
 ctypes, the call releases the GIL for its whole length; tensors cross as AtenTensorHandles made and taken by
-torch's own helpers (`torch._C._aoti`), exactly as its loader passes them. Anything unexpected — no such
+torch's own helpers (`torch._C._aoti`), exactly as its loader passes them — or, where linserve's kernels are loaded,
+made and taken in C++ by `torch.ops.linserve.run_program` (model/kernels/program_call.cpp: a step passes ~40 tensors,
+the weights among them, and one ctypes call per handle cost ~45 µs of a ~1 ms one-row step; torch.ops releases the
+GIL for the call as ctypes does). Anything unexpected — no such
 entry point, a failed create — falls back to torch's loader (logged), so a torch that changes this ABI serves
 as before.
 """
@@ -64,8 +67,14 @@ class ReleasingProgram:
         count = ctypes.c_size_t()
         check(self.library.AOTInductorModelContainerGetNumOutputs(self.handle, ctypes.byref(count)), "outputs")
         self.num_outputs = count.value
+        self._in_cpp = None  # linserve's op (the C++ helper), when its kernels are loaded
+        if kernels.load() and hasattr(torch.ops.linserve, "run_program"):
+            self._in_cpp = torch.ops.linserve.run_program.default
+            self._run_address = ctypes.cast(self._run, ctypes.c_void_p).value
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        if self._in_cpp is not None:
+            return self._in_cpp(self._run_address, self.handle.value, inputs, self.num_outputs)
         handles = [_capsule_pointer(c, None) for c in torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(inputs)]
         in_array = (ctypes.c_void_p * len(handles))(*handles)  # the handles are the callee's to free
         out_array = (ctypes.c_void_p * self.num_outputs)()
@@ -76,7 +85,7 @@ class ReleasingProgram:
     def __del__(self) -> None:
         if getattr(self, "handle", None) and self.handle.value:
             self._delete(self.handle)
-            self.handle = ctypes.c_void_p()
+            self.handle.value = None  # (no module global: at interpreter exit `ctypes` may already be gone)
 
 
 def check(status: int, what: str) -> None:

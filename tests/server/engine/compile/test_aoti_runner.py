@@ -37,11 +37,19 @@ def fresh(inputs: tuple) -> list:
     return [tensor.clone() for tensor in inputs]
 
 
-def test_the_step_uses_the_releasing_program_and_matches_torch_loader(built):
+def by_ctypes(program: ReleasingProgram) -> ReleasingProgram:
+    """The same program called with its handles made in Python (the path where linserve's kernels are absent)."""
+    program._in_cpp = None
+    return program
+
+
+@pytest.mark.parametrize("handles", ["c++", "ctypes"])
+def test_the_step_uses_the_releasing_program_and_matches_torch_loader(built, handles):
     step, package, inputs = built
     assert isinstance(step._ready[1].step, ReleasingProgram)
+    assert step._ready[1].step._in_cpp is not None  # the kernels are loaded here: handles made in C++
     mine, torchs = fresh(inputs), fresh(inputs)
-    ours = ReleasingProgram(package)(*mine)
+    ours = (ReleasingProgram(package) if handles == "c++" else by_ctypes(ReleasingProgram(package)))(*mine)
     theirs = torch._inductor.aoti_load_package(package)(*torchs)
     assert len(ours) == len(theirs) == 8  # tokens … redraw, table (the new state is written into the pool)
     for a, b in zip(ours, theirs):
@@ -52,17 +60,28 @@ def test_the_step_uses_the_releasing_program_and_matches_torch_loader(built):
         assert torch.equal(a[0], before[0]) and not torch.equal(a[1], before[1])  # slot 0 untouched
 
 
+def test_a_run_the_program_refuses_raises_and_the_next_run_is_exact(built):
+    """The container checks its inputs: a call it refuses raises a Python error naming what is wrong (no crash of
+    the process), and the program serves the next call as before."""
+    _, package, inputs = built
+    program = ReleasingProgram(package)
+    with pytest.raises(RuntimeError, match="inputs vector size"):
+        program(*fresh(inputs)[:-1])  # one input short
+    assert torch.equal(program(*fresh(inputs))[5], by_ctypes(ReleasingProgram(package))(*fresh(inputs))[5])
+
+
 def test_the_run_entry_point_releases_the_gil(built):
     """The program is called as a plain foreign function (ctypes CDLL), which releases the GIL for the call —
-    unlike a PyDLL function or torch's loader (a pybind call that keeps it): the mechanism, not a timing
-    (the effect is measured in docs/engine.md, "Threads")."""
+    unlike a PyDLL function or torch's loader (a pybind call that keeps it) — or from linserve's op, which torch.ops
+    calls with the GIL released: the mechanism, not a timing (the effect is measured in docs/engine.md, "Threads")."""
     _, package, inputs = built
     program = ReleasingProgram(package)
     assert type(program.library) is ctypes.CDLL
     assert not program._run._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # PYTHONAPI functions keep the GIL
+    assert program._in_cpp is torch.ops.linserve.run_program.default  # an op call: the GIL released around it
     for _ in range(3):  # handles are made and taken on every call: repeated calls stay exact
         again = program(*fresh(inputs))
-    assert torch.equal(again[5], ReleasingProgram(package)(*fresh(inputs))[5])
+    assert torch.equal(again[5], by_ctypes(ReleasingProgram(package))(*fresh(inputs))[5])
 
 
 def test_a_package_without_a_library_falls_back_to_torch_loader(tmp_path, monkeypatch, built, caplog):
