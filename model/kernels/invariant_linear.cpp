@@ -35,6 +35,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <vector>
 
 #ifdef LINSERVE_LANES
@@ -192,6 +193,7 @@ inline WeightChunk load_w(const int8_t* p, int64_t left) {  // 32 int8 widened e
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));  // exact: every int8 is a bf16
 }
 
+template <bool F>  // (VDPBF16PS: no unfused form to choose)
 inline __m512 dot_chunk(__m512 acc, __m512i a, WeightChunk b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
@@ -234,8 +236,12 @@ inline WeightChunk load_w(const int8_t* p, int64_t left) {  // 32 int8 as fp32 (
 
 // each 32-bit lane: its odd pair's product added, then its even pair's — bf16 products are exact in fp32, and the
 // kernel's threads run under FTZ/DAZ (FlushSubnormals), so a product then an add is VDPBF16PS's step as lanes_scalar
-// states it (a multiply and an add, not fused: -ffp-contract=off)
+// states it (a multiply and an add, not fused: -ffp-contract=off). F: the same step as one fused multiply-add, for a
+// call whose every product is exact and normal (`in_fused_range`): the fused form then rounds the same exact sum
+// once, as the add does — the same bits in half the instructions (a multi-row call is arithmetic-bound here)
+template <bool F>
 inline __m512 dot_chunk(__m512 acc, __m512i a, const WeightChunk& b) {
+  if (F) return _mm512_fmadd_ps(even_of(a), b.even, _mm512_fmadd_ps(odd_of(a), b.odd, acc));
   acc = _mm512_add_ps(acc, _mm512_mul_ps(odd_of(a), b.odd));
   return _mm512_add_ps(acc, _mm512_mul_ps(even_of(a), b.even));
 }
@@ -287,7 +293,7 @@ struct Packed {
 };
 
 // one 32-wide chunk at k = c (`left` of K from there: the tail reads zeros past it) into R rows × O outputs
-template <int R, int O, typename W, typename L>
+template <int R, int O, typename W, typename L, bool F>
 __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
                                                       int64_t c, int64_t left, bool fetch) {
   __m512i a[R];
@@ -301,27 +307,27 @@ __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const
   }
   for (int o = 0; o < O; ++o) {
     const WeightChunk b = load_w(w + L::at(o, c, K), left);
-    for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk(acc[r][o], a[r], b);
+    for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk<F>(acc[r][o], a[r], b);
   }
 }
 
 // R rows × O outputs over all of K: the full chunks unmasked (CHUNK, a constant), the tail masked once (inlined:
 // the accumulators stay in registers)
-template <int R, int O, typename W, typename L>
+template <int R, int O, typename W, typename L, bool F = false>
 __attribute__((always_inline)) inline void dot_rows(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
                                                     bool fetch = false) {
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
   const int64_t full = K - K % CHUNK;
-  for (int64_t c = 0; c < full; c += CHUNK) dot_chunks<R, O, W, L>(acc, x, w, K, c, CHUNK, fetch);
-  if (full < K) dot_chunks<R, O, W, L>(acc, x, w, K, full, K - full, false);
+  for (int64_t c = 0; c < full; c += CHUNK) dot_chunks<R, O, W, L, F>(acc, x, w, K, c, CHUNK, fetch);
+  if (full < K) dot_chunks<R, O, W, L, F>(acc, x, w, K, full, K - full, false);
 }
 
 // R rows × 4Q outputs: each row's quads of lanes reduced by the tree's first two levels into u[r][q0 + q]
-template <int R, int Q, typename W, typename L>
+template <int R, int Q, typename W, typename L, bool F>
 void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0, bool fetch) {
   __m512 acc[R][4 * Q];
-  dot_rows<R, 4 * Q, W, L>(acc, x, w, K, fetch);
+  dot_rows<R, 4 * Q, W, L, F>(acc, x, w, K, fetch);
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < Q; ++q)
       u[r][q0 + q] = tree.quad(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
@@ -341,14 +347,15 @@ void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, i
   for (int r = 0; r < R; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
-template <int R, typename W, typename L>
+template <int R, typename W, typename L, bool F>
 inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_t K, int64_t outputs, __m512 (*u)[4],
                         bool fetch) {
   constexpr int Q = L::template quads<R>();
   const int quads = static_cast<int>(outputs / 4);
   int q = 0;
-  for (; q + Q <= quads; q += Q) block_quads<R, Q, W, L>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
-  for (; q < quads; ++q) block_quads<R, 1, W, L>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
+  for (; q + Q <= quads; q += Q)
+    block_quads<R, Q, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
+  for (; q < quads; ++q) block_quads<R, 1, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
   if (outputs % 4) {
     block_partial<R, W>(tree, x, wg + 4 * q * K, K, static_cast<int>(outputs % 4), u, q);
     ++q;
@@ -357,7 +364,7 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
     for (int r = 0; r < R; ++r) u[r][q] = _mm512_setzero_ps();
 }
 
-template <typename W, typename L>
+template <typename W, typename L, bool F = false>
 void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
                  int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys) {  // ys: y's row stride
   constexpr bool packed = std::is_same<L, Packed>::value;
@@ -385,10 +392,10 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
                                    : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
       const uint16_t* xm = x + m * K;
       switch (rows) {
-        case 6: group_quads<6, W, L>(tree, xm, wg, K, computed, u, m == m0); break;
-        case 4: group_quads<4, W, L>(tree, xm, wg, K, computed, u, m == m0); break;
-        case 2: group_quads<2, W, L>(tree, xm, wg, K, computed, u, m == m0); break;
-        default: group_quads<1, W, L>(tree, xm, wg, K, computed, u, m == m0);
+        case 6: group_quads<6, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
+        case 4: group_quads<4, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
+        case 2: group_quads<2, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
+        default: group_quads<1, W, L, F>(tree, xm, wg, K, computed, u, m == m0);
       }
       for (int64_t r = 0; r < rows; ++r) {
         __m512 s = tree.last(u[r]);
@@ -543,6 +550,45 @@ void run_amx(const uint16_t* x, int64_t x_stride, const Parts<W>& parts, uint16_
 
 bool avx512_path = false;  // set at load when the CPU has the lanes form's instructions (the library was built for it)
 
+// The plain-AVX512 lanes form's fused step (dot_chunk<true>) gives the unfused step's bits when every product is
+// exact and normal: bf16 × bf16 (or int8 × bf16) significands always fit fp32's, so what remains is the exponents —
+// every nonzero input in [2^-63, 2^64) keeps each product in [2^-126, FLT_MAX), neither flushed nor overflowed,
+// and the multiply-add then rounds the same exact sum once, as the add does. A zero or subnormal input (read as
+// zero either way) is in range; an infinity or NaN is not. Checked for x on every multi-row call (M·K bf16
+// exponents, ~0.1 µs for 5 × 1,024) and for each bf16 weight once, as pack_weight packs it: the packed weights
+// in range are known by their data while they live (`fused_weights`; a packed weight is read-only; any other tensor
+// — a copy, a view past its start — is not known, so unfused). int8 weights are integers of magnitude 1-128: in range.
+constexpr int FUSED_EXPONENT_LOW = 127 - 63, FUSED_EXPONENT_HIGH = 127 + 63;  // biased: 2^-63 .. 2^64 exclusive
+std::mutex fused_mutex;
+std::unordered_set<const void*> fused_weights;  // the data of live packed bf16 weights whose values are all in range
+
+bool packed_in_fused_range(const void* data) {
+  std::lock_guard<std::mutex> lock(fused_mutex);
+  return fused_weights.count(data) != 0;
+}
+
+bool in_fused_range(const uint16_t* v, int64_t n) {
+  int64_t i = 0;
+#ifdef LINSERVE_LANES
+  if (avx512_path) {
+    const __m512i low = _mm512_set1_epi16(FUSED_EXPONENT_LOW), high = _mm512_set1_epi16(FUSED_EXPONENT_HIGH);
+    const __m512i field = _mm512_set1_epi16(0xff);
+    __mmask32 all = ~__mmask32(0);
+    for (; i + 32 <= n; i += 32) {
+      const __m512i e = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(v + i), 7), field);
+      const __mmask32 zero = _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512());
+      all &= zero | (_mm512_cmpge_epu16_mask(e, low) & _mm512_cmple_epu16_mask(e, high));
+    }
+    if (all != ~__mmask32(0)) return false;
+  }
+#endif
+  for (; i < n; ++i) {
+    const int e = (v[i] >> 7) & 0xff;
+    if (e != 0 && (e < FUSED_EXPONENT_LOW || e > FUSED_EXPONENT_HIGH)) return false;
+  }
+  return true;
+}
+
 // A thread's contiguous share of a call's tasks, [front, back) in one word: its owner takes tasks from the front,
 // a thread done with its own share takes them from the back — each task once, whichever thread runs it
 struct alignas(64) Share {
@@ -599,7 +645,7 @@ void run_tasks(int64_t total, int64_t grain, const Task& task) {
 
 template <typename W>
 void run(const uint16_t* x, const Parts<W>& parts, uint16_t* y, int64_t ys, int64_t M, int64_t K, bool force_scalar,
-         bool lanes_packed) {
+         bool lanes_packed, bool fused) {
   // tasks: each part's groups of outputs × blocks of rows, the parts' tasks in one range (one parallel region a
   // call); every output's arithmetic is the same whichever task holds it
   const int64_t row_block = M <= 64 ? M : 64;
@@ -618,7 +664,10 @@ void run(const uint16_t* x, const Parts<W>& parts, uint16_t* y, int64_t ys, int6
     uint16_t* yp = y + part.column;
 #ifdef LINSERVE_LANES
     if (lanes_packed) {
-      rows_avx512<W, Packed>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
+      if (fused)
+        rows_avx512<W, Packed, true>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
+      else
+        rows_avx512<W, Packed>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
       return;
     }
     if (avx512_path && !force_scalar) {
@@ -703,7 +752,19 @@ at::Tensor pack_weight(const at::Tensor& weight) {
 #endif
   // lanes: (N, K) → (Nb, Kb, 16, 32): [nb][kb][n][j] = w[16nb + n][32kb + j] — a group's chunks side by side
   packed.copy_(padded.view({Nb, 16, Kb, 32}).permute({0, 2, 1, 3}));
-  return packed;
+  if (weight.scalar_type() != at::kBFloat16 ||
+      !in_fused_range(reinterpret_cast<const uint16_t*>(padded.data_ptr()), padded.numel()))
+    return packed;
+  // known in range while it lives: the same memory, held by a tensor whose end forgets it
+  void* data = packed.data_ptr();
+  {
+    std::lock_guard<std::mutex> lock(fused_mutex);
+    fused_weights.insert(data);
+  }
+  return at::from_blob(data, packed.sizes(), [packed, data](void*) {
+    std::lock_guard<std::mutex> lock(fused_mutex);
+    fused_weights.erase(data);
+  }, packed.options());
 }
 
 // one weight's checks: (N, K) as it is or packed (N/16, K/32, 16, 32); int8 with a scale, bf16 without
@@ -749,7 +810,16 @@ void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::
   }
 #endif
   TORCH_CHECK(!tiles || avx512_path, "invariant_linear: packed weights on a CPU without AVX512");
-  run<W>(reinterpret_cast<const uint16_t*>(x.data_ptr()), parts, yp, ys, M, K, force_scalar, tiles);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+#ifdef LINSERVE_AVX512BF16
+  const bool fused = false;  // (VDPBF16PS is the step already)
+#else
+  // several rows over packed weights (one row is bound by reading them, not by arithmetic), every product in range
+  bool fused = tiles && M >= 2 && in_fused_range(xp, M * K);
+  for (int j = 0; fused && j < parts.count; ++j)
+    fused = std::is_same<W, int8_t>::value || packed_in_fused_range(weights[j].data_ptr());
+#endif
+  run<W>(xp, parts, yp, ys, M, K, force_scalar, tiles, fused);
 }
 
 at::Tensor as_float(const at::Tensor& t) {  // (a scale or a bias: fp32 and contiguous already, without a dispatch)
