@@ -36,6 +36,9 @@ def shim(checkout: Path) -> str:
     return str(root)
 
 
+START_WAIT_S = 270.0  # (two starts of the --quick run fit the suite's 600 s for a benchmark script)
+
+
 def one_start(env: dict, port: int, device: str) -> dict:
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import linserve.server.app"], env=env, check=True)
@@ -46,7 +49,8 @@ def one_start(env: dict, port: int, device: str) -> dict:
                                device, "--compile-cache-dir", cache], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        wait_until_up(server, f"http://127.0.0.1:{port}/health", "linserve serve", poll_s=0.02)
+        # (a start on a host busy with other work may take minutes: this measures it, and P12's verdict judges it)
+        wait_until_up(server, f"http://127.0.0.1:{port}/health", "linserve serve", timeout_s=START_WAIT_S, poll_s=0.02)
         health = time.perf_counter() - started
         body = {"prompt": "ROMEO:", "max_tokens": 2, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:

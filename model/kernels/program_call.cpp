@@ -3,7 +3,7 @@
 //
 // A compiled CPU bucket reads the model's weights as inputs (every bucket shares the process's one copy), so a
 // decode step passes ~40 tensors. Made from Python (torch._C._aoti's helpers, a capsule and a ctypes call per
-// tensor, a ctypes array each way) that was ~45 µs of a one-row step's ~1 ms on a 2-core Xeon; here it is one
+// tensor, a ctypes array each way) that was ~40 µs of a ~0.8 ms one-row step on a 2-vCPU Xeon; here it is one
 // `new at::Tensor` per input and one move per output. Called through torch.ops, whose call releases the GIL for
 // the op's whole length — the program runs while the server's other Python threads do.
 //

@@ -10,7 +10,7 @@ AOTInductor's stable ABI (`AOTInductorModelContainerCreateWithDevice`, `…Run`,
 ctypes, the call releases the GIL for its whole length; tensors cross as AtenTensorHandles made and taken by
 torch's own helpers (`torch._C._aoti`), exactly as its loader passes them — or, where linserve's kernels are loaded,
 made and taken in C++ by `torch.ops.linserve.run_program` (model/kernels/program_call.cpp: a step passes ~40 tensors,
-the weights among them, and one ctypes call per handle cost ~45 µs of a ~1 ms one-row step; torch.ops releases the
+the weights among them, and one ctypes call per handle cost ~40 µs of a ~0.8 ms one-row step; torch.ops releases the
 GIL for the call as ctypes does). Anything unexpected — no such
 entry point, a failed create — falls back to torch's loader (logged), so a torch that changes this ABI serves
 as before.
