@@ -752,6 +752,9 @@ at::Tensor pack_weight(const at::Tensor& weight) {
 #endif
   // lanes: (N, K) → (Nb, Kb, 16, 32): [nb][kb][n][j] = w[16nb + n][32kb + j] — a group's chunks side by side
   packed.copy_(padded.view({Nb, 16, Kb, 32}).permute({0, 2, 1, 3}));
+#ifdef LINSERVE_AVX512BF16
+  return packed;  // (VDPBF16PS is the step: nothing fused to choose, no weight to know)
+#else
   if (weight.scalar_type() != at::kBFloat16 ||
       !in_fused_range(reinterpret_cast<const uint16_t*>(padded.data_ptr()), padded.numel()))
     return packed;
@@ -765,6 +768,7 @@ at::Tensor pack_weight(const at::Tensor& weight) {
     std::lock_guard<std::mutex> lock(fused_mutex);
     fused_weights.erase(data);
   }, packed.options());
+#endif
 }
 
 // one weight's checks: (N, K) as it is or packed (N/16, K/32, 16, 32); int8 with a scale, bf16 without
@@ -815,9 +819,10 @@ void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::
   const bool fused = false;  // (VDPBF16PS is the step already)
 #else
   // several rows over packed weights (one row is bound by reading them, not by arithmetic), every product in range
-  bool fused = tiles && M >= 2 && in_fused_range(xp, M * K);
-  for (int j = 0; fused && j < parts.count; ++j)
+  bool fused = tiles && M >= 2;
+  for (int j = 0; fused && j < parts.count; ++j)  // the weights known first (a lookup), then x's scan
     fused = std::is_same<W, int8_t>::value || packed_in_fused_range(weights[j].data_ptr());
+  fused = fused && in_fused_range(xp, M * K);
 #endif
   run<W>(xp, parts, yp, ys, M, K, force_scalar, tiles, fused);
 }
