@@ -17,8 +17,11 @@ built once per (source, torch, CPU instruction set) with the C++ compiler Induct
 `$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
 process with its symbols global — a compiled program's C++ calls the op's C shim
 (`aoti_torch_cpu_invariant_linear`) by name — and its op registered with a shape function so that torch.export
-traces it as one call. Without a C++ compiler (a slim image), or with `LINSERVE_KERNELS=off` in the environment,
-`load()` says why and returns False: the model then keeps oneDNN's inner product (numerics.linear).
+traces it as one call. `program_call.cpp` calls a compiled program with its tensors' handles made in C++, and
+`cpu_allocator.cpp` is a caching CPU allocator for torch's tensors, installed at load (`use_caching_allocator`;
+LINSERVE_CPU_ALLOCATOR=default keeps torch's own). Without a C++ compiler (a slim image), or with
+`LINSERVE_KERNELS=off` in the environment, `load()` says why and returns False: the model then keeps oneDNN's
+inner product (numerics.linear).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp",
                                                                            "pooled_state.cpp", "top_k_draw.cpp",
-                                                                           "program_call.cpp")]
+                                                                           "program_call.cpp", "cpu_allocator.cpp")]
 HEADERS = [os.path.join(os.path.dirname(__file__), name)  # (part of the build's key)
            for name in ("flush_subnormals.h", "recurrence_blocks.h")]
 LIBRARY = "liblinserve_kernels.so"
@@ -175,6 +178,7 @@ def load() -> bool:
             if not os.path.exists(path):
                 build(path, isa)
             _state["library"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # global: compiled programs call its shim
+            use_caching_allocator(os.environ.get("LINSERVE_CPU_ALLOCATOR", "caching").lower() != "default")
             global PACKS_TILES
             PACKS_TILES = form() != "scalar"  # AMX tiles or the vector lanes' groups
             _register_fake()
@@ -185,6 +189,23 @@ def load() -> bool:
             logger.warning("linserve's batch-invariant projection kernel is unavailable (%s): projections use "
                            "oneDNN's inner product", error)
             return False
+
+
+def use_caching_allocator(caching: bool = True) -> bool:
+    """torch's CPU tensors from now on from the kernels' caching allocator (cpu_allocator.cpp: freed blocks of up to
+    1 MB kept by size class, 64 MB at most) or, `caching=False`, from torch's own; whether the caching one was in
+    force before. Done at `load()` unless LINSERVE_CPU_ALLOCATOR=default."""
+    library = _state["library"]
+    return bool(library.linserve_cpu_allocator(int(caching)))
+
+
+def cached_allocator_bytes() -> int:
+    """The bytes the caching allocator holds in freed blocks (0 when nothing is cached or it never ran)."""
+    library = _state.get("library")
+    if not library:
+        return 0
+    library.linserve_cpu_allocator_cached_bytes.restype = ctypes.c_int64
+    return library.linserve_cpu_allocator_cached_bytes()
 
 
 def load_error() -> str | None:
