@@ -201,11 +201,16 @@ def use_caching_allocator(caching: bool = True) -> bool:
 
 def cached_allocator_bytes() -> int:
     """The bytes the caching allocator holds in freed blocks (0 when nothing is cached or it never ran)."""
+    return _int64_answer("linserve_cpu_allocator_cached_bytes")
+
+
+def _int64_answer(function: str) -> int:
+    """What the loaded library's int64_t `function()` returns; 0 when the kernels are not loaded."""
     library = _state.get("library")
     if not library:
         return 0
-    library.linserve_cpu_allocator_cached_bytes.restype = ctypes.c_int64
-    return library.linserve_cpu_allocator_cached_bytes()
+    getattr(library, function).restype = ctypes.c_int64
+    return getattr(library, function)()
 
 
 def load_error() -> str | None:
@@ -239,11 +244,7 @@ def streamed_rows() -> int:
 
 def last_level_cache_bytes() -> int:
     """One L3 instance's bytes, as the kernel reads them (0 when not loaded)."""
-    library = _state.get("library")
-    if not library:
-        return 0
-    library.linserve_last_level_cache_bytes.restype = ctypes.c_int64
-    return library.linserve_last_level_cache_bytes()
+    return _int64_answer("linserve_last_level_cache_bytes")
 
 
 def _register_fake() -> None:

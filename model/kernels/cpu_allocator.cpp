@@ -24,6 +24,8 @@
 #include <new>
 #include <vector>
 
+#include <pthread.h>
+
 namespace {
 
 constexpr size_t kAlign = 64;                    // = c10::gAlignment on x86-64
@@ -61,9 +63,26 @@ struct Cache {
   std::atomic<size_t> cached_bytes{0};
 };
 
+void lock_all();
+void unlock_all();
+
 Cache& cache() {
-  static Cache* instance = new Cache();  // never destroyed: tensors freed at exit still find it
+  static Cache* instance = [] {
+    Cache* made = new Cache();  // never destroyed: tensors freed at exit still find it
+    // a fork while another thread holds a list's lock would leave the child's list locked for good (and maybe
+    // half-changed): the forking thread holds them all across the fork, and both sides let go after
+    pthread_atfork(&lock_all, &unlock_all, &unlock_all);
+    return made;
+  }();
   return *instance;
+}
+
+void lock_all() {
+  for (FreeList& list : cache().lists) list.lock.lock();
+}
+
+void unlock_all() {
+  for (FreeList& list : cache().lists) list.lock.unlock();
 }
 
 void* block_from_glibc(size_t bytes) {

@@ -92,3 +92,38 @@ def test_threads_allocating_and_freeing_at_once_keep_their_bytes():
         thread.join()
     assert not failures
     assert kernels.cached_allocator_bytes() <= MAX_CACHED
+
+
+def test_a_process_forked_while_other_threads_allocate_can_allocate():
+    """The forking thread holds every class's lock across a fork (pthread_atfork): a child never inherits a list
+    locked by a thread that does not exist in it."""
+    import os
+    import time
+
+    stop = threading.Event()
+
+    def churn():  # (one class, so that a fork often finds its lock held)
+        while not stop.is_set():
+            torch.empty(3000, dtype=torch.uint8)
+
+    threads = [threading.Thread(target=churn) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(300):
+            pid = os.fork()
+            if pid == 0:  # the child: the churned classes, then out without Python's teardown
+                ok = torch.empty(3000, dtype=torch.uint8).numel() == 3000
+                os._exit(0 if ok else 1)
+            deadline = time.monotonic() + 30
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("a forked child hung allocating (a class's lock inherited locked)")
+            assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
