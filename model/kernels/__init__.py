@@ -194,9 +194,10 @@ def load() -> bool:
 def use_caching_allocator(caching: bool = True) -> bool:
     """torch's CPU tensors from now on from the kernels' caching allocator (cpu_allocator.cpp: freed blocks of up to
     1 MB kept by size class, 64 MB at most) or, `caching=False`, from torch's own; whether the caching one was in
-    force before. Done at `load()` unless LINSERVE_CPU_ALLOCATOR=default."""
-    library = _state["library"]
-    return bool(library.linserve_cpu_allocator(int(caching)))
+    force before. Done at `load()` unless LINSERVE_CPU_ALLOCATOR=default; without the kernels, nothing (False)."""
+    if not load():  # (within load() itself the library is already in _state: no second lock)
+        return False
+    return bool(_state["library"].linserve_cpu_allocator(int(caching)))
 
 
 def cached_allocator_bytes() -> int:
