@@ -177,8 +177,9 @@ def load() -> bool:
             path, isa = library_path()
             if not os.path.exists(path):
                 build(path, isa)
-            _state["library"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # global: compiled programs call its shim
-            use_caching_allocator(os.environ.get("LINSERVE_CPU_ALLOCATOR", "caching").lower() != "default")
+            library = _state["library"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # global: programs call its shim
+            caching = os.environ.get("LINSERVE_CPU_ALLOCATOR", "caching").lower() != "default"
+            library.linserve_cpu_allocator(int(caching))  # (use_caching_allocator, without load()'s lock again)
             global PACKS_TILES
             PACKS_TILES = form() != "scalar"  # AMX tiles or the vector lanes' groups
             _register_fake()
@@ -195,7 +196,7 @@ def use_caching_allocator(caching: bool = True) -> bool:
     """torch's CPU tensors from now on from the kernels' caching allocator (cpu_allocator.cpp: freed blocks of up to
     1 MB kept by size class, 64 MB at most) or, `caching=False`, from torch's own; whether the caching one was in
     force before. Done at `load()` unless LINSERVE_CPU_ALLOCATOR=default; without the kernels, nothing (False)."""
-    if not load():  # (within load() itself the library is already in _state: no second lock)
+    if not load():
         return False
     return bool(_state["library"].linserve_cpu_allocator(int(caching)))
 
@@ -210,8 +211,9 @@ def _int64_answer(function: str) -> int:
     library = _state.get("library")
     if not library:
         return 0
-    getattr(library, function).restype = ctypes.c_int64
-    return getattr(library, function)()
+    answer = getattr(library, function)
+    answer.restype = ctypes.c_int64
+    return answer()
 
 
 def load_error() -> str | None:

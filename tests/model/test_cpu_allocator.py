@@ -2,7 +2,9 @@
 reused by size class, every block at least its request and 64-byte aligned, the cache bounded, torch's own
 allocator back on request, and tensors freed across threads and across the switch."""
 
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -97,9 +99,6 @@ def test_threads_allocating_and_freeing_at_once_keep_their_bytes():
 def test_a_process_forked_while_other_threads_allocate_can_allocate():
     """The forking thread holds every class's lock across a fork (pthread_atfork): a child never inherits a list
     locked by a thread that does not exist in it."""
-    import os
-    import time
-
     stop = threading.Event()
 
     def churn():  # (one class, so that a fork often finds its lock held)
