@@ -21,7 +21,11 @@ drift falls on both); acceptance = accepted /
 drafted tokens from the server's counters over that method's loads; `identical`: every speculative output
 equals the output without speculation.
 
-    python benchmarks/p15_speculative.py [--rounds 3] [--draft-model DIR] [--quick] [--out FILE]
+    python benchmarks/p15_speculative.py [--rounds 3] [--k K] [--compare-k 4] [--draft-model DIR] [--quick]
+                                         [--out FILE]
+
+`--compare-k 4`: ngram requests asking for at most 4 drafts a step (`speculative.k`) measured too, in the same
+rounds on the same server — a width side by side with the server's own.
 """
 
 from __future__ import annotations
@@ -91,9 +95,15 @@ def counters(client: httpx.Client) -> tuple[float, float]:
     return value("linserve_spec_draft_tokens_total"), value("linserve_spec_accepted_tokens_total")
 
 
+def speculative_field(method: str) -> dict:
+    """A method's `speculative` field: "off", "ngram", "draft", or "ngram-k4" (ngram, at most 4 drafts a step)."""
+    name, _, k = method.partition("-k")
+    return {"method": name, **({"k": int(k)} if k else {})}
+
+
 def load(client: httpx.Client, texts: list[str], method: str, max_tokens: int) -> tuple[float, list[str], int]:
     """Every prompt at once, one stream each: (tokens/s, texts, completion tokens)."""
-    body = {"max_tokens": max_tokens, "temperature": 0, "speculative": {"method": method}}
+    body = {"max_tokens": max_tokens, "temperature": 0, "speculative": speculative_field(method)}
 
     def one(text: str) -> tuple[str, int]:
         response = client.post("/v1/completions", json={**body, "prompt": text})
@@ -115,7 +125,10 @@ def main() -> None:
     parser.add_argument("--corpus-dir", default="data/corpus")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", default="1,8,32")
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--k", type=int, help="the server's --speculative-k [default: the server's own]")
+    parser.add_argument("--compare-k", type=int, nargs="*", default=[],
+                        help="also measure ngram requests asking for at most this many drafts a step (their "
+                             "`speculative.k`), side by side on the same server (not in the verdicts)")
     parser.add_argument("--draft-model", help="a draft model's checkpoint: measure `draft` too")
     parser.add_argument("--port", type=int, default=8798)
     parser.add_argument("--quick", action="store_true", help="1 round, 1 and 2 streams, 24 tokens, eager (tests)")
@@ -125,18 +138,21 @@ def main() -> None:
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     methods = ALL_METHODS if args.draft_model else ALL_METHODS[:2]
-    speculative = methods[1:]
+    speculative = methods[1:]  # (the verdicts': the server's k)
+    methods = (*methods, *(f"ngram-k{k}" for k in args.compare_k))
     long_tokens, short_tokens, longest_tokens = 256, 128, 1024
     if args.quick:
         args.rounds, args.compile, streams, long_tokens, short_tokens, longest_tokens = 1, "off", [1, 2], 24, 16, 32
     server = start_server(args.model, args.port, 64, compile=args.compile, device=args.device,
-                          extra=["--log-level", "warning", "--speculative-k", str(args.k), "--session-store", "none",
+                          extra=["--log-level", "warning", *(["--speculative-k", str(args.k)] if args.k else []),
+                                 "--session-store", "none",
                                  *(["--speculative", "draft", "--draft-model", args.draft_model] if args.draft_model
                                    else ["--speculative", "ngram"])])
     try:
         wait_until_up(server, f"http://127.0.0.1:{args.port}/ready", "linserve serve", COMPILE_TIMEOUT_S, settled)
         client = httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=1200)
         work = prompts(args.corpus_dir, client, max(streams), seed=0)
+        server_k = client.get("/ready").json()["speculation"]["k"]
         load(client, work["shakespeare"][:1], "off", 8)  # warm-up
         for n in streams:  # speculation asks for the verification buckets where it pays: built before the rounds
             load(client, work["shakespeare"][:n], speculative[0], 64)
@@ -161,7 +177,7 @@ def main() -> None:
                         outputs.setdefault(method, texts_out)
                 entry = {"max_tokens": max_tokens,
                          "tokens_per_s": {m: [round(r, 1) for r in rates[m]] for m in methods}}
-                for method in speculative:
+                for method in methods[1:]:
                     tried, kept = drafted[method]
                     paired = [r / o for r, o in zip(rates[method], rates["off"])]  # each round's own ratio
                     entry[method] = {"ratio": statistics.median(paired),
@@ -197,8 +213,8 @@ def main() -> None:
     identical = all(results[w][s][m]["identical"] for w in results for s in results[w] for m in speculative)
     verdicts["identical"] = {"measured": identical, "target": "every output equals plain decoding's",
                              "pass": identical}
-    emit({"compile": args.compile, "k": args.k, "rounds": args.rounds, "draft_model": args.draft_model,
-          "results": results, "P15": verdicts}, args.out)
+    emit({"compile": args.compile, "k": server_k, "compare_k": args.compare_k, "rounds": args.rounds,
+          "draft_model": args.draft_model, "results": results, "P15": verdicts}, args.out)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     draft_model: str | None = Field(None, description="the draft model (a small checkpoint with the served model's "
                                     "tokenizer, e.g. from `linserve train --config configs/train/draft.yaml`); "
                                     "unset: none")
-    speculative_k: int = Field(4, ge=1, le=8, description="drafts verified per step at most (the verification "
+    speculative_k: int = Field(8, ge=1, le=8, description="drafts verified per step at most (the verification "
                                "program's width; a request's speculative.k may be smaller)")
     speculative_always: bool = Field(False, description="verify a row's drafts whenever it has some, whatever "
                                      "it costs (benchmarks, exactness checks); off: only while verifying pays, "

@@ -92,15 +92,17 @@ class StepRunner:
     # ------------------------------------------------------------------ phases
     def decode(self, rows: list[Row], speculate: bool = True) -> Delivery:
         """One token for every running row (more where a verification step accepts drafts: only when
-        `speculate`, which the core clears while prompts are prefilled in the same step): one program
-        (eager, a compiled bucket or a CUDA graph). The softmax baseline's: softmax_baseline.KVCacheRunner."""
+        `speculate`, which the core clears while prompts are prefilled in the same step and while no live request
+        speculates — the step is timed for the policy only then): one program (eager, a compiled bucket or a CUDA
+        graph). The softmax baseline's: softmax_baseline.KVCacheRunner."""
         if rows is not self._rows:  # (the core passes the same list while no row starts, ends or moves)
             self._rows, self._slots, self._top_n = rows, [row.slot for row in rows], wanted_logprobs(rows)
         slots = self._slots
         tokens = [row.next_token for row in rows]
         positions = [row.position for row in rows]
         step_started = time.perf_counter()  # (the policy compares whole steps: planning and delivery count)
-        plan = self.speculation.plan(rows) if self.speculation is not None and speculate else None
+        speculate = speculate and self.speculation is not None  # (and the step is timed for it: else no one asks)
+        plan = self.speculation.plan(rows) if speculate else None
         if plan is not None:
             return self.verify(rows, plan, step_started)
         if self.threads is not None:
@@ -116,7 +118,7 @@ class StepRunner:
             self._undo_step(rows, out, torch.tensor(slots, device=self.device))
             raise
         delivery.program_s, delivery.tokens = program_s, len(rows)
-        if self.speculation is not None:
+        if speculate:
             self.speculation.observe("decode", len(rows), time.perf_counter() - step_started)
         return delivery
 

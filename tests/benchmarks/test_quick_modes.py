@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from linserve.model.loading import DEFAULT_CHECKPOINT
+from linserve.server.settings import Settings
 from tests.devices import device_name_under_test
 from tests.helpers import require_program
 
@@ -372,13 +373,16 @@ def test_p13_names_a_missing_program_first(tmp_path):
 
 def test_p15_speculative(tmp_path):
     # the shipped model as its own draft model (none is shipped): the draft path over HTTP, every draft accepted
+    # (and ngram requests asking for at most 2 drafts a step, side by side)
     run("p15_speculative.py", "--out", str(tmp_path / "p15.json"), "--port", "8798",
-        "--draft-model", str(DEFAULT_CHECKPOINT))
+        "--draft-model", str(DEFAULT_CHECKPOINT), "--compare-k", "2")
     data = json.loads((tmp_path / "p15.json").read_text())
+    assert data["k"] == Settings().speculative_k and data["compare_k"] == [2]
     # not a timing: every speculative output equals plain decoding's, and drafts were really verified
     assert data["P15"]["identical"]["pass"], data["results"]
-    for method in ("ngram", "draft"):  # each verification program is timed at its first chance, whatever it costs
+    for method in ("ngram", "draft", "ngram-k2"):  # each verification program is timed at its first chance
         assert sum(load[method]["drafted"] for workload in data["results"].values() for load in workload.values())
+    assert all(load["ngram-k2"]["identical"] for workload in data["results"].values() for load in workload.values())
     assert set(data["results"]) == {"shakespeare", "quote", "shakespeare-long"}
     assert data["P15"]["one_stream"]["ratio"] > 0
 

@@ -77,7 +77,7 @@ def test_drafts_of_the_true_continuation_are_accepted_and_wrong_ones_rolled_back
     ids = prompt(30, seed=5)
     OracleDrafter.expected = generate(plain, ids, params, "plain")
     monkeypatch.setattr(speculation, "NgramDrafter", OracleDrafter)
-    fast = make_engine(speculative="ngram")
+    fast = make_engine(speculative="ngram", speculative_k=4)  # (every third wrong: ≥ 1 of 4 drafts kept a step)
     fast.speculation.always = True
     assert generate(fast, ids, params, "fast") == OracleDrafter.expected
     tried, kept = drafted(fast)
@@ -377,3 +377,16 @@ def test_a_step_that_also_prefills_does_not_speculate(make_engine):
     assert len(mixed) >= 10  # 400 prompt tokens, 16 a step while a row decodes
     assert all(s.drafted == 0 for s in mixed), [s.drafted for s in mixed]
     assert sum(s.drafted for s in steps if s.phase == "decode") > 0
+
+
+def test_decode_steps_are_timed_for_the_policy_only_while_a_request_speculates(make_engine):
+    """A server that may speculate (a request can ask) spends nothing on the policy while no request does: its
+    decode steps are neither planned nor timed; a request that asks gets them timed (the cost verification is
+    weighed against), and its output is the plain one."""
+    engine = make_engine()  # (the server's default: off — a request's `speculative` turns it on)
+    ids = looping_prompt(24, 6, seed=1)
+    plain = generate(engine, ids, SamplingParams(max_tokens=24, temperature=0), "plain")
+    assert engine.speculation is not None and engine.speculation.costs == {}
+    asked = SamplingParams(max_tokens=24, temperature=0, speculative=Speculation("ngram"))
+    assert generate(engine, ids, asked, "asked") == plain
+    assert any(kind == "decode" for kind, *_ in engine.speculation.costs), engine.speculation.costs
