@@ -146,12 +146,15 @@ class Settings(BaseSettings):
         "runs: its Inductor kernels keep the count they were built for (`threads`), linserve's own kernels (the "
         "projections, the scans) split over this one; unset: the CPUs this process may use, at most 4, never "
         "fewer than `threads`, for a step of at least 32 rows — narrower ones run on `threads` (a second thread "
-        "spinning between their small regions takes the CPU the HTTP side needs); set: every compiled step")
+        "spinning between their small regions takes the CPU the HTTP side needs) — and, with `adapt_threads`, "
+        "each compiled step's bucket timed served on both counts and run on the faster; set: every compiled step")
     adapt_threads: bool = Field(
         True, description="treat `threads`, `kernel_threads` and `prefill_threads` as ceilings: every 0.5 s the "
         "engine reads the kernel's CPU counters and runs each phase on the CPUs other processes leave free "
         "(rounded; at least 1) — libgomp's spinning workers cost 2-3x beside a busy neighbour, and the exact path "
-        "computes the same bits on any thread count; false: always the ceilings")
+        "computes the same bits on any thread count; and, `kernel_threads` unset, each compiled step's bucket runs on "
+        "`threads` or `kernel_threads`, whichever its steps' measured cadence says is faster here (tried again "
+        "every 30 s); false: always the ceilings, by rows")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights' dtype; the (S, z) state stays fp32. auto: bfloat16 on a CPU with bf16 in "
         "hardware (AVX512-BF16, AMX), else float32")

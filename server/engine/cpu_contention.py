@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from .cpu_threads import CGROUP_ROOT, ThreadPlan, affinity_set, cgroup_quota_dir
+from .thread_trial import ThreadTrials
 
 logger = logging.getLogger("linserve.engine")
 
@@ -156,9 +157,14 @@ class ThreadCounts:
     capped by the free CPUs when the plan adapts (`adapt_threads`). Called on the engine thread only (the count is
     per thread)."""
 
-    def __init__(self, plan: ThreadPlan, contention: CpuContention | None = None) -> None:
+    def __init__(self, plan: ThreadPlan, contention: CpuContention | None = None,
+                 trials: ThreadTrials | None = None) -> None:
         self.plan = plan
         self.contention = contention if contention is not None or not plan.adaptive else CpuContention.here()
+        # a compiled step's count between `threads` and `kernel_threads` timed served (thread_trial.py): when the
+        # plan adapts and chose the kernel count by rows itself (`kernel_threads` unset)
+        self.trials = trials if trials is not None or not (plan.adaptive and plan.kernel_from_rows > 1) \
+            else ThreadTrials()
         # the counts in force now
         self.decode, self.kernel, self.prefill = plan.threads, plan.kernel_threads, plan.prefill_threads
 
@@ -173,18 +179,27 @@ class ThreadCounts:
                         counts[1], self.prefill, counts[2], self.contention.others)
             self.decode, self.kernel, self.prefill = counts
 
-    def decoding(self, compiled: bool = False, rows: int = 1) -> None:
+    def decoding(self, compiled: bool = False, rows: int = 1, key: tuple | None = None) -> None:
         """Before a decode (or verification) step of `rows` rows: the decode count in force — the compiled
         program's (`kernel_threads`) when the step runs a compiled CPU program, whose Inductor kernels keep their
-        own, of at least the plan's `kernel_from_rows` rows."""
+        own, of at least the plan's `kernel_from_rows` rows. `key` — the compiled step's (program, bucket) —
+        lets the trials time it on both counts and keep the faster (None, or no trials: the rule by rows)."""
         self._refresh()
         want = self.kernel if compiled and rows >= self.plan.kernel_from_rows else self.decode
+        if compiled and key is not None and self.trials is not None:
+            want = self.trials.count(key, want, self.decode if want == self.kernel else self.kernel)
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
+
+    def interrupt(self) -> None:
+        """Before a step whose rows differ from the last one's: its interval is no step's cadence."""
+        if self.trials is not None:
+            self.trials.interrupt()
 
     @contextmanager
     def prefilling(self) -> Iterator[None]:
         """The chunked form (prefill, prompt scoring) on the prefill count; the decode count after."""
+        self.interrupt()
         self._refresh()
         if torch.get_num_threads() != self.prefill:
             torch.set_num_threads(self.prefill)

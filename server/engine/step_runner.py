@@ -97,6 +97,8 @@ class StepRunner:
         graph). The softmax baseline's: softmax_baseline.KVCacheRunner."""
         if rows is not self._rows:  # (the core passes the same list while no row starts, ends or moves)
             self._rows, self._slots, self._top_n = rows, [row.slot for row in rows], wanted_logprobs(rows)
+            if self.threads is not None:
+                self.threads.interrupt()
         slots = self._slots
         tokens = [row.next_token for row in rows]
         positions = [row.position for row in rows]
@@ -106,7 +108,8 @@ class StepRunner:
         if plan is not None:
             return self.verify(rows, plan, step_started)
         if self.threads is not None:
-            self.threads.decoding(self.decode_step.bucket_ready(len(rows)) is not None, len(rows))
+            bucket = self.decode_step.bucket_ready(len(rows))
+            self.threads.decoding(bucket is not None, len(rows), ("decode", bucket))
         started = time.perf_counter()
         out = self.decode_step(tokens, slots, positions)  # (the program commits each finite row's new state)
         program_s = time.perf_counter() - started
@@ -142,7 +145,8 @@ class StepRunner:
         ids = [[row.next_token, *draft] + [row.next_token] * (k - len(draft)) for row, draft in zip(rows, drafts)]
         slots = [row.slot for row in rows]
         if self.threads is not None:
-            self.threads.decoding(self.verify_steps[k].bucket_ready(len(rows)) is not None, len(rows))
+            bucket = self.verify_steps[k].bucket_ready(len(rows))
+            self.threads.decoding(bucket is not None, len(rows), (f"verify{k}", bucket))
         started = time.perf_counter()
         raw = self.verify_steps[k].run([*map(list, zip(*ids)), limits, slots, [row.position for row in rows]])
         program_s = time.perf_counter() - started

@@ -260,6 +260,13 @@ class DecodeStepCollector:
         yield info
         yield GaugeMetricFamily("linserve_decode_buckets_ready", "Batch-size buckets of the decode step served "
                                 "compiled.", value=len(step["ready"]))
+        if step.get("threads"):
+            threads = GaugeMetricFamily("linserve_compiled_step_threads", "The intra-op CPU threads a compiled "
+                                        "program's bucket runs on, as its served steps' timing chose between "
+                                        "`threads` and `kernel_threads`.", labels=["program", "bucket"])
+            for key, count in step["threads"].items():
+                threads.add_metric(key.split("/", 1), count)
+            yield threads
         if verdict is None:
             return
         yield GaugeMetricFamily("linserve_decode_compile_gain", "compile=auto: eager time / compiled time of one "

@@ -77,3 +77,16 @@ def test_the_context_latencies_render_as_prometheus_clients_histogram_would():
             label = next((lb for limit, lb in CONTEXT_BUCKETS if position < limit), "64k+")
             reference.labels(label).observe(seconds)
     assert generate_latest(ours) == generate_latest(theirs)
+
+
+def test_each_compiled_bucket_s_thread_count_is_a_labelled_gauge():
+    metrics = Metrics()
+    step = {"compile": "on", "status": "compiled", "ready": [1, 8], "verdict": None,
+            "threads": {"decode/1": 1, "decode/8": 2, "verify8/1": 2}}
+    metrics.watch_decode_step(lambda: step)
+    got = samples(metrics)
+    assert {labels: value for (name, labels), value in got.items() if name == "linserve_compiled_step_threads"} == {
+        (("bucket", "1"), ("program", "decode")): 1, (("bucket", "8"), ("program", "decode")): 2,
+        (("bucket", "1"), ("program", "verify8")): 2}
+    step["threads"] = {}  # (none tried yet, or `kernel_threads` set): no such series
+    assert not any(name == "linserve_compiled_step_threads" for name, _ in samples(metrics))
