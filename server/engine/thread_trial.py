@@ -17,7 +17,8 @@ the processes it shares the CPUs with, which a timing of the program alone would
 For each (program, bucket, the two counts) in use, a trial runs `BLOCKS` blocks of `BLOCK_STEPS` steps on each count,
 alternating (a host whose speed drifts slows both alike), drops each block's first interval (the count just changed:
 the workers wake), and compares the two medians. The other count wins only when it is faster by more than `MARGIN`;
-the default — `kernel_threads` from `KERNEL_THREADS_FROM_ROWS` rows, `threads` below — keeps ties. The choice then
+the default — `kernel_threads` from `KERNEL_THREADS_FROM_ROWS` rows, `threads` below — keeps ties, and keeps the
+bucket when other work broke the chain so often that either count has fewer than `MIN_INTERVALS`. The choice then
 holds for `HOLD_S` (at least `HOLD_FACTOR` times the trial's own length: a trial of slow steps is rarer) and is tried
 again, since the host's other work comes and goes. A trial whose key falls out of use for longer than `STALE_S`
 starts over. Called on the engine thread only.
@@ -39,6 +40,7 @@ MARGIN = 0.03  # the other count must be this much faster (its median cadence) t
 HOLD_S = 30.0  # a choice holds this long before the next trial ...
 HOLD_FACTOR = 20.0  # ... and at least this many times the trial's own length
 STALE_S = 10.0  # a trial that saw no step of its key for this long starts over
+MIN_INTERVALS = 8  # a verdict needs this many intervals of each count (else the default holds)
 
 
 @dataclass
@@ -115,12 +117,12 @@ class ThreadTrials:
 
     def _conclude(self, choice: Choice, trial: Trial, now: float, default: int, other: int) -> None:
         choice.trial = None
-        if not all(trial.intervals.get(count) for count in (default, other)):  # (every interval was broken)
-            choice.until = now
+        choice.until = now + max(self.hold_s, HOLD_FACTOR * (now - trial.started))
+        if min(len(trial.intervals.get(count, ())) for count in (default, other)) < MIN_INTERVALS:
+            choice.count = default  # (other work broke nearly every interval: nothing to compare — the rule by rows)
             return
         medians = {count: statistics.median(trial.intervals[count]) for count in (default, other)}
         chosen = other if medians[other] < (1 - self.margin) * medians[default] else default
-        choice.until = now + max(self.hold_s, HOLD_FACTOR * (now - trial.started))
         if chosen != choice.count:
             logger.info("compiled steps %s: %d threads (%.3f ms a step) over %d (%.3f ms), timed served; tried "
                         "again in %.0f s", "/".join(map(str, choice.key)), chosen,

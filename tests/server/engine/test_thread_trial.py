@@ -49,9 +49,23 @@ def test_the_other_count_wins_when_its_steps_are_faster_and_holds_until_tried_ag
 
 def test_the_default_keeps_a_tie_within_the_margin():
     clock = Clock()
-    trials = ThreadTrials(clock, block_steps=4, blocks=2, margin=0.03)
-    steps(trials, clock, 16, {1: 0.0100, 2: 0.0098})  # 2% faster: not enough
+    trials = ThreadTrials(clock, block_steps=4, blocks=3, margin=0.03)
+    steps(trials, clock, 24, {1: 0.0100, 2: 0.0098})  # 2% faster: not enough
     assert steps(trials, clock, 5, {1: 0.0100, 2: 0.0098}) == [1] * 5
+    trials = ThreadTrials(clock, block_steps=4, blocks=3, margin=0.03)
+    steps(trials, clock, 24, {1: 0.0100, 2: 0.0096})  # 4%: enough
+    assert steps(trials, clock, 5, {1: 0.0100, 2: 0.0096}) == [2] * 5
+
+
+def test_a_trial_whose_intervals_other_work_broke_keeps_the_default_and_holds():
+    clock = Clock()
+    trials = ThreadTrials(clock, block_steps=4, blocks=3, hold_s=5.0)
+    ran = []
+    for _ in range(25):  # a prefill after every step: no interval counts
+        ran += steps(trials, clock, 1, {1: 0.010, 2: 0.001})
+        trials.interrupt()
+    assert ran == ([2] * 4 + [1] * 4) * 3 + [1]
+    assert steps(trials, clock, 40, {1: 0.010, 2: 0.001}) == [1] * 40  # held, not tried again at once
 
 
 def test_each_block_s_first_interval_and_intervals_across_other_work_do_not_count():
@@ -76,12 +90,12 @@ def test_each_block_s_first_interval_and_intervals_across_other_work_do_not_coun
 
 def test_equal_counts_need_no_trial_and_a_stale_trial_starts_over():
     clock = Clock()
-    trials = ThreadTrials(clock, block_steps=4, blocks=2)
+    trials = ThreadTrials(clock, block_steps=4, blocks=3)
     assert steps(trials, clock, 5, {2: 0.01}, default=2, other=2) == [2] * 5 and trials.choices == {}
     steps(trials, clock, 6, {1: 0.010, 2: 0.020})
-    clock.now += STALE_S + 1  # the key fell out of use mid-trial
-    assert steps(trials, clock, 16, {1: 0.010, 2: 0.020}) == ([2] * 4 + [1] * 4) * 2  # a trial from the start
-    assert steps(trials, clock, 3, {1: 0.010, 2: 0.020}) == [1] * 3
+    clock.now += STALE_S + 1  # the key fell out of use mid-trial (its host was another then)
+    assert steps(trials, clock, 24, {1: 0.010, 2: 0.005}) == ([2] * 4 + [1] * 4) * 3  # a trial from the start
+    assert steps(trials, clock, 3, {1: 0.010, 2: 0.005}) == [2] * 3
 
 
 def plan(**overrides) -> ThreadPlan:
@@ -94,16 +108,16 @@ def test_the_engine_s_counts_try_a_compiled_step_on_both_and_only_when_the_rule_
     assert ThreadCounts(plan(kernel_from_rows=1)).trials is None  # `kernel_threads` set: every compiled step on it
     assert ThreadCounts(plan(adaptive=False)).trials is None  # `adapt_threads` off: the ceilings, fixed
     clock = Clock()
-    counts = ThreadCounts(plan(), contention=None, trials=ThreadTrials(clock, block_steps=2, blocks=1))
+    counts = ThreadCounts(plan(), contention=None, trials=ThreadTrials(clock, block_steps=9, blocks=1))
     counts.contention = None  # (the host's own counters are not this test's business)
     before = torch.get_num_threads()
     try:
         seen = []
-        for _ in range(4):
+        for _ in range(18):
             counts.decoding(compiled=True, rows=1, key=KEY)  # narrow: `threads` by default, 2 the other
             seen.append(torch.get_num_threads())
             clock.now += 0.01 if seen[-1] == 1 else 0.005
-        assert seen == [2, 2, 1, 1]
+        assert seen == [2] * 9 + [1] * 9
         counts.decoding(compiled=True, rows=1, key=KEY)
         assert torch.get_num_threads() == 2  # faster by half: chosen
         counts.decoding(compiled=False, rows=1, key=KEY)
