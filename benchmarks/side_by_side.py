@@ -6,7 +6,8 @@ virtual environment), P9's loads on the shipped model, servers in turn within ev
     python benchmarks/side_by_side.py --baseline-python /tmp/base/.venv/bin/python [--reps 3] [--out FILE] \\
         [--loads 1x512 8x256 32x128] [--api-servers 1]
 
-Reports tokens/s per load (median of the repetitions) and this tree / baseline. Both servers run with their
+Reports tokens/s per load (median of the repetitions) and this tree / baseline, and each server's compiled
+buckets' thread counts as its own timing chose them (`/version`'s `decode_step.threads`). Both servers run with their
 defaults on the same model directory, compile settled before the first load. `--baseline-env NAME=VALUE …`
 sets the baseline server's environment only — with `--baseline-python` this tree's own python, one setting
 A/B'd on one installation (e.g. `LINSERVE_KERNEL_THREADS=1`).
@@ -23,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import httpx  # noqa: E402
 from common import compile_settled, emit, machine_check, reference_workload_ms, wait_until_up  # noqa: E402
 from p9_peers import one_load  # noqa: E402
 from serving_overhead import COMPILE_TIMEOUT_S  # noqa: E402
@@ -69,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
             for load, (streams, tokens) in loads.items():
                 for name, (_, port) in servers.items():
                     rates[(name, load)].append(one_load(port, streams, tokens)[0]["token_throughput_per_s"])
+        # each compiled bucket's thread count as the server's own timing chose it (absent: no such choice)
+        chosen = {name: (httpx.get(f"http://127.0.0.1:{port}/version", timeout=30).json().get("decode_step") or {})
+                  .get("threads") for name, (_, port) in servers.items()}
     finally:
         for process in processes:
             process.terminate()
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         row["spread"] = {name: [min(rates[(name, load)]), max(rates[(name, load)])] for name in servers}
     emit({"reps": args.reps, "baseline_python": args.baseline_python, "baseline_env": baseline_env,
           "api_servers": args.api_servers,
-          "tokens_per_s": table,
+          "tokens_per_s": table, "compiled_step_threads": chosen,
           "machine": machine_check(reference_before, reference_workload_ms())}, args.out)
 
 
