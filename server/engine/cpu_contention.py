@@ -186,8 +186,11 @@ class ThreadCounts:
         lets the trials time it on both counts and keep the faster (None, or no trials: the rule by rows)."""
         self._refresh()
         want = self.kernel if compiled and rows >= self.plan.kernel_from_rows else self.decode
-        if compiled and key is not None and self.trials is not None:
-            want = self.trials.count(key, want, self.decode if want == self.kernel else self.kernel)
+        if self.trials is not None:
+            if compiled and key is not None:
+                want = self.trials.count(key, want, self.decode if want == self.kernel else self.kernel)
+            else:
+                self.trials.interrupt()  # (an eager step between two of a compiled bucket's is not its cadence)
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 

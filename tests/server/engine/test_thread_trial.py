@@ -124,7 +124,12 @@ def test_the_engine_s_counts_try_a_compiled_step_on_both_and_only_when_the_rule_
         assert torch.get_num_threads() == 1  # an eager step: never tried
         counts.decoding(compiled=True, rows=32, key=("decode", 32))
         assert torch.get_num_threads() == 1  # wide: `kernel_threads` by default — its trial begins on the other
-        assert counts.trials.choices[(("decode", 32), 2, 1)].trial is not None
+        trial = counts.trials.choices[(("decode", 32), 2, 1)].trial
+        assert trial is not None
+        for compiled in (True, False, True, True):  # an eager step (say, a verification not compiled) between two
+            counts.decoding(compiled=compiled, rows=32, key=("decode", 32))
+            clock.now += 5.0 if not compiled else 0.001
+        assert trial.intervals[1] == pytest.approx([0.001])  # the interval across the eager step did not count
     finally:
         torch.set_num_threads(before)
 
