@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger("linserve.engine")
@@ -69,8 +69,8 @@ class ThreadTrials:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, block_steps: int = BLOCK_STEPS,
                  blocks: int = BLOCKS, margin: float = MARGIN, hold_s: float = HOLD_S) -> None:
         self.clock, self.block_steps, self.blocks, self.margin, self.hold_s = clock, block_steps, blocks, margin, hold_s
-        self.choices: dict[Hashable, Choice] = {}
-        self._last: tuple[Hashable, int, bool, float] | None = None  # (key, count, timed, started) of the last step
+        self.choices: dict[tuple, Choice] = {}  # (key, default, other) → its choice
+        self._last: tuple[tuple, int, bool, float] | None = None  # (key, count, timed, started) of the last step
 
     def interrupt(self) -> None:
         """Work other than this key's steps ran (a prefill, a changed set of rows): the next interval is not one."""
@@ -81,10 +81,10 @@ class ThreadTrials:
         the interval since the last step is that step's cadence when it had the same key."""
         now = self.clock()
         last, self._last = self._last, None
-        full = (key, default, other)
-        choice = self.choices.get(full)
         if default == other:
             return default
+        full = (key, default, other)
+        choice = self.choices.get(full)
         if choice is None:
             choice = self.choices[full] = Choice(key, default, until=now)
         if last is not None and last[0] == full and last[2] and choice.trial is not None:
@@ -122,10 +122,9 @@ class ThreadTrials:
             choice.count = default  # (other work broke nearly every interval: nothing to compare — the rule by rows)
             return
         medians = {count: statistics.median(trial.intervals[count]) for count in (default, other)}
-        chosen = other if medians[other] < (1 - self.margin) * medians[default] else default
+        chosen, passed = (other, default) if medians[other] < (1 - self.margin) * medians[default] else (default, other)
         if chosen != choice.count:
             logger.info("compiled steps %s: %d threads (%.3f ms a step) over %d (%.3f ms), timed served; tried "
-                        "again in %.0f s", "/".join(map(str, choice.key)), chosen,
-                        1e3 * medians[chosen], other if chosen == default else default,
-                        1e3 * medians[other if chosen == default else default], choice.until - now)
+                        "again in %.0f s", "/".join(map(str, choice.key)), chosen, 1e3 * medians[chosen], passed,
+                        1e3 * medians[passed], choice.until - now)
         choice.count = chosen
