@@ -206,7 +206,7 @@ def tree_rss_bytes(pid: int) -> int:
 def cpu_split(pid: int) -> tuple[float, float]:
     """(utime, stime) of a process (every thread), seconds: its own code, and the kernel's work for it; (0, 0) once
     it is gone."""
-    from linserve.server.engine.cpu_contention import TICKS_PER_S, stat_fields
+    from linserve.server.engine.proc_stat import TICKS_PER_S, stat_fields
 
     fields = stat_fields(pid)  # (from the state on: utime and stime are the 12th and 13th)
     return (0.0, 0.0) if fields is None else (int(fields[11]) / TICKS_PER_S, int(fields[12]) / TICKS_PER_S)

@@ -31,9 +31,7 @@ from .api.sessions.idempotency import KeyedResults
 from .api.sessions.router import router as sessions_router
 from .api.web.router import router as web_router
 from .engine import heap
-from .engine.cpu_threads import in_passing_thread
 from .engine_process.remote import connect_core, start_core
-from .loading import load_engine
 from .settings import Settings
 from .version import package_version
 
@@ -54,10 +52,18 @@ async def lifespan(app: FastAPI):
             loop)
         state.metrics.count_request = state.engine.count_request
         state.metrics.describe_processes(os.getppid())
-    elif state.settings.engine_placement():  # the engine core in a process of its own (engine_process/)
+    elif state.core_started is not None:  # the engine core in a process of its own, started by `serve`
+        conn, process = state.core_started
+        state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
+            connect_core, state.settings, conn, process, state.metrics.observe, loop=loop)
+        state.metrics.describe_processes(os.getpid())  # (process_*: this process and the core, summed)
+    elif state.settings.engine_placement():  # the same, started here (engine_process/)
         state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
             start_core, state.settings, state.metrics.observe, loop=loop)
-    else:
+    else:  # the engine in this process (only then is torch imported here)
+        from .engine.cpu_threads import in_passing_thread
+        from .loading import load_engine
+
         state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
             in_passing_thread, load_engine, state.settings, state.metrics.observe)
     facts = state.engine.facts
@@ -219,6 +225,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.draining = False
     app.state.request_exit = None  # set by `serve`: how a dead engine stops the process
     app.state.core_link = None  # set by `serve` in each of `api_servers` > 1 frontends: (connection, CoreProcess)
+    app.state.core_started = None  # set by `serve` with `api_servers` 1: (connection, the core's Process)
     app.state.started = int(time.time())
     app.state.recent_results = KeyedResults()
     app.state.logprob_budget = LogprobBudget(int(settings.logprobs_memory_mb * 2**20), settings.retry_after_s)

@@ -27,7 +27,7 @@ import socket
 import threading
 from multiprocessing.connection import wait
 
-from .engine_process import core_main
+from .engine_process.remote import await_checked, spawn_core
 from .settings import Settings
 
 logger = logging.getLogger("linserve.server.frontends")
@@ -73,9 +73,14 @@ def supervise(settings: Settings) -> int:
     context = multiprocessing.get_context("spawn")  # (torch and threads: never fork)
     sock = listening_socket(settings)
     pipes = [context.Pipe(duplex=True) for _ in range(settings.engine_placement())]
-    core = context.Process(target=core_main.run, args=(settings, [theirs for _, theirs in pipes]),
-                           name="linserve-engine-core")
-    core.start()
+    core = spawn_core(settings, [theirs for _, theirs in pipes])
+    refused = await_checked(pipes[0][0], core)  # its start-up checks first: a refusal is one line, status 2
+    if refused is not None:
+        for ours, theirs in pipes:
+            ours.close()
+            theirs.close()
+        sock.close()
+        return refused
     frontends = []
     for index, (ours, _) in enumerate(pipes, 1):
         frontend = context.Process(target=frontend_main, args=(settings, ours, core.pid, sock, index),

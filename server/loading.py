@@ -87,7 +87,7 @@ def load_engine(settings: Settings, stats_sink) -> tuple[Engine, object, Generat
         heap.trim()  # glibc keeps freed heap (the originals, packing's scratch) unless asked to give it back
     draft = load_draft(settings, model, tokenizer, device)
     engine = Engine(model, tokenizer, config, device, stats_sink, draft_model=draft,
-                    eos_token_ids=generation.eos_token_ids).start()
+                    eos_token_ids=generation.eos_token_ids, checkpoint=str(path)).start()
     plan = engine.threads
     weights = str(dtype).removeprefix("torch.") + (" (auto)" if settings.dtype == "auto" else "") + (
         ", int8 projections" if settings.quantization == "int8" else "")

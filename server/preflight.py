@@ -1,7 +1,8 @@
 """Checks `linserve serve` makes before anything heavy loads: each failure is one clear line (ValueError).
 
 Order matters for the user: the port (instant) and the model directory come before torch is imported, so
-a busy port or a typo in `--model` is reported at once, not after seconds of loading.
+a busy port or a typo in `--model` is reported at once, not after seconds of loading. The checks that need torch
+(`check_engine`) run where the engine loads: in this process, or first thing in the engine core's.
 """
 
 from __future__ import annotations
@@ -64,9 +65,18 @@ def check_gpu_driver(device: str) -> None:
 
 
 def preflight(settings: Settings) -> None:
+    """Every check, in `serve`'s process — except the engine's when the engine core runs in a process of its own
+    (`api_servers` >= 1): that process makes them first thing (engine_process/core_main.py), so the HTTP side never
+    imports torch (engine/client.py)."""
     check_port(settings.host, settings.port)
     check_checkpoint(settings.model)
     check_gpu_driver(settings.device)
+    if not settings.engine_placement():
+        check_engine(settings)
+
+
+def check_engine(settings: Settings) -> None:
+    """What needs torch: the device, the checkpoint itself, int8 weights where they can run."""
     from linserve.model import projection
     from linserve.model.loading import resolve_device, resolve_dtype  # imports torch
 

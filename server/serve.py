@@ -15,7 +15,6 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app, drain
-from .engine.cpu_threads import one_thread_here
 from .settings import Settings
 
 ENGINE_DEAD_EXIT_STATUS = 3
@@ -155,7 +154,16 @@ def serve(settings: Settings) -> int:
         from .frontends import supervise
 
         return supervise(settings)
-    return run_app(settings, create_app(settings))
+    app = create_app(settings)
+    if settings.engine_placement():  # the core first: its start-up checks decide before the HTTP side starts
+        from .engine_process.remote import await_checked, spawn_core
+
+        ours, process = spawn_core(settings)
+        refused = await_checked(ours, process)
+        if refused is not None:
+            return refused
+        app.state.core_started = (ours, process)
+    return run_app(settings, app)
 
 
 def run_app(settings: Settings, app, sockets: list | None = None) -> int:
@@ -174,7 +182,10 @@ def run_app(settings: Settings, app, sockets: list | None = None) -> int:
         server.should_exit = True
 
     app.state.request_exit = request_exit
-    one_thread_here()  # the event loop's torch ops, if any: the engine's OpenMP team stays the only one
+    if not settings.engine_placement():  # the engine in this process: torch is loaded here
+        from .engine.cpu_threads import one_thread_here
+
+        one_thread_here()  # the event loop's torch ops, if any: the engine's OpenMP team stays the only one
     try:
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # Ctrl-C: asyncio re-raises the SIGINT once uvicorn has shut down cleanly

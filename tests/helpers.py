@@ -22,7 +22,7 @@ import torch
 
 from linserve.model import ModelConfig
 from linserve.server.engine import Engine, EngineConfig, EngineRequest, RequestOutput, SamplingParams
-from linserve.server.engine.cpu_contention import stat_fields
+from linserve.server.engine.proc_stat import stat_fields
 from linserve.server.settings import Settings
 from tests.devices import device_name_under_test
 
@@ -133,7 +133,7 @@ class ServerProcess:
                  entry: tuple[str, ...] = ("-m", "linserve.server.cli"), prefix: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = log_path
+        self.log, self.checkpoint = log_path, checkpoint
         # eager unless a test asks: compiling takes minutes of CPU (the compiled server has its own test)
         # (pytest's `--api-servers`: the placement of every server whose test does not choose one)
         placement = os.environ.get("LINSERVE_TEST_API_SERVERS")

@@ -79,11 +79,14 @@ STEP_FAILED = "the engine failed while serving this request (see the server log)
 class Engine:
     def __init__(self, model: ServedModel, tokenizer, config: EngineConfig, device: torch.device,
                  stats_sink: StatsSink | None = None, dtype: torch.dtype | None = None,
-                 draft_model: ServedModel | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 draft_model: ServedModel | None = None, eos_token_ids: tuple[int, ...] = (),
+                 checkpoint: str | None = None) -> None:
         """`model` serves every form — prefill, prompt scoring, decode steps, verification — with its weights in
         `dtype` (None: as they are; else a copy): one function for every token, so a token's logits and state
         never depend on which form computed it (docs/engine.md, "Same request, same tokens"). `draft_model`:
-        speculative decoding's draft model (same tokenizer), if the server has one."""
+        speculative decoding's draft model (same tokenizer), if the server has one; `checkpoint`: the directory
+        it was loaded from (what /v1/models names)."""
+        self.checkpoint = checkpoint
         self.model = model = (in_dtype(model, dtype) if dtype else model).eval()  # (every use below: this copy)
         # before the model runs or a program is built (kernels bake the count in); large weights: every CPU
         self.threads = apply_threads(config.threads, config.prefill_threads, weight_bytes(model), config.adapt_threads,
@@ -191,7 +194,7 @@ class Engine:
             state_bytes=model.state_bytes() if fixed_state(model) else None, vocab_size=self.vocab_size,
             checkpoint_vocab_size=checkpoint_vocab_size(model), reserved_slots=self.reserved_slots,
             slot_bytes=self.pool.slot_bytes, pool_bytes=self.pool.bytes_total,
-            decode_step=self.decode_step is not None)
+            decode_step=self.decode_step is not None, checkpoint=self.checkpoint)
 
     def describe_decode_step(self) -> dict | None:
         """The decode step's compile status (None: the softmax baseline has none), for /ready, /version, /metrics;

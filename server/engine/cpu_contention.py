@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,15 +36,12 @@ from pathlib import Path
 import torch
 
 from .cpu_threads import CGROUP_ROOT, ThreadPlan, affinity_set, cgroup_quota_dir
+from .proc_stat import cpus_busy_seconds, process_seconds
 from .thread_trial import ThreadTrials
 
 logger = logging.getLogger("linserve.engine")
 
 WINDOW_S = 0.5  # counters are read at most this often; between reads a phase reuses the last count
-TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-# /proc/stat's columns after the CPU's name; busy = all but idle and iowait (guest time is inside user already)
-STAT_COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-IDLE_COLUMNS = (3, 4)
 
 
 @dataclass(frozen=True)
@@ -54,34 +50,6 @@ class Counters:
     busy_s: float  # CPU seconds the mask's CPUs were busy, everyone's
     own_s: float  # this process's CPU seconds (all its threads)
     cgroup_s: float | None  # the quota's cgroup's CPU seconds (None: no quota)
-
-
-def cpus_busy_seconds(stat_text: str, cpus: frozenset[int]) -> float:
-    """Busy seconds of `cpus` since boot, from /proc/stat's `cpuN` lines."""
-    ticks = 0
-    for line in stat_text.splitlines():
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
-            continue
-        values = [int(v) for v in rest.split()[: len(STAT_COLUMNS)]]
-        ticks += sum(v for i, v in enumerate(values) if i not in IDLE_COLUMNS)
-    return ticks / TICKS_PER_S
-
-
-def stat_fields(pid: int | str) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the name (field 3, the state, first; the name in parentheses may hold
-    spaces); None where the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def process_seconds(self_stat_text: str) -> float:
-    """utime + stime of /proc/<pid>/stat (fields 14 and 15; the name in parentheses may hold spaces)."""
-    fields = self_stat_text.rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
 
 
 def cgroup_usage_seconds(directory: Path, root: Path = CGROUP_ROOT) -> float | None:

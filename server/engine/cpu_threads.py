@@ -27,6 +27,9 @@ thread had once run a 2-thread op, 49 ms again once that thread ended. So the ot
 (the event loop, the session store's worker, the compile thread) run them on one thread
 (`one_thread_here`), and work outside the engine thread that wants every CPU (loading the model, compile=auto's
 measurements) runs in a thread of its own that ends with it, taking its team along (`in_passing_thread`).
+
+torch is imported where a thread count is set, not here: a frontend process reads how many CPUs it may use
+(settings.engine_placement) and never loads torch (engine/client.py).
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MAX_DEFAULT_THREADS = 4  # the default's ceiling; `threads` set explicitly may go higher
 MAX_DEFAULT_PREFILL_THREADS = 8  # likewise for `prefill_threads`
@@ -176,6 +181,8 @@ def apply_threads(requested: int | None, prefill_requested: int | None = None, w
     Inductor bakes the count into its kernels). `weight_bytes`: the decode model's `weight_bytes(model)`. The
     engine thread then runs each phase on its count (cpu_contention.ThreadCounts: lowered while other processes
     hold the CPUs when `adaptive`)."""
+    import torch
+
     plan = plan_threads(requested, prefill_requested, weight_bytes, adaptive, kernel_requested)
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
@@ -207,6 +214,8 @@ def one_thread_here() -> None:
     """The calling thread's torch ops run on it alone from now on: OpenMP's per-thread count set to 1 (ATen's
     own per-thread initialisation first, or it would set it back), the process's default — which the engine
     thread runs on — untouched. For every long-lived thread but the engine's (see the module's docstring)."""
+    import torch
+
     torch.get_num_threads()  # (ATen initialises a thread's count at its first use)
     runtime = _openmp_runtime()
     if runtime is not None:

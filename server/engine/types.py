@@ -265,6 +265,7 @@ class EngineFacts:
     slot_bytes: int
     pool_bytes: int
     decode_step: bool  # whether there is a decode step to describe (compile status)
+    checkpoint: str | None = None  # the directory the model was loaded from
 
 
 @dataclass(slots=True)

@@ -8,6 +8,12 @@ queue orders them); what the engine produces is collected per frontend in an `Ou
 and a call's answer in its own frontend's, the stats in every one (each frontend's /metrics shows the whole
 engine) — and each outbox goes out as one message when the engine thread reports its pool after a step or a
 batch of commands. A frontend that is gone has its running requests aborted: its clients' slots come back.
+
+Starting: the checks that need torch (preflight.check_engine: the device, the checkpoint, int8 where it can run)
+come first — a failure is its one `error:` line on stderr and exit status 2, as `serve` reports its own checks —
+then "checked" to the first frontend's connection (`serve` waits for it before it starts the HTTP side), then
+the model loads and every frontend gets "ready" with the engine's facts, the generation defaults and the
+tokenizer (pickled: a frontend never loads one itself, nor the transformers and torch modules loading one takes).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import signal
+import sys
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
@@ -144,17 +151,25 @@ def run(settings, conns: Connection | list[Connection]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from ..loading import load_engine  # (here: the spawned process imports what it runs, nothing more)
+    from ..preflight import check_engine
 
-    outboxes = Outboxes(conns if isinstance(conns, list) else [conns])
+    conns = conns if isinstance(conns, list) else [conns]
     try:
-        engine, _, generation = in_passing_thread(load_engine, settings, outboxes.stats)
+        check_engine(settings)
+    except (ValueError, FileNotFoundError, OSError) as error:  # as `linserve serve` reports a start-up error
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    conns[0].send(("checked",))
+    outboxes = Outboxes(conns)
+    try:
+        engine, tokenizer, generation = in_passing_thread(load_engine, settings, outboxes.stats)
     except BaseException as error:  # noqa: BLE001 - the frontend says it and exits, as serve did in one process
         logger.exception("the engine core could not start")
         outboxes.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
     engine.on_death.append(lambda error: died(outboxes))
     heap.freeze_startup_objects("engine core")  # (engine/heap.py: no 150 ms collection holds the engine thread later)
-    outboxes.send(("ready", engine.facts, generation))
+    outboxes.send(("ready", engine.facts, generation, tokenizer))
     outboxes.opened()
     serve_frontends(engine, outboxes)
     engine.stop()

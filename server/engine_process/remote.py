@@ -22,13 +22,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
-
-from linserve.model.checkpoint import load_tokenizer
-from linserve.model.loading import DEFAULT_CHECKPOINT
 
 from ..engine.command_queue import ENGINE_DEAD
-from ..engine.cpu_contention import stat_fields
+from ..engine.proc_stat import stat_fields
 from ..engine.types import EngineError, EngineFacts, EngineRequest, FinishReason, PoolStats, RequestOutput, StepStats
 from . import channel, core_main
 from .loop_link import LoopLink
@@ -134,11 +130,11 @@ class RemoteEngine:
     def grammars(self):
         """Structured outputs' grammars compile here (a bad one is the frontend's 400); the core gets their
         source and builds the token masks itself."""
-        from ..engine.constraint import GrammarRuntime
+        from ..engine.grammar import GrammarCompiler
 
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarRuntime(self.tokenizer, self.facts.vocab_size)
+                self._grammars = GrammarCompiler(self.tokenizer, self.facts.vocab_size)
         return self._grammars
 
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
@@ -289,38 +285,73 @@ class RemoteEngine:
                     logger.exception("on_death callback failed")
 
 
+def spawn_core(settings, conns: list[Connection] | None = None, target: Callable = core_main.run):
+    """Start the engine core process (`target(settings, connections)`: core_main.run) with `conns` (the core's ends
+    of the frontends' pipes): returns the process; without `conns`, with one new pipe: (our end, the process).
+    The core checks what needs torch first (preflight.check_engine) and says "checked" on its first connection."""
+    context = multiprocessing.get_context("spawn")  # (torch and threads: never fork)
+    ours = None
+    if conns is None:
+        ours, theirs = context.Pipe(duplex=True)
+        conns = [theirs]
+    process = context.Process(target=target, args=(settings, conns), name="linserve-engine-core")
+    process.start()
+    if ours is None:
+        return process
+    conns[0].close()
+    return ours, process
+
+
+def await_checked(ours: Connection, process) -> int | None:
+    """Until the core has made its start-up checks: None once it says "checked"; its exit status if it ended
+    first (2: a refused setting or checkpoint, whose one `error:` line it printed). Ctrl-C meanwhile kills it (it
+    ignores SIGINT and SIGTERM: its frontends drain it) and goes on up."""
+    try:
+        while not ours.poll(START_POLL_S):
+            if not process.is_alive():
+                process.join(5)
+                return process.exitcode or 1
+        message = ours.recv()
+    except EOFError:
+        process.join(5)
+        return process.exitcode or 1
+    except KeyboardInterrupt:
+        process.kill()
+        raise
+    if message[0] != "checked":
+        raise RuntimeError(f"the engine core said {message[0]!r} before its start-up checks")
+    return None
+
+
 def start_core(settings, stats_sink: Callable[[object], None], target: Callable = core_main.run,
                loop: asyncio.AbstractEventLoop | None = None):
-    """Spawn the engine core process (`target(settings, connection)`: core_main.run), load the tokenizer
-    meanwhile, wait until the core is ready: (RemoteEngine, tokenizer, GenerationDefaults). A core that cannot
-    start raises with its reason."""
-    context = multiprocessing.get_context("spawn")  # (torch and threads: never fork)
-    ours, theirs = context.Pipe(duplex=True)
-    process = context.Process(target=target, args=(settings, theirs), name="linserve-engine-core")
-    process.start()
-    theirs.close()
+    """Spawn the engine core process and wait until it is ready: (RemoteEngine, tokenizer, GenerationDefaults). A
+    core that cannot start raises with its reason."""
+    ours, process = spawn_core(settings, target=target)
     return connect_core(settings, ours, process, stats_sink, loop=loop)
 
 
 def connect_core(settings, ours: Connection, process, stats_sink: Callable[[object], None],
                  on_counted: Callable[[str, str], None] | None = None, loop: asyncio.AbstractEventLoop | None = None):
-    """Load the tokenizer while the core (`process`: a multiprocessing.Process, or a CoreProcess where the core
-    is not this process's child) starts; wait for its "ready": (RemoteEngine, tokenizer, GenerationDefaults).
+    """Wait for the core's "ready" (`process`: a multiprocessing.Process, or a CoreProcess where the core is not
+    this process's child): (RemoteEngine, tokenizer, GenerationDefaults) — the tokenizer is the core's, pickled.
     `on_counted`: where the requests other frontends counted go (N > 1); `loop`: the event loop that reads and
     writes the connection (RemoteEngine)."""
-    tokenizer = load_tokenizer(Path(settings.model) if settings.model else DEFAULT_CHECKPOINT)
-    while not ours.poll(START_POLL_S):
-        if not process.is_alive():
-            raise RuntimeError(f"the engine core process ended while starting (exit status {process.exitcode})")
-    try:
-        message = ours.recv()
-    except EOFError:
-        process.join(5)
-        raise RuntimeError(f"the engine core process ended while starting (exit status {process.exitcode})") from None
+    message = ("checked",)
+    while message[0] == "checked":  # (the first connection has it before "ready", unless `serve` read it)
+        while not ours.poll(START_POLL_S):
+            if not process.is_alive():
+                raise RuntimeError(f"the engine core process ended while starting (exit status {process.exitcode})")
+        try:
+            message = ours.recv()
+        except EOFError:
+            process.join(5)
+            raise RuntimeError(
+                f"the engine core process ended while starting (exit status {process.exitcode})") from None
     if message[0] != "ready":
         process.join(10)
         raise RuntimeError(f"the engine core could not start: {message[1]}")
-    _, facts, generation = message
+    _, facts, generation, tokenizer = message
     return RemoteEngine(ours, process, facts, tokenizer, stats_sink, on_counted, loop), tokenizer, generation
 
 

@@ -43,9 +43,12 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         run_cli("serve", "--model", str(tmp_path), "--port", "0"))
 
 
-def test_int8_weights_where_they_cannot_run_are_one_line():
+@pytest.mark.parametrize("api_servers", ["0", "1", "2"])
+def test_int8_weights_where_they_cannot_run_are_one_line(api_servers):
+    """A check that needs torch: made by `serve` itself in one process, else first thing in the engine core's
+    (preflight.check_engine) — the same one line and exit status before any HTTP side starts."""
     message = one_line_error(run_cli("serve", "--port", "0", "--device", "cpu", "--dtype", "float32",
-                                     "--quantization", "int8"))
+                                     "--quantization", "int8", "--api-servers", api_servers))
     assert "--quantization int8 needs bf16 weights on a CPU (here: torch.float32 on cpu)" in message
 
 

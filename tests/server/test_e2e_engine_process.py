@@ -115,6 +115,20 @@ def test_the_core_process_serves_the_tokens_the_in_process_engine_does(split, se
     assert card["state_bytes"] == httpx.get(f"{server['base']}/v1/models").json()["data"][0]["state_bytes"]
 
 
+def test_no_frontend_loads_torch_only_the_core_does(split):
+    """engine/client.py: the HTTP side — `serve`'s process and each frontend — is typed against EngineClient, gets
+    the core's tokenizer pickled and compiles grammars without torch, so none of them maps libtorch (~180 MB of
+    RSS each), after completions, a session and a structured output; the core does (the check can see it)."""
+    answers(split.base)
+    assert_json_schema_answer(split.base)
+    core, *frontends = spawned(split)
+    for pid in (split.process.pid, *frontends):
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
+    assert "libtorch" in Path(f"/proc/{core}/maps").read_text()
+    card = httpx.get(f"{split.base}/v1/models").json()["data"][0]
+    assert Path(card["root"]) == Path(split.checkpoint)  # the directory the core loaded, as it says
+
+
 def test_per_step_stats_reach_the_frontends_metrics_and_a_client_that_leaves_frees_its_row(split):
     before = metric(split.base, 'linserve_inter_token_latency_seconds_count{context="0-1k"}')
     chunks = streamed(split.base, {"prompt": "ROMEO.", "max_tokens": 30, "temperature": 0, "ignore_eos": True})

@@ -10,7 +10,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ...engine import Engine, heap
+from ...engine import heap
+from ...engine.client import EngineClient
 from ...settings import Settings
 from .errors import APIError
 from .limits import RequestLimits
@@ -24,7 +25,7 @@ def get_tokenizer(request: Request):
     return request.app.state.tokenizer
 
 
-def get_engine(request: Request) -> Engine:
+def get_engine(request: Request) -> EngineClient:
     return request.app.state.engine
 
 
@@ -48,7 +49,7 @@ async def require_key(request: Request) -> str | None:
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 TokenizerDep = Annotated[object, Depends(get_tokenizer)]
-EngineDep = Annotated[Engine, Depends(get_engine)]
+EngineDep = Annotated[EngineClient, Depends(get_engine)]
 LimitsDep = Annotated[RequestLimits, Depends(get_limits)]
 Owner = Annotated[str | None, Depends(require_key)]
 

@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from fastapi import BackgroundTasks, Request
 from starlette.background import BackgroundTask
 
-from ...engine import Engine, EngineRequest, SamplingParams
-from ...engine.types import AlreadyApplied, EngineError, FinishReason, Idempotency, RequestOutput
+from ...engine.client import EngineClient
+from ...engine.types import (
+    AlreadyApplied,
+    EngineError,
+    EngineRequest,
+    FinishReason,
+    Idempotency,
+    RequestOutput,
+    SamplingParams,
+)
 from .dependencies import get_engine
 from .errors import ENGINE_STATUS, APIError, from_engine_error
 from .logprob_budget import Reservation, logprob_bytes
@@ -28,7 +36,7 @@ class Generation:
     """One HTTP request's accepted engine requests (one per prompt) and their merged output stream: prompt
     p's row r arrives as index p × n + r, as OpenAI numbers the choices of a batch of prompts."""
 
-    engine: Engine
+    engine: EngineClient
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams

@@ -25,7 +25,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from ...engine.cpu_contention import stat_fields
+from ...engine.proc_stat import stat_fields
 from ...engine.types import PoolStats, RecordSkipped, RequestStats, SessionLoaded, StepStats, StoreStats
 
 disable_created_metrics()  # no *_created series: plain classic text format
@@ -149,7 +149,7 @@ class Metrics:
         self.requests.labels(endpoint, status).inc()
 
     def describe_processes(self, root_pid: int) -> None:
-        """`process_*` of the whole server (`api_servers` > 1): `root_pid` and its children, summed."""
+        """`process_*` of the whole server (`api_servers` >= 1): `root_pid` and its children, summed."""
         self.registry.unregister(self._process)
         self._process = ProcessTree(root_pid)
         self.registry.register(self._process)
@@ -210,7 +210,7 @@ class Metrics:
 
 
 class ProcessTree:
-    """The standard `process_*` series for a server of several processes (`api_servers` > 1: `serve`, the
+    """The standard `process_*` series for a server of several processes (`api_servers` >= 1: `serve`, the
     engine core, the frontends): CPU seconds, memory and open descriptors summed over the root and its
     children; the start time and the descriptor limit are the root's."""
 

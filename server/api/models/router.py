@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 
 from fastapi import APIRouter, Request
-
-from linserve.model import projection
-from linserve.model.loading import DEFAULT_CHECKPOINT
 
 from ..common.chat import chat_prompt
 from ..common.dependencies import Owner, SettingsDep, TokenizerDep, check_model, encode_prompt, get_engine
@@ -68,17 +66,21 @@ async def tokenizer_info(request: Request, tokenizer: TokenizerDep, owner: Owner
 async def version(request: Request) -> VersionInfo:
     """linserve's version, the versions of what it runs on, the device, and how the decode step runs there
     (compiled or not, and compile=auto's verdict with its figures)."""
-    import torch
-    import transformers
-
     engine = getattr(request.app.state, "engine", None)
     facts = engine.facts if engine is not None else None
-    return VersionInfo(version=request.app.version, torch=torch.__version__, transformers=transformers.__version__,
-                       device=facts.device if facts else None,
-                       threads=facts.threads if facts else torch.get_num_threads(),
+    if facts is None:  # (before an engine has loaded: this process's figures — the only time the HTTP side asks torch)
+        import torch
+
+        from linserve.model import projection
+
+        threads, projections = torch.get_num_threads(), projection.describe()
+    else:
+        threads, projections = facts.threads, facts.projections
+    return VersionInfo(version=request.app.version, torch=importlib.metadata.version("torch"),
+                       transformers=importlib.metadata.version("transformers"),
+                       device=facts.device if facts else None, threads=threads,
                        cpu_threads=facts.cpu_threads if facts else None,
-                       dtype=facts.weights_dtype if facts else None,
-                       projections=facts.projections if facts else projection.describe(),
+                       dtype=facts.weights_dtype if facts else None, projections=projections,
                        decode_step=await asyncio.to_thread(engine.describe_decode_step) if facts else None,
                        api_servers=request.app.state.settings.engine_placement())
 
@@ -92,7 +94,7 @@ def model_card(request: Request, settings) -> ModelCard:
     """The served model: its id, the checkpoint directory, its family and one session's state bytes."""
     facts = get_engine(request).facts
     return ModelCard(id=settings.served_model_name, created=request.app.state.started,
-                     root=str(settings.model or DEFAULT_CHECKPOINT), model_type=facts.model_type,
+                     root=facts.checkpoint, model_type=facts.model_type,
                      state_bytes=facts.state_bytes, vocab_size=facts.vocab_size,
                      checkpoint_vocab_size=facts.checkpoint_vocab_size,
                      generation_defaults=request.app.state.generation.describe())

@@ -10,9 +10,9 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.convertors import StringConvertor, register_url_convertor
 
-from ...engine import Engine, SamplingParams
+from ...engine.client import EngineClient
 from ...engine.sessions.stores import SESSION_ID, SESSION_ID_PATTERN
-from ...engine.types import AlreadyApplied, EngineError
+from ...engine.types import AlreadyApplied, EngineError, SamplingParams
 from ..common.completion_protocol import CompletionRequest, CompletionResponse
 from ..common.completion_serving import run_completion
 from ..common.dependencies import EngineDep, Owner, SettingsDep, TokenizerDep, encode_prompt
@@ -58,7 +58,7 @@ def replayed(status: int, body: object) -> Response:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def replay_made(request: Request, engine: Engine, owner: Owner, idempotency) -> Response | None:
+async def replay_made(request: Request, engine: EngineClient, owner: Owner, idempotency) -> Response | None:
     """A create, fork or import this key already made: its first answer, while the session it made exists (one
     deleted since is not made again by a replay: the key applies anew)."""
     recent = request.app.state.recent_results
@@ -89,7 +89,7 @@ async def create_session(request: Request, engine: EngineDep, owner: Owner, idem
     return created
 
 
-async def _create(request: Request, engine: Engine, owner: Owner,
+async def _create(request: Request, engine: EngineClient, owner: Owner,
                   body: SessionCreateRequest | None) -> SessionCreated | None:
     prompt_ids = await encode_prompt(request, body.prompt, allow_empty=True, starts=True) if body else []
     # with a prompt, one write: the prompt's turn stores the new session (a failed prefill or write leaves none)

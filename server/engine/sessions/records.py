@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:  # (only in annotations: the frontend reads this module's limits without torch)
+    import torch
 
 TAIL_TOKENS = 6  # history tokens kept as detokenizer context (as many as it re-decodes)
 APPLIED_KEPT = 16  # idempotency keys a session remembers (the newest), each with the result it answered

@@ -11,14 +11,9 @@ import time
 import pytest
 import torch
 
-from linserve.server.engine.cpu_contention import (
-    TICKS_PER_S,
-    CpuContention,
-    ThreadCounts,
-    cpus_busy_seconds,
-    process_seconds,
-)
+from linserve.server.engine.cpu_contention import CpuContention, ThreadCounts
 from linserve.server.engine.cpu_threads import ThreadPlan, affinity_set
+from linserve.server.engine.proc_stat import TICKS_PER_S, cpus_busy_seconds, process_seconds
 from linserve.server.engine.types import SamplingParams
 from tests.helpers import prompt, run, tokens_of
 
