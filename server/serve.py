@@ -159,7 +159,10 @@ def serve(settings: Settings) -> int:
         from .engine_process.remote import await_checked, spawn_core
 
         ours, process = spawn_core(settings)
-        refused = await_checked(ours, process)
+        try:
+            refused = await_checked(ours, process)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the core checks: it is killed, nothing else started
+            return 0
         if refused is not None:
             return refused
         app.state.core_started = (ours, process)

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -304,8 +305,10 @@ def spawn_core(settings, conns: list[Connection] | None = None, target: Callable
 
 def await_checked(ours: Connection, process) -> int | None:
     """Until the core has made its start-up checks: None once it says "checked"; its exit status if it ended
-    first (2: a refused setting or checkpoint, whose one `error:` line it printed). Ctrl-C meanwhile kills it (it
-    ignores SIGINT and SIGTERM: its frontends drain it) and goes on up."""
+    first (2: a refused setting or checkpoint, whose one `error:` line it printed). Ctrl-C or SIGTERM meanwhile
+    kills it (it ignores both: its frontends drain it, and there is nothing to drain yet) and raises
+    KeyboardInterrupt."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # (SIGTERM as Ctrl-C, until checked)
     try:
         while not ours.poll(START_POLL_S):
             if not process.is_alive():
@@ -317,7 +320,10 @@ def await_checked(ours: Connection, process) -> int | None:
         return process.exitcode or 1
     except KeyboardInterrupt:
         process.kill()
+        process.join(5)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if message[0] != "checked":
         raise RuntimeError(f"the engine core said {message[0]!r} before its start-up checks")
     return None
@@ -337,6 +343,9 @@ def connect_core(settings, ours: Connection, process, stats_sink: Callable[[obje
     this process's child): (RemoteEngine, tokenizer, GenerationDefaults) — the tokenizer is the core's, pickled.
     `on_counted`: where the requests other frontends counted go (N > 1); `loop`: the event loop that reads and
     writes the connection (RemoteEngine)."""
+    # meanwhile, what unpickling the core's tokenizer imports (1-2 s of transformers' modules), off the critical path
+    import transformers.tokenization_utils_tokenizers  # noqa: F401
+
     message = ("checked",)
     while message[0] == "checked":  # (the first connection has it before "ready", unless `serve` read it)
         while not ours.poll(START_POLL_S):

@@ -193,6 +193,32 @@ def test_sigterm_drains_through_the_core(tiny_checkpoint, tmp_path, frontends):
     assert any(sid in record.name for record in records)  # the store has it: a restart continues it
 
 
+@pytest.mark.parametrize("frontends", ["1", "2"])
+def test_sigterm_while_the_core_checks_ends_the_start_and_leaves_no_process(tiny_checkpoint, tmp_path, frontends):
+    """SIGTERM as soon as the core exists — during its start-up checks (its first seconds import torch), before
+    `serve` starts any HTTP side: `serve` kills it and exits 0, no traceback, no process left behind."""
+    import subprocess
+    import sys
+
+    from tests.devices import device_name_under_test
+
+    command = [sys.executable, "-m", "linserve.server.cli", "serve", "--model", str(tiny_checkpoint), "--port", "0",
+               "--device", device_name_under_test(), "--compile", "off", "--api-servers", frontends]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not spawned_children(process.pid):
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    core = spawned_children(process.pid)[0]
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode in (0, -signal.SIGTERM) and "Traceback" not in stderr, (process.returncode, stderr)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{core}").exists():  # (killed and reaped by serve, not orphaned)
+        assert time.monotonic() < deadline, "the engine core outlived serve"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("frontends", [1, 2])
 def test_a_core_that_dies_turns_health_to_503_and_ends_the_server(tiny_checkpoint, tmp_path, frontends):
     server = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--api-servers", str(frontends))
@@ -239,11 +265,10 @@ def test_every_frontend_answers_and_each_metrics_counts_them_all(split):
         assert time.monotonic() < deadline, f"{name}: {count() - before} of {sent}"
         time.sleep(0.05)
     assert [count() - before for _ in range(8)] == [sent] * 8  # whichever frontend answers
-    if split.frontends > 1:
-        rss = metric(split.base, "process_resident_memory_bytes")
-        core_rss = int(next(line for line in Path(f"/proc/{core_pid(split)}/status").read_text().splitlines()
-                            if line.startswith("VmRSS:")).split()[1]) * 1024
-        assert rss > core_rss  # the core's and the frontends' (and serve's) together
+    rss = metric(split.base, "process_resident_memory_bytes")
+    core_rss = int(next(line for line in Path(f"/proc/{core_pid(split)}/status").read_text().splitlines()
+                        if line.startswith("VmRSS:")).split()[1]) * 1024
+    assert rss > core_rss  # the core's and the frontends' (and serve's) together
 
 
 def test_a_killed_frontend_stops_the_server_and_every_turn_is_flushed(tiny_checkpoint, tmp_path):
