@@ -1,7 +1,7 @@
 """What the HTTP side holds of an engine: the in-process `Engine` (core.py) or, with the engine core in a process of
 its own, a `RemoteEngine` (engine_process/remote.py) carrying each call over the channel. Both have this surface;
 the API is typed against it, so a frontend process imports neither the engine nor torch (its RSS is the web
-stack's and the tokenizer's, ~190 MB less than with torch loaded)."""
+stack's and the tokenizer's, ~200 MB less than with torch loaded)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
+from .grammar import GrammarCompiler
 from .types import EngineFacts, EngineRequest, RequestOutput
-
-
-class GrammarCompiler(Protocol):
-    def compile(self, kind: str, value) -> object:
-        """The grammar a request asked for (`grammar.KINDS`), or ValueError naming what is wrong with it."""
 
 
 class EngineClient(Protocol):
@@ -26,7 +22,7 @@ class EngineClient(Protocol):
     def alive(self) -> bool: ...
 
     @property
-    def grammars(self) -> GrammarCompiler: ...
+    def grammars(self) -> GrammarCompiler: ...  # (the engine's: a GrammarRuntime, the compiler and the masks)
 
     def submit(self, request: EngineRequest, sink: Callable[[RequestOutput], None]) -> Future: ...
 
