@@ -14,6 +14,10 @@
 // the program's input, a copy to write into, the new state, the keep-or-revert select, the write back), each
 // through freshly allocated (page-faulting) memory; here the state is read once by the read and read and written
 // once by the commit, where it lives. 340M linear_attn holds 24 MiB a row: at 8 rows that was most of the step.
+// Each read's tree over d_k starts as its rows are made: the first one, two or three levels (as 2, 4 or 8 divides
+// d_k) are summed in registers from the 2, 4 or 8 key rows they pair, in the tree's order, so the scratch the rest
+// of the tree reads back is a half, quarter or eighth of d_k rows (340M Gated DeltaNet's delta_read 1.27x faster
+// with three levels than with one, 8 rows, docs/benchmarks.md).
 //
 // state_commit writes through a tensor torch was told is only read (the op is declared functional and returns
 // `keep`): the decode program chains the commits through that output, so a compiler neither drops nor reorders
@@ -139,6 +143,164 @@ inline int64_t read_rows_halved(const float* q, const float* k, const float* v, 
   return h + dk % 2;
 }
 
+// the same with the tree's first two levels done as the rows are made, for a d_k that 4 divides: buf's row i =
+// (row i + row i + d_k/2) + (row i + d_k/4 + row i + 3d_k/4) — level 1's sums of those pairs, then level 2's of
+// those sums, in tree's order: the same bits again, a quarter of the scratch written and level 1 never read back
+inline int64_t read_rows_quartered(const float* q, const float* k, const float* v, const float* alpha, bool per_head,
+                                   const float* S, int64_t dk, int64_t dv, int64_t w, float* buf) {
+  const int64_t h = dk / 2, f = dk / 4;
+  for (int64_t i = 0; i < f; ++i) {
+    const ReadRow a = read_row(q, k, alpha, per_head, S, dv, i), b = read_row(q, k, alpha, per_head, S, dv, i + h);
+    const ReadRow c2 = read_row(q, k, alpha, per_head, S, dv, i + f);
+    const ReadRow d = read_row(q, k, alpha, per_head, S, dv, i + f + h);
+    float* __restrict row = buf + i * w;
+    if (alpha) {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float x = a.qi * (a.s[c] * a.ai + a.ki * v[c]), y = b.qi * (b.s[c] * b.ai + b.ki * v[c]);
+        const float z = c2.qi * (c2.s[c] * c2.ai + c2.ki * v[c]), t = d.qi * (d.s[c] * d.ai + d.ki * v[c]);
+        row[c] = (x + y) + (z + t);
+      }
+    } else {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float x = a.qi * (a.s[c] + a.ki * v[c]), y = b.qi * (b.s[c] + b.ki * v[c]);
+        const float z = c2.qi * (c2.s[c] + c2.ki * v[c]), t = d.qi * (d.s[c] + d.ki * v[c]);
+        row[c] = (x + y) + (z + t);
+      }
+    }
+  }
+  return f;
+}
+
+// the key rows one output row of three folded levels reads, in the tree's order: i, i + d_k/2, i + d_k/4,
+// i + 3d_k/4, then the same four from i + d_k/8 — level 1 sums each pair, level 2 each two pairs, level 3 the two
+inline void eight_rows(int64_t i, int64_t dk, int64_t (&j)[8]) {
+  const int64_t h = dk / 2, f = dk / 4, e = dk / 8;
+  const int64_t first[8] = {i, i + h, i + f, i + f + h, i + e, i + e + h, i + e + f, i + e + f + h};
+  std::copy(first, first + 8, j);
+}
+
+// the same with three levels done as the rows are made, for a d_k that 8 divides (an eighth of the scratch written)
+inline int64_t read_rows_eighthed(const float* q, const float* k, const float* v, const float* alpha, bool per_head,
+                                  const float* S, int64_t dk, int64_t dv, int64_t w, float* buf) {
+  for (int64_t i = 0; i < dk / 8; ++i) {
+    int64_t j[8];
+    eight_rows(i, dk, j);
+    const ReadRow r0 = read_row(q, k, alpha, per_head, S, dv, j[0]), r1 = read_row(q, k, alpha, per_head, S, dv, j[1]);
+    const ReadRow r2 = read_row(q, k, alpha, per_head, S, dv, j[2]), r3 = read_row(q, k, alpha, per_head, S, dv, j[3]);
+    const ReadRow r4 = read_row(q, k, alpha, per_head, S, dv, j[4]), r5 = read_row(q, k, alpha, per_head, S, dv, j[5]);
+    const ReadRow r6 = read_row(q, k, alpha, per_head, S, dv, j[6]), r7 = read_row(q, k, alpha, per_head, S, dv, j[7]);
+    float* __restrict row = buf + i * w;
+    if (alpha) {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float x0 = r0.qi * (r0.s[c] * r0.ai + r0.ki * v[c]), x1 = r1.qi * (r1.s[c] * r1.ai + r1.ki * v[c]);
+        const float x2 = r2.qi * (r2.s[c] * r2.ai + r2.ki * v[c]), x3 = r3.qi * (r3.s[c] * r3.ai + r3.ki * v[c]);
+        const float x4 = r4.qi * (r4.s[c] * r4.ai + r4.ki * v[c]), x5 = r5.qi * (r5.s[c] * r5.ai + r5.ki * v[c]);
+        const float x6 = r6.qi * (r6.s[c] * r6.ai + r6.ki * v[c]), x7 = r7.qi * (r7.s[c] * r7.ai + r7.ki * v[c]);
+        row[c] = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7));
+      }
+    } else {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float x0 = r0.qi * (r0.s[c] + r0.ki * v[c]), x1 = r1.qi * (r1.s[c] + r1.ki * v[c]);
+        const float x2 = r2.qi * (r2.s[c] + r2.ki * v[c]), x3 = r3.qi * (r3.s[c] + r3.ki * v[c]);
+        const float x4 = r4.qi * (r4.s[c] + r4.ki * v[c]), x5 = r5.qi * (r5.s[c] + r5.ki * v[c]);
+        const float x6 = r6.qi * (r6.s[c] + r6.ki * v[c]), x7 = r7.qi * (r7.s[c] + r7.ki * v[c]);
+        row[c] = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7));
+      }
+    }
+  }
+  return dk / 8;
+}
+
+// q ⊙ (S·α + k ⊗ v) for one column block into buf, as many of the tree's levels done as d_k allows (up to 3)
+inline int64_t read_rows(const float* q, const float* k, const float* v, const float* alpha, bool per_head,
+                         const float* S, int64_t dk, int64_t dv, int64_t w, float* buf) {
+  if (dk % 8 == 0 && dk >= 8) return read_rows_eighthed(q, k, v, alpha, per_head, S, dk, dv, w, buf);
+  if (dk % 4 == 0 && dk >= 4) return read_rows_quartered(q, k, v, alpha, per_head, S, dk, dv, w, buf);
+  return read_rows_halved(q, k, v, alpha, per_head, S, dk, dv, w, buf);
+}
+
+// k ⊙ S·α for one column block into buf (the delta rule's prediction S_{t-1}ᵀk, before its tree), the tree's first
+// level — or, for a d_k that 4 divides, its first two — done as the rows are made (as read_rows does). Returns the
+// rows left for `tree`.
+inline int64_t predicted_rows(const float* kr, const float* alpha_bh, const float* S, int64_t dk, int64_t dv,
+                              int64_t w, float* buf) {
+  const float ai = alpha_bh ? *alpha_bh : 1.0f;
+  if (dk % 8 == 0 && dk >= 8) {
+    for (int64_t i = 0; i < dk / 8; ++i) {
+      int64_t j[8];
+      eight_rows(i, dk, j);
+      const float* __restrict s0 = S + j[0] * dv;
+      const float* __restrict s1 = S + j[1] * dv;
+      const float* __restrict s2 = S + j[2] * dv;
+      const float* __restrict s3 = S + j[3] * dv;
+      const float* __restrict s4 = S + j[4] * dv;
+      const float* __restrict s5 = S + j[5] * dv;
+      const float* __restrict s6 = S + j[6] * dv;
+      const float* __restrict s7 = S + j[7] * dv;
+      const float k0 = kr[j[0]], k1 = kr[j[1]], k2 = kr[j[2]], k3 = kr[j[3]];
+      const float k4 = kr[j[4]], k5 = kr[j[5]], k6 = kr[j[6]], k7 = kr[j[7]];
+      float* __restrict row = buf + i * w;
+      if (alpha_bh) {
+#pragma GCC ivdep
+        for (int64_t c = 0; c < w; ++c)
+          row[c] = ((k0 * (s0[c] * ai) + k1 * (s1[c] * ai)) + (k2 * (s2[c] * ai) + k3 * (s3[c] * ai))) +
+                   ((k4 * (s4[c] * ai) + k5 * (s5[c] * ai)) + (k6 * (s6[c] * ai) + k7 * (s7[c] * ai)));
+      } else {
+#pragma GCC ivdep
+        for (int64_t c = 0; c < w; ++c)
+          row[c] = ((k0 * s0[c] + k1 * s1[c]) + (k2 * s2[c] + k3 * s3[c])) +
+                   ((k4 * s4[c] + k5 * s5[c]) + (k6 * s6[c] + k7 * s7[c]));
+      }
+    }
+    return dk / 8;
+  }
+  if (dk % 4 == 0 && dk >= 4) {
+    const int64_t half = dk / 2, quarter = dk / 4;
+    for (int64_t i = 0; i < quarter; ++i) {
+      const float* __restrict s = S + i * dv;
+      const float* __restrict t = S + (i + half) * dv;
+      const float* __restrict s2 = S + (i + quarter) * dv;
+      const float* __restrict t2 = S + (i + quarter + half) * dv;
+      float* __restrict row = buf + i * w;
+      const float ki = kr[i], kj = kr[i + half], k2 = kr[i + quarter], kj2 = kr[i + quarter + half];
+      if (alpha_bh) {
+#pragma GCC ivdep
+        for (int64_t c = 0; c < w; ++c)
+          row[c] = (ki * (s[c] * ai) + kj * (t[c] * ai)) + (k2 * (s2[c] * ai) + kj2 * (t2[c] * ai));
+      } else {
+#pragma GCC ivdep
+        for (int64_t c = 0; c < w; ++c) row[c] = (ki * s[c] + kj * t[c]) + (k2 * s2[c] + kj2 * t2[c]);
+      }
+    }
+    return quarter;
+  }
+  const int64_t half = dk / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float* __restrict s = S + i * dv;
+    const float* __restrict t = S + (i + half) * dv;
+    float* __restrict row = buf + i * w;
+    const float ki = kr[i], kj = kr[i + half];
+    if (alpha_bh) {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) row[c] = ki * (s[c] * ai) + kj * (t[c] * ai);
+    } else {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) row[c] = ki * s[c] + kj * t[c];
+    }
+  }
+  if (dk % 2) {
+    const float* __restrict s = S + (dk - 1) * dv;
+    float* __restrict row = buf + half * w;
+    const float ki = kr[dk - 1];
+    for (int64_t c = 0; c < w; ++c) row[c] = alpha_bh ? ki * (s[c] * ai) : ki * s[c];
+  }
+  return half + dk % 2;
+}
+
 at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& alpha, const at::Tensor& pool, const at::Tensor& slots) {
   const Dims d = check_token(k, v, pool, slots, "linear_read");
@@ -159,7 +321,7 @@ at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
     const int64_t b = bh / H, h = bh % H;
     const float* S = sp + (rows[b] * H + h) * dk * dv + c0;
-    tree(buf, read_rows_halved(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr, false, S,
+    tree(buf, read_rows(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr, false, S,
                                dk, dv, w, buf), w);
     std::copy(buf, buf + w, op + bh * dv + c0);
   });
@@ -189,32 +351,11 @@ std::tuple<at::Tensor, at::Tensor> delta_read(const at::Tensor& q, const at::Ten
     const int64_t b = bh / H, h = bh % H;
     const float* S = sp + (rows[b] * H + h) * dk * dv + c0;
     const float *kr = kp + bh * dk, *alpha_bh = ap ? ap + bh : nullptr;
-    const int64_t half = dk / 2;  // k ⊙ S·α (delta_step's S1, not stored), the tree's first level as it is made
-    const float ai = alpha_bh ? *alpha_bh : 1.0f;
-    for (int64_t i = 0; i < half; ++i) {
-      const float* __restrict s = S + i * dv;
-      const float* __restrict t = S + (i + half) * dv;
-      float* __restrict row = buf + i * w;
-      const float ki = kr[i], kj = kr[i + half];
-      if (alpha_bh) {
-#pragma GCC ivdep
-        for (int64_t c = 0; c < w; ++c) row[c] = ki * (s[c] * ai) + kj * (t[c] * ai);
-      } else {
-#pragma GCC ivdep
-        for (int64_t c = 0; c < w; ++c) row[c] = ki * s[c] + kj * t[c];
-      }
-    }
-    if (dk % 2) {
-      const float* __restrict s = S + (dk - 1) * dv;
-      float* __restrict row = buf + half * w;
-      const float ki = kr[dk - 1];
-      for (int64_t c = 0; c < w; ++c) row[c] = alpha_bh ? ki * (s[c] * ai) : ki * s[c];
-    }
-    tree(buf, half + dk % 2, w);
+    tree(buf, predicted_rows(kr, alpha_bh, S, dk, dv, w, buf), w);  // k ⊙ S·α (delta_step's S1, not stored)
     float* ur = up + bh * dv + c0;
     const float* vr = vp + bh * dv + c0;
     for (int64_t c = 0; c < w; ++c) ur[c] = bp[bh] * (vr[c] - buf[c]);
-    tree(buf, read_rows_halved(qp + bh * dk, kr, ur, alpha_bh, true, S, dk, dv, w, buf), w);  // q ⊙ (S·α + k ⊗ u)
+    tree(buf, read_rows(qp + bh * dk, kr, ur, alpha_bh, true, S, dk, dv, w, buf), w);  // q ⊙ (S·α + k ⊗ u)
     std::copy(buf, buf + w, op + bh * dv + c0);
   });
   return {o, u};

@@ -121,13 +121,14 @@ def test_rwkv7s_step_is_torchs_scan_to_the_bit_in_any_batch(dk, dv, monkeypatch)
 
 
 @pytest.mark.parametrize("rule", ["per_key", "per_head_token", "per_head", "none", "delta", "gated_delta"])
-@pytest.mark.parametrize("dk, dv", [(37, 40), (24, 150)])
+@pytest.mark.parametrize("dk, dv", [(37, 40), (6, 33), (12, 150), (24, 40), (256, 24)])
 def test_reading_from_the_pool_then_committing_is_the_scan_to_the_bit(rule, dk, dv):
     """kernels/pooled_state.cpp: one token read from the rows' pool slots gives the scan's outputs (recurrence.scan
     or delta_rule.scan over the gathered rows), and the commit leaves in each kept row's slot the scan's state, to
     the bit; a row not kept leaves its slot as it was, a slot repeated (a bucket's padding) is updated once, and
-    no other slot is touched. An odd d_k and an even one: the reads fold the tree's first level into the products,
-    an odd d_k's last row moved as the tree moves it."""
+    no other slot is touched. The reads fold the tree's first level into the products (an odd d_k's last row moved
+    as the tree moves it: 37; an even one: 6), its first two where 4 divides d_k (12: the tree's next level then
+    odd) and its first three where 8 does (24: three rows left; 256: 340M Gated DeltaNet's and linear_attn's)."""
     from linserve.model import delta_rule, recurrence
     from linserve.model.pooled_state import PendingUpdate, PooledState
 
