@@ -14,10 +14,10 @@
 // the program's input, a copy to write into, the new state, the keep-or-revert select, the write back), each
 // through freshly allocated (page-faulting) memory; here the state is read once by the read and read and written
 // once by the commit, where it lives. 340M linear_attn holds 24 MiB a row: at 8 rows that was most of the step.
-// Each read's tree over d_k starts as its rows are made: the first one, two or three levels (as 2, 4 or 8 divides
-// d_k) are summed in registers from the 2, 4 or 8 key rows they pair, in the tree's order, so the scratch the rest
-// of the tree reads back is a half, quarter or eighth of d_k rows (340M Gated DeltaNet's delta_read 1.27x faster
-// with three levels than with one, 8 rows, docs/benchmarks.md).
+// Each read's tree over d_k starts as its rows are made: its first three levels where 8 divides d_k (else its first)
+// are summed in registers from the 8 (2) key rows they pair, in the tree's order, so the scratch the rest of the
+// tree reads back is an eighth (a half) of d_k rows (340M Gated DeltaNet's delta_read 1.27x faster with three
+// levels than with one, 8 rows, docs/benchmarks.md).
 //
 // state_commit writes through a tensor torch was told is only read (the op is declared functional and returns
 // `keep`): the decode program chains the commits through that output, so a compiler neither drops nor reorders
@@ -143,36 +143,6 @@ inline int64_t read_rows_halved(const float* q, const float* k, const float* v, 
   return h + dk % 2;
 }
 
-// the same with the tree's first two levels done as the rows are made, for a d_k that 4 divides: buf's row i =
-// (row i + row i + d_k/2) + (row i + d_k/4 + row i + 3d_k/4) — level 1's sums of those pairs, then level 2's of
-// those sums, in tree's order: the same bits again, a quarter of the scratch written and level 1 never read back
-inline int64_t read_rows_quartered(const float* q, const float* k, const float* v, const float* alpha, bool per_head,
-                                   const float* S, int64_t dk, int64_t dv, int64_t w, float* buf) {
-  const int64_t h = dk / 2, f = dk / 4;
-  for (int64_t i = 0; i < f; ++i) {
-    const ReadRow a = read_row(q, k, alpha, per_head, S, dv, i), b = read_row(q, k, alpha, per_head, S, dv, i + h);
-    const ReadRow c2 = read_row(q, k, alpha, per_head, S, dv, i + f);
-    const ReadRow d = read_row(q, k, alpha, per_head, S, dv, i + f + h);
-    float* __restrict row = buf + i * w;
-    if (alpha) {
-#pragma GCC ivdep
-      for (int64_t c = 0; c < w; ++c) {
-        const float x = a.qi * (a.s[c] * a.ai + a.ki * v[c]), y = b.qi * (b.s[c] * b.ai + b.ki * v[c]);
-        const float z = c2.qi * (c2.s[c] * c2.ai + c2.ki * v[c]), t = d.qi * (d.s[c] * d.ai + d.ki * v[c]);
-        row[c] = (x + y) + (z + t);
-      }
-    } else {
-#pragma GCC ivdep
-      for (int64_t c = 0; c < w; ++c) {
-        const float x = a.qi * (a.s[c] + a.ki * v[c]), y = b.qi * (b.s[c] + b.ki * v[c]);
-        const float z = c2.qi * (c2.s[c] + c2.ki * v[c]), t = d.qi * (d.s[c] + d.ki * v[c]);
-        row[c] = (x + y) + (z + t);
-      }
-    }
-  }
-  return f;
-}
-
 // the key rows one output row of three folded levels reads, in the tree's order: i, i + d_k/2, i + d_k/4,
 // i + 3d_k/4, then the same four from i + d_k/8 — level 1 sums each pair, level 2 each two pairs, level 3 the two
 inline void eight_rows(int64_t i, int64_t dk, int64_t (&j)[8]) {
@@ -181,7 +151,9 @@ inline void eight_rows(int64_t i, int64_t dk, int64_t (&j)[8]) {
   std::copy(first, first + 8, j);
 }
 
-// the same with three levels done as the rows are made, for a d_k that 8 divides (an eighth of the scratch written)
+// the same with the tree's first three levels done as the rows are made, for a d_k that 8 divides: an eighth of the
+// scratch written, those levels never read back (each row's eight products spelled out: a recursive template over
+// a lambda was not vectorized)
 inline int64_t read_rows_eighthed(const float* q, const float* k, const float* v, const float* alpha, bool per_head,
                                   const float* S, int64_t dk, int64_t dv, int64_t w, float* buf) {
   for (int64_t i = 0; i < dk / 8; ++i) {
@@ -215,16 +187,16 @@ inline int64_t read_rows_eighthed(const float* q, const float* k, const float* v
   return dk / 8;
 }
 
-// q ⊙ (S·α + k ⊗ v) for one column block into buf, as many of the tree's levels done as d_k allows (up to 3)
+// q ⊙ (S·α + k ⊗ v) for one column block into buf: the tree's first three levels done as the rows are made where
+// 8 divides d_k (64, 128 and 256 in the checkpoints served so far), else its first
 inline int64_t read_rows(const float* q, const float* k, const float* v, const float* alpha, bool per_head,
                          const float* S, int64_t dk, int64_t dv, int64_t w, float* buf) {
-  if (dk % 8 == 0 && dk >= 8) return read_rows_eighthed(q, k, v, alpha, per_head, S, dk, dv, w, buf);
-  if (dk % 4 == 0 && dk >= 4) return read_rows_quartered(q, k, v, alpha, per_head, S, dk, dv, w, buf);
-  return read_rows_halved(q, k, v, alpha, per_head, S, dk, dv, w, buf);
+  return dk % 8 == 0 && dk >= 8 ? read_rows_eighthed(q, k, v, alpha, per_head, S, dk, dv, w, buf)
+                                : read_rows_halved(q, k, v, alpha, per_head, S, dk, dv, w, buf);
 }
 
 // k ⊙ S·α for one column block into buf (the delta rule's prediction S_{t-1}ᵀk, before its tree), the tree's first
-// level — or, for a d_k that 4 divides, its first two — done as the rows are made (as read_rows does). Returns the
+// level — or, for a d_k that 8 divides, its first three — done as the rows are made (as read_rows does). Returns the
 // rows left for `tree`.
 inline int64_t predicted_rows(const float* kr, const float* alpha_bh, const float* S, int64_t dk, int64_t dv,
                               int64_t w, float* buf) {
@@ -257,26 +229,6 @@ inline int64_t predicted_rows(const float* kr, const float* alpha_bh, const floa
       }
     }
     return dk / 8;
-  }
-  if (dk % 4 == 0 && dk >= 4) {
-    const int64_t half = dk / 2, quarter = dk / 4;
-    for (int64_t i = 0; i < quarter; ++i) {
-      const float* __restrict s = S + i * dv;
-      const float* __restrict t = S + (i + half) * dv;
-      const float* __restrict s2 = S + (i + quarter) * dv;
-      const float* __restrict t2 = S + (i + quarter + half) * dv;
-      float* __restrict row = buf + i * w;
-      const float ki = kr[i], kj = kr[i + half], k2 = kr[i + quarter], kj2 = kr[i + quarter + half];
-      if (alpha_bh) {
-#pragma GCC ivdep
-        for (int64_t c = 0; c < w; ++c)
-          row[c] = (ki * (s[c] * ai) + kj * (t[c] * ai)) + (k2 * (s2[c] * ai) + kj2 * (t2[c] * ai));
-      } else {
-#pragma GCC ivdep
-        for (int64_t c = 0; c < w; ++c) row[c] = (ki * s[c] + kj * t[c]) + (k2 * s2[c] + kj2 * t2[c]);
-      }
-    }
-    return quarter;
   }
   const int64_t half = dk / 2;
   for (int64_t i = 0; i < half; ++i) {

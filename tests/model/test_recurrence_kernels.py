@@ -127,8 +127,8 @@ def test_reading_from_the_pool_then_committing_is_the_scan_to_the_bit(rule, dk, 
     or delta_rule.scan over the gathered rows), and the commit leaves in each kept row's slot the scan's state, to
     the bit; a row not kept leaves its slot as it was, a slot repeated (a bucket's padding) is updated once, and
     no other slot is touched. The reads fold the tree's first level into the products (an odd d_k's last row moved
-    as the tree moves it: 37; an even one: 6), its first two where 4 divides d_k (12: the tree's next level then
-    odd) and its first three where 8 does (24: three rows left; 256: 340M Gated DeltaNet's and linear_attn's)."""
+    as the tree moves it: 37; even ones: 6, 12), and its first three where 8 divides d_k (24: three rows left, the
+    next level odd; 256: 340M Gated DeltaNet's and linear_attn's)."""
     from linserve.model import delta_rule, recurrence
     from linserve.model.pooled_state import PendingUpdate, PooledState
 
