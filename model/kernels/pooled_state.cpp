@@ -273,8 +273,8 @@ at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
     const int64_t b = bh / H, h = bh % H;
     const float* S = sp + (rows[b] * H + h) * dk * dv + c0;
-    tree(buf, read_rows(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr, false, S,
-                               dk, dv, w, buf), w);
+    tree(buf, read_rows(qp + bh * dk, kp + bh * dk, vp + bh * dv + c0, ap ? ap + bh * dk : nullptr, false, S, dk,
+                        dv, w, buf), w);
     std::copy(buf, buf + w, op + bh * dv + c0);
   });
   return o;
