@@ -174,3 +174,7 @@ def private_redis(url: str | None, directory: str):
 
 if __name__ == "__main__":
     main()
+    from linserve.server.cli import exit_now
+
+    exit_now(0)  # as `linserve` ends: no interpreter teardown, whose native destructors (the in-process engines'
+    # thread pools, loaded programs) can abort a finished run with "terminate called without an active exception"
