@@ -31,7 +31,7 @@ from .api.sessions.idempotency import KeyedResults
 from .api.sessions.router import router as sessions_router
 from .api.web.router import router as web_router
 from .engine import heap
-from .engine_process.remote import connect_core, start_core
+from .engine_process.remote import connect_core, spawn_core
 from .settings import Settings
 from .version import package_version
 
@@ -52,14 +52,11 @@ async def lifespan(app: FastAPI):
             loop)
         state.metrics.count_request = state.engine.count_request
         state.metrics.describe_processes(os.getppid())
-    elif state.core_started is not None:  # the engine core in a process of its own, started by `serve`
-        conn, process = state.core_started
+    elif state.settings.engine_placement():  # the engine core in a process of its own: `serve` started it, or here
+        conn, process = state.core_started or await asyncio.to_thread(spawn_core, state.settings)
         state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
             connect_core, state.settings, conn, process, state.metrics.observe, loop=loop)
         state.metrics.describe_processes(os.getpid())  # (process_*: this process and the core, summed)
-    elif state.settings.engine_placement():  # the same, started here (engine_process/)
-        state.engine, state.tokenizer, state.generation = await asyncio.to_thread(
-            start_core, state.settings, state.metrics.observe, loop=loop)
     else:  # the engine in this process (only then is torch imported here)
         from .engine.cpu_threads import in_passing_thread
         from .loading import load_engine

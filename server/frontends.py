@@ -74,10 +74,7 @@ def supervise(settings: Settings) -> int:
     sock = listening_socket(settings)
     pipes = [context.Pipe(duplex=True) for _ in range(settings.engine_placement())]
     core = spawn_core(settings, [theirs for _, theirs in pipes])
-    try:  # its start-up checks first: a refusal is one line, status 2
-        refused = await_checked(pipes[0][0], core)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM meanwhile: the core is killed, nothing else started
-        refused = 0
+    refused = await_checked(pipes[0][0], core)  # its start-up checks first: a refusal is one line, status 2
     if refused is not None:
         for ours, theirs in pipes:
             ours.close()

@@ -159,10 +159,7 @@ def serve(settings: Settings) -> int:
         from .engine_process.remote import await_checked, spawn_core
 
         ours, process = spawn_core(settings)
-        try:
-            refused = await_checked(ours, process)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the core checks: it is killed, nothing else started
-            return 0
+        refused = await_checked(ours, process)  # (Ctrl-C or SIGTERM meanwhile: 0, the core killed)
         if refused is not None:
             return refused
         app.state.core_started = (ours, process)

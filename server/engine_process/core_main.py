@@ -143,7 +143,7 @@ class Outboxes:
 
 
 def run(settings, conns: Connection | list[Connection]) -> None:
-    """The process's entry (spawned by remote.start_core with one frontend's connection, or by `serve` with
+    """The process's entry (spawned by remote.spawn_core with one frontend's connection, or by `serve` with
     `api_servers` of them)."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     # the frontend drains the core (its "stop", or its end): a Ctrl-C or SIGTERM sent to the whole process group

@@ -305,9 +305,9 @@ def spawn_core(settings, conns: list[Connection] | None = None, target: Callable
 
 def await_checked(ours: Connection, process) -> int | None:
     """Until the core has made its start-up checks: None once it says "checked"; its exit status if it ended
-    first (2: a refused setting or checkpoint, whose one `error:` line it printed). Ctrl-C or SIGTERM meanwhile
-    kills it (it ignores both: its frontends drain it, and there is nothing to drain yet) and raises
-    KeyboardInterrupt."""
+    first (2: a refused setting or checkpoint, whose one `error:` line it printed); 0 if Ctrl-C or SIGTERM came
+    meanwhile — the core killed (it ignores both: its frontends drain it, and there is nothing to drain yet).
+    `serve` exits with what it returns."""
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # (SIGTERM as Ctrl-C, until checked)
     try:
         while not ours.poll(START_POLL_S):
@@ -321,7 +321,7 @@ def await_checked(ours: Connection, process) -> int | None:
     except KeyboardInterrupt:
         process.kill()
         process.join(5)
-        raise
+        return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
     if message[0] != "checked":
