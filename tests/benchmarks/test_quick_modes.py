@@ -27,7 +27,10 @@ ON_ANY_DEVICE = {"decode_vs_context.py", "engine_inprocess.py", "serving_overhea
                  "served_load.py", "serve_startup.py"}
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
+COMPILING_S = 1500  # a script that builds buckets: two on 2 cores beside another worker's build took > 300 s in CI
+
+
+def run(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """The script's --quick run, in a session of its own: whatever ends it — its exit, or pytest-timeout's exception
     while it runs — its whole process group (the servers it started) is killed after, so a timed-out benchmark's
     server never holds its port for the tests after it."""
@@ -36,7 +39,7 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
     process = subprocess.Popen([sys.executable, str(BENCHMARKS / script), "--quick", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=BENCHMARKS.parent, start_new_session=True)
     try:
-        stdout, stderr = process.communicate(timeout=600)
+        stdout, stderr = process.communicate(timeout=timeout)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -107,10 +110,11 @@ def test_frontend_cpu_beside_its_floor(tmp_path):
         load["frontend_us_per_token"] - load["write_floor"]["us_per_write"])
 
 
+@pytest.mark.timeout(COMPILING_S + 60)
 def test_compile_vs_eager(tmp_path, compile_cache):
     """The shipped model at 2 slots (its bucket 1 is the one test_compiled_decode builds: one cache)."""
     run("compile_vs_eager.py", "--out", str(tmp_path / "c.json"), "--port", "8793",
-        "--compile-cache-dir", compile_cache)
+        "--compile-cache-dir", compile_cache, timeout=COMPILING_S)
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["compile_status"] == "compiled" and data["compiled_buckets"] == [1, 2]
     for streams in (1, 8):
@@ -118,9 +122,10 @@ def test_compile_vs_eager(tmp_path, compile_cache):
         assert load["compiled_tokens_per_s"] > 0 and load["eager_tokens_per_s"] > 0
 
 
+@pytest.mark.timeout(COMPILING_S + 60)
 def test_bucket_memory(tmp_path, compile_cache):
     """The shipped model's bucket 1 at 2 slots (test_compiled_decode builds it: one cache)."""
-    run("bucket_memory.py", "--out", str(tmp_path / "b.json"), "--cache", compile_cache)
+    run("bucket_memory.py", "--out", str(tmp_path / "b.json"), "--cache", compile_cache, timeout=COMPILING_S)
     data = json.loads((tmp_path / "b.json").read_text())["bucket_memory"]
     assert data["sizes"] == [1] and data["vocab"] > 0 and data["table_mb"] > 1
     assert set(data["added_mb"]) == {"all", "anonymous", "file"} and data["rss_after_buckets_mb"]["all"] > 0
