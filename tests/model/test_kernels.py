@@ -89,15 +89,16 @@ def test_the_vector_lanes_round_edge_values_as_the_scalar_code_does():
     assert torch.equal(OP.invariant_linear(x, w, None, bias, N).view(torch.int16), want.view(torch.int16))
 
 
-def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits():
-    """The plain-AVX512 lanes fuse each multiply and add on calls of several rows over packed weights, which gives
+@pytest.mark.parametrize("M", [1, 2])
+def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits(M):
+    """The plain-AVX512 lanes fuse each multiply and add on calls over packed weights (one row or several), which gives
     the same bits only while every product is exact and normal: one below fp32's normal range is flushed by the
     multiply and kept by a fused multiply-add. An x or a packed weight with a nonzero value out of [2^-63, 2^64)
     keeps the call unfused, so these outputs are the scalar code's (with the checks removed, both differ: lane 0
     sums 2^-126 and 63 products of 2^-133 that the unfused step flushes)."""
     if kernels.form() not in kernels.LANES_FORMS:
         pytest.skip(f"no vector lanes form on this CPU ({kernels.form()})")
-    M, N, K = 2, 16, 1024
+    N, K = 16, 1024
     small, tiny = 2.0 ** -63, 2.0 ** -70  # 2^-63 · 2^-63 = 2^-126, fp32's least normal; 2^-63 · 2^-70 is below it
     x_out = torch.full((M, K), tiny).bfloat16()  # (M, K) out of range but for one value
     x_out[:, 1] = small
@@ -110,7 +111,7 @@ def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits():
         got = OP.invariant_linear(x, OP.pack_weight(w), None, None, N)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     # a packed weight's copy is not known to be in range (unfused), a packed one as the engine keeps it is
-    x, w, _ = operands(5, 64, 256)
+    x, w, _ = operands(M, 64, 256)
     packed = OP.pack_weight(w)
     want = OP.invariant_linear_scalar(x, w, None, None, 64)
     assert torch.equal(OP.invariant_linear(x, packed, None, None, 64), want)
