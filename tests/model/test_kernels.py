@@ -95,9 +95,11 @@ def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits(M):
     the same bits only while every product is exact and normal: one below fp32's normal range is flushed by the
     multiply and kept by a fused multiply-add. An x or a packed weight with a nonzero value out of [2^-63, 2^64)
     keeps the call unfused, so these outputs are the scalar code's (with the checks removed, both differ: lane 0
-    sums 2^-126 and 63 products of 2^-133 that the unfused step flushes)."""
-    if kernels.form() not in kernels.LANES_FORMS:
-        pytest.skip(f"no vector lanes form on this CPU ({kernels.form()})")
+    sums 2^-126 and 63 products of 2^-133 that the unfused step flushes). The AVX512-BF16 form has no step to choose
+    (VDPBF16PS is it) — and AMD's VDPBF16PS (Zen 4) adds such a product to a normal sum unflushed, as a fused
+    multiply-add does, where Intel's and the scalar form flush it: these inputs tell the two vendors apart."""
+    if kernels.form() != "avx512":
+        pytest.skip(f"not the plain-AVX512 lanes form on this CPU ({kernels.form()})")
     N, K = 16, 1024
     small, tiny = 2.0 ** -63, 2.0 ** -70  # 2^-63 · 2^-63 = 2^-126, fp32's least normal; 2^-63 · 2^-70 is below it
     x_out = torch.full((M, K), tiny).bfloat16()  # (M, K) out of range but for one value

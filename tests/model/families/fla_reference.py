@@ -6,7 +6,8 @@ SPEC.json lists checkpoints to make: {"dir", "model_type", "config": {...}, "pro
 "seed"}. For each, fla's config and causal-LM classes make a model (seeded random weights, every parameter
 perturbed so no norm or map sits at its identity init), `save_pretrained` writes it to "dir" with the
 shipped tokenizer beside it, and fla computes (fp32) the prompt's log-probabilities, the final recurrent state
-of every layer and `greedy` tokens of cached decoding — written to dir/reference.pt.
+of every layer, `greedy` tokens of cached decoding with each step's log-probabilities, and every layer's state
+after them — written to dir/reference.pt.
 
 fla's Triton kernels need a GPU driver; on a CPU they run under Triton's interpreter (TRITON_INTERPRET=1,
 set before triton is imported — hence a process of its own) with the autotuner's benchmark replaced by a
@@ -186,14 +187,18 @@ def make(spec: dict, tokenizer_dir: str) -> None:
         logprobs = out.logits.float().log_softmax(-1)[0]  # (T, V)
         cache = out.past_key_values
         states = layer_states(cache, config.num_hidden_layers, spec["model_type"])
-        tokens, token = [], out.logits[0, -1].argmax()
+        tokens, token, stepped = [], out.logits[0, -1].argmax(), []
         for _ in range(spec.get("greedy", 0)):
             tokens.append(int(token))
             step = model(token.view(1, 1), past_key_values=cache, use_cache=True)
             cache = step.past_key_values
+            stepped.append(step.logits[0, -1].float().log_softmax(-1))  # (V,)
             token = step.logits[0, -1].argmax()
+        decoded = layer_states(cache, config.num_hidden_layers, spec["model_type"])
     torch.save({"logprobs": logprobs.cpu(), "states": {k: v.cpu() for k, v in states.items()},
-                "greedy": tokens}, os.path.join(spec["dir"], "reference.pt"))
+                "greedy": tokens, "greedy_logprobs": torch.stack(stepped).cpu() if stepped else None,
+                "decoded_states": {k: v.cpu() for k, v in decoded.items()}},
+               os.path.join(spec["dir"], "reference.pt"))
 
 
 def main() -> None:
