@@ -37,7 +37,7 @@ def run_command(fn: Callable[[], object], future: Future | None) -> None:
 
 class CommandQueue:
     def __init__(self) -> None:
-        self._commands: queue.Queue[Command] = queue.Queue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()  # (C: one taker, the engine thread)
         self._lock = threading.Lock()  # orders enqueueing against stopping and death
         self.stopping = threading.Event()
         self.exited = False
@@ -75,17 +75,23 @@ class CommandQueue:
         self._commands.put((lambda: None, None))
 
     def drain(self, block: bool) -> bool:
-        """Run queued commands (when `block`, wait up to IDLE_WAIT_S for the first). True if any ran."""
-        try:
-            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
+        """Run queued commands (when `block`, wait up to IDLE_WAIT_S for the first). True if any ran. (Between
+        every two steps: nothing queued is a look at the queue, no exception raised and caught.)"""
+        commands = self._commands
+        if block:
+            try:
+                command = commands.get(timeout=IDLE_WAIT_S)
+            except queue.Empty:
+                return False
+        elif commands.empty():
             return False
+        else:
+            command = commands.get_nowait()  # (the engine thread alone takes: what it saw queued is there)
         while True:
             run_command(*command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
+            if commands.empty():
                 return True
+            command = commands.get_nowait()
 
     def mark_exited(self) -> None:
         with self._lock:

@@ -90,6 +90,9 @@ class Scheduler:
         # the decode rows (seq_id, slot) as the last step had them, until a running row starts, ends or moves: the
         # same list object step after step (the engine keeps what it derives from it while it is the same)
         self._decode: list[tuple[str, int]] | None = None
+        # (running, prefilling) sequences among the active, counted again only after one starts, ends or changes
+        # status (read every step for the gauges: a pass over every active sequence each time was ~1 µs a row)
+        self._counts: tuple[int, int] | None = None
 
     # ---- queue changes ----
     def add(self, seq: SchedSeq) -> None:
@@ -100,6 +103,7 @@ class Scheduler:
     def remove(self, seq_id: str) -> SchedSeq | None:
         """Drop a sequence wherever it is (abort or finish) and release its slots."""
         seq = self.waiting.pop(seq_id, None) or self.active.pop(seq_id, None)
+        self._counts = None
         if seq is not None and seq.status is Status.RUNNING:
             self._decode = None
         if seq is not None and seq.slots:
@@ -115,6 +119,7 @@ class Scheduler:
         self.allocator.release(seq, [slot])
         if not seq.slots:
             del self.active[seq_id]
+            self._counts = None
             return True
         return False
 
@@ -124,7 +129,7 @@ class Scheduler:
         seq.prefilled += n_tokens
         if seq.prefill_left <= 0:
             seq.status = Status.RUNNING
-            self._decode = None
+            self._decode = self._counts = None
             return True
         return False
 
@@ -142,7 +147,7 @@ class Scheduler:
             tokens, rows = self.prefill_call() if self.prefill_call is not None else (0, 0)
             call = (tokens, -(-tokens // rows)) if rows else (0, 0)
         prefill: list[tuple[str, int, int]] = []
-        for seq in self.active.values():
+        for seq in self.active.values() if self._status_counts()[1] else ():
             if seq.status is Status.PREFILLING and budget > 0:
                 length, cost = self._priced_chunk(seq, budget, call)
                 prefill.append((seq.seq_id, seq.prefilled, length))
@@ -164,6 +169,7 @@ class Scheduler:
                 break  # nothing overtakes the chosen request (see the module doc)
             del self.waiting[seq.seq_id]
             self.active[seq.seq_id] = seq
+            self._counts = None
             if seq.parked:  # preempted while running: it decodes again from the next step
                 seq.slots, seq.status, seq.parked = slots, Status.RUNNING, False
                 self._decode = None
@@ -197,7 +203,7 @@ class Scheduler:
 
     def _park(self, victim: SchedSeq) -> None:
         del self.active[victim.seq_id]
-        self._decode = None
+        self._decode = self._counts = None
         victim.slots, victim.status, victim.parked = [], Status.WAITING, True
         self.waiting[victim.seq_id] = victim
         self.preemptions += 1
@@ -225,10 +231,17 @@ class Scheduler:
         to_boundary = self.max_prefill_chunk - seq.prefilled % self.max_prefill_chunk
         return min(seq.prefill_left, to_boundary, budget)
 
+    def _status_counts(self) -> tuple[int, int]:
+        counts = self._counts
+        if counts is None:
+            statuses = [seq.status for seq in self.active.values()]
+            counts = self._counts = (statuses.count(Status.RUNNING), statuses.count(Status.PREFILLING))
+        return counts
+
     @property
     def num_running(self) -> int:
-        return sum(1 for s in self.active.values() if s.status is Status.RUNNING)
+        return self._status_counts()[0]
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(1 for s in self.active.values() if s.status is Status.PREFILLING)
+        return len(self.waiting) + self._status_counts()[1]

@@ -299,3 +299,40 @@ def test_the_decode_list_is_the_same_object_until_a_running_row_starts_ends_or_m
     plan = scheduler.schedule()  # "waits" resumes on slots again: decoding from the next step
     resumed = scheduler.schedule().decode
     assert resumed is not plan.decode and resumed == recount() and [seq for seq, _ in resumed] == ["a", "waits"]
+
+
+def test_the_running_and_waiting_counts_are_a_recount_after_every_change():
+    """The gauges' counts are kept between changes (not a pass over every active sequence each step): after any
+    mix of arrivals, prefill chunks, admissions, preemptions, finished rows and aborts they equal a recount."""
+    import random
+
+    generator = random.Random(7)
+    scheduler = Scheduler(FakeAllocator(6), max_batch_tokens=12, max_prefill_chunk=4, policy="priority")
+
+    def check():
+        statuses = [s.status for s in scheduler.active.values()]
+        assert scheduler.num_running == statuses.count(Status.RUNNING)
+        assert scheduler.num_waiting == len(scheduler.waiting) + statuses.count(Status.PREFILLING)
+
+    seen = set()
+    for step in range(400):
+        roll = generator.random()
+        if roll < 0.25:
+            scheduler.add(SchedSeq(f"s{step}", to_prefill=generator.randint(0, 9), rows=generator.randint(1, 2),
+                                   priority=generator.randint(0, 3)))
+        elif roll < 0.75:
+            plan = scheduler.schedule()
+            check()
+            for seq_id, _, length in plan.prefill:
+                if generator.random() < 0.9:
+                    scheduler.prefilled(seq_id, length)
+        elif roll < 0.9 and scheduler.active:
+            seq = generator.choice(list(scheduler.active.values()))
+            if seq.status is Status.RUNNING:
+                scheduler.finish_row(seq.seq_id, generator.choice(seq.slots))
+        elif scheduler.waiting or scheduler.active:
+            scheduler.remove(generator.choice([*scheduler.waiting, *scheduler.active]))
+        check()
+        seen.update(s.status for s in scheduler.active.values())
+        seen.update("parked" for s in scheduler.waiting.values() if s.parked)
+    assert seen == {Status.RUNNING, Status.PREFILLING, "parked"} and scheduler.preemptions > 0  # every path taken
