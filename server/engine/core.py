@@ -292,12 +292,7 @@ class Engine:
         for row, output in delivery.outputs:
             if output.finish_reason is not None:
                 self._retire_row(row, output.finish_reason)
-                self._emit(row.live, output)
-                continue
-            try:  # (_emit's, inline for the outputs that end nothing: every row, every step)
-                row.live.sink(output)
-            except Exception:  # noqa: BLE001 - a broken sink must not take the engine down
-                self._sink_failed(row.live)
+            self._emit(row.live, output)
         for request_id, why in delivery.failed:
             self._end(request_id, FinishReason.ERROR, why)
 
@@ -387,11 +382,8 @@ class Engine:
         try:
             live.sink(output)
         except Exception:  # noqa: BLE001 - a broken sink must not take the engine down
-            self._sink_failed(live)
-
-    def _sink_failed(self, live: LiveRequest) -> None:
-        logger.exception("output sink of %s failed; aborting it", live.request.request_id)
-        self.abort(live.request.request_id)
+            logger.exception("output sink of %s failed; aborting it", live.request.request_id)
+            self.abort(live.request.request_id)
 
     def _die(self, error: BaseException) -> None:
         logger.critical("the engine thread died: %r", error, exc_info=error)

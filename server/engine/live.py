@@ -85,9 +85,7 @@ class Row:
             self.finished, self.reason = True, reason
         if self.kept is not None or self.said is not None:  # a session turn's text (most rows keep none)
             self._keep(text)
-        request = live.request  # (LiveRequest.output's, inline: a call less a row a step)
-        return RequestOutput(request.request_id, self.index, token, text, logprob, reason, len(request.prompt_ids),
-                             generated, position, request.session_id, None, None, None, end_of_text)
+        return live.output(self.index, token, text, logprob, reason, generated, position, end_of_text=end_of_text)
 
     def consumed_pending(self, logits: torch.Tensor, committed: bool) -> None:
         """A decode program committed this row's state (`committed`: its logits were finite) and then the step

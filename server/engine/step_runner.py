@@ -101,7 +101,7 @@ class StepRunner:
                 self.threads.interrupt()
         slots = self._slots
         tokens = [row.next_token for row in rows]
-        positions = [row.live.base_position + row.num_generated for row in rows]  # (Row.position, inline)
+        positions = [row.position for row in rows]
         step_started = time.perf_counter()  # (the policy compares whole steps: planning and delivery count)
         speculate = speculate and self.speculation is not None  # (and the step is timed for it: else no one asks)
         plan = self.speculation.plan(rows) if speculate else None

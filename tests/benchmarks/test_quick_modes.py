@@ -67,6 +67,24 @@ def test_engine_inprocess(tmp_path):
     assert all(us > 0 for us in data["P4"]["python_us_per_row"].values())
 
 
+def test_engine_host_cost(tmp_path):
+    """Both models' engines alive together, every combination measured, and a + b·B through both batch sizes."""
+    run("engine_host_cost.py", "--out", str(tmp_path / "h.json"))
+    data = json.loads((tmp_path / "h.json").read_text())
+    assert set(data["models"]) == {"model", "tiny_twin"}
+    assert set(data["runs"]) == {f"{label} flush_mb={mb}" for label in ("model", "tiny_twin") for mb in (0, 8)}
+    for run_ in data["runs"].values():
+        by_rows = {int(rows): m for rows, m in run_["by_rows"].items()}
+        assert set(by_rows) == {1, 4}
+        for m in by_rows.values():
+            assert m["tokens_per_s"] > 0 and m["program_ms"] > 0 and m["in_step_us_per_row"] > 0
+        for part in ("in_step", "loop"):
+            line = run_[part]
+            for rows, m in by_rows.items():  # the line through both sizes' cost a step
+                assert line["a_us_per_step"] + line["b_us_per_row"] * rows == pytest.approx(
+                    rows * m[f"{part}_us_per_row"])
+
+
 def test_serving_overhead(tmp_path):
     run("serving_overhead.py", "--out", str(tmp_path / "p5.json"), "--port", "8791", "--slots", "32",
         "--compile-wait", "0")
