@@ -59,6 +59,11 @@ class LoopClock(DecodeTotals):
         elif phase is not None:
             self._last = None
 
+    def restart(self) -> tuple[float, float, int, int]:
+        """A new measurement: the loop's sums cleared, and the totals' mark."""
+        self.loop_s, self.loop_rows, self._last = 0.0, 0, None
+        return self.mark()
+
 
 class AfterProgram:
     """Reads `buffer` (if any) on the engine thread after every decode program: what a bigger program's traffic
@@ -95,8 +100,7 @@ def tiny_twin(model_dir: str, directory: Path) -> Path:
 
 
 def measure(engine: Engine, clock: LoopClock, rows: int, tokens: int, tag: str) -> dict:
-    mark = clock.mark()
-    clock.loop_s, clock.loop_rows, clock._last = 0.0, 0, None
+    mark = clock.restart()
     seconds, generated = run_streams(engine, rows, tokens, tag, sampling=SAMPLING)
     _, program_s, _, steps = (now - then for now, then in zip(clock.mark(), mark))
     return {"in_step_us_per_row": clock.python_us_per_row(mark),
