@@ -102,10 +102,9 @@ def tiny_twin(model_dir: str, directory: Path) -> Path:
 def measure(engine: Engine, clock: LoopClock, rows: int, tokens: int, tag: str) -> dict:
     mark = clock.restart()
     seconds, generated = run_streams(engine, rows, tokens, tag, sampling=SAMPLING)
-    _, program_s, _, steps = (now - then for now, then in zip(clock.mark(), mark))
     return {"in_step_us_per_row": clock.python_us_per_row(mark),
             "loop_us_per_row": 1e6 * clock.loop_s / max(clock.loop_rows, 1),
-            "program_ms": 1e3 * program_s / max(steps, 1), "tokens_per_s": generated / seconds}
+            "program_ms": clock.per_step_ms(mark)[0], "tokens_per_s": generated / seconds}
 
 
 def fitted(per_row: dict[int, float]) -> dict:
