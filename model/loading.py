@@ -43,7 +43,7 @@ def cpu_serves_bf16() -> bool:
         return True
     from . import kernels
 
-    return kernels.cpu_isa() == "avx512" and kernels.load()
+    return kernels.kernel_isa() == "avx512" and kernels.load()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -76,12 +76,15 @@ def preflight(settings: Settings) -> None:
 
 
 def check_engine(settings: Settings) -> None:
-    """What needs torch: the device, the checkpoint itself, int8 weights where they can run."""
-    from linserve.model import projection
+    """What needs torch: the device, the checkpoint itself, the kernel form asked for, int8 weights where they can
+    run."""
+    from linserve.model import kernels, projection
     from linserve.model.loading import resolve_device, resolve_dtype  # imports torch
 
     device = resolve_device(settings.device)  # --device cuda without a GPU: a ValueError saying so
     check_model(settings.model)
+    if device.type == "cpu":
+        kernels.kernel_isa()  # LINSERVE_KERNEL_ISA naming no kernel form: a ValueError saying which exist
     # int8 where it cannot run (fp32, CUDA, no kernel): said here, not as a failed start-up
     projection.use_quantization(settings.quantization, device, resolve_dtype(settings.dtype, device))
 

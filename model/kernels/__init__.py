@@ -12,8 +12,9 @@ bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.li
 `invariant_linear_cat` for up to four weights over one input in one parallel region): each output a fixed sequence
 of roundings whatever the number of rows, bf16 or int8 weights packed once (on memory advised as huge pages) or in
 the checkpoint's own (N, K) layout: AMX tiles or AVX512-BF16 lanes where the CPU has them, the same lanes'
-arithmetic in plain AVX512 instructions on an AVX512 CPU without bf16 arithmetic, in scalar code elsewhere. It is
-built once per (source, torch, CPU instruction set) with the C++ compiler Inductor uses into
+arithmetic in plain AVX512 instructions on an AVX512 CPU without bf16 arithmetic, in scalar code elsewhere (or a
+lower form than the CPU's, named by LINSERVE_KERNEL_ISA: `kernel_isa`). It is
+built once per (source, torch, form) with the C++ compiler Inductor uses into
 `$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
 process with its symbols global — a compiled program's C++ calls the op's C shim
 (`aoti_torch_cpu_invariant_linear`) by name — and its op registered with a shape function so that torch.export
@@ -81,8 +82,32 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "library": the loaded CDLL, or "error": why there is none
 
 
+ISAS = ("scalar", "avx512", "avx512bf16", "amx")  # the kernel's forms, each needing what the one before it needs
+ISA_VARIABLE = "LINSERVE_KERNEL_ISA"
+
+
+def kernel_isa() -> str:
+    """The form the kernel is built in: the CPU's (`cpu_isa`), or a lower one named by LINSERVE_KERNEL_ISA — one
+    form for a fleet of different CPUs (the lanes forms give the scalar code's bits on every vendor's CPU; AMX's
+    tiles, and AMD's VDPBF16PS in one corner of subnormal products, do not), and the plain forms tested on a CPU
+    that has more. A form above the CPU's is the CPU's (logged); a name that is no form is a ValueError."""
+    found = cpu_isa()
+    asked = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if not asked:
+        return found
+    if asked not in ISAS:
+        raise ValueError(f"{ISA_VARIABLE}={asked!r}: must be one of {', '.join(ISAS)} (or unset: this CPU's best, "
+                         f"{found})")
+    if ISAS.index(asked) > ISAS.index(found):
+        if not _state.get("isa_warned"):
+            _state["isa_warned"] = True
+            logger.warning("%s=%s: this CPU runs at most the %s form", ISA_VARIABLE, asked, found)
+        return found
+    return asked
+
+
 def cpu_isa() -> str:
-    """The kernel form this CPU gets: "amx" (AMX-BF16 tiles), "avx512bf16" (bf16 dot products in vector
+    """The best kernel form this CPU can run: "amx" (AMX-BF16 tiles), "avx512bf16" (bf16 dot products in vector
     registers), "avx512" (AVX512 without bf16 arithmetic: the same lanes in plain vector instructions) or
     "scalar" — from Linux's CPU flags (elsewhere: scalar)."""
     try:
@@ -130,8 +155,8 @@ def build_command(cxx: str, output: str, isa: str) -> list[str]:
 
 
 def library_path() -> tuple[str, str]:
-    """Where this source, torch and CPU's build lives, and its instruction set."""
-    isa = cpu_isa()
+    """Where this source, torch and kernel form's build lives, and its instruction set (`kernel_isa`)."""
+    isa = kernel_isa()
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         with open(path, "rb") as source:

@@ -1,6 +1,12 @@
 """linserve's projection kernel (model/kernels): the function it computes, batch invariance in every form, int8; and the
 decode program's top-k draw. (The recurrence kernels: test_recurrence_kernels.py.)"""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+from xml.etree import ElementTree
+
 import pytest
 import torch
 
@@ -8,6 +14,7 @@ from linserve.model import kernels, numerics, projection
 from tests.helpers import require_kernel
 
 OP = torch.ops.linserve if kernels.load() else None
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -274,7 +281,55 @@ def test_numerics_linear_uses_the_kernel_over_weights_packed_once():
 
 
 def test_the_loaded_form_follows_the_cpu():
-    assert kernels.form() == kernels.cpu_isa()  # (amx, avx512bf16, avx512 or scalar)
+    assert kernels.form() == kernels.kernel_isa()  # (amx, avx512bf16, avx512 or scalar)
+    if not os.environ.get(kernels.ISA_VARIABLE):
+        assert kernels.form() == kernels.cpu_isa()
+
+
+def test_the_kernel_form_asked_for_is_the_cpus_or_a_lower_one(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx512bf16")
+    monkeypatch.delitem(kernels._state, "isa_warned", raising=False)
+    monkeypatch.delenv(kernels.ISA_VARIABLE, raising=False)
+    assert kernels.kernel_isa() == "avx512bf16"
+    for asked, form in (("avx512", "avx512"), (" Scalar ", "scalar"), ("avx512bf16", "avx512bf16"), ("", "avx512bf16"),
+                        ("amx", "avx512bf16")):  # (above the CPU's: the CPU's, said once)
+        monkeypatch.setenv(kernels.ISA_VARIABLE, asked)
+        assert kernels.kernel_isa() == form
+    assert "runs at most the avx512bf16 form" in caplog.text
+    monkeypatch.setenv(kernels.ISA_VARIABLE, "avx2")
+    with pytest.raises(ValueError, match="LINSERVE_KERNEL_ISA='avx2': must be one of scalar, avx512, avx512bf16, amx"):
+        kernels.kernel_isa()
+
+
+LOWER_FORMS = kernels.ISAS[: kernels.ISAS.index(kernels.cpu_isa())]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LOWER_FORMS, reason="the scalar form is this CPU's only one")
+@pytest.mark.parametrize("form", LOWER_FORMS)
+def test_each_lower_form_is_built_and_keeps_every_kernel_guarantee_on_this_cpu(form, tmp_path):
+    """The forms a CPU with less would run (the plain-AVX512 lanes, the scalar code), each built here with
+    LINSERVE_KERNEL_ISA and put through this module, the recurrence kernels' and the model's batch invariance in a
+    child process (a process loads one form): every test passes and none is skipped for the form — so an AVX512-BF16
+    or AMX CI host tests the forms of the CPUs it is not."""
+    if os.environ.get(kernels.ISA_VARIABLE):
+        pytest.skip("a child run of one form (its parent runs this)")
+    report = tmp_path / "report.xml"
+    tests = ["tests/model/test_kernels.py", "tests/model/test_recurrence_kernels.py",
+             "tests/model/test_numerics.py::test_a_token_is_the_same_bits_whatever_the_split_the_form_or_the_batch",
+             "tests/model/test_numerics.py::test_every_projection_of_the_shipped_shapes_gives_a_row_the_same_bits_in_any_batch"]
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-o", "addopts=",
+                            f"--junitxml={report}", *tests], cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                           env={**os.environ, kernels.ISA_VARIABLE: form})
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+    cases = ElementTree.parse(report).getroot().iter("testcase")
+    skipped = {case.get("name"): case.find("skipped").get("message") for case in cases
+               if case.find("skipped") is not None}
+    # what may skip in a child: the parent's own runs, a CUDA case, and a test of another form (its reason names
+    # the form it found)
+    allowed = ("a child run", "cuda", f"({form})")
+    assert all(any(word in why.lower() for word in allowed) for why in skipped.values()), skipped
+    assert "test_the_loaded_form_follows_the_cpu" not in skipped
 
 
 def test_the_top_k_draw_is_the_torch_windows_token_to_the_bit():

@@ -52,6 +52,16 @@ def test_int8_weights_where_they_cannot_run_are_one_line(api_servers):
     assert "--quantization int8 needs bf16 weights on a CPU (here: torch.float32 on cpu)" in message
 
 
+@pytest.mark.parametrize("api_servers", ["0", "1"])
+def test_a_kernel_form_that_does_not_exist_is_one_line(api_servers):
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "linserve.server.cli", "serve", "--port", "0", "--device", "cpu",
+                             "--api-servers", api_servers], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "LINSERVE_KERNEL_ISA": "avx2"})
+    assert "LINSERVE_KERNEL_ISA='avx2': must be one of scalar, avx512, avx512bf16, amx" in one_line_error(result)
+
+
 def test_a_busy_port_is_one_line_before_the_model_loads():
     import socket
 

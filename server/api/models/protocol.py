@@ -78,8 +78,9 @@ class VersionInfo(BaseModel):
                                      "(affinity mask and cgroup quota), source (setting or default), omp_wait_policy")
     dtype: str | None = Field(None, description="the weights' dtype of every form — prefill, decode steps, "
                               "verification (the (S, z) state is fp32 whatever it is)")
-    projections: dict | None = Field(None, description="how the projections run: kernel (amx, avx512bf16 or scalar: "
-                                     "linserve's batch-invariant kernel; onednn without it) and weights (bf16 or int8)")
+    projections: dict | None = Field(None, description="how the projections run: kernel (amx, avx512bf16, avx512 or "
+                                     "scalar: linserve's batch-invariant kernel; onednn without it) and weights "
+                                     "(bf16 or int8)")
     decode_step: dict | None = Field(None, description="compile setting, status, buckets ready and compile=auto's "
                                      "verdict (decision, gain, quartiles, rounds, contention, provisional, source)")
     api_servers: int = Field(description="where the engine runs: 0, a thread of the HTTP process; N >= 1, the engine "
