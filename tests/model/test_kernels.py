@@ -322,9 +322,10 @@ def test_each_lower_form_is_built_and_keeps_every_kernel_guarantee_on_this_cpu(f
                             f"--junitxml={report}", *tests], cwd=ROOT, capture_output=True, text=True, timeout=1200,
                            env={**os.environ, kernels.ISA_VARIABLE: form})
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    cases = ElementTree.parse(report).getroot().iter("testcase")
+    cases = list(ElementTree.parse(report).getroot().iter("testcase"))
     skipped = {case.get("name"): case.find("skipped").get("message") for case in cases
                if case.find("skipped") is not None}
+    assert "test_the_loaded_form_follows_the_cpu" in {case.get("name") for case in cases}  # (the form it loaded)
     # what may skip in a child: the parent's own runs, a CUDA case, and a test of another form (its reason names
     # the form it found)
     allowed = ("a child run", "cuda", f"({form})")
