@@ -1,7 +1,9 @@
 """The delta rule's decode-step kernels on the state pool (model/kernels/pooled_state.cpp) at fla's 340M Gated
 DeltaNet shape (6 value heads of 256 × 512, 3 MiB a row and layer): `delta_read` (o and u from each row's slot)
 and `state_commit` (S ← S·α + k ⊗ u in place), their rate in GB/s of state moved beside the DRAM read bandwidth
-measured before each repetition — over every layer's pool (cold: 21 × 3 MiB a row, past the last-level cache)
+measured before each repetition, and a step's 21 layers both ways in milliseconds — read then commit, and the
+commit folded into the next read (`delta_read_folded` + `pending_record`, what the decode program runs) —
+over every layer's pool (cold: 21 × 3 MiB a row, past the last-level cache)
 and over two layers' (warm: the same calls from the cache). A kernel as fast warm as cold is bound by its
 arithmetic, not its traffic.
 
@@ -40,8 +42,11 @@ def rates(rows: int, layers: int, reps: int) -> dict:
     beta, alpha = torch.rand(rows, HEADS, generator=g), 0.9 + 0.1 * torch.rand(rows, HEADS, generator=g)  # (B, H)
     keep = torch.ones(rows, dtype=torch.bool)
     turn = [pools[i % layers] for i in range(LAYERS)]  # a step's 21 calls, warm: the two pools in turn
+    n = rows + 1
+    pending = {id(pool): (torch.zeros(n, HEADS, DK), torch.zeros(n, HEADS, DV), torch.zeros(n, HEADS),
+                          torch.zeros(n, dtype=torch.uint8)) for pool in pools}  # each pool's PendingBuffers
     state = LAYERS * rows * HEADS * DK * DV * 4
-    read, commit, dram = [], [], []
+    read, commit, dram, separate_ms, folded_ms = [], [], [], [], []
     for rep in range(reps + 1):  # (the first: a warm-up, not counted)
         dram.append(read_bandwidth_gbs(torch.device("cpu"), 256 << 20))
         started = time.perf_counter()
@@ -49,11 +54,18 @@ def rates(rows: int, layers: int, reps: int) -> dict:
         middle = time.perf_counter()
         for pool, (_, u) in zip(turn, outs):
             op.state_commit(pool, slots, k, u, alpha, keep)
+        ended = time.perf_counter()
+        for pool in turn:  # the commit folded into the next read: the state read and written once
+            _, u = op.delta_read_folded(q, k, v, beta, alpha, pool, slots, *pending[id(pool)])
+            op.pending_record(*pending[id(pool)], slots, k, u, alpha, keep)
         if rep:
             read.append(state / (middle - started) / 1e9)
-            commit.append(2 * state / (time.perf_counter() - middle) / 1e9)
+            commit.append(2 * state / (ended - middle) / 1e9)
+            separate_ms.append(1e3 * (ended - started))
+            folded_ms.append(1e3 * (time.perf_counter() - ended))
     return {"state_bytes_a_step": state, "dram_gb_s": statistics.median(dram),
-            "delta_read_gb_s": statistics.median(read), "state_commit_gb_s": statistics.median(commit)}
+            "delta_read_gb_s": statistics.median(read), "state_commit_gb_s": statistics.median(commit),
+            "read_and_commit_ms": statistics.median(separate_ms), "folded_ms": statistics.median(folded_ms)}
 
 
 @torch.inference_mode()

@@ -107,8 +107,12 @@ def read_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.T
     written) and the update S ← S·α + k ⊗ u the decode program commits. Shapes as `scan`, T = 1."""
     alpha = None if g is None else numerics.exp(g[:, :, 0].float()).contiguous()  # (B, H)
     q, k, v = q[:, :, 0].float().contiguous(), k[:, :, 0].float().contiguous(), v[:, :, 0].float().contiguous()
-    o, u = torch.ops.linserve.delta_read(q, k, v, beta[:, :, 0].float().contiguous(), alpha, S.pool, S.slots)
-    return o[:, :, None], PendingUpdate(S.pool, S.slots, k, u, alpha)  # (B, H, 1, dv)
+    beta = beta[:, :, 0].float().contiguous()  # (B, H)
+    if S.pending is not None:  # the slots' pending updates applied as they are read
+        o, u = torch.ops.linserve.delta_read_folded(q, k, v, beta, alpha, S.pool, S.slots, *S.pending.tensors())
+    else:
+        o, u = torch.ops.linserve.delta_read(q, k, v, beta, alpha, S.pool, S.slots)
+    return o[:, :, None], PendingUpdate(S.pool, S.slots, k, u, alpha, S.pending)  # (B, H, 1, dv)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,

@@ -64,6 +64,13 @@ def pooled_state_names(model: ServedModel) -> list[str]:
     return list(names()) if names is not None else []
 
 
+def folded_state_names(model: ServedModel) -> list[str]:
+    """Among `pooled_state_names`, those whose commit is folded into the next step's read (a family's optional
+    `folded_state_names()`; model/pooled_state.py): [] when it has none."""
+    names = getattr(model, "folded_state_names", None)
+    return list(names()) if names is not None else []
+
+
 def model_type(config: ServedConfig) -> str:
     """The family a config is (config.json's `model_type`)."""
     return config.model_type

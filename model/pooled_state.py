@@ -8,7 +8,10 @@ slots and returns a `PendingUpdate` where the new state would be: S ← S·α + 
 several tokens, no kernels — `gather`s the rows and goes on as with any state.
 
 A family says which of its state tensors its layers take this way (`pooled_state_names`, model/interface.py);
-the others are gathered and written back as before.
+the others are gathered and written back as before. The delta rule's (`folded_state_names`) go further: the commit
+only notes each kept row's update as its slot's pending one (`PendingBuffers`, kept by the state pool) and the next
+step's read applies it as it reads the slot, storing the result — the state moves twice a step, not three times.
+Whatever else reads or copies a slot settles it first (server/engine/state_pool.py).
 """
 
 from __future__ import annotations
@@ -21,11 +24,27 @@ from . import kernels
 
 
 @dataclass(frozen=True)
+class PendingBuffers:
+    """A pooled state's updates not yet written (the delta rule's, folded into the next read): slot n's pending
+    S ← S·α + k ⊗ u is (k[n], u[n], alpha[n]) where flag[n] is 1 (no α) or 2; 0: none, the slot is the state."""
+
+    k: torch.Tensor  # (N, H, dk) fp32
+    u: torch.Tensor  # (N, H, dv) fp32
+    alpha: torch.Tensor  # (N, H) fp32
+    flag: torch.Tensor  # (N,) uint8
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.u, self.alpha, self.flag
+
+
+@dataclass(frozen=True)
 class PooledState:
-    """One state tensor of a batch of rows, still in the pool: row b's is `pool[slots[b]]`."""
+    """One state tensor of a batch of rows, still in the pool: row b's is `pool[slots[b]]` (with its slot's
+    pending update applied, where `pending` holds one)."""
 
     pool: torch.Tensor  # (N, H, dk, dv) fp32, the pool's buffer
     slots: torch.Tensor  # (B,) int64
+    pending: PendingBuffers | None = None  # (the delta rule's decode step: its commit folded into the next read)
 
     def gather(self) -> torch.Tensor:
         return self.pool.index_select(0, self.slots)  # (B, H, dk, dv)
@@ -40,10 +59,15 @@ class PendingUpdate:
     k: torch.Tensor  # (B, H, dk) fp32
     v: torch.Tensor  # (B, H, dv) fp32
     alpha: torch.Tensor | None  # (B, H, dk) or (B, H) fp32, or None
+    pending: PendingBuffers | None = None  # folded: the update is noted for the next read, not written
 
     def commit(self, keep: torch.Tensor) -> torch.Tensor:
-        """Write the rows whose `keep` (B,) bool is set, in place; returns `keep` — the next commit's input, so a
-        compiler keeps every commit and their order (the op is declared functional; kernels/pooled_state.cpp)."""
+        """Write the rows whose `keep` (B,) bool is set, in place — or, folded, note it as their slots' pending
+        update; returns `keep` — the next commit's input, so a compiler keeps every commit and their order (the ops
+        are declared functional; kernels/pooled_state.cpp)."""
+        if self.pending is not None:
+            return torch.ops.linserve.pending_record(*self.pending.tensors(), self.slots, self.k, self.v, self.alpha,
+                                                     keep)
         return torch.ops.linserve.state_commit(self.pool, self.slots, self.k, self.v, self.alpha, keep)
 
 

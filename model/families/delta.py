@@ -45,6 +45,7 @@ class DeltaMixer(nn.Module):
 
     output_gate = "silu"
     pooled_state = ("S",)  # decoded from the pool in place (pooled_state.py)
+    folded_state = ("S",)  # its commit noted for the next read (pooled_state.py)
 
     def __init__(self, config: FlaConfig, qk_conv_activation: str | None = "silu") -> None:
         super().__init__()

@@ -319,10 +319,18 @@ class FlaCausalLM(nn.Module):
     def pooled_state_names(self) -> list[str]:
         """The state tensors whose one-token update the layers leave in the pool (pooled_state.py): each mixer's
         `pooled_state` (a sliding-window layer's or RWKV-7's: none)."""
+        return self._mixer_state_names("pooled_state")
+
+    def folded_state_names(self) -> list[str]:
+        """Those whose commit is noted for the next read (pooled_state.py): each mixer's `folded_state` (the delta
+        rule's)."""
+        return self._mixer_state_names("folded_state")
+
+    def _mixer_state_names(self, attribute: str) -> list[str]:
         names = []
         for index, block in enumerate(self.body.layers):
             mixer = getattr(block, "attn", None) or getattr(block, "mixer", None)
-            names += [f"layers.{index}.{name}" for name in getattr(mixer, "pooled_state", ())]
+            names += [f"layers.{index}.{name}" for name in getattr(mixer, attribute, ())]
         return names
 
     def num_parameters(self) -> int:

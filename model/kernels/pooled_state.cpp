@@ -7,6 +7,11 @@
 //                            u = β·(v − p), o = tree_sum_k(q ⊙ (S·α + k ⊗ u)); it returns o and u;
 //   linserve::state_commit — once the step knows which rows' logits are finite: S ← S·α + k ⊗ v (v: the delta
 //                            rule's u) in place, in each kept row's slot.
+//   linserve::delta_read_folded / pending_record — the delta rule with its commit folded into the next step's read:
+//                            the read applies the slot's pending update (S ← S·α + k ⊗ u, recorded by the last
+//                            step's pending_record: the commit's roundings) to each element as its first pass reads
+//                            it and stores the result in the slot; pending_record then only notes the kept rows' k, u
+//                            and α. A row's state moves twice a step (read, written) instead of three times.
 //
 // Each element gets the roundings of linear_scan / delta_step (delta_rule.cpp) in their order — product, then sum;
 // the read-outs' tree of halves over d_k — so the bits are theirs, and the outputs are the same whatever the batch.
@@ -253,6 +258,207 @@ inline int64_t predicted_rows(const float* kr, const float* alpha_bh, const floa
   return half + dk % 2;
 }
 
+// the prediction pass (predicted_rows, d_k that 8 divides) over a slot with a pending update: each element made
+// S·pa + pk ⊗ pu (state_commit's roundings; without pa: S + pk ⊗ pu), stored back, then read as predicted_rows does
+inline int64_t predicted_rows_pending(const float* kr, const float* alpha_bh, float* S, int64_t dk, int64_t dv,
+                                      int64_t w, float* buf, const float* pk, const float* pu, const float* pa) {
+  const float ai = alpha_bh ? *alpha_bh : 1.0f, a_p = pa ? *pa : 1.0f;
+  for (int64_t i = 0; i < dk / 8; ++i) {
+    int64_t j[8];
+    eight_rows(i, dk, j);
+    float* s[8];
+    float kk[8], p[8];
+    for (int r = 0; r < 8; ++r) s[r] = S + j[r] * dv, kk[r] = kr[j[r]], p[r] = pk[j[r]];
+    float* __restrict s0 = s[0];
+    float* __restrict s1 = s[1];
+    float* __restrict s2 = s[2];
+    float* __restrict s3 = s[3];
+    float* __restrict s4 = s[4];
+    float* __restrict s5 = s[5];
+    float* __restrict s6 = s[6];
+    float* __restrict s7 = s[7];
+    const float k0 = kk[0], k1 = kk[1], k2 = kk[2], k3 = kk[3], k4 = kk[4], k5 = kk[5], k6 = kk[6], k7 = kk[7];
+    const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3], p4 = p[4], p5 = p[5], p6 = p[6], p7 = p[7];
+    float* __restrict row = buf + i * w;
+    if (pa && alpha_bh) {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float u = pu[c];
+        const float t0 = s0[c] * a_p + p0 * u, t1 = s1[c] * a_p + p1 * u, t2 = s2[c] * a_p + p2 * u;
+        const float t3 = s3[c] * a_p + p3 * u, t4 = s4[c] * a_p + p4 * u, t5 = s5[c] * a_p + p5 * u;
+        const float t6 = s6[c] * a_p + p6 * u, t7 = s7[c] * a_p + p7 * u;
+        s0[c] = t0, s1[c] = t1, s2[c] = t2, s3[c] = t3, s4[c] = t4, s5[c] = t5, s6[c] = t6, s7[c] = t7;
+        row[c] = ((k0 * (t0 * ai) + k1 * (t1 * ai)) + (k2 * (t2 * ai) + k3 * (t3 * ai))) +
+                 ((k4 * (t4 * ai) + k5 * (t5 * ai)) + (k6 * (t6 * ai) + k7 * (t7 * ai)));
+      }
+    } else if (!pa && !alpha_bh) {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float u = pu[c];
+        const float t0 = s0[c] + p0 * u, t1 = s1[c] + p1 * u, t2 = s2[c] + p2 * u, t3 = s3[c] + p3 * u;
+        const float t4 = s4[c] + p4 * u, t5 = s5[c] + p5 * u, t6 = s6[c] + p6 * u, t7 = s7[c] + p7 * u;
+        s0[c] = t0, s1[c] = t1, s2[c] = t2, s3[c] = t3, s4[c] = t4, s5[c] = t5, s6[c] = t6, s7[c] = t7;
+        row[c] = ((k0 * t0 + k1 * t1) + (k2 * t2 + k3 * t3)) + ((k4 * t4 + k5 * t5) + (k6 * t6 + k7 * t7));
+      }
+    } else {  // (a gate on one side only: not a layer's steady state; each element as the two passes would do it)
+      for (int64_t c = 0; c < w; ++c) {
+        float t[8];
+        for (int r = 0; r < 8; ++r) {
+          const float scaled = pa ? s[r][c] * a_p : s[r][c], outer = p[r] * pu[c];
+          t[r] = scaled + outer;
+          s[r][c] = t[r];
+        }
+        float x[8];
+        for (int r = 0; r < 8; ++r) x[r] = alpha_bh ? kk[r] * (t[r] * ai) : kk[r] * t[r];
+        row[c] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+      }
+    }
+  }
+  return dk / 8;
+}
+
+// a pending update applied to one block in place (the d_k that 8 does not divide: a pass of its own, then the
+// prediction as usual)
+inline void apply_pending(float* S, int64_t dk, int64_t dv, int64_t w, const float* pk, const float* pu,
+                          const float* pa) {
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict s = S + i * dv;
+    const float ki = pk[i];
+    if (pa) {
+      const float ai = *pa;
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float s1 = s[c] * ai, outer = ki * pu[c];
+        s[c] = s1 + outer;
+      }
+    } else {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float outer = ki * pu[c];
+        s[c] = s[c] + outer;
+      }
+    }
+  }
+}
+
+// each row's first appearance among the rows (a bucket's padding repeats the first row)
+std::vector<char> first_of_slot(const std::vector<int64_t>& rows) {
+  std::vector<char> first(rows.size(), 1);
+  for (size_t b = 0; b < rows.size(); ++b)
+    for (size_t e = 0; e < b && first[b]; ++e) first[b] = rows[e] != rows[b];
+  return first;
+}
+
+// pending: pk (N, H, dk), pu (N, H, dv), pa (N, H) fp32 and flag (N,) uint8 — 0 none, 1 pending without α, 2 with α
+void check_pending(const at::Tensor& pk, const at::Tensor& pu, const at::Tensor& pa, const at::Tensor& flag,
+                   const Dims& d, int64_t N, const char* op) {
+  TORCH_CHECK(pk.scalar_type() == at::kFloat && pk.is_contiguous() && pk.sizes() == at::IntArrayRef({N, d.H, d.dk}),
+              op, ": pending k must be contiguous fp32 (N, H, dk)");
+  TORCH_CHECK(pu.scalar_type() == at::kFloat && pu.is_contiguous() && pu.sizes() == at::IntArrayRef({N, d.H, d.dv}),
+              op, ": pending u must be contiguous fp32 (N, H, dv)");
+  TORCH_CHECK(pa.scalar_type() == at::kFloat && pa.is_contiguous() && pa.sizes() == at::IntArrayRef({N, d.H}), op,
+              ": pending alpha must be contiguous fp32 (N, H)");
+  TORCH_CHECK(flag.scalar_type() == at::kByte && flag.is_contiguous() && flag.sizes() == at::IntArrayRef({N}), op,
+              ": pending flags must be contiguous uint8 (N,)");
+}
+
+std::tuple<at::Tensor, at::Tensor> delta_read_folded(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& beta, const c10::optional<at::Tensor>& alpha,
+                                                     const at::Tensor& pool, const at::Tensor& slots,
+                                                     const at::Tensor& pk, const at::Tensor& pu, const at::Tensor& pa,
+                                                     const at::Tensor& flag) {
+  const Dims d = check_token(k, v, pool, slots, "delta_read_folded");
+  check_query(q, k, "delta_read_folded");
+  const int64_t B = d.B, H = d.H, dk = d.dk, dv = d.dv;
+  check_rows({&beta}, {B, H}, "delta_read_folded: beta must be fp32 (B, H)");
+  check_pending(pk, pu, pa, flag, d, pool.size(0), "delta_read_folded");
+  const bool gated = alpha.has_value() && alpha->defined();
+  at::Tensor a;
+  if (gated) {
+    check_rows({&*alpha}, {B, H}, "delta_read_folded: alpha must be fp32 (B, H)");
+    a = alpha->contiguous();
+  }
+  const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "delta_read_folded");
+  const std::vector<char> first = first_of_slot(rows);
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), bc = beta.contiguous();
+  at::Tensor o = rows_out(B, H, dv), u = rows_out(B, H, dv);  // (B, H, dv) each
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const float *bp = bc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr;
+  float* sp = pool.data_ptr<float>();
+  const float *pkp = pk.data_ptr<float>(), *pup = pu.data_ptr<float>(), *pap = pa.data_ptr<float>();
+  uint8_t* flags = flag.data_ptr<uint8_t>();
+  float *op = o.data_ptr<float>(), *up = u.data_ptr<float>();
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
+    const int64_t b = bh / H, h = bh % H, slot = rows[b], sh = slot * H + h;
+    if (!first[b]) return;  // (a repeated slot: its first row's outputs, copied below)
+    float* S = sp + sh * dk * dv + c0;
+    const float *kr = kp + bh * dk, *alpha_bh = ap ? ap + bh : nullptr;
+    const uint8_t pending = flags[slot];
+    const float* pending_alpha = pending == 2 ? pap + sh : nullptr;
+    if (pending && dk % 8 == 0 && dk >= 8) {
+      tree(buf, predicted_rows_pending(kr, alpha_bh, S, dk, dv, w, buf, pkp + sh * dk, pup + sh * dv + c0,
+                                       pending_alpha), w);
+    } else {
+      if (pending) apply_pending(S, dk, dv, w, pkp + sh * dk, pup + sh * dv + c0, pending_alpha);
+      tree(buf, predicted_rows(kr, alpha_bh, S, dk, dv, w, buf), w);  // k ⊙ S·α
+    }
+    float* ur = up + bh * dv + c0;
+    const float* vr = vp + bh * dv + c0;
+    for (int64_t c = 0; c < w; ++c) ur[c] = bp[bh] * (vr[c] - buf[c]);
+    tree(buf, read_rows(qp + bh * dk, kr, ur, alpha_bh, true, S, dk, dv, w, buf), w);  // q ⊙ (S·α + k ⊗ u)
+    std::copy(buf, buf + w, op + bh * dv + c0);
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    if (first[b]) {
+      flags[rows[b]] = 0;  // (after every head's block: the slot now holds its state)
+      continue;
+    }
+    const int64_t f = std::find(rows.begin(), rows.end(), rows[b]) - rows.begin();
+    std::copy(op + f * H * dv, op + (f + 1) * H * dv, op + b * H * dv);
+    std::copy(up + f * H * dv, up + (f + 1) * H * dv, up + b * H * dv);
+  }
+  return {o, u};
+}
+
+// the kept rows' update noted for their slots' next read (each slot once, by its first row); returns keep's copy —
+// the next commit's input, as state_commit's
+at::Tensor pending_record(const at::Tensor& pk, const at::Tensor& pu, const at::Tensor& pa, const at::Tensor& flag,
+                          const at::Tensor& slots, const at::Tensor& k, const at::Tensor& u,
+                          const c10::optional<at::Tensor>& alpha, const at::Tensor& keep) {
+  TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat, "pending_record: k must be fp32 (B, H, dk)");
+  const Dims d{k.size(0), k.size(1), k.size(2), pu.dim() == 3 ? pu.size(2) : 0};
+  check_pending(pk, pu, pa, flag, d, pk.size(0), "pending_record");
+  TORCH_CHECK(u.scalar_type() == at::kFloat && u.sizes() == at::IntArrayRef({d.B, d.H, d.dv}),
+              "pending_record: u must be fp32 (B, H, dv)");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == d.B && slots.scalar_type() == at::kLong,
+              "pending_record: slots must be int64 (B,)");
+  TORCH_CHECK(keep.dim() == 1 && keep.size(0) == d.B && keep.scalar_type() == at::kBool,
+              "pending_record: keep must be bool (B,)");
+  const bool gated = alpha.has_value() && alpha->defined();
+  at::Tensor a;
+  if (gated) {
+    check_rows({&*alpha}, {d.B, d.H}, "pending_record: alpha must be fp32 (B, H)");
+    a = alpha->contiguous();
+  }
+  const std::vector<int64_t> rows = slot_list(slots, pk.size(0), "pending_record");
+  const std::vector<char> first = first_of_slot(rows);
+  const at::Tensor keep_c = keep.contiguous(), kc = k.contiguous(), uc = u.contiguous();
+  const bool* kept = keep_c.data_ptr<bool>();
+  float *pkp = pk.data_ptr<float>(), *pup = pu.data_ptr<float>(), *pap = pa.data_ptr<float>();
+  uint8_t* flags = flag.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < d.B; ++b) {
+    if (!kept[b] || !first[b]) continue;
+    const int64_t slot = rows[b];
+    std::copy(kc.data_ptr<float>() + b * d.H * d.dk, kc.data_ptr<float>() + (b + 1) * d.H * d.dk, pkp + slot * d.H * d.dk);
+    std::copy(uc.data_ptr<float>() + b * d.H * d.dv, uc.data_ptr<float>() + (b + 1) * d.H * d.dv, pup + slot * d.H * d.dv);
+    if (gated) std::copy(a.data_ptr<float>() + b * d.H, a.data_ptr<float>() + (b + 1) * d.H, pap + slot * d.H);
+    flags[slot] = gated ? 2 : 1;
+  }
+  at::Tensor kept_out = at::detail::empty_cpu(keep_c.sizes(), at::kBool, false, c10::nullopt);  // keep's copy
+  std::memcpy(kept_out.data_ptr(), kept, static_cast<size_t>(keep_c.numel()));
+  return kept_out;
+}
+
 at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& alpha, const at::Tensor& pool, const at::Tensor& slots) {
   const Dims d = check_token(k, v, pool, slots, "linear_read");
@@ -375,12 +581,18 @@ at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const a
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("linear_read(Tensor q, Tensor k, Tensor v, Tensor? alpha, Tensor pool, Tensor slots) -> Tensor");
   m.def("delta_read(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? alpha, Tensor pool, Tensor slots) -> (Tensor, Tensor)");
+  m.def("delta_read_folded(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? alpha, Tensor pool, Tensor slots, "
+        "Tensor pk, Tensor pu, Tensor pa, Tensor flag) -> (Tensor, Tensor)");
+  m.def("pending_record(Tensor pk, Tensor pu, Tensor pa, Tensor flag, Tensor slots, Tensor k, Tensor u, Tensor? alpha, "
+        "Tensor keep) -> Tensor");
   m.def("state_commit(Tensor pool, Tensor slots, Tensor k, Tensor v, Tensor? alpha, Tensor keep) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("linear_read", &linear_read);
   m.impl("delta_read", &delta_read);
+  m.impl("delta_read_folded", &delta_read_folded);
+  m.impl("pending_record", &pending_record);
   m.impl("state_commit", &state_commit);
 }
 
@@ -419,5 +631,35 @@ extern "C" AOTITorchError aoti_torch_cpu_state_commit(AtenTensorHandle pool, Ate
     *ret0 = new_tensor_handle(state_commit(*tensor_handle_to_tensor_pointer(pool), *tensor_handle_to_tensor_pointer(slots),
                                            *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
                                            pointer_to_optional<at::Tensor>(alpha), *tensor_handle_to_tensor_pointer(keep)));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_delta_read_folded(
+    AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle beta, AtenTensorHandle* alpha,
+    AtenTensorHandle pool, AtenTensorHandle slots, AtenTensorHandle pk, AtenTensorHandle pu, AtenTensorHandle pa,
+    AtenTensorHandle flag, AtenTensorHandle* ret0, AtenTensorHandle* ret1) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    auto [o, u] = delta_read_folded(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
+        *tensor_handle_to_tensor_pointer(beta), pointer_to_optional<at::Tensor>(alpha),
+        *tensor_handle_to_tensor_pointer(pool), *tensor_handle_to_tensor_pointer(slots),
+        *tensor_handle_to_tensor_pointer(pk), *tensor_handle_to_tensor_pointer(pu), *tensor_handle_to_tensor_pointer(pa),
+        *tensor_handle_to_tensor_pointer(flag));
+    *ret0 = new_tensor_handle(std::move(o));
+    *ret1 = new_tensor_handle(std::move(u));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_pending_record(AtenTensorHandle pk, AtenTensorHandle pu, AtenTensorHandle pa,
+                                                         AtenTensorHandle flag, AtenTensorHandle slots,
+                                                         AtenTensorHandle k, AtenTensorHandle u,
+                                                         AtenTensorHandle* alpha, AtenTensorHandle keep,
+                                                         AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(pending_record(
+        *tensor_handle_to_tensor_pointer(pk), *tensor_handle_to_tensor_pointer(pu), *tensor_handle_to_tensor_pointer(pa),
+        *tensor_handle_to_tensor_pointer(flag), *tensor_handle_to_tensor_pointer(slots),
+        *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(u), pointer_to_optional<at::Tensor>(alpha),
+        *tensor_handle_to_tensor_pointer(keep)));
   });
 }

@@ -14,8 +14,8 @@ import torch
 
 from linserve.model import kernels
 from linserve.model.decode_step import flat_decode_step, state_names
-from linserve.model.interface import ServedModel, pooled_state_names
-from linserve.model.pooled_state import PendingUpdate, PooledState, gathered
+from linserve.model.interface import ServedModel, folded_state_names, pooled_state_names
+from linserve.model.pooled_state import PendingBuffers, PendingUpdate, PooledState, gathered
 
 from .sampling import SlotSampling, choose_tokens
 
@@ -79,7 +79,7 @@ def verify_kind(k: int) -> ProgramKind:
 def decode_program(model: ServedModel):
     """The whole decode step as one function of tensors — what gets compiled per bucket:
 
-        program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)
+        program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors, *pending updates)
             -> (tokens, logprob, finite, uniforms, processed, logits, redraw, table)
 
     gather the rows' state from the pool by slot (a state the family reads in place: handed over as the pool
@@ -92,19 +92,30 @@ def decode_program(model: ServedModel):
     fails; a session stays at its last good token). Rows padded to a bucket repeat the first row (same slot,
     same values): their writes are the same bits. A state read in place comes back as a pending update, committed
     into the slots of the finite rows (each slot once) — the commits chained through `finite`, which the
-    program returns. `table` (P, 3): tokens, finite, redraw, for one transfer."""
+    program returns. The delta rule's states, where the pool keeps their pending updates (`StatePool.pending_tensors`,
+after the sampling tensors), apply them as they are read and note the step's instead (model/pooled_state.py).
+`table` (P, 3): tokens, finite, redraw, for one transfer."""
     step = flat_decode_step(model)
     names = state_names(model)
-    n_state = len(names)
+    n_state, n_sampling = len(names), len(SlotSampling.TENSORS)
     on_kernels = next(model.parameters()).device.type == "cpu" and kernels.load()  # (the in-place ops are CPU's)
     pooled = set(pooled_state_names(model)) if on_kernels else set()
+    folded = set(folded_state_names(model)) if on_kernels else set()
     in_place = [name in pooled for name in names]
+    folds = [name in folded for name in names]
 
     def program(tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                 *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        pool, sampling = buffers[:n_state], buffers[n_state:]
-        state = [PooledState(buffer, slots) if pooled else buffer.index_select(0, slots)  # (P, …) each
-                 for buffer, pooled in zip(pool, in_place)]
+        pool, sampling = buffers[:n_state], buffers[n_state : n_state + n_sampling]
+        kept = buffers[n_state + n_sampling :]  # the pool's pending updates, four a folded state (where it keeps them)
+        pending = iter(kept)
+        state = []
+        for buffer, pooled, fold in zip(pool, in_place, folds):
+            if not pooled:
+                state.append(buffer.index_select(0, slots))  # (P, …)
+                continue
+            update = PendingBuffers(*(next(pending) for _ in range(4))) if fold and kept else None
+            state.append(PooledState(buffer, slots, update))
         logits, *new_state = step(tokens[:, None], *state)  # (P, V) fp32
         tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling)
         counts = sampling[COUNTS]  # (N, V)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from linserve.model import ModelState
-from linserve.model.interface import ServedModel, fixed_state
+from linserve.model import ModelState, kernels
+from linserve.model.interface import ServedModel, fixed_state, folded_state_names
+from linserve.model.pooled_state import PendingBuffers
 
 
 def slots_for_budget(memory_bytes: int, state_bytes: int) -> int:
@@ -96,9 +97,47 @@ class StatePool(SlotPool):
             raise AssertionError(
                 f"state bytes {self.slot_bytes} differ from the config's formula {model.state_bytes()}"
             )
+        # the delta rule's states on the CPU kernels: each slot's update not yet written, applied by the next
+        # decode step's read (model/pooled_state.py) — or here, by `settle`, before anything else reads the slot
+        folded = folded_state_names(model) if device.type == "cpu" and kernels.load() else []
+        self.pending: dict[str, PendingBuffers] = {}
+        for name in folded:
+            n, heads, dk, dv = buffers[name].shape
+            self.pending[name] = PendingBuffers(torch.zeros(n, heads, dk), torch.zeros(n, heads, dv),
+                                                torch.zeros(n, heads), torch.zeros(n, dtype=torch.uint8))
+
+    def pending_tensors(self) -> list[torch.Tensor]:
+        """The pending updates' tensors, four a folded state in the buffers' order (the decode program's inputs)."""
+        return [tensor for name in self.buffers if name in self.pending for tensor in self.pending[name].tensors()]
+
+    def settle(self, slots: list[int] | None = None) -> None:
+        """Write the pending updates of `slots` (None: every slot) into the state, so the buffers are the states
+        (the commit's arithmetic: kernels/pooled_state.cpp's state_commit)."""
+        for name, pending in self.pending.items():
+            flags = pending.flag if slots is None else pending.flag[self._index(slots)]
+            if not bool(flags.any()):
+                continue
+            where = torch.nonzero(pending.flag).flatten() if slots is None else self._index(slots)[flags != 0]
+            for kind in (1, 2):
+                index = where[pending.flag[where] == kind]  # (b,)
+                if index.numel():
+                    alpha = pending.alpha[index] if kind == 2 else None  # (b, H)
+                    torch.ops.linserve.state_commit(self.buffers[name], index, pending.k[index], pending.u[index],
+                                                    alpha, torch.ones(index.numel(), dtype=torch.bool))
+            pending.flag[where] = 0
+
+    def _clear(self, index: torch.Tensor) -> None:
+        """The slots in `index` are being overwritten: their pending updates are void."""
+        for pending in self.pending.values():
+            pending.flag[index] = 0
+
+    def _reset(self, slot: int) -> None:
+        super()._reset(slot)
+        self._clear(self._index([slot]))
 
     def gather(self, slots: list[int]) -> ModelState:
         index = self._index(slots)
+        self.settle(slots)
         tensors = {name: buffer.index_select(0, index) for name, buffer in self.buffers.items()}  # (B, …)
         return self.model.state_from_tensors(tensors)
 
@@ -108,17 +147,22 @@ class StatePool(SlotPool):
     def scatter_tensors(self, index: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """Write rows back to the slots in `index` (B,): `tensors` in the buffers' order (ModelState.tensors(),
         the decode program's state outputs)."""
+        self._clear(index)
         for buffer, tensor in zip(self._buffer_list, tensors):
             buffer.index_copy_(0, index, tensor if tensor.dtype == buffer.dtype else tensor.to(buffer.dtype))
 
     def copy(self, src: int, dst: int) -> None:
+        self.settle([src])
+        self._clear(self._index([dst]))
         for buffer in self.buffers.values():
             buffer[dst].copy_(buffer[src])
 
     def export(self, slot: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """A copy of one slot's tensors (name → (…)), e.g. to offload to host memory."""
+        self.settle([slot])
         return {name: buffer[slot].to(device, copy=True) for name, buffer in self.buffers.items()}
 
     def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        self._clear(self._index([slot]))
         for name, buffer in self.buffers.items():
             buffer[slot].copy_(tensors[name])

@@ -144,6 +144,7 @@ class StepRunner:
         limits = [len(draft) for draft in drafts]
         ids = [[row.next_token, *draft] + [row.next_token] * (k - len(draft)) for row, draft in zip(rows, drafts)]
         slots = [row.slot for row in rows]
+        self.pool.settle(slots)  # (the verification program reads the slots as they are: no pending update in them)
         if self.threads is not None:
             bucket = self.verify_steps[k].bucket_ready(len(rows))
             self.threads.decoding(bucket is not None, len(rows), (f"verify{k}", bucket))

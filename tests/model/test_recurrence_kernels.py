@@ -160,6 +160,55 @@ def test_reading_from_the_pool_then_committing_is_the_scan_to_the_bit(rule, dk, 
     assert torch.equal(pool[2], before[2]) and torch.equal(pool[[0, 3, 5]], before[[0, 3, 5]])
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated_delta", "delta"])
+@pytest.mark.parametrize("dk, dv", [(37, 40), (6, 33), (24, 40), (256, 24)])
+def test_the_commit_folded_into_the_next_read_is_the_scan_step_after_step(gated, dk, dv):
+    """The delta rule's folded form (kernels/pooled_state.cpp: delta_read_folded applies each slot's pending update
+    as it reads the slot and stores the result; pending_record notes the kept rows' updates): over 4 steps of rows
+    on the pool — a repeated slot (padding), a row not kept in one step, a slot that joins late — every output is
+    the scan's over the states the rows should have, to the bit, and a settled pool holds those states: the fused
+    first pass where 8 divides d_k (24, 256), the separate one elsewhere (37, 6)."""
+    from linserve.model import delta_rule
+    from linserve.model.pooled_state import PendingBuffers, PendingUpdate, PooledState
+
+    B, H, N = 4, 3, 6
+    generator = torch.Generator().manual_seed(dk + dv + gated)
+    pool = torch.randn(N, H, dk, dv, generator=generator)
+    states = pool.clone()  # what each slot's state should be (the scan's, slot by slot)
+    pending = PendingBuffers(torch.zeros(N, H, dk), torch.zeros(N, H, dv), torch.zeros(N, H),
+                             torch.zeros(N, dtype=torch.uint8))
+    plans = [([4, 1, 4, 2], [True, True, True, True]), ([4, 1, 4, 2], [True, False, True, True]),
+             ([1, 3, 2, 4], [True, True, True, True]), ([2, 4, 2, 1], [True, True, True, True])]
+    for step, (row_slots, kept) in enumerate(plans):
+        slots, keep = torch.tensor(row_slots), torch.tensor(kept)
+        q, k, v = (torch.randn(B, H, 1, d, generator=generator) for d in (dk, dk, dv))
+        k = k / k.norm(dim=-1, keepdim=True)
+        beta = torch.rand(B, H, 1, generator=generator)
+        g = -torch.rand(B, H, 1, generator=generator) if gated else None
+        for t in (q, k, v, beta) + ((g,) if gated else ()):  # a repeated slot repeats its first row's inputs
+            for b in range(B):
+                first = row_slots.index(row_slots[b])
+                t[b] = t[first]
+        want_o, want_S = delta_rule.run(q, k, v, beta, g, states[slots], exact=True)  # the scan over the states
+        o, update = delta_rule.run(q, k, v, beta, g, PooledState(pool, slots, pending), exact=True)
+        assert isinstance(update, PendingUpdate) and torch.equal(o, want_o), step
+        assert torch.equal(update.commit(keep), keep)
+        for b in range(B):
+            if kept[b] and row_slots.index(row_slots[b]) == b:
+                states[row_slots[b]] = want_S[b]
+    settled = pool.clone()
+    flagged = torch.nonzero(pending.flag).flatten()
+    for kind in (1, 2):
+        index = flagged[pending.flag[flagged] == kind]
+        if index.numel():
+            torch.ops.linserve.state_commit(settled, index, pending.k[index], pending.u[index],
+                                            pending.alpha[index] if kind == 2 else None,
+                                            torch.ones(index.numel(), dtype=torch.bool))
+    assert torch.equal(settled, states)
+    assert set(torch.nonzero(pending.flag).flatten().tolist()) == {1, 2, 3, 4}  # kept since last read: pending
+    assert torch.equal(pool[[0, 5]], states[[0, 5]])  # slots no row read: never touched
+
+
 def test_the_pooled_ops_refuse_what_they_cannot_compute_with_a_message():
     pool, q = torch.zeros(3, 1, 8, 4), torch.zeros(2, 1, 8)
     with pytest.raises(RuntimeError, match="slot 3 is outside the pool of 3"):

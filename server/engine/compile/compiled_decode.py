@@ -66,6 +66,12 @@ def remaining_s(per_bucket_s: float, elapsed_s: float, left: int) -> float:
     return max(per - elapsed_s, 0.0) + per * (left - 1)
 
 
+def program_pending(pool, kind) -> list[torch.Tensor]:
+    """The pool's pending updates where `kind` is the decode program (the one that applies and notes them:
+    decode_program.py); [] for every other program, and for a pool that keeps none."""
+    return list(getattr(pool, "pending_tensors", list)()) if getattr(kind, "name", None) == "decode" else []
+
+
 class DecodeStep:
     """`step(tokens, slots, positions) -> DecodeOutputs`: a decode program over the pool's slots — eager, or
     a compiled bucket (a CUDA graph on CUDA).
@@ -91,6 +97,7 @@ class DecodeStep:
             "decode step" if kind.drafts == 0 else f"verification step (k={kind.drafts})")
         self.names = state_names(model)
         self.buffers = [pool.buffers[name] for name in self.names]  # (num_slots, …) each
+        self.pending = program_pending(pool, kind)  # the delta rule's pending updates (decode programs only)
         numerics.prepare_tables(device)  # the lookup tables exist before any compiler traces the program
         self.eager_program = kind.make(model)
         self.sizes = bucket_sizes(max_rows)
@@ -237,7 +244,7 @@ class DecodeStep:
 
     def _inputs(self, io: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The program's arguments from its io tensor (rows, P)."""
-        return (*self.kind.arguments(io), *self.buffers, *self.sampling.tensors())
+        return (*self.kind.arguments(io), *self.buffers, *self.sampling.tensors(), *self.pending)
 
     def _run(self, program, size: int, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
         """`program` over the rows padded to `size` with copies of the first (eager: size = rows)."""
@@ -435,5 +442,5 @@ class DecodeStep:
     def _dummy(self, size: int) -> tuple[torch.Tensor, ...]:
         """A bucket's arguments: rows 0 of the pool (zeroed copies: nothing real is read or written)."""
         io = torch.zeros(self.kind.io_rows, size, dtype=torch.long, device=self.device)  # (r, P)
-        buffers = [torch.zeros_like(t) for t in (*self.buffers, *self.sampling.tensors())]
+        buffers = [torch.zeros_like(t) for t in (*self.buffers, *self.sampling.tensors(), *self.pending)]
         return (*self.kind.arguments(io), *buffers)

@@ -208,6 +208,7 @@ def build(directory: str, model: ServedModel, num_slots: int, size: int, autotun
     from ..decode_program import ProgramKind
     from ..sampling import SlotSampling
     from ..state_pool import StatePool
+    from .compiled_decode import program_pending
 
     device = next(model.parameters()).device
     numerics.prepare_tables(device)  # real tensors, before export traces the program
@@ -227,7 +228,7 @@ def build(directory: str, model: ServedModel, num_slots: int, size: int, autotun
     pool = StatePool(model, num_slots, device)
     sampling = SlotSampling(num_slots, model.config.vocab_size, device)
     io = torch.zeros(kind.io_rows, size, dtype=torch.long, device=device)  # (rows, P)
-    args = (*kind.arguments(io), *pool.buffers.values(), *sampling.tensors())
+    args = (*kind.arguments(io), *pool.buffers.values(), *sampling.tensors(), *program_pending(pool, kind))
     tiled = projection_weights(model, program, args)
     packer = projection.PACKERS[projection.weight_format()]
     weights = projection.as_inputs(packer(weight) for _, weight in tiled)  # the trailing inputs

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from linserve.model.checkpoint import load_checkpoint
-from linserve.model.interface import pooled_state_names
+from linserve.model.interface import folded_state_names, pooled_state_names
 from linserve.model.loading import DEFAULT_CHECKPOINT, resolve_dtype
 from linserve.server.engine import decode_program as programs
 from linserve.server.engine.sampling import SlotSampling
@@ -37,7 +37,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
-def run_steps(model, program_of, poisoned_slot: int | None) -> tuple[list, list[torch.Tensor]]:
+def run_steps(model, program_of, poisoned_slot: int | None, folded: bool = False) -> tuple[list, list[torch.Tensor]]:
     torch.manual_seed(0)
     pool = StatePool(model, 6, torch.device("cpu"))
     for buffer in pool.buffers.values():
@@ -53,9 +53,14 @@ def run_steps(model, program_of, poisoned_slot: int | None) -> tuple[list, list[
     tokens, outputs = torch.tensor([11, 12, 13, 11]), []
     with torch.no_grad():
         for position in range(4):
-            out = program(tokens, slots, torch.full((4,), position), *pool.buffers.values(), *sampling.tensors())
+            pending = pool.pending_tensors() if folded else []  # (the delta rule's commits noted for the next read)
+            out = program(tokens, slots, torch.full((4,), position), *pool.buffers.values(), *sampling.tensors(),
+                          *pending)
             tokens = torch.where(out[2], out[0], 1)
             outputs.append([t.clone() for t in (out[0], out[2], out[5])])
+    if folded:
+        assert pool.pending and any(bool(t.any()) for t in pool.pending_tensors()[3::4])  # updates left pending
+    pool.settle()  # (the pool as its states)
     return outputs, [buffer.clone() for buffer in pool.buffers.values()]
 
 
@@ -65,11 +70,16 @@ def test_reading_the_pool_in_place_computes_what_the_gathered_rows_did(family_mo
     names = pooled_state_names(family_model)
     assert names and set(names) <= set(StatePool(family_model, 1, torch.device("cpu")).buffers)
     in_place = run_steps(family_model, programs.decode_program, poisoned_slot)
+    runs = [in_place]
+    if folded_state_names(family_model):  # the delta rule's commits folded into the next read, too
+        runs.append(run_steps(family_model, programs.decode_program, poisoned_slot, folded=True))
     monkeypatch.setattr(programs, "pooled_state_names", lambda model: [])
+    monkeypatch.setattr(programs, "folded_state_names", lambda model: [])
     gathered = run_steps(family_model, programs.decode_program, poisoned_slot)
-    for ours, theirs in zip(in_place[0], gathered[0]):
-        assert all(same(a, b) for a, b in zip(ours, theirs))  # tokens, finite, logits
-    assert all(same(a, b) for a, b in zip(in_place[1], gathered[1]))  # the pool after the steps
+    for run in runs:
+        for ours, theirs in zip(run[0], gathered[0]):
+            assert all(same(a, b) for a, b in zip(ours, theirs))  # tokens, finite, logits
+        assert all(same(a, b) for a, b in zip(run[1], gathered[1]))  # the pool after the steps
     if poisoned_slot is not None:
         assert not any(step[1][1] for step in in_place[0])  # the poisoned row never finite, its slot left alone
         assert all(step[1][0] for step in in_place[0])
