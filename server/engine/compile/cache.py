@@ -154,7 +154,8 @@ def program_sources(extra: tuple[str, ...] = ()) -> list[str]:
 
     model_dir = os.path.dirname(os.path.abspath(model_package.__file__))
     engine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    own = ["decode_program.py", "sampling.py", "prefill_program.py", os.path.join("spec", "verify_program.py"), *extra]
+    own = ["decode_program.py", "sampling.py", "prefill_program.py", os.path.join("spec", "verify_program.py"),
+           "state_pool.py", *extra]  # (state_pool.py: the buffers and pending updates, in the order programs take them)
     return sorted(os.path.join(directory, name) for directory in (model_dir, os.path.join(model_dir, "families"),
                                                                   os.path.join(model_dir, "kernels"))
                   for name in os.listdir(directory) if name.endswith((".py", ".cpp"))) + [
