@@ -317,24 +317,25 @@ inline int64_t predicted_rows_pending(const float* kr, const float* alpha_bh, fl
   return dk / 8;
 }
 
-// a pending update applied to one block in place (the d_k that 8 does not divide: a pass of its own, then the
-// prediction as usual)
-inline void apply_pending(float* S, int64_t dk, int64_t dv, int64_t w, const float* pk, const float* pu,
-                          const float* pa) {
+// S ← S·α + k ⊗ v over one block in place (α per key dimension, one per head with `per_head`, or none): the commit's
+// arithmetic — state_commit's, and a pending update's where the read cannot fold it (a d_k that 8 does not divide)
+inline void update_block(float* S, int64_t dk, int64_t dv, int64_t w, const float* kr, const float* vr,
+                         const float* alpha, bool per_head) {
   for (int64_t i = 0; i < dk; ++i) {
     float* __restrict s = S + i * dv;
-    const float ki = pk[i];
-    if (pa) {
-      const float ai = *pa;
+    const float ki = kr[i];
+    const float* f = factor(alpha, per_head, i);
+    if (f) {
+      const float ai = *f;
 #pragma GCC ivdep
       for (int64_t c = 0; c < w; ++c) {
-        const float s1 = s[c] * ai, outer = ki * pu[c];
+        const float s1 = s[c] * ai, outer = ki * vr[c];
         s[c] = s1 + outer;
       }
     } else {
 #pragma GCC ivdep
       for (int64_t c = 0; c < w; ++c) {
-        const float outer = ki * pu[c];
+        const float outer = ki * vr[c];
         s[c] = s[c] + outer;
       }
     }
@@ -399,7 +400,7 @@ std::tuple<at::Tensor, at::Tensor> delta_read_folded(const at::Tensor& q, const 
       tree(buf, predicted_rows_pending(kr, alpha_bh, S, dk, dv, w, buf, pkp + sh * dk, pup + sh * dv + c0,
                                        pending_alpha), w);
     } else {
-      if (pending) apply_pending(S, dk, dv, w, pkp + sh * dk, pup + sh * dv + c0, pending_alpha);
+      if (pending) update_block(S, dk, dv, w, pkp + sh * dk, pup + sh * dv + c0, pending_alpha, true);
       tree(buf, predicted_rows(kr, alpha_bh, S, dk, dv, w, buf), w);  // k ⊙ S·α
     }
     float* ur = up + bh * dv + c0;
@@ -549,27 +550,8 @@ at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const a
     const int64_t b = bh / H, h = bh % H;
     if (!writes[b]) return;
     float* S = sp + (rows[b] * H + h) * dk * dv + c0;
-    const float *kr = kp + bh * dk, *vr = vp + bh * dv + c0;
     const float* alpha_bh = ap ? ap + bh * (per_head ? 1 : dk) : nullptr;
-    for (int64_t i = 0; i < dk; ++i) {
-      float* __restrict s = S + i * dv;
-      const float ki = kr[i];
-      const float* f = factor(alpha_bh, per_head, i);
-      if (f) {
-        const float ai = *f;
-#pragma GCC ivdep
-        for (int64_t c = 0; c < w; ++c) {
-          const float s1 = s[c] * ai, outer = ki * vr[c];
-          s[c] = s1 + outer;
-        }
-      } else {
-#pragma GCC ivdep
-        for (int64_t c = 0; c < w; ++c) {
-          const float outer = ki * vr[c];
-          s[c] = s[c] + outer;
-        }
-      }
-    }
+    update_block(S, dk, dv, w, kp + bh * dk, vp + bh * dv + c0, alpha_bh, per_head);
   });
   at::Tensor kept_out = at::detail::empty_cpu(keep_c.sizes(), at::kBool, false, c10::nullopt);  // keep's copy
   std::memcpy(kept_out.data_ptr(), kept, static_cast<size_t>(keep_c.numel()));
