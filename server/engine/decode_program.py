@@ -76,6 +76,12 @@ def verify_kind(k: int) -> ProgramKind:
     return ProgramKind(f"verify{k}")
 
 
+def program_pending(pool, kind) -> list[torch.Tensor]:
+    """The pool's pending updates where `kind` is the decode program (the one that applies and notes them:
+    `decode_program`); [] for every other program, and for a pool that keeps none."""
+    return list(getattr(pool, "pending_tensors", list)()) if getattr(kind, "name", None) == "decode" else []
+
+
 def decode_program(model: ServedModel):
     """The whole decode step as one function of tensors — what gets compiled per bucket:
 

@@ -36,7 +36,7 @@ from linserve.model.decode_step import state_names
 from linserve.model.interface import ServedModel
 
 from ..cpu_threads import in_passing_thread, one_thread_here
-from ..decode_program import DECODE, DecodeOutputs, ProgramKind
+from ..decode_program import DECODE, DecodeOutputs, ProgramKind, program_pending
 from ..sampling import SlotSampling
 from ..state_pool import StatePool
 from . import verdict as compile_verdict
@@ -64,12 +64,6 @@ def remaining_s(per_bucket_s: float, elapsed_s: float, left: int) -> float:
     busier than when the rate was measured): the estimate counts down, and grows only while it is exceeded."""
     per = max(per_bucket_s, elapsed_s)
     return max(per - elapsed_s, 0.0) + per * (left - 1)
-
-
-def program_pending(pool, kind) -> list[torch.Tensor]:
-    """The pool's pending updates where `kind` is the decode program (the one that applies and notes them:
-    decode_program.py); [] for every other program, and for a pool that keeps none."""
-    return list(getattr(pool, "pending_tensors", list)()) if getattr(kind, "name", None) == "decode" else []
 
 
 class DecodeStep:

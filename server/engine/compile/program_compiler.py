@@ -205,10 +205,9 @@ def build(directory: str, model: ServedModel, num_slots: int, size: int, autotun
     choices (max-autotune: C++ GEMM templates over packed weights)."""
     import torch._inductor.config as inductor_config
 
-    from ..decode_program import ProgramKind
+    from ..decode_program import ProgramKind, program_pending
     from ..sampling import SlotSampling
     from ..state_pool import StatePool
-    from .compiled_decode import program_pending
 
     device = next(model.parameters()).device
     numerics.prepare_tables(device)  # real tensors, before export traces the program
