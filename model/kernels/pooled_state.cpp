@@ -258,29 +258,29 @@ inline int64_t predicted_rows(const float* kr, const float* alpha_bh, const floa
   return half + dk % 2;
 }
 
-// the prediction pass (predicted_rows, d_k that 8 divides) over a slot with a pending update: each element made
-// S·pa + pk ⊗ pu (state_commit's roundings; without pa: S + pk ⊗ pu), stored back, then read as predicted_rows does
+// the prediction pass (predicted_rows, d_k that 8 divides) over a slot with a pending update recorded with the same
+// gate as this read's (both with α or both without): each element made S·pa + pk ⊗ pu (state_commit's roundings;
+// without: S + pk ⊗ pu), stored back, then read as predicted_rows does
 inline int64_t predicted_rows_pending(const float* kr, const float* alpha_bh, float* S, int64_t dk, int64_t dv,
                                       int64_t w, float* buf, const float* pk, const float* pu, const float* pa) {
   const float ai = alpha_bh ? *alpha_bh : 1.0f, a_p = pa ? *pa : 1.0f;
   for (int64_t i = 0; i < dk / 8; ++i) {
     int64_t j[8];
     eight_rows(i, dk, j);
-    float* s[8];
-    float kk[8], p[8];
-    for (int r = 0; r < 8; ++r) s[r] = S + j[r] * dv, kk[r] = kr[j[r]], p[r] = pk[j[r]];
-    float* __restrict s0 = s[0];
-    float* __restrict s1 = s[1];
-    float* __restrict s2 = s[2];
-    float* __restrict s3 = s[3];
-    float* __restrict s4 = s[4];
-    float* __restrict s5 = s[5];
-    float* __restrict s6 = s[6];
-    float* __restrict s7 = s[7];
-    const float k0 = kk[0], k1 = kk[1], k2 = kk[2], k3 = kk[3], k4 = kk[4], k5 = kk[5], k6 = kk[6], k7 = kk[7];
-    const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3], p4 = p[4], p5 = p[5], p6 = p[6], p7 = p[7];
+    float* __restrict s0 = S + j[0] * dv;
+    float* __restrict s1 = S + j[1] * dv;
+    float* __restrict s2 = S + j[2] * dv;
+    float* __restrict s3 = S + j[3] * dv;
+    float* __restrict s4 = S + j[4] * dv;
+    float* __restrict s5 = S + j[5] * dv;
+    float* __restrict s6 = S + j[6] * dv;
+    float* __restrict s7 = S + j[7] * dv;
+    const float k0 = kr[j[0]], k1 = kr[j[1]], k2 = kr[j[2]], k3 = kr[j[3]];
+    const float k4 = kr[j[4]], k5 = kr[j[5]], k6 = kr[j[6]], k7 = kr[j[7]];
+    const float p0 = pk[j[0]], p1 = pk[j[1]], p2 = pk[j[2]], p3 = pk[j[3]];
+    const float p4 = pk[j[4]], p5 = pk[j[5]], p6 = pk[j[6]], p7 = pk[j[7]];
     float* __restrict row = buf + i * w;
-    if (pa && alpha_bh) {
+    if (alpha_bh) {
 #pragma GCC ivdep
       for (int64_t c = 0; c < w; ++c) {
         const float u = pu[c];
@@ -291,7 +291,7 @@ inline int64_t predicted_rows_pending(const float* kr, const float* alpha_bh, fl
         row[c] = ((k0 * (t0 * ai) + k1 * (t1 * ai)) + (k2 * (t2 * ai) + k3 * (t3 * ai))) +
                  ((k4 * (t4 * ai) + k5 * (t5 * ai)) + (k6 * (t6 * ai) + k7 * (t7 * ai)));
       }
-    } else if (!pa && !alpha_bh) {
+    } else {
 #pragma GCC ivdep
       for (int64_t c = 0; c < w; ++c) {
         const float u = pu[c];
@@ -300,25 +300,14 @@ inline int64_t predicted_rows_pending(const float* kr, const float* alpha_bh, fl
         s0[c] = t0, s1[c] = t1, s2[c] = t2, s3[c] = t3, s4[c] = t4, s5[c] = t5, s6[c] = t6, s7[c] = t7;
         row[c] = ((k0 * t0 + k1 * t1) + (k2 * t2 + k3 * t3)) + ((k4 * t4 + k5 * t5) + (k6 * t6 + k7 * t7));
       }
-    } else {  // (a gate on one side only: not a layer's steady state; each element as the two passes would do it)
-      for (int64_t c = 0; c < w; ++c) {
-        float t[8];
-        for (int r = 0; r < 8; ++r) {
-          const float scaled = pa ? s[r][c] * a_p : s[r][c], outer = p[r] * pu[c];
-          t[r] = scaled + outer;
-          s[r][c] = t[r];
-        }
-        float x[8];
-        for (int r = 0; r < 8; ++r) x[r] = alpha_bh ? kk[r] * (t[r] * ai) : kk[r] * t[r];
-        row[c] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
-      }
     }
   }
   return dk / 8;
 }
 
 // S ← S·α + k ⊗ v over one block in place (α per key dimension, one per head with `per_head`, or none): the commit's
-// arithmetic — state_commit's, and a pending update's where the read cannot fold it (a d_k that 8 does not divide)
+// arithmetic — state_commit's, and a pending update's where the read cannot fold it (a d_k that 8 does not divide,
+// or a gate the update was recorded without)
 inline void update_block(float* S, int64_t dk, int64_t dv, int64_t w, const float* kr, const float* vr,
                          const float* alpha, bool per_head) {
   for (int64_t i = 0; i < dk; ++i) {
@@ -340,6 +329,13 @@ inline void update_block(float* S, int64_t dk, int64_t dv, int64_t w, const floa
       }
     }
   }
+}
+
+// a commit's `keep` (contiguous bool), copied: its output — the next commit's input, so a compiler keeps the order
+at::Tensor copy_of(const at::Tensor& keep) {
+  at::Tensor out = at::detail::empty_cpu(keep.sizes(), at::kBool, false, c10::nullopt);
+  std::memcpy(out.data_ptr(), keep.data_ptr(), static_cast<size_t>(keep.numel()));
+  return out;
 }
 
 // each row's first appearance among the rows (a bucket's padding repeats the first row)
@@ -396,7 +392,7 @@ std::tuple<at::Tensor, at::Tensor> delta_read_folded(const at::Tensor& q, const 
     const float *kr = kp + bh * dk, *alpha_bh = ap ? ap + bh : nullptr;
     const uint8_t pending = flags[slot];
     const float* pending_alpha = pending == 2 ? pap + sh : nullptr;
-    if (pending && dk % 8 == 0 && dk >= 8) {
+    if (pending && dk % 8 == 0 && dk >= 8 && (pending_alpha != nullptr) == (alpha_bh != nullptr)) {
       tree(buf, predicted_rows_pending(kr, alpha_bh, S, dk, dv, w, buf, pkp + sh * dk, pup + sh * dv + c0,
                                        pending_alpha), w);
     } else {
@@ -455,9 +451,7 @@ at::Tensor pending_record(const at::Tensor& pk, const at::Tensor& pu, const at::
     if (gated) std::copy(a.data_ptr<float>() + b * d.H, a.data_ptr<float>() + (b + 1) * d.H, pap + slot * d.H);
     flags[slot] = gated ? 2 : 1;
   }
-  at::Tensor kept_out = at::detail::empty_cpu(keep_c.sizes(), at::kBool, false, c10::nullopt);  // keep's copy
-  std::memcpy(kept_out.data_ptr(), kept, static_cast<size_t>(keep_c.numel()));
-  return kept_out;
+  return copy_of(keep_c);
 }
 
 at::Tensor linear_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -538,11 +532,8 @@ at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const a
   const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "state_commit");
   const at::Tensor keep_c = keep.contiguous();
   const bool* kept = keep_c.data_ptr<bool>();
-  std::vector<char> writes(static_cast<size_t>(B));  // kept, and the first row of its slot
-  for (int64_t b = 0; b < B; ++b) {
-    writes[b] = kept[b];
-    for (int64_t e = 0; e < b && writes[b]; ++e) writes[b] = rows[e] != rows[b];
-  }
+  std::vector<char> writes = first_of_slot(rows);  // kept, and the first row of its slot
+  for (int64_t b = 0; b < B; ++b) writes[b] = writes[b] && kept[b];
   const at::Tensor kc = k.contiguous(), vc = v.contiguous();
   const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr;
   float* sp = pool.data_ptr<float>();
@@ -553,9 +544,7 @@ at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const a
     const float* alpha_bh = ap ? ap + bh * (per_head ? 1 : dk) : nullptr;
     update_block(S, dk, dv, w, kp + bh * dk, vp + bh * dv + c0, alpha_bh, per_head);
   });
-  at::Tensor kept_out = at::detail::empty_cpu(keep_c.sizes(), at::kBool, false, c10::nullopt);  // keep's copy
-  std::memcpy(kept_out.data_ptr(), kept, static_cast<size_t>(keep_c.numel()));
-  return kept_out;
+  return copy_of(keep_c);
 }
 
 }  // namespace

@@ -113,11 +113,12 @@ class StatePool(SlotPool):
     def settle(self, slots: list[int] | None = None) -> None:
         """Write the pending updates of `slots` (None: every slot) into the state, so the buffers are the states
         (the commit's arithmetic: kernels/pooled_state.cpp's state_commit)."""
+        chosen = torch.arange(self.num_slots) if slots is None else self._index(slots)  # (n,)
         for name, pending in self.pending.items():
-            flags = pending.flag if slots is None else pending.flag[self._index(slots)]
+            flags = pending.flag[chosen]  # (n,)
             if not bool(flags.any()):
                 continue
-            where = torch.nonzero(pending.flag).flatten() if slots is None else self._index(slots)[flags != 0]
+            where = chosen[flags != 0]  # (b,) the chosen slots with an update pending
             for kind in (1, 2):
                 index = where[pending.flag[where] == kind]  # (b,)
                 if index.numel():
