@@ -5,7 +5,11 @@ installation a fresh process in turn within every repetition:
 
     git worktree add /tmp/base COMMIT && python3 -m venv /tmp/base/.venv && \\
       /tmp/base/.venv/bin/pip install -c /tmp/base/configs/constraints.txt -e /tmp/base
-    python benchmarks/engine_ab.py --baseline-python /tmp/base/.venv/bin/python [--reps 3] [--out FILE]
+    python benchmarks/engine_ab.py --baseline-python /tmp/base/.venv/bin/python [--reps 3] [--loads 1x512 8x256]
+        [--out FILE]
+
+The server's settings come from the environment as `serve` reads them: e.g. `LINSERVE_MODEL=data/p17/linear_attn
+LINSERVE_COMPILE=off LINSERVE_NUM_SLOTS=9 … --loads 1x48 8x24` puts another family's eager step side by side.
 
 Reports tokens/s per load (median of the repetitions) and this tree / baseline. Each process waits for its
 compiled buckets (warm them first with `linserve compile` in each environment, or the first waits minutes).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,11 +37,12 @@ from common import wait_programs
 from engine_inprocess import run_streams
 from linserve.server.loading import load_engine
 from linserve.server.settings import Settings
-engine, _, generation = load_engine(Settings.load(), lambda stats: None)
-assert wait_programs(engine), "the compiled buckets did not settle"
+settings = Settings.load()
+engine, _, generation = load_engine(settings, lambda stats: None)
+assert settings.compile == "off" or wait_programs(engine), "the compiled buckets did not settle"
 defaults = {{"top_k": 50}}
-run_streams(engine, 1, 64, "warm", sampling=defaults)
-run_streams(engine, 8, 32, "warm8", sampling=defaults)
+for streams, tokens in {loads!r}.values():  # (a warm-up of each load's width)
+    run_streams(engine, streams, max(8, tokens // 8), f"warm{{streams}}", sampling=defaults)
 rates = {{}}
 for name, (streams, tokens) in {loads!r}.items():
     seconds, generated = run_streams(engine, streams, tokens, name, sampling=defaults)
@@ -58,17 +64,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline-python", required=True, help="the python of the baseline's environment")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--loads", nargs="+", default=list(LOADS), help="STREAMSxTOKENS each (default: %(default)s)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     reference_before = reference_workload_ms()
     pythons = {"this tree": sys.executable, "baseline": args.baseline_python}
     runs = {name: [] for name in pythons}
+    loads = {}
+    for load in args.loads:
+        streams, _, tokens = load.partition("x")
+        loads[load] = (int(streams), int(tokens))
     for _ in range(args.reps):
         for name, python in pythons.items():
-            runs[name].append(rates_of(python, LOADS))
+            runs[name].append(rates_of(python, loads))
             print(name, runs[name][-1], file=sys.stderr)
-    result = {"reps": args.reps, "baseline_python": args.baseline_python, "tokens_per_s": {}}
-    for load in LOADS:
+    result = {"reps": args.reps, "baseline_python": args.baseline_python, "tokens_per_s": {},
+              "settings_env": {key: value for key, value in os.environ.items() if key.startswith("LINSERVE_")}}
+    for load in loads:
         medians = {name: statistics.median(r[load] for r in runs[name]) for name in pythons}
         result["tokens_per_s"][load] = {**medians, "ratio": medians["this tree"] / medians["baseline"],
                                         "all": {name: [r[load] for r in runs[name]] for name in pythons}}

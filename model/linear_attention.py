@@ -153,10 +153,14 @@ def read_pooled(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, S: Po
     gamma = decay_factors(log_decay, phi_q)  # (H,) or None
     alpha = None if gamma is None else gamma[None, :, None].expand(B, H, dk).contiguous()  # (B, H, dk)
     phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
-    num = torch.ops.linserve.linear_read(phi_q, phi_k, v, alpha, S.pool, S.slots)  # (B, H, dv)
+    if S.pending is not None:  # the slots' pending updates applied as they are read
+        num = torch.ops.linserve.linear_read_folded(phi_q, phi_k, v, alpha, S.pool, S.slots,
+                                                    *S.pending.tensors())  # (B, H, dv)
+    else:
+        num = torch.ops.linserve.linear_read(phi_q, phi_k, v, alpha, S.pool, S.slots)  # (B, H, dv)
     z = (z if gamma is None else z * gamma[:, None]) + phi_k  # (B, H, dk): advance's z
     den = numerics.tree_sum(phi_q * z, -1)  # (B, H): read_out's
-    return num / (den[..., None] + eps), PendingUpdate(S.pool, S.slots, phi_k, v, alpha), z
+    return num / (den[..., None] + eps), PendingUpdate(S.pool, S.slots, phi_k, v, alpha, S.pending), z
 
 
 def recurrent_step(

@@ -8,7 +8,8 @@ slots and returns a `PendingUpdate` where the new state would be: S ← S·α + 
 several tokens, no kernels — `gather`s the rows and goes on as with any state.
 
 A family says which of its state tensors its layers take this way (`pooled_state_names`, model/interface.py);
-the others are gathered and written back as before. The delta rule's (`folded_state_names`) go further: the commit
+the others are gathered and written back as before. Those of `folded_state_names` (the delta rule's and the gated
+linear recurrence's, on the CPU kernels) go further: the commit
 only notes each kept row's update as its slot's pending one (`PendingBuffers`, kept by the state pool) and the next
 step's read applies it as it reads the slot, storing the result — the state moves twice a step, not three times.
 Whatever else reads or copies a slot settles it first (server/engine/state_pool.py).
@@ -25,12 +26,13 @@ from . import kernels
 
 @dataclass(frozen=True)
 class PendingBuffers:
-    """A pooled state's updates not yet written (the delta rule's, folded into the next read): slot n's pending
-    S ← S·α + k ⊗ u is (k[n], u[n], alpha[n]) where flag[n] is 1 (no α) or 2; 0: none, the slot is the state."""
+    """A pooled state's updates not yet written (folded into the next read): slot n's pending S ← S·α + k ⊗ u is
+    (k[n], u[n], alpha[n]) where flag[n] is 1 (no α) or 2; 0: none, the slot is the state. α is per key dimension
+    (a per-head gate, the delta rule's, is recorded as d_k equal factors)."""
 
     k: torch.Tensor  # (N, H, dk) fp32
-    u: torch.Tensor  # (N, H, dv) fp32
-    alpha: torch.Tensor  # (N, H) fp32
+    u: torch.Tensor  # (N, H, dv) fp32 (the delta rule's u, the linear recurrence's v)
+    alpha: torch.Tensor  # (N, H, dk) fp32
     flag: torch.Tensor  # (N,) uint8
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -44,7 +46,7 @@ class PooledState:
 
     pool: torch.Tensor  # (N, H, dk, dv) fp32, the pool's buffer
     slots: torch.Tensor  # (B,) int64
-    pending: PendingBuffers | None = None  # (the delta rule's decode step: its commit folded into the next read)
+    pending: PendingBuffers | None = None  # (a folded state's decode step: its commit folded into the next read)
 
     def gather(self) -> torch.Tensor:
         return self.pool.index_select(0, self.slots)  # (B, H, dk, dv)

@@ -109,8 +109,11 @@ def read_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Gate,
     if alpha is not None:  # the factor of every key dimension, per row: (B, H, dk)
         alpha = (alpha[None, :, None, None] if alpha.dim() == 1 else alpha).expand(B, H, 1, dk)[:, :, 0].contiguous()
     q, k, v = q[:, :, 0].float().contiguous(), k[:, :, 0].float().contiguous(), v[:, :, 0].float().contiguous()
-    o = torch.ops.linserve.linear_read(q, k, v, alpha, S.pool, S.slots)  # (B, H, dv)
-    return o[:, :, None], PendingUpdate(S.pool, S.slots, k, v, alpha)  # (B, H, 1, dv)
+    if S.pending is not None:  # the slots' pending updates applied as they are read
+        o = torch.ops.linserve.linear_read_folded(q, k, v, alpha, S.pool, S.slots, *S.pending.tensors())  # (B, H, dv)
+    else:
+        o = torch.ops.linserve.linear_read(q, k, v, alpha, S.pool, S.slots)  # (B, H, dv)
+    return o[:, :, None], PendingUpdate(S.pool, S.slots, k, v, alpha, S.pending)  # (B, H, 1, dv)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Gate, S: torch.Tensor | PooledState, exact: bool,

@@ -323,7 +323,7 @@ class FlaCausalLM(nn.Module):
 
     def folded_state_names(self) -> list[str]:
         """Those whose commit is noted for the next read (pooled_state.py): each mixer's `folded_state` (the delta
-        rule's)."""
+        rule's and the gated linear recurrence's)."""
         return self._mixer_state_names("folded_state")
 
     def _mixer_state_names(self, attribute: str) -> list[str]:

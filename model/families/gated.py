@@ -49,6 +49,7 @@ class GatedMixer(nn.Module):
 
     rotate_before_repeat = False  # RetNet rotates k per kv head, then repeats it
     pooled_state = ("S",)  # decoded from the pool in place (pooled_state.py)
+    folded_state = ("S",)  # its commit noted for the next read (pooled_state.py)
 
     def __init__(self, config: FlaConfig, conv_bias: bool = False) -> None:
         super().__init__()

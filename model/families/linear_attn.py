@@ -113,6 +113,11 @@ class LinearAttention(nn.Module):
         """S is read from the pool in place (pooled_state.py) unless z rides with it as a value column."""
         return () if self.config.norm_feature_map else ("S",)
 
+    @property
+    def folded_state(self) -> tuple[str, ...]:
+        """The pooled S's commit is noted for the next read (pooled_state.py)."""
+        return self.pooled_state
+
     def __init__(self, config: LinearAttnConfig, layer_index: int) -> None:
         super().__init__()
         self.config = config

@@ -126,6 +126,10 @@ class LinearGPT(nn.Module):
         floats a head, is gathered."""
         return [f"blocks.{i}.S" for i in range(self.config.n_layers)] if self.config.attention == "linear" else []
 
+    def folded_state_names(self) -> list[str]:
+        """Each pooled S's commit is noted for the next step's read (model/pooled_state.py)."""
+        return self.pooled_state_names()
+
     def state_bytes(self, context_len: int = 0) -> int:
         """Bytes of one session's state, computed from the config (see ModelConfig.state_bytes)."""
         return self.config.state_bytes(context_len)

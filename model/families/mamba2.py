@@ -122,6 +122,7 @@ class GatedNorm(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     pooled_state = ("S",)  # decoded from the pool in place (pooled_state.py)
+    folded_state = ("S",)  # its commit noted for the next read (pooled_state.py)
 
     def __init__(self, config: Mamba2Config) -> None:
         super().__init__()

@@ -6,7 +6,8 @@ generalised delta rule for every row and head in one pass over the state (`torch
 (`linear_scan`: the shipped model's and the gated linear families' prefill, decoding and verification).
 `pooled_state.cpp` holds the decode step's recurrences on the state pool itself, in two passes (`linear_read` /
 `delta_read` from each row's slot, then `state_commit` in place once the step's rows are known good; the delta rule's
-`delta_read_folded` applies the slot's pending update as it reads, and `pending_record` notes the next one).
+`linear_read_folded` and `delta_read_folded` apply the slot's pending update as they read, and `pending_record` notes
+the next one).
 `top_k_draw.cpp` holds the decode program's top-k draw (`torch.ops.linserve.top_k_draw`: one pass a row for what
 torch did in two `topk` calls, a tie mask and a window — server/engine/sampling.py's `_draw_survivors`, to the
 bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
@@ -76,6 +77,10 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
                          "AtenTensorHandle v, AtenTensorHandle beta, AtenTensorHandle* alpha, AtenTensorHandle pool, "
                          "AtenTensorHandle slots, AtenTensorHandle pk, AtenTensorHandle pu, AtenTensorHandle pa, "
                          "AtenTensorHandle flag, AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+    "linear_read_folded": "AOTITorchError aoti_torch_cpu_linear_read_folded(AtenTensorHandle q, AtenTensorHandle k, "
+                          "AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle pool, AtenTensorHandle slots, "
+                          "AtenTensorHandle pk, AtenTensorHandle pu, AtenTensorHandle pa, AtenTensorHandle flag, "
+                          "AtenTensorHandle* ret0)",
     "pending_record": "AOTITorchError aoti_torch_cpu_pending_record(AtenTensorHandle pk, AtenTensorHandle pu, "
                       "AtenTensorHandle pa, AtenTensorHandle flag, AtenTensorHandle slots, AtenTensorHandle k, "
                       "AtenTensorHandle u, AtenTensorHandle* alpha, AtenTensorHandle keep, AtenTensorHandle* ret0)",
@@ -314,6 +319,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("linserve::delta_read_folded")
     def delta_folded_shapes(q, k, v, beta, alpha, pool, slots, pk, pu, pa, flag):
         return v.new_empty(v.shape), v.new_empty(v.shape)
+
+    @torch.library.register_fake("linserve::linear_read_folded")
+    def read_folded_shape(q, k, v, alpha, pool, slots, pk, pu, pa, flag):
+        return v.new_empty(v.shape)
 
     @torch.library.register_fake("linserve::pending_record")
     def record_shape(pk, pu, pa, flag, slots, k, u, alpha, keep):

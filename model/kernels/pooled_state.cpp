@@ -7,11 +7,12 @@
 //                            u = β·(v − p), o = tree_sum_k(q ⊙ (S·α + k ⊗ u)); it returns o and u;
 //   linserve::state_commit — once the step knows which rows' logits are finite: S ← S·α + k ⊗ v (v: the delta
 //                            rule's u) in place, in each kept row's slot.
-//   linserve::delta_read_folded / pending_record — the delta rule with its commit folded into the next step's read:
-//                            the read applies the slot's pending update (S ← S·α + k ⊗ u, recorded by the last
-//                            step's pending_record: the commit's roundings) to each element as its first pass reads
-//                            it and stores the result in the slot; pending_record then only notes the kept rows' k, u
-//                            and α. A row's state moves twice a step (read, written) instead of three times.
+//   linserve::linear_read_folded / delta_read_folded / pending_record — either recurrence with its commit folded
+//                            into the next step's read: the read applies the slot's pending update (S ← S·α + k ⊗ u,
+//                            recorded by the last step's pending_record: the commit's roundings) to each element as
+//                            its first pass reads it and stores the result in the slot; pending_record then only
+//                            notes the kept rows' k, u (v) and α. A row's state moves twice a step (read, written)
+//                            instead of three times.
 //
 // Each element gets the roundings of linear_scan / delta_step (delta_rule.cpp) in their order — product, then sum;
 // the read-outs' tree of halves over d_k — so the bits are theirs, and the outputs are the same whatever the batch.
@@ -305,6 +306,63 @@ inline int64_t predicted_rows_pending(const float* kr, const float* alpha_bh, fl
   return dk / 8;
 }
 
+// read_rows_eighthed over a slot with a pending update (pk, pu and, with PendingGate, pa per key dimension): each
+// element made S·pa + pk ⊗ pu (state_commit's roundings; without a gate S + pk ⊗ pu), stored back, then read as
+// read_rows_eighthed reads it — q ⊙ (S·α + k ⊗ v), α per key dimension with Gate — the tree's first three levels
+// in registers
+template <bool PendingGate, bool Gate>
+inline int64_t read_rows_pending(const float* q, const float* k, const float* v, const float* alpha, float* S,
+                                 int64_t dk, int64_t dv, int64_t w, float* buf, const float* pk, const float* pu,
+                                 const float* pa) {
+  for (int64_t i = 0; i < dk / 8; ++i) {
+    int64_t j[8];
+    eight_rows(i, dk, j);
+    float* __restrict s0 = S + j[0] * dv;
+    float* __restrict s1 = S + j[1] * dv;
+    float* __restrict s2 = S + j[2] * dv;
+    float* __restrict s3 = S + j[3] * dv;
+    float* __restrict s4 = S + j[4] * dv;
+    float* __restrict s5 = S + j[5] * dv;
+    float* __restrict s6 = S + j[6] * dv;
+    float* __restrict s7 = S + j[7] * dv;
+    float qr[8], kr[8], ar[8], pkr[8], par[8];
+    for (int r = 0; r < 8; ++r) {
+      qr[r] = q[j[r]], kr[r] = k[j[r]], pkr[r] = pk[j[r]];
+      ar[r] = Gate ? alpha[j[r]] : 1.0f, par[r] = PendingGate ? pa[j[r]] : 1.0f;
+    }
+    const float q0 = qr[0], q1 = qr[1], q2 = qr[2], q3 = qr[3], q4 = qr[4], q5 = qr[5], q6 = qr[6], q7 = qr[7];
+    const float k0 = kr[0], k1 = kr[1], k2 = kr[2], k3 = kr[3], k4 = kr[4], k5 = kr[5], k6 = kr[6], k7 = kr[7];
+    const float a0 = ar[0], a1 = ar[1], a2 = ar[2], a3 = ar[3], a4 = ar[4], a5 = ar[5], a6 = ar[6], a7 = ar[7];
+    const float p0 = pkr[0], p1 = pkr[1], p2 = pkr[2], p3 = pkr[3], p4 = pkr[4], p5 = pkr[5], p6 = pkr[6], p7 = pkr[7];
+    const float g0 = par[0], g1 = par[1], g2 = par[2], g3 = par[3], g4 = par[4], g5 = par[5], g6 = par[6], g7 = par[7];
+    float* __restrict row = buf + i * w;
+#pragma GCC ivdep
+    for (int64_t c = 0; c < w; ++c) {
+      const float u = pu[c], vc = v[c];
+      float t0, t1, t2, t3, t4, t5, t6, t7;
+      if constexpr (PendingGate) {
+        t0 = s0[c] * g0 + p0 * u, t1 = s1[c] * g1 + p1 * u, t2 = s2[c] * g2 + p2 * u, t3 = s3[c] * g3 + p3 * u;
+        t4 = s4[c] * g4 + p4 * u, t5 = s5[c] * g5 + p5 * u, t6 = s6[c] * g6 + p6 * u, t7 = s7[c] * g7 + p7 * u;
+      } else {
+        t0 = s0[c] + p0 * u, t1 = s1[c] + p1 * u, t2 = s2[c] + p2 * u, t3 = s3[c] + p3 * u;
+        t4 = s4[c] + p4 * u, t5 = s5[c] + p5 * u, t6 = s6[c] + p6 * u, t7 = s7[c] + p7 * u;
+      }
+      s0[c] = t0, s1[c] = t1, s2[c] = t2, s3[c] = t3, s4[c] = t4, s5[c] = t5, s6[c] = t6, s7[c] = t7;
+      float x0, x1, x2, x3, x4, x5, x6, x7;
+      if constexpr (Gate) {
+        x0 = q0 * (t0 * a0 + k0 * vc), x1 = q1 * (t1 * a1 + k1 * vc), x2 = q2 * (t2 * a2 + k2 * vc);
+        x3 = q3 * (t3 * a3 + k3 * vc), x4 = q4 * (t4 * a4 + k4 * vc), x5 = q5 * (t5 * a5 + k5 * vc);
+        x6 = q6 * (t6 * a6 + k6 * vc), x7 = q7 * (t7 * a7 + k7 * vc);
+      } else {
+        x0 = q0 * (t0 + k0 * vc), x1 = q1 * (t1 + k1 * vc), x2 = q2 * (t2 + k2 * vc), x3 = q3 * (t3 + k3 * vc);
+        x4 = q4 * (t4 + k4 * vc), x5 = q5 * (t5 + k5 * vc), x6 = q6 * (t6 + k6 * vc), x7 = q7 * (t7 + k7 * vc);
+      }
+      row[c] = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7));
+    }
+  }
+  return dk / 8;
+}
+
 // S ← S·α + k ⊗ v over one block in place (α per key dimension, one per head with `per_head`, or none): the commit's
 // arithmetic — state_commit's, and a pending update's where the read cannot fold it (a d_k that 8 does not divide,
 // or a gate the update was recorded without)
@@ -346,15 +404,16 @@ std::vector<char> first_of_slot(const std::vector<int64_t>& rows) {
   return first;
 }
 
-// pending: pk (N, H, dk), pu (N, H, dv), pa (N, H) fp32 and flag (N,) uint8 — 0 none, 1 pending without α, 2 with α
+// pending: pk (N, H, dk), pu (N, H, dv), pa (N, H, dk) fp32 and flag (N,) uint8 — 0 none, 1 pending without α, 2 with
+// α (per key dimension; a per-head gate recorded as d_k equal factors)
 void check_pending(const at::Tensor& pk, const at::Tensor& pu, const at::Tensor& pa, const at::Tensor& flag,
                    const Dims& d, int64_t N, const char* op) {
   TORCH_CHECK(pk.scalar_type() == at::kFloat && pk.is_contiguous() && pk.sizes() == at::IntArrayRef({N, d.H, d.dk}),
               op, ": pending k must be contiguous fp32 (N, H, dk)");
   TORCH_CHECK(pu.scalar_type() == at::kFloat && pu.is_contiguous() && pu.sizes() == at::IntArrayRef({N, d.H, d.dv}),
               op, ": pending u must be contiguous fp32 (N, H, dv)");
-  TORCH_CHECK(pa.scalar_type() == at::kFloat && pa.is_contiguous() && pa.sizes() == at::IntArrayRef({N, d.H}), op,
-              ": pending alpha must be contiguous fp32 (N, H)");
+  TORCH_CHECK(pa.scalar_type() == at::kFloat && pa.is_contiguous() && pa.sizes() == at::IntArrayRef({N, d.H, d.dk}),
+              op, ": pending alpha must be contiguous fp32 (N, H, dk)");
   TORCH_CHECK(flag.scalar_type() == at::kByte && flag.is_contiguous() && flag.sizes() == at::IntArrayRef({N}), op,
               ": pending flags must be contiguous uint8 (N,)");
 }
@@ -391,12 +450,12 @@ std::tuple<at::Tensor, at::Tensor> delta_read_folded(const at::Tensor& q, const 
     float* S = sp + sh * dk * dv + c0;
     const float *kr = kp + bh * dk, *alpha_bh = ap ? ap + bh : nullptr;
     const uint8_t pending = flags[slot];
-    const float* pending_alpha = pending == 2 ? pap + sh : nullptr;
+    const float* pending_alpha = pending == 2 ? pap + sh * dk : nullptr;  // (d_k equal factors: a head's gate)
     if (pending && dk % 8 == 0 && dk >= 8 && (pending_alpha != nullptr) == (alpha_bh != nullptr)) {
       tree(buf, predicted_rows_pending(kr, alpha_bh, S, dk, dv, w, buf, pkp + sh * dk, pup + sh * dv + c0,
                                        pending_alpha), w);
     } else {
-      if (pending) update_block(S, dk, dv, w, pkp + sh * dk, pup + sh * dv + c0, pending_alpha, true);
+      if (pending) update_block(S, dk, dv, w, pkp + sh * dk, pup + sh * dv + c0, pending_alpha, false);
       tree(buf, predicted_rows(kr, alpha_bh, S, dk, dv, w, buf), w);  // k ⊙ S·α
     }
     float* ur = up + bh * dv + c0;
@@ -417,6 +476,65 @@ std::tuple<at::Tensor, at::Tensor> delta_read_folded(const at::Tensor& q, const 
   return {o, u};
 }
 
+// linear_read with each slot's pending update applied as the read passes over it (stored back; the flag cleared):
+// the gated linear recurrence's commit folded into the next step's read
+at::Tensor linear_read_folded(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const c10::optional<at::Tensor>& alpha, const at::Tensor& pool, const at::Tensor& slots,
+                              const at::Tensor& pk, const at::Tensor& pu, const at::Tensor& pa, const at::Tensor& flag) {
+  const Dims d = check_token(k, v, pool, slots, "linear_read_folded");
+  check_query(q, k, "linear_read_folded");
+  const int64_t B = d.B, H = d.H, dk = d.dk, dv = d.dv;
+  check_pending(pk, pu, pa, flag, d, pool.size(0), "linear_read_folded");
+  const bool gated = alpha.has_value() && alpha->defined();
+  at::Tensor a;
+  if (gated) {
+    check_rows({&*alpha}, {B, H, dk}, "linear_read_folded: alpha must be fp32 (B, H, dk)");
+    a = alpha->contiguous();
+  }
+  const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "linear_read_folded");
+  const std::vector<char> first = first_of_slot(rows);
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor o = rows_out(B, H, dv);  // (B, H, dv)
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const float* ap = gated ? a.data_ptr<float>() : nullptr;
+  float* sp = pool.data_ptr<float>();
+  const float *pkp = pk.data_ptr<float>(), *pup = pu.data_ptr<float>(), *pap = pa.data_ptr<float>();
+  uint8_t* flags = flag.data_ptr<uint8_t>();
+  float* op = o.data_ptr<float>();
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
+    const int64_t b = bh / H, h = bh % H, slot = rows[b], sh = slot * H + h;
+    if (!first[b]) return;  // (a repeated slot: its first row's outputs, copied below)
+    float* S = sp + sh * dk * dv + c0;
+    const float *qr = qp + bh * dk, *kr = kp + bh * dk, *vr = vp + bh * dv + c0;
+    const float* alpha_bh = ap ? ap + bh * dk : nullptr;
+    const uint8_t pending = flags[slot];
+    const float *ppk = pkp + sh * dk, *ppu = pup + sh * dv + c0, *ppa = pending == 2 ? pap + sh * dk : nullptr;
+    int64_t n;
+    if (pending && dk % 8 == 0 && dk >= 8) {
+      if (ppa)
+        n = alpha_bh ? read_rows_pending<true, true>(qr, kr, vr, alpha_bh, S, dk, dv, w, buf, ppk, ppu, ppa)
+                     : read_rows_pending<true, false>(qr, kr, vr, alpha_bh, S, dk, dv, w, buf, ppk, ppu, ppa);
+      else
+        n = alpha_bh ? read_rows_pending<false, true>(qr, kr, vr, alpha_bh, S, dk, dv, w, buf, ppk, ppu, ppa)
+                     : read_rows_pending<false, false>(qr, kr, vr, alpha_bh, S, dk, dv, w, buf, ppk, ppu, ppa);
+    } else {
+      if (pending) update_block(S, dk, dv, w, ppk, ppu, ppa, false);
+      n = read_rows(qr, kr, vr, alpha_bh, false, S, dk, dv, w, buf);
+    }
+    tree(buf, n, w);
+    std::copy(buf, buf + w, op + bh * dv + c0);
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    if (first[b]) {
+      flags[rows[b]] = 0;  // (after every head's block: the slot now holds its state)
+      continue;
+    }
+    const int64_t f = std::find(rows.begin(), rows.end(), rows[b]) - rows.begin();
+    std::copy(op + f * H * dv, op + (f + 1) * H * dv, op + b * H * dv);
+  }
+  return o;
+}
+
 // the kept rows' update noted for their slots' next read (each slot once, by its first row); returns keep's copy —
 // the next commit's input, as state_commit's
 at::Tensor pending_record(const at::Tensor& pk, const at::Tensor& pu, const at::Tensor& pa, const at::Tensor& flag,
@@ -432,9 +550,12 @@ at::Tensor pending_record(const at::Tensor& pk, const at::Tensor& pu, const at::
   TORCH_CHECK(keep.dim() == 1 && keep.size(0) == d.B && keep.scalar_type() == at::kBool,
               "pending_record: keep must be bool (B,)");
   const bool gated = alpha.has_value() && alpha->defined();
+  bool per_head = false;
   at::Tensor a;
   if (gated) {
-    check_rows({&*alpha}, {d.B, d.H}, "pending_record: alpha must be fp32 (B, H)");
+    per_head = alpha->dim() == 2;
+    check_rows({&*alpha}, per_head ? at::IntArrayRef({d.B, d.H}) : at::IntArrayRef({d.B, d.H, d.dk}),
+               "pending_record: alpha must be fp32 (B, H, dk) or (B, H)");
     a = alpha->contiguous();
   }
   const std::vector<int64_t> rows = slot_list(slots, pk.size(0), "pending_record");
@@ -448,7 +569,12 @@ at::Tensor pending_record(const at::Tensor& pk, const at::Tensor& pu, const at::
     const int64_t slot = rows[b];
     std::copy(kc.data_ptr<float>() + b * d.H * d.dk, kc.data_ptr<float>() + (b + 1) * d.H * d.dk, pkp + slot * d.H * d.dk);
     std::copy(uc.data_ptr<float>() + b * d.H * d.dv, uc.data_ptr<float>() + (b + 1) * d.H * d.dv, pup + slot * d.H * d.dv);
-    if (gated) std::copy(a.data_ptr<float>() + b * d.H, a.data_ptr<float>() + (b + 1) * d.H, pap + slot * d.H);
+    if (gated && per_head) {  // a head's factor for each of its key dimensions
+      for (int64_t h = 0; h < d.H; ++h)
+        std::fill(pap + (slot * d.H + h) * d.dk, pap + (slot * d.H + h + 1) * d.dk, a.data_ptr<float>()[b * d.H + h]);
+    } else if (gated) {
+      std::copy(a.data_ptr<float>() + b * d.H * d.dk, a.data_ptr<float>() + (b + 1) * d.H * d.dk, pap + slot * d.H * d.dk);
+    }
     flags[slot] = gated ? 2 : 1;
   }
   return copy_of(keep_c);
@@ -554,6 +680,8 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("delta_read(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? alpha, Tensor pool, Tensor slots) -> (Tensor, Tensor)");
   m.def("delta_read_folded(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? alpha, Tensor pool, Tensor slots, "
         "Tensor pk, Tensor pu, Tensor pa, Tensor flag) -> (Tensor, Tensor)");
+  m.def("linear_read_folded(Tensor q, Tensor k, Tensor v, Tensor? alpha, Tensor pool, Tensor slots, Tensor pk, "
+        "Tensor pu, Tensor pa, Tensor flag) -> Tensor");
   m.def("pending_record(Tensor pk, Tensor pu, Tensor pa, Tensor flag, Tensor slots, Tensor k, Tensor u, Tensor? alpha, "
         "Tensor keep) -> Tensor");
   m.def("state_commit(Tensor pool, Tensor slots, Tensor k, Tensor v, Tensor? alpha, Tensor keep) -> Tensor");
@@ -563,6 +691,7 @@ TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("linear_read", &linear_read);
   m.impl("delta_read", &delta_read);
   m.impl("delta_read_folded", &delta_read_folded);
+  m.impl("linear_read_folded", &linear_read_folded);
   m.impl("pending_record", &pending_record);
   m.impl("state_commit", &state_commit);
 }
@@ -632,5 +761,19 @@ extern "C" AOTITorchError aoti_torch_cpu_pending_record(AtenTensorHandle pk, Ate
         *tensor_handle_to_tensor_pointer(flag), *tensor_handle_to_tensor_pointer(slots),
         *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(u), pointer_to_optional<at::Tensor>(alpha),
         *tensor_handle_to_tensor_pointer(keep)));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_linear_read_folded(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                             AtenTensorHandle* alpha, AtenTensorHandle pool,
+                                                             AtenTensorHandle slots, AtenTensorHandle pk,
+                                                             AtenTensorHandle pu, AtenTensorHandle pa,
+                                                             AtenTensorHandle flag, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(linear_read_folded(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
+        pointer_to_optional<at::Tensor>(alpha), *tensor_handle_to_tensor_pointer(pool),
+        *tensor_handle_to_tensor_pointer(slots), *tensor_handle_to_tensor_pointer(pk),
+        *tensor_handle_to_tensor_pointer(pu), *tensor_handle_to_tensor_pointer(pa), *tensor_handle_to_tensor_pointer(flag)));
   });
 }

@@ -97,14 +97,14 @@ class StatePool(SlotPool):
             raise AssertionError(
                 f"state bytes {self.slot_bytes} differ from the config's formula {model.state_bytes()}"
             )
-        # the delta rule's states on the CPU kernels: each slot's update not yet written, applied by the next
+        # the folded states on the CPU kernels: each slot's update not yet written, applied by the next
         # decode step's read (model/pooled_state.py) — or here, by `settle`, before anything else reads the slot
         folded = folded_state_names(model) if device.type == "cpu" and kernels.load() else []
         self.pending: dict[str, PendingBuffers] = {}
         for name in folded:
             n, heads, dk, dv = buffers[name].shape
             self.pending[name] = PendingBuffers(torch.zeros(n, heads, dk), torch.zeros(n, heads, dv),
-                                                torch.zeros(n, heads), torch.zeros(n, dtype=torch.uint8))
+                                                torch.zeros(n, heads, dk), torch.zeros(n, dtype=torch.uint8))
 
     def pending_tensors(self) -> list[torch.Tensor]:
         """The pending updates' tensors, four a folded state in the buffers' order (the decode program's inputs)."""
@@ -122,7 +122,7 @@ class StatePool(SlotPool):
             for kind in (1, 2):
                 index = where[pending.flag[where] == kind]  # (b,)
                 if index.numel():
-                    alpha = pending.alpha[index] if kind == 2 else None  # (b, H)
+                    alpha = pending.alpha[index] if kind == 2 else None  # (b, H, dk)
                     torch.ops.linserve.state_commit(self.buffers[name], index, pending.k[index], pending.u[index],
                                                     alpha, torch.ones(index.numel(), dtype=torch.bool))
             pending.flag[where] = 0

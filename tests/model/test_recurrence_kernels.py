@@ -160,23 +160,28 @@ def test_reading_from_the_pool_then_committing_is_the_scan_to_the_bit(rule, dk, 
     assert torch.equal(pool[2], before[2]) and torch.equal(pool[[0, 3, 5]], before[[0, 3, 5]])
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated_delta", "delta"])
+@pytest.mark.parametrize("rule", ["gated_delta", "delta", "per_key", "per_head_token", "per_head", "none", "mixed"])
 @pytest.mark.parametrize("dk, dv", [(37, 40), (6, 33), (24, 40), (256, 24)])
-def test_the_commit_folded_into_the_next_read_is_the_scan_step_after_step(gated, dk, dv):
-    """The delta rule's folded form (kernels/pooled_state.cpp: delta_read_folded applies each slot's pending update
-    as it reads the slot and stores the result; pending_record notes the kept rows' updates): over 4 steps of rows
-    on the pool — a repeated slot (padding), a row not kept in one step, a slot that joins late — every output is
-    the scan's over the states the rows should have, to the bit, and a settled pool holds those states: the fused
-    first pass where 8 divides d_k (24, 256), the separate one elsewhere (37, 6)."""
-    from linserve.model import delta_rule
+def test_the_commit_folded_into_the_next_read_is_the_scan_step_after_step(rule, dk, dv):
+    """The folded form (kernels/pooled_state.cpp: delta_read_folded / linear_read_folded apply each slot's pending
+    update as they read the slot and store the result; pending_record notes the kept rows' updates): over 4 steps
+    of rows on the pool — a repeated slot (padding), a row not kept in one step, a slot that joins late — every
+    output is the scan's over the states the rows should have, to the bit, and a settled pool holds those states:
+    the fused first pass where 8 divides d_k (24, 256), the separate one elsewhere (37, 6). The delta rule's gate is
+    per head; the linear recurrence's per key dimension, per head and token, per head, none — or, `mixed`, per key
+    dimension and none in turn, so a pending update meets a read of the other kind both ways."""
+    from linserve.model import delta_rule, recurrence
     from linserve.model.pooled_state import PendingBuffers, PendingUpdate, PooledState
 
     B, H, N = 4, 3, 6
-    generator = torch.Generator().manual_seed(dk + dv + gated)
+    generator = torch.Generator().manual_seed(dk + dv + len(rule))
     pool = torch.randn(N, H, dk, dv, generator=generator)
     states = pool.clone()  # what each slot's state should be (the scan's, slot by slot)
-    pending = PendingBuffers(torch.zeros(N, H, dk), torch.zeros(N, H, dv), torch.zeros(N, H),
+    pending = PendingBuffers(torch.zeros(N, H, dk), torch.zeros(N, H, dv), torch.zeros(N, H, dk),
                              torch.zeros(N, dtype=torch.uint8))
+    delta = rule.endswith("delta")
+    shapes = {"per_key": (B, H, 1, dk), "per_head_token": (B, H, 1, 1), "per_head": (H,), "gated_delta": (B, H, 1),
+              "mixed": (B, H, 1, dk)}
     plans = [([4, 1, 4, 2], [True, True, True, True]), ([4, 1, 4, 2], [True, False, True, True]),
              ([1, 3, 2, 4], [True, True, True, True]), ([2, 4, 2, 1], [True, True, True, True])]
     for step, (row_slots, kept) in enumerate(plans):
@@ -184,13 +189,15 @@ def test_the_commit_folded_into_the_next_read_is_the_scan_step_after_step(gated,
         q, k, v = (torch.randn(B, H, 1, d, generator=generator) for d in (dk, dk, dv))
         k = k / k.norm(dim=-1, keepdim=True)
         beta = torch.rand(B, H, 1, generator=generator)
-        g = -torch.rand(B, H, 1, generator=generator) if gated else None
-        for t in (q, k, v, beta) + ((g,) if gated else ()):  # a repeated slot repeats its first row's inputs
+        gated = rule in shapes and not (rule == "mixed" and step % 2)
+        g = -torch.rand(shapes[rule], generator=generator) if gated else None
+        for t in (q, k, v, beta) + (() if g is None or g.dim() == 1 else (g,)):  # a repeated slot: its first's inputs
             for b in range(B):
-                first = row_slots.index(row_slots[b])
-                t[b] = t[first]
-        want_o, want_S = delta_rule.run(q, k, v, beta, g, states[slots], exact=True)  # the scan over the states
-        o, update = delta_rule.run(q, k, v, beta, g, PooledState(pool, slots, pending), exact=True)
+                t[b] = t[row_slots.index(row_slots[b])]
+        inputs = (q, k, v, beta, g) if delta else (q, k, v, g)
+        run = delta_rule.run if delta else recurrence.run
+        want_o, want_S = run(*inputs, states[slots], exact=True)  # the scan over the states
+        o, update = run(*inputs, PooledState(pool, slots, pending), exact=True)
         assert isinstance(update, PendingUpdate) and torch.equal(o, want_o), step
         assert torch.equal(update.commit(keep), keep)
         for b in range(B):

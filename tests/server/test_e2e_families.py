@@ -94,6 +94,7 @@ def test_a_json_schema_request_answers_valid_json(served):
     assert_json_schema_answer(served[2])
 
 
+@pytest.mark.timeout(900)  # (the compile's own deadline below, 600 s, governs: a busy host compiles slower)
 @pytest.mark.parametrize("family", ["gla", "hybrid"])  # hybrid: a Gated DeltaNet layer and a window layer
 def test_the_compiled_decode_program_streams_the_same_text(tmp_path, compile_cache, family):
     checkpoint = write_checkpoint(tmp_path / family, FAMILY_CASES[family])

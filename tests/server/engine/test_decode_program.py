@@ -53,7 +53,7 @@ def run_steps(model, program_of, poisoned_slot: int | None, folded: bool = False
     tokens, outputs = torch.tensor([11, 12, 13, 11]), []
     with torch.no_grad():
         for position in range(4):
-            pending = pool.pending_tensors() if folded else []  # (the delta rule's commits noted for the next read)
+            pending = pool.pending_tensors() if folded else []  # (the commits noted for the next read)
             out = program(tokens, slots, torch.full((4,), position), *pool.buffers.values(), *sampling.tensors(),
                           *pending)
             tokens = torch.where(out[2], out[0], 1)
@@ -71,7 +71,7 @@ def test_reading_the_pool_in_place_computes_what_the_gathered_rows_did(family_mo
     assert names and set(names) <= set(StatePool(family_model, 1, torch.device("cpu")).buffers)
     in_place = run_steps(family_model, programs.decode_program, poisoned_slot)
     runs = [in_place]
-    if folded_state_names(family_model):  # the delta rule's commits folded into the next read, too
+    if folded_state_names(family_model):  # the commits folded into the next read, too
         runs.append(run_steps(family_model, programs.decode_program, poisoned_slot, folded=True))
     monkeypatch.setattr(programs, "pooled_state_names", lambda model: [])
     monkeypatch.setattr(programs, "folded_state_names", lambda model: [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from linserve.model.checkpoint import load_checkpoint
@@ -23,16 +24,17 @@ def test_the_pools_buffers_are_zeros_and_slots_are_independent():
     assert all(buffer.sum() == 2 * buffer[second].numel() for buffer in pool.buffers.values())
 
 
-def test_a_pending_update_is_settled_before_a_slot_is_read_and_dropped_when_the_slot_is_overwritten(tmp_path):
-    """The delta rule's states keep each slot's last update pending (the decode program applies it as it reads the
-    slot: model/pooled_state.py); anything else that reads or copies a slot sees it applied — S·α + k ⊗ u, the
-    commit's roundings — and anything that overwrites a slot drops it."""
+@pytest.mark.parametrize("family", ["gated_deltanet", "gla"])
+def test_a_pending_update_is_settled_before_a_slot_is_read_and_dropped_when_the_slot_is_overwritten(tmp_path, family):
+    """The folded states (the delta rule's, the gated linear recurrence's) keep each slot's last update pending
+    (the decode program applies it as it reads the slot: model/pooled_state.py); anything else that reads or copies
+    a slot sees it applied — S·α + k ⊗ u, the commit's roundings — and anything that overwrites a slot drops it."""
     from linserve.model.interface import folded_state_names
     from tests.helpers import require_kernel
     from tests.model.families.checkpoints import FAMILY_CASES, write_checkpoint
 
     require_kernel()
-    model = load_checkpoint(write_checkpoint(tmp_path, FAMILY_CASES["gated_deltanet"]), torch.device("cpu"),
+    model = load_checkpoint(write_checkpoint(tmp_path, FAMILY_CASES[family]), torch.device("cpu"),
                             torch.float32)
     pool = StatePool(model, 4, torch.device("cpu"))
     name = folded_state_names(model)[0]
@@ -46,7 +48,7 @@ def test_a_pending_update_is_settled_before_a_slot_is_read_and_dropped_when_the_
                                                                                      generator=generator)
         a = torch.rand(pending.alpha[slot].shape, generator=generator)
         pending.k[slot], pending.u[slot], pending.alpha[slot], pending.flag[slot] = k, u, a, 2 if gated else 1
-        scaled = S[slot] * a[:, None, None] if gated else S[slot]
+        scaled = S[slot] * a[:, :, None] if gated else S[slot]  # (α per key dimension)
         return scaled + k[:, :, None] * u[:, None, :]  # (H, dk, dv)
 
     want = pend(1)

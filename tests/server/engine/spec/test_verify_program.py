@@ -42,6 +42,7 @@ def plain_decoding(decode, pool, sampling, slot, pending, position, n):
         out = decode([pending], [slot], [position + i])  # (the program writes the slot's state and counts)
         pending = int(out.tokens[0])
         tokens.append(pending)
+        pool.settle([slot])  # (the commit it left pending for the next read, written: the pool as the state)
         states.append([buffer[slot : slot + 1].clone() for buffer in pool.buffers.values()])
     return tokens, states
 
@@ -79,6 +80,7 @@ def test_a_row_with_limit_zero_gets_a_plain_decode_steps_token(tiny_model, devic
     slots = [0, 1, 3, 5]
     raw = verify.run([[9, 9, 9, 9], *[[4, 4, 4, 4]] * K, [0] * 4, slots, [30] * 4])  # (nothing written)
     plain = decode([9] * 4, slots, [30] * 4)  # (the rows' states written into the pool)
+    pool.settle(slots)  # (the commits left pending for the next read, written)
     assert raw[1].tolist() == [0, 0, 0, 0]
     assert raw[0][:, 0].tolist() == plain.tokens.tolist()
     torch.testing.assert_close(raw[5], plain.logits, rtol=1e-4, atol=1e-4)
