@@ -149,6 +149,18 @@ inline int64_t read_rows_halved(const float* q, const float* k, const float* v, 
   return h + dk % 2;
 }
 
+// s0 … s7: the state rows j[0] … j[7] of one column block, each its own restrict pointer (so the loops over the
+// block's columns vectorize)
+#define EIGHT_STATE_ROWS(T, S, j, dv)                                                                  \
+  T* __restrict s0 = (S) + (j)[0] * (dv);                                                              \
+  T* __restrict s1 = (S) + (j)[1] * (dv);                                                              \
+  T* __restrict s2 = (S) + (j)[2] * (dv);                                                              \
+  T* __restrict s3 = (S) + (j)[3] * (dv);                                                              \
+  T* __restrict s4 = (S) + (j)[4] * (dv);                                                              \
+  T* __restrict s5 = (S) + (j)[5] * (dv);                                                              \
+  T* __restrict s6 = (S) + (j)[6] * (dv);                                                              \
+  T* __restrict s7 = (S) + (j)[7] * (dv)
+
 // the key rows one output row of three folded levels reads, in the tree's order: i, i + d_k/2, i + d_k/4,
 // i + 3d_k/4, then the same four from i + d_k/8 — level 1 sums each pair, level 2 each two pairs, level 3 the two
 inline void eight_rows(int64_t i, int64_t dk, int64_t (&j)[8]) {
@@ -211,14 +223,7 @@ inline int64_t predicted_rows(const float* kr, const float* alpha_bh, const floa
     for (int64_t i = 0; i < dk / 8; ++i) {
       int64_t j[8];
       eight_rows(i, dk, j);
-      const float* __restrict s0 = S + j[0] * dv;
-      const float* __restrict s1 = S + j[1] * dv;
-      const float* __restrict s2 = S + j[2] * dv;
-      const float* __restrict s3 = S + j[3] * dv;
-      const float* __restrict s4 = S + j[4] * dv;
-      const float* __restrict s5 = S + j[5] * dv;
-      const float* __restrict s6 = S + j[6] * dv;
-      const float* __restrict s7 = S + j[7] * dv;
+      EIGHT_STATE_ROWS(const float, S, j, dv);
       const float k0 = kr[j[0]], k1 = kr[j[1]], k2 = kr[j[2]], k3 = kr[j[3]];
       const float k4 = kr[j[4]], k5 = kr[j[5]], k6 = kr[j[6]], k7 = kr[j[7]];
       float* __restrict row = buf + i * w;
@@ -268,14 +273,7 @@ inline int64_t predicted_rows_pending(const float* kr, const float* alpha_bh, fl
   for (int64_t i = 0; i < dk / 8; ++i) {
     int64_t j[8];
     eight_rows(i, dk, j);
-    float* __restrict s0 = S + j[0] * dv;
-    float* __restrict s1 = S + j[1] * dv;
-    float* __restrict s2 = S + j[2] * dv;
-    float* __restrict s3 = S + j[3] * dv;
-    float* __restrict s4 = S + j[4] * dv;
-    float* __restrict s5 = S + j[5] * dv;
-    float* __restrict s6 = S + j[6] * dv;
-    float* __restrict s7 = S + j[7] * dv;
+    EIGHT_STATE_ROWS(float, S, j, dv);
     const float k0 = kr[j[0]], k1 = kr[j[1]], k2 = kr[j[2]], k3 = kr[j[3]];
     const float k4 = kr[j[4]], k5 = kr[j[5]], k6 = kr[j[6]], k7 = kr[j[7]];
     const float p0 = pk[j[0]], p1 = pk[j[1]], p2 = pk[j[2]], p3 = pk[j[3]];
@@ -317,14 +315,7 @@ inline int64_t read_rows_pending(const float* q, const float* k, const float* v,
   for (int64_t i = 0; i < dk / 8; ++i) {
     int64_t j[8];
     eight_rows(i, dk, j);
-    float* __restrict s0 = S + j[0] * dv;
-    float* __restrict s1 = S + j[1] * dv;
-    float* __restrict s2 = S + j[2] * dv;
-    float* __restrict s3 = S + j[3] * dv;
-    float* __restrict s4 = S + j[4] * dv;
-    float* __restrict s5 = S + j[5] * dv;
-    float* __restrict s6 = S + j[6] * dv;
-    float* __restrict s7 = S + j[7] * dv;
+    EIGHT_STATE_ROWS(float, S, j, dv);
     float qr[8], kr[8], ar[8], pkr[8], par[8];
     for (int r = 0; r < 8; ++r) {
       qr[r] = q[j[r]], kr[r] = k[j[r]], pkr[r] = pk[j[r]];
@@ -404,6 +395,20 @@ std::vector<char> first_of_slot(const std::vector<int64_t>& rows) {
   return first;
 }
 
+// after a folded read: each slot it read has its flag cleared (after every head's block: the slot now holds its
+// state), and a repeated slot's row (a bucket's padding) gets its first row's outputs (each (B, H, dv): row_floats)
+void finish_folded(const std::vector<int64_t>& rows, const std::vector<char>& first, uint8_t* flags,
+                   std::initializer_list<float*> outputs, int64_t row_floats) {
+  for (size_t b = 0; b < rows.size(); ++b) {
+    if (first[b]) {
+      flags[rows[b]] = 0;
+      continue;
+    }
+    const int64_t f = std::find(rows.begin(), rows.end(), rows[b]) - rows.begin();
+    for (float* out : outputs) std::copy(out + f * row_floats, out + (f + 1) * row_floats, out + b * row_floats);
+  }
+}
+
 // pending: pk (N, H, dk), pu (N, H, dv), pa (N, H, dk) fp32 and flag (N,) uint8 — 0 none, 1 pending without α, 2 with
 // α (per key dimension; a per-head gate recorded as d_k equal factors)
 void check_pending(const at::Tensor& pk, const at::Tensor& pu, const at::Tensor& pa, const at::Tensor& flag,
@@ -464,15 +469,7 @@ std::tuple<at::Tensor, at::Tensor> delta_read_folded(const at::Tensor& q, const 
     tree(buf, read_rows(qp + bh * dk, kr, ur, alpha_bh, true, S, dk, dv, w, buf), w);  // q ⊙ (S·α + k ⊗ u)
     std::copy(buf, buf + w, op + bh * dv + c0);
   });
-  for (int64_t b = 0; b < B; ++b) {
-    if (first[b]) {
-      flags[rows[b]] = 0;  // (after every head's block: the slot now holds its state)
-      continue;
-    }
-    const int64_t f = std::find(rows.begin(), rows.end(), rows[b]) - rows.begin();
-    std::copy(op + f * H * dv, op + (f + 1) * H * dv, op + b * H * dv);
-    std::copy(up + f * H * dv, up + (f + 1) * H * dv, up + b * H * dv);
-  }
+  finish_folded(rows, first, flags, {op, up}, H * dv);
   return {o, u};
 }
 
@@ -524,14 +521,7 @@ at::Tensor linear_read_folded(const at::Tensor& q, const at::Tensor& k, const at
     tree(buf, n, w);
     std::copy(buf, buf + w, op + bh * dv + c0);
   });
-  for (int64_t b = 0; b < B; ++b) {
-    if (first[b]) {
-      flags[rows[b]] = 0;  // (after every head's block: the slot now holds its state)
-      continue;
-    }
-    const int64_t f = std::find(rows.begin(), rows.end(), rows[b]) - rows.begin();
-    std::copy(op + f * H * dv, op + (f + 1) * H * dv, op + b * H * dv);
-  }
+  finish_folded(rows, first, flags, {op}, H * dv);
   return o;
 }
 
