@@ -98,8 +98,9 @@ def decode_program(model: ServedModel):
     fails; a session stays at its last good token). Rows padded to a bucket repeat the first row (same slot,
     same values): their writes are the same bits. A state read in place comes back as a pending update, committed
     into the slots of the finite rows (each slot once) — the commits chained through `finite`, which the
-    program returns. The delta rule's states, where the pool keeps their pending updates (`StatePool.pending_tensors`,
-after the sampling tensors), apply them as they are read and note the step's instead (model/pooled_state.py).
+    program returns. The folded states (every pooled state on the CPU kernels), whose pending updates the pool keeps
+(`StatePool.pending_tensors`, after the sampling tensors), apply them as they are read and note the step's instead
+(model/pooled_state.py).
 `table` (P, 3): tokens, finite, redraw, for one transfer."""
     step = flat_decode_step(model)
     names = state_names(model)

@@ -91,7 +91,7 @@ class DecodeStep:
             "decode step" if kind.drafts == 0 else f"verification step (k={kind.drafts})")
         self.names = state_names(model)
         self.buffers = [pool.buffers[name] for name in self.names]  # (num_slots, …) each
-        self.pending = program_pending(pool, kind)  # the delta rule's pending updates (decode programs only)
+        self.pending = program_pending(pool, kind)  # the folded states' pending updates (decode programs only)
         numerics.prepare_tables(device)  # the lookup tables exist before any compiler traces the program
         self.eager_program = kind.make(model)
         self.sizes = bucket_sizes(max_rows)
