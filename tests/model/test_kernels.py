@@ -305,6 +305,7 @@ LOWER_FORMS = kernels.ISAS[: kernels.ISAS.index(kernels.cpu_isa())]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # (the child's own 1,200 s governs: a form's build and its tests on a busy host)
 @pytest.mark.skipif(not LOWER_FORMS, reason="the scalar form is this CPU's only one")
 @pytest.mark.parametrize("form", LOWER_FORMS)
 def test_each_lower_form_is_built_and_keeps_every_kernel_guarantee_on_this_cpu(form, tmp_path):
