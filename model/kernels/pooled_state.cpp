@@ -395,6 +395,16 @@ std::vector<char> first_of_slot(const std::vector<int64_t>& rows) {
   return first;
 }
 
+// a commit's gate, checked and made contiguous: (B, H, dk) per key dimension or (B, H) per head (`per_head`); an
+// undefined tensor without one
+at::Tensor commit_gate(const c10::optional<at::Tensor>& alpha, const Dims& d, bool& per_head, const char* what) {
+  per_head = false;
+  if (!alpha.has_value() || !alpha->defined()) return at::Tensor();
+  per_head = alpha->dim() == 2;
+  check_rows({&*alpha}, per_head ? at::IntArrayRef({d.B, d.H}) : at::IntArrayRef({d.B, d.H, d.dk}), what);
+  return alpha->contiguous();
+}
+
 // after a folded read: each slot it read has its flag cleared (after every head's block: the slot now holds its
 // state), and a repeated slot's row (a bucket's padding) gets its first row's outputs (each (B, H, dv): row_floats)
 void finish_folded(const std::vector<int64_t>& rows, const std::vector<char>& first, uint8_t* flags,
@@ -539,15 +549,9 @@ at::Tensor pending_record(const at::Tensor& pk, const at::Tensor& pu, const at::
               "pending_record: slots must be int64 (B,)");
   TORCH_CHECK(keep.dim() == 1 && keep.size(0) == d.B && keep.scalar_type() == at::kBool,
               "pending_record: keep must be bool (B,)");
-  const bool gated = alpha.has_value() && alpha->defined();
-  bool per_head = false;
-  at::Tensor a;
-  if (gated) {
-    per_head = alpha->dim() == 2;
-    check_rows({&*alpha}, per_head ? at::IntArrayRef({d.B, d.H}) : at::IntArrayRef({d.B, d.H, d.dk}),
-               "pending_record: alpha must be fp32 (B, H, dk) or (B, H)");
-    a = alpha->contiguous();
-  }
+  bool per_head;
+  const at::Tensor a = commit_gate(alpha, d, per_head, "pending_record: alpha must be fp32 (B, H, dk) or (B, H)");
+  const bool gated = a.defined();
   const std::vector<int64_t> rows = slot_list(slots, pk.size(0), "pending_record");
   const std::vector<char> first = first_of_slot(rows);
   const at::Tensor keep_c = keep.contiguous(), kc = k.contiguous(), uc = u.contiguous();
@@ -636,15 +640,9 @@ at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const a
   const Dims d = check_token(k, v, pool, slots, "state_commit");
   const int64_t B = d.B, H = d.H, dk = d.dk, dv = d.dv;
   TORCH_CHECK(keep.dim() == 1 && keep.size(0) == B && keep.scalar_type() == at::kBool, "state_commit: keep must be bool (B,)");
-  const bool gated = alpha.has_value() && alpha->defined();
-  bool per_head = false;
-  at::Tensor a;
-  if (gated) {
-    per_head = alpha->dim() == 2;
-    check_rows({&*alpha}, per_head ? at::IntArrayRef({B, H}) : at::IntArrayRef({B, H, dk}),
-               "state_commit: alpha must be fp32 (B, H, dk) or (B, H)");
-    a = alpha->contiguous();
-  }
+  bool per_head;
+  const at::Tensor a = commit_gate(alpha, d, per_head, "state_commit: alpha must be fp32 (B, H, dk) or (B, H)");
+  const bool gated = a.defined();
   const std::vector<int64_t> rows = slot_list(slots, pool.size(0), "state_commit");
   const at::Tensor keep_c = keep.contiguous();
   const bool* kept = keep_c.data_ptr<bool>();
