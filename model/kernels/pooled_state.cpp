@@ -13,6 +13,8 @@
 //                            its first pass reads it and stores the result in the slot; pending_record then only
 //                            notes the kept rows' k, u (v) and α. A row's state moves twice a step (read, written)
 //                            instead of three times.
+//   linserve::pending_settle — the pending updates of listed slots written into their state (the commit's
+//                            roundings) and cleared, every folded state in one call: before a slot is read otherwise.
 //
 // Each element gets the roundings of linear_scan / delta_step (delta_rule.cpp) in their order — product, then sum;
 // the read-outs' tree of halves over d_k — so the bits are theirs, and the outputs are the same whatever the batch.
@@ -661,6 +663,57 @@ at::Tensor state_commit(const at::Tensor& pool, const at::Tensor& slots, const a
   return copy_of(keep_c);
 }
 
+// every folded state's pending updates in the listed slots (undefined: every slot) written into the state — each
+// element S·α + k ⊗ u, the commit's roundings (α per key dimension where the flag is 2) — and their flags cleared: what
+// the pool's `settle` asks before anything but a folded read looks at a slot. One call and one parallel region for
+// all of a model's folded states (a slot listed twice, or with nothing pending, is passed over).
+void pending_settle(at::TensorList pools, at::TensorList pk, at::TensorList pu, at::TensorList pa, at::TensorList flags,
+                    const c10::optional<at::Tensor>& slots) {
+  const size_t n = pools.size();
+  TORCH_CHECK(pk.size() == n && pu.size() == n && pa.size() == n && flags.size() == n,
+              "pending_settle: one pending k, u, alpha and flags a pool buffer");
+  struct Item {
+    float* S;
+    const float *k, *u, *alpha;
+    int64_t dk, dv;
+  };
+  std::vector<Item> items;  // one a (state, slot, head) with an update pending
+  for (size_t s = 0; s < n; ++s) {
+    const at::Tensor& pool = pools[s];
+    TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
+                "pending_settle: a pool buffer must be contiguous fp32 (N, H, dk, dv)");
+    const int64_t N = pool.size(0), H = pool.size(1), dk = pool.size(2), dv = pool.size(3);
+    check_pending(pk[s], pu[s], pa[s], flags[s], Dims{N, H, dk, dv}, N, "pending_settle");
+    uint8_t* flag = flags[s].data_ptr<uint8_t>();
+    std::vector<int64_t> listed;
+    if (slots.has_value() && slots->defined()) {
+      TORCH_CHECK(slots->dim() == 1 && slots->scalar_type() == at::kLong, "pending_settle: slots must be int64 (B,)");
+      listed = slot_list(*slots, N, "pending_settle");
+    } else {
+      for (int64_t slot = 0; slot < N; ++slot) listed.push_back(slot);
+    }
+    float* sp = pool.data_ptr<float>();
+    const float *pkp = pk[s].data_ptr<float>(), *pup = pu[s].data_ptr<float>(), *pap = pa[s].data_ptr<float>();
+    for (int64_t slot : listed) {
+      if (!flag[slot]) continue;  // (nothing pending, or listed before)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t sh = slot * H + h;
+        items.push_back({sp + sh * dk * dv, pkp + sh * dk, pup + sh * dv, flag[slot] == 2 ? pap + sh * dk : nullptr,
+                         dk, dv});
+      }
+      flag[slot] = 0;  // (the items keep what it said)
+    }
+  }
+  if (items.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    linserve::FlushSubnormals flushed;  // (as every commit)
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      update_block(it.S, it.dk, it.dv, it.dv, it.k, it.u, it.alpha, false);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
@@ -673,6 +726,8 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("pending_record(Tensor pk, Tensor pu, Tensor pa, Tensor flag, Tensor slots, Tensor k, Tensor u, Tensor? alpha, "
         "Tensor keep) -> Tensor");
   m.def("state_commit(Tensor pool, Tensor slots, Tensor k, Tensor v, Tensor? alpha, Tensor keep) -> Tensor");
+  m.def("pending_settle(Tensor(a!)[] pools, Tensor[] pk, Tensor[] pu, Tensor[] pa, Tensor(b!)[] flags, Tensor? slots) "
+        "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
@@ -682,6 +737,7 @@ TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("linear_read_folded", &linear_read_folded);
   m.impl("pending_record", &pending_record);
   m.impl("state_commit", &state_commit);
+  m.impl("pending_settle", &pending_settle);
 }
 
 using torch::aot_inductor::new_tensor_handle;

@@ -105,6 +105,10 @@ class StatePool(SlotPool):
             n, heads, dk, dv = buffers[name].shape
             self.pending[name] = PendingBuffers(torch.zeros(n, heads, dk), torch.zeros(n, heads, dv),
                                                 torch.zeros(n, heads, dk), torch.zeros(n, dtype=torch.uint8))
+        # pending_settle's lists: the folded buffers, then their pending k, u, α and flags
+        self._settled = ([self.buffers[name] for name in self.pending],
+                         *([getattr(pending, field) for pending in self.pending.values()]
+                           for field in ("k", "u", "alpha", "flag")))
 
     def pending_tensors(self) -> list[torch.Tensor]:
         """The pending updates' tensors, four a folded state in the buffers' order (the decode program's inputs)."""
@@ -112,20 +116,9 @@ class StatePool(SlotPool):
 
     def settle(self, slots: list[int] | None = None) -> None:
         """Write the pending updates of `slots` (None: every slot) into the state, so the buffers are the states
-        (the commit's arithmetic: kernels/pooled_state.cpp's state_commit)."""
-        chosen = torch.arange(self.num_slots) if slots is None else self._index(slots)  # (n,)
-        for name, pending in self.pending.items():
-            flags = pending.flag[chosen]  # (n,)
-            if not bool(flags.any()):
-                continue
-            where = chosen[flags != 0]  # (b,) the chosen slots with an update pending
-            for kind in (1, 2):
-                index = where[pending.flag[where] == kind]  # (b,)
-                if index.numel():
-                    alpha = pending.alpha[index] if kind == 2 else None  # (b, H, dk)
-                    torch.ops.linserve.state_commit(self.buffers[name], index, pending.k[index], pending.u[index],
-                                                    alpha, torch.ones(index.numel(), dtype=torch.bool))
-            pending.flag[where] = 0
+        (the commit's arithmetic, kernels/pooled_state.cpp's pending_settle: every folded state in one call)."""
+        if self.pending:
+            torch.ops.linserve.pending_settle(*self._settled, None if slots is None else self._index(slots))
 
     def _clear(self, index: torch.Tensor) -> None:
         """The slots in `index` are being overwritten: their pending updates are void."""

@@ -19,7 +19,7 @@ import pytest
 from linserve.model.loading import DEFAULT_CHECKPOINT
 from linserve.server.settings import Settings
 from tests.devices import device_name_under_test
-from tests.helpers import require_program
+from tests.helpers import require_kernel, require_program
 
 pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -129,6 +129,14 @@ def test_frontend_cpu_beside_its_floor(tmp_path):
 
 
 @pytest.mark.timeout(COMPILING_S + 60)
+def test_pool_settle(tmp_path):
+    require_kernel()
+    run("pool_settle.py", "--slots", "1", "3", "--out", str(tmp_path / "settle.json"))
+    loads = json.loads((tmp_path / "settle.json").read_text())["loads"]
+    assert set(loads) == {"1 slots", "3 slots"} and all(load["same_bits"] for load in loads.values())
+    assert all(load["pending_settle_us"] > 0 and load["per_state_commits_us"] > 0 for load in loads.values())
+
+
 def test_compile_vs_eager(tmp_path, compile_cache):
     """The shipped model at 2 slots (its bucket 1 is the one test_compiled_decode builds: one cache)."""
     run("compile_vs_eager.py", "--out", str(tmp_path / "c.json"), "--port", "8793",

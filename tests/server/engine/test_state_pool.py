@@ -41,8 +41,9 @@ def test_a_pending_update_is_settled_before_a_slot_is_read_and_dropped_when_the_
     S, pending = pool.buffers[name], pool.pending[name]
     generator = torch.Generator().manual_seed(0)
 
-    def pend(slot: int, gated: bool = True) -> torch.Tensor:
-        """A pending update on `slot`; returns the state it stands for."""
+    def pend(slot: int, gated: bool = True, name: str = name) -> torch.Tensor:
+        """A pending update on `slot` of the folded state `name`; returns the state it stands for."""
+        S, pending = pool.buffers[name], pool.pending[name]
         S[slot] = torch.randn(S[slot].shape, generator=generator)
         k, u = torch.randn(pending.k[slot].shape, generator=generator), torch.randn(pending.u[slot].shape,
                                                                                      generator=generator)
@@ -73,3 +74,16 @@ def test_a_pending_update_is_settled_before_a_slot_is_read_and_dropped_when_the_
     wants = {slot: pend(slot) for slot in (0, 2)}
     pool.settle()
     assert all(torch.equal(S[slot], want) for slot, want in wants.items()) and not pending.flag.any()
+    # every folded state at once, the listed slots only (each layer's state its own: the model has several)
+    names = folded_state_names(model)
+    assert len(names) > 1
+    wants = {(state, slot): pend(slot, gated=slot != 1, name=state) for state in names for slot in (0, 1, 2)}
+    pool.settle([1, 0, 1])
+    for (state, slot), want in wants.items():
+        settled = slot in (0, 1)
+        assert torch.equal(pool.buffers[state][slot], want) == settled
+        assert pool.pending[state].flag[slot] == (0 if settled else 2)
+    with pytest.raises(RuntimeError, match="slot 4 is outside the pool of 4"):
+        pool.settle([4])
+    pool.settle()
+    assert all(torch.equal(pool.buffers[state][slot], want) for (state, slot), want in wants.items())
