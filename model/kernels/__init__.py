@@ -7,7 +7,7 @@ generalised delta rule for every row and head in one pass over the state (`torch
 `pooled_state.cpp` holds the decode step's recurrences on the state pool itself, in two passes (`linear_read` /
 `delta_read` from each row's slot, then `state_commit` in place once the step's rows are known good; the delta rule's
 `linear_read_folded` and `delta_read_folded` apply the slot's pending update as they read, and `pending_record` notes
-the next one).
+the next one; `pending_settle` writes the pending updates of listed slots, every folded state in one call).
 `top_k_draw.cpp` holds the decode program's top-k draw (`torch.ops.linserve.top_k_draw`: one pass a row for what
 torch did in two `topk` calls, a tie mask and a window — server/engine/sampling.py's `_draw_survivors`, to the
 bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
