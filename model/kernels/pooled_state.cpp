@@ -677,24 +677,29 @@ void pending_settle(at::TensorList pools, at::TensorList pk, at::TensorList pu, 
     const float *k, *u, *alpha;
     int64_t dk, dv;
   };
-  std::vector<Item> items;  // one a (state, slot, head) with an update pending
+  std::vector<std::vector<int64_t>> listed(n);  // each state's slots, every argument checked before a flag changes
   for (size_t s = 0; s < n; ++s) {
     const at::Tensor& pool = pools[s];
     TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
                 "pending_settle: a pool buffer must be contiguous fp32 (N, H, dk, dv)");
-    const int64_t N = pool.size(0), H = pool.size(1), dk = pool.size(2), dv = pool.size(3);
-    check_pending(pk[s], pu[s], pa[s], flags[s], Dims{N, H, dk, dv}, N, "pending_settle");
-    uint8_t* flag = flags[s].data_ptr<uint8_t>();
-    std::vector<int64_t> listed;
+    const int64_t N = pool.size(0);
+    check_pending(pk[s], pu[s], pa[s], flags[s], Dims{N, pool.size(1), pool.size(2), pool.size(3)}, N,
+                  "pending_settle");
     if (slots.has_value() && slots->defined()) {
       TORCH_CHECK(slots->dim() == 1 && slots->scalar_type() == at::kLong, "pending_settle: slots must be int64 (B,)");
-      listed = slot_list(*slots, N, "pending_settle");
+      listed[s] = slot_list(*slots, N, "pending_settle");
     } else {
-      for (int64_t slot = 0; slot < N; ++slot) listed.push_back(slot);
+      for (int64_t slot = 0; slot < N; ++slot) listed[s].push_back(slot);
     }
+  }
+  std::vector<Item> items;  // one a (state, slot, head) with an update pending
+  for (size_t s = 0; s < n; ++s) {
+    const at::Tensor& pool = pools[s];
+    const int64_t H = pool.size(1), dk = pool.size(2), dv = pool.size(3);
+    uint8_t* flag = flags[s].data_ptr<uint8_t>();
     float* sp = pool.data_ptr<float>();
     const float *pkp = pk[s].data_ptr<float>(), *pup = pu[s].data_ptr<float>(), *pap = pa[s].data_ptr<float>();
-    for (int64_t slot : listed) {
+    for (int64_t slot : listed[s]) {
       if (!flag[slot]) continue;  // (nothing pending, or listed before)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t sh = slot * H + h;
