@@ -677,20 +677,20 @@ void pending_settle(at::TensorList pools, at::TensorList pk, at::TensorList pu, 
     const float *k, *u, *alpha;
     int64_t dk, dv;
   };
-  std::vector<std::vector<int64_t>> listed(n);  // each state's slots, every argument checked before a flag changes
-  for (size_t s = 0; s < n; ++s) {
+  const int64_t N = n ? pools[0].size(0) : 0;  // (every buffer's slots: one pool's)
+  for (size_t s = 0; s < n; ++s) {  // every argument checked before a flag changes
     const at::Tensor& pool = pools[s];
-    TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
-                "pending_settle: a pool buffer must be contiguous fp32 (N, H, dk, dv)");
-    const int64_t N = pool.size(0);
+    TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.size(0) == N,
+                "pending_settle: a pool buffer must be contiguous fp32 (N, H, dk, dv), N the same for all");
     check_pending(pk[s], pu[s], pa[s], flags[s], Dims{N, pool.size(1), pool.size(2), pool.size(3)}, N,
                   "pending_settle");
-    if (slots.has_value() && slots->defined()) {
-      TORCH_CHECK(slots->dim() == 1 && slots->scalar_type() == at::kLong, "pending_settle: slots must be int64 (B,)");
-      listed[s] = slot_list(*slots, N, "pending_settle");
-    } else {
-      for (int64_t slot = 0; slot < N; ++slot) listed[s].push_back(slot);
-    }
+  }
+  std::vector<int64_t> listed;
+  if (slots.has_value() && slots->defined()) {
+    TORCH_CHECK(slots->dim() == 1 && slots->scalar_type() == at::kLong, "pending_settle: slots must be int64 (B,)");
+    listed = slot_list(*slots, N, "pending_settle");
+  } else {
+    for (int64_t slot = 0; slot < N; ++slot) listed.push_back(slot);
   }
   std::vector<Item> items;  // one a (state, slot, head) with an update pending
   for (size_t s = 0; s < n; ++s) {
@@ -699,7 +699,7 @@ void pending_settle(at::TensorList pools, at::TensorList pk, at::TensorList pu, 
     uint8_t* flag = flags[s].data_ptr<uint8_t>();
     float* sp = pool.data_ptr<float>();
     const float *pkp = pk[s].data_ptr<float>(), *pup = pu[s].data_ptr<float>(), *pap = pa[s].data_ptr<float>();
-    for (int64_t slot : listed[s]) {
+    for (int64_t slot : listed) {
       if (!flag[slot]) continue;  // (nothing pending, or listed before)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t sh = slot * H + h;

@@ -128,7 +128,6 @@ def test_frontend_cpu_beside_its_floor(tmp_path):
         load["frontend_us_per_token"] - load["write_floor"]["us_per_write"])
 
 
-@pytest.mark.timeout(COMPILING_S + 60)
 def test_pool_settle(tmp_path):
     require_kernel()
     run("pool_settle.py", "--slots", "1", "3", "--out", str(tmp_path / "settle.json"))
@@ -137,6 +136,7 @@ def test_pool_settle(tmp_path):
     assert all(load["pending_settle_us"] > 0 and load["per_state_commits_us"] > 0 for load in loads.values())
 
 
+@pytest.mark.timeout(COMPILING_S + 60)
 def test_compile_vs_eager(tmp_path, compile_cache):
     """The shipped model at 2 slots (its bucket 1 is the one test_compiled_decode builds: one cache)."""
     run("compile_vs_eager.py", "--out", str(tmp_path / "c.json"), "--port", "8793",
