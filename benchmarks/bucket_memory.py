@@ -59,7 +59,7 @@ def served_model(args) -> torch.nn.Module:
 def measure(args) -> dict:
     model = served_model(args)
     keep_one_copy(model)  # as the server holds it: the projections only packed
-    vocab, slots = model.config.vocab_size, max(2, *args.sizes)  # (2 slots, bucket 1: the suite's shipped artifact)
+    vocab, slots = model.config.vocab_size, max(args.sizes)  # (--quick: 1 slot, bucket 1: the suite's shipped artifact)
     step = DecodeStep(model, StatePool(model, slots, CPU), SlotSampling(slots, vocab, CPU), CPU, "on",
                       max_rows=max(args.sizes), cache_dir=args.cache, autotune=False)
     step.sizes = sorted(args.sizes)

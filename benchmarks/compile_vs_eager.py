@@ -36,13 +36,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--port", type=int, default=8771)
     parser.add_argument("--compile-cache-dir", help="the compiled server's cache (default: the user's)")
-    parser.add_argument("--quick", action="store_true", help="2 slots, a few tokens, one round, no autotune")
+    parser.add_argument("--quick", action="store_true", help="1 slot (the one bucket the suite's other tests build), "
+                        "decode only (no prefill program), a few tokens, one round, no autotune")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     loads, extra = LOADS, ["--log-level", "warning"]
     if args.quick:
-        args.slots, args.reps, loads = 2, 1, tuple((streams, 8) for streams, _ in LOADS)
-        extra.append("--no-compile-autotune")
+        args.slots, args.reps, loads = 1, 1, tuple((streams, 8) for streams, _ in LOADS)
+        extra += ["--no-compile-autotune", "--prefill-program-tokens", "0"]
     if args.compile_cache_dir:
         extra += ["--compile-cache-dir", args.compile_cache_dir]
     ports = {"compiled": args.port, "eager": args.port + 1}

@@ -250,7 +250,7 @@ def test_shipped_model_compiled_over_512_tokens_and_bf16(device, compile_cache):
     for dtype, modes in ((torch.bfloat16, ("off", "on")), (torch.float32, ("off",))):
         model = load_model(DEFAULT_CHECKPOINT, device, dtype).model
         for mode in modes:
-            step = make_step(model, StatePool(model, 2, device), device, mode, cache_dir=compile_cache)
+            step = make_step(model, StatePool(model, 1, device), device, mode, cache_dir=compile_cache)
             step.sampling.assign(0, SamplingParams(temperature=0.0), 0, None, [])
             step.start()
             assert step.wait_compiled(BUILD_WAIT_S) or mode == "off", step.status
@@ -280,10 +280,10 @@ def test_a_compiled_bucket_reads_the_processs_embedding_table_and_keeps_no_copy_
     model = load_model(DEFAULT_CHECKPOINT, cpu, torch.bfloat16).model
     table = model.wte.weight
     assert table.numel() * table.element_size() >= 1 << 16  # (the shipped table: 2 MB)
-    step = make_step(model, StatePool(model, 2, cpu), cpu, "on", cache_dir=compile_cache)
+    step = make_step(model, StatePool(model, 1, cpu), cpu, "on", cache_dir=compile_cache)
     step.start()
     assert step.wait_compiled(BUILD_WAIT_S), step.status
-    program = load_artifact(step.cache_dir, 2, 1, model=model)
+    program = load_artifact(step.cache_dir, 1, 1, model=model)
     assert program.weights[0].data_ptr() == table.data_ptr()  # the model's own table, then the packed weights
     # the tied head reads the table too: packed (a tensor of its own) where the kernel packs weights; the scalar form
     # reads a weight as it is — the table itself again. Never a copy of it
@@ -291,9 +291,9 @@ def test_a_compiled_bucket_reads_the_processs_embedding_table_and_keeps_no_copy_
     assert sum(t.data_ptr() == table.data_ptr() for t in program.weights) == uses
     assert not any(t.shape == table.shape and t.data_ptr() != table.data_ptr() and torch.equal(t, table)
                    for t in program.weights)
-    with open(weights_manifest(artifact_path(step.cache_dir, 2, 1))) as manifest:
+    with open(weights_manifest(artifact_path(step.cache_dir, 1, 1))) as manifest:
         assert json.load(manifest)["parameters"] == ["wte.weight"]
-    constants = torch._inductor.aoti_load_package(artifact_path(step.cache_dir, 2, 1)).get_constant_fqns()
+    constants = torch._inductor.aoti_load_package(artifact_path(step.cache_dir, 1, 1)).get_constant_fqns()
     assert constants and not any(name.endswith("wte.weight") for name in constants)
 
 
