@@ -48,7 +48,8 @@ SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant
                                                                            "pooled_state.cpp", "top_k_draw.cpp",
                                                                            "program_call.cpp", "cpu_allocator.cpp")]
 HEADERS = [os.path.join(os.path.dirname(__file__), name)  # (part of the build's key)
-           for name in ("flush_subnormals.h", "recurrence_blocks.h")]
+           for name in ("flush_subnormals.h", "recurrence_blocks.h", "linear_scalar.h", "linear_lanes.h",
+                        "linear_amx.h", "packed_weights.h", "task_shares.h")]
 LIBRARY = "liblinserve_kernels.so"
 C_SHIMS = {  # op → the C function a compiled program calls (defined in the sources)
     "invariant_linear": "AOTITorchError aoti_torch_cpu_invariant_linear(AtenTensorHandle x, AtenTensorHandle weight, "

@@ -158,7 +158,7 @@ def program_sources(extra: tuple[str, ...] = ()) -> list[str]:
            "state_pool.py", *extra]  # (state_pool.py: the buffers and pending updates, in the order programs take them)
     return sorted(os.path.join(directory, name) for directory in (model_dir, os.path.join(model_dir, "families"),
                                                                   os.path.join(model_dir, "kernels"))
-                  for name in os.listdir(directory) if name.endswith((".py", ".cpp"))) + [
+                  for name in os.listdir(directory) if name.endswith((".py", ".cpp", ".h"))) + [
         os.path.join(engine, name) for name in own]
 
 

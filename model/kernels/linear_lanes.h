@@ -1,0 +1,263 @@
+// invariant_linear.cpp's AVX512 lanes forms (AVX512-BF16's VDPBF16PS, or its arithmetic in plain AVX512
+// instructions): register blocks of rows × outputs over (N, K) or packed weights, the scalar form's bits.
+#pragma once
+
+#include "linear_scalar.h"
+
+#ifdef LINSERVE_LANES
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#ifdef LINSERVE_LANES
+// ------------------------------------------------------------------------------------------ the AVX512 lanes forms
+inline __m512i load_x(const uint16_t* p, int64_t left) {  // 32 bf16, zeros past the end
+  if (left >= CHUNK) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p);
+}
+
+inline __m256i load_bytes(const int8_t* p, int64_t left) {  // 32 int8, zeros past the end
+  return left >= CHUNK ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                       : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << left) - 1), p);
+}
+
+#ifdef LINSERVE_AVX512BF16
+using WeightChunk = __m512i;  // 32 bf16, as VDPBF16PS takes them
+
+inline __m256i to_bf16(__m512 s) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(s)); }
+
+inline WeightChunk load_w(const uint16_t* p, int64_t left) { return load_x(p, left); }
+
+inline WeightChunk load_w(const int8_t* p, int64_t left) {  // 32 int8 widened exactly to bf16
+  const __m256i bytes = load_bytes(p, left);
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));  // k 0..15
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));  // k 16..31
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));  // exact: every int8 is a bf16
+}
+
+template <bool F>  // (VDPBF16PS: no unfused form to choose)
+inline __m512 dot_chunk(__m512 acc, __m512i a, WeightChunk b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+#else
+// AVX512F/BW without AVX512-BF16 (Skylake-SP to Ice Lake; virtual machines that hide it): VDPBF16PS's and
+// VCVTNEPS2BF16's arithmetic as the scalar form states it, in plain AVX512 instructions — the same bits
+inline __m256i to_bf16(__m512 s) {  // float_to_bf16 on 16 lanes: RNE, an input subnormal read as zero, NaN kept
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  __m512i bits = _mm512_castps_si512(s);
+  bits = _mm512_mask_and_epi32(bits, _mm512_testn_epi32_mask(bits, exponent), bits, _mm512_set1_epi32(INT32_MIN));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), exponent);
+  const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));  // ties to even
+  const __m512i up = _mm512_add_epi32(kept_lsb, _mm512_set1_epi32(0x7fff));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, up), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+// a weight chunk as fp32 values, split once for every row that reads it: lane j's element 2j + 1 and element 2j
+struct WeightChunk {
+  __m512 odd, even;
+};
+
+inline __m512 odd_of(__m512i pairs) {  // each 32-bit lane's high bf16 as fp32 (exact)
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline __m512 even_of(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }  // the low one
+
+inline WeightChunk load_w(const uint16_t* p, int64_t left) {
+  const __m512i pairs = load_x(p, left);
+  return {odd_of(pairs), even_of(pairs)};
+}
+
+inline WeightChunk load_w(const int8_t* p, int64_t left) {  // 32 int8 as fp32 (exact, as their bf16 would be)
+  const __m512i words = _mm512_cvtepi8_epi16(load_bytes(p, left));  // lane j: element 2j low, 2j + 1 high
+  return {_mm512_cvtepi32_ps(_mm512_srai_epi32(words, 16)),
+          _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(words, 16), 16))};
+}
+
+// each 32-bit lane: its odd pair's product added, then its even pair's — bf16 products are exact in fp32, and the
+// kernel's threads run under FTZ/DAZ (FlushSubnormals), so a product then an add is VDPBF16PS's step as lanes_scalar
+// states it (a multiply and an add, not fused: -ffp-contract=off). F: the same step as one fused multiply-add, for a
+// call whose every product is exact and normal (`in_fused_range`): the fused form then rounds the same exact sum
+// once, as the add does — the same bits in half the instructions (a multi-row call is arithmetic-bound here)
+template <bool F>
+inline __m512 dot_chunk(__m512 acc, __m512i a, const WeightChunk& b) {
+  if (F) return _mm512_fmadd_ps(even_of(a), b.even, _mm512_fmadd_ps(odd_of(a), b.odd, acc));
+  acc = _mm512_add_ps(acc, _mm512_mul_ps(odd_of(a), b.odd));
+  return _mm512_add_ps(acc, _mm512_mul_ps(even_of(a), b.even));
+}
+#endif
+
+inline __m512 pair_sum(__m512 a, __m512 b, __m512i low, __m512i high) {
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, low, b), _mm512_permutex2var_ps(a, high, b));
+}
+
+// The tree of halves over 16 outputs' lanes (v[o], 16 floats each) → their 16 sums in order, each output's exactly
+// tree16's: level 1 pairs outputs (2i, 2i+1) into one vector of their half sums, level 2 those pairs, and so on.
+// Levels 1-2 of outputs 4q..4q+3 need only those four (quad: one vector u[q]); levels 3-4 take the four u's (last).
+// So a block reduces its accumulators in registers as it finishes, and nothing of the lanes touches memory.
+struct Tree {
+  __m512i l1, h1, l2, h2, l3, h3, l4, h4;
+  Tree() {
+    l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    h1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    h2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    h3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    h4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  }
+  inline __m512 quad(__m512 a, __m512 b, __m512 c, __m512 d) const {
+    return pair_sum(pair_sum(a, b, l1, h1), pair_sum(c, d, l1, h1), l2, h2);
+  }
+  inline __m512 last(const __m512* u) const {
+    return pair_sum(pair_sum(u[0], u[1], l3, h3), pair_sum(u[2], u[3], l3, h3), l4, h4);
+  }
+};
+
+// Where output o's 32-wide chunk at k = c lies, counted from its group's first output (elements of W):
+// - RowMajor: W as it is, (N, K) — a pass over several outputs reads one stream per output;
+// - Packed (pack_weight, where the CPU has AVX512-BF16 but no AMX): (⌈N/16⌉, ⌈K/32⌉, 16, 32), a group's 16
+//   outputs' chunks side by side and the tails zeros — a pass reads one stream. Same arithmetic, same bits.
+struct RowMajor {
+  static int64_t at(int o, int64_t c, int64_t K) { return o * K + c; }
+  static int64_t group(int64_t g, int64_t K) { return g * K; }  // g: the group's first output
+  template <int R>
+  static constexpr int quads() { return R <= 2 ? 2 : 1; }  // 8 streams at one row (16 measured 6-18% slower)
+};
+struct Packed {
+  static int64_t at(int o, int64_t c, int64_t) { return o * CHUNK + c * GROUP; }
+  static int64_t group(int64_t g, int64_t K) { return g * ((K + CHUNK - 1) / CHUNK) * CHUNK; }
+  template <int R>
+  static constexpr int quads() { return R == 1 ? 4 : (R == 2 ? 2 : 1); }  // as many outputs as registers allow
+};
+
+// one 32-wide chunk at k = c (`left` of K from there: the tail reads zeros past it) into R rows × O outputs
+template <int R, int O, typename W, typename L, bool F>
+__attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
+                                                      int64_t c, int64_t left, bool fetch) {
+  __m512i a[R];
+  for (int r = 0; r < R; ++r) a[r] = load_x(x + r * K + c, left);
+  if (STREAM_PREFETCH && std::is_same<L, Packed>::value && O == GROUP && R == 1 && fetch) {
+    // a one-row pass over whole groups (decode; a streamed batch's first row) reads one stream, 1 KB a chunk: its
+    // lines 4 KB ahead asked for now, as the hardware's prefetchers alone do not (one row on the 2-vCPU AVX512
+    // Xeon: 1.3-1.45x over weights in L3, 1.12-1.3x from DRAM; 8 rows 1.01-1.07x)
+    const char* ahead = reinterpret_cast<const char*>(w + L::at(0, c + STREAM_AHEAD * CHUNK, K));
+    for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
+      _mm_prefetch(ahead + line, _MM_HINT_T0);
+  }
+  if (std::is_same<L, Packed>::value && O < GROUP && fetch) {
+    // the first pass over part of a group (several rows) brings the whole block in: the other passes then read
+    // cached lines (int8 at 8 rows: 0.7x -> 1.1x the (N, K) form's speed, Zen 5)
+    const char* ahead = reinterpret_cast<const char*>(w + L::at(0, c + FETCH_AHEAD * CHUNK, K));
+    for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
+      _mm_prefetch(ahead + line, _MM_HINT_T0);
+  }
+  for (int o = 0; o < O; ++o) {
+    const WeightChunk b = load_w(w + L::at(o, c, K), left);
+    for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk<F>(acc[r][o], a[r], b);
+  }
+}
+
+// R rows × O outputs over all of K: the full chunks unmasked (CHUNK, a constant), the tail masked once (inlined:
+// the accumulators stay in registers)
+template <int R, int O, typename W, typename L, bool F = false>
+__attribute__((always_inline)) inline void dot_rows(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
+                                                    bool fetch = false) {
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
+  const int64_t full = K - K % CHUNK;
+  for (int64_t c = 0; c < full; c += CHUNK) dot_chunks<R, O, W, L, F>(acc, x, w, K, c, CHUNK, fetch);
+  if (full < K) dot_chunks<R, O, W, L, F>(acc, x, w, K, full, K - full, false);
+}
+
+// R rows × 4Q outputs: each row's quads of lanes reduced by the tree's first two levels into u[r][q0 + q]
+template <int R, int Q, typename W, typename L, bool F>
+void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0, bool fetch) {
+  __m512 acc[R][4 * Q];
+  dot_rows<R, 4 * Q, W, L, F>(acc, x, w, K, fetch);
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < Q; ++q)
+      u[r][q0 + q] = tree.quad(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
+}
+
+// the last quad of a group with 1-3 outputs (W as it is): each alone, the missing ones' lanes zero
+template <int R, typename W>
+void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, int count, __m512 (*u)[4], int q) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int o = 0; o < count; ++o) {
+    __m512 one[R][1];
+    dot_rows<R, 1, W, RowMajor>(one, x, w + o * K, K);
+    for (int r = 0; r < R; ++r) acc[r][o] = one[r][0];
+  }
+  for (int r = 0; r < R; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+template <int R, typename W, typename L, bool F>
+inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_t K, int64_t outputs, __m512 (*u)[4],
+                        bool fetch) {
+  constexpr int Q = L::template quads<R>();
+  const int quads = static_cast<int>(outputs / 4);
+  int q = 0;
+  for (; q + Q <= quads; q += Q)
+    block_quads<R, Q, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
+  for (; q < quads; ++q) block_quads<R, 1, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
+  if (outputs % 4) {
+    block_partial<R, W>(tree, x, wg + 4 * q * K, K, static_cast<int>(outputs % 4), u, q);
+    ++q;
+  }
+  for (; q < 4; ++q)
+    for (int r = 0; r < R; ++r) u[r][q] = _mm512_setzero_ps();
+}
+
+template <typename W, typename L, bool F = false>
+void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
+                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys) {  // ys: y's row stride
+  constexpr bool packed = std::is_same<L, Packed>::value;
+  // packed bf16: rows two at a time over 8 outputs a pass while those outputs' chunks stay in L1 (faster than 6
+  // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
+  // the 6 rows); otherwise 6 rows × 4 outputs a pass
+  const bool pairs = packed && sizeof(W) == 2 && 8 * K * static_cast<int64_t>(sizeof(W)) <= PAIR_BYTES;
+  // packed bf16 streamed from DRAM, a decode batch (≤ SINGLE_ROWS rows): a row at a time over each group's 16 outputs
+  // — the weights one contiguous stream, as at one row, the other rows reading the group from L1/L2 (2-8 rows of
+  // 340M's projections on Zen 4: 0.62-0.92x the blocked forms' time; slower from 12 rows, for cached weights, int8)
+  const bool singles = packed && sizeof(W) == 2 && m1 - m0 <= SINGLE_ROWS && weights_streamed();
+  const Tree tree;
+  __m512 u[6][4];
+  for (int64_t g = n0; g < n1; g += GROUP) {
+    const int64_t outputs = std::min(GROUP, n1 - g);
+    const int64_t computed = packed ? GROUP : outputs;  // packed: a short group's missing rows are zeros
+    const W* wg = w + L::group(g, K);
+    const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
+    const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
+    for (int64_t m = m0; m < m1;) {
+      const int64_t left = m1 - m;
+      const int64_t rows = singles ? 1
+                           : pairs ? (left >= 2 ? 2 : 1)
+                                   : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
+      const uint16_t* xm = x + m * K;
+      switch (rows) {
+        case 6: group_quads<6, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
+        case 4: group_quads<4, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
+        case 2: group_quads<2, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
+        default: group_quads<1, W, L, F>(tree, xm, wg, K, computed, u, m == m0);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512 s = tree.last(u[r]);
+        if (scale) s = _mm512_mul_ps(s, sc);
+        if (bias) s = _mm512_add_ps(s, bi);
+        _mm256_mask_storeu_epi16(y + (m + r) * ys + g, keep, to_bf16(s));
+      }
+      m += rows;
+    }
+  }
+}
+#endif
+
+}  // namespace
