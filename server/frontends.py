@@ -27,7 +27,7 @@ import socket
 import threading
 from multiprocessing.connection import wait
 
-from .engine_process.remote import await_checked, spawn_core
+from .engine_process.remote import spawn_checked
 from .settings import Settings
 
 logger = logging.getLogger("linserve.server.frontends")
@@ -73,54 +73,55 @@ def supervise(settings: Settings) -> int:
     context = multiprocessing.get_context("spawn")  # (torch and threads: never fork)
     sock = listening_socket(settings)
     pipes = [context.Pipe(duplex=True) for _ in range(settings.engine_placement())]
-    core = spawn_core(settings, [theirs for _, theirs in pipes])
-    refused = await_checked(pipes[0][0], core)  # its start-up checks first: a refusal is one line, status 2
-    if refused is not None:
-        for ours, theirs in pipes:
-            ours.close()
-            theirs.close()
-        sock.close()
-        return refused
-    frontends = []
-    for index, (ours, _) in enumerate(pipes, 1):
-        frontend = context.Process(target=frontend_main, args=(settings, ours, core.pid, sock, index),
-                                   name=f"linserve-frontend-{index}")
-        frontend.start()
-        frontends.append(frontend)
-    for ours, theirs in pipes:
-        ours.close()
-        theirs.close()
-    sock.close()
-    logger.info("engine core (pid %d) and %d frontends (pids %s) on %s:%d", core.pid, len(frontends),
-                ", ".join(str(f.pid) for f in frontends), settings.host, settings.port)
-
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
         stopping.set()
 
+    # from here on a signal only says "stop" (a process being spawned is never cut off halfway through its start)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    by_sentinel = {process.sentinel: process for process in (*frontends, core)}
     try:
-        ended = []
-        while not stopping.is_set() and not ended:
-            ended = [by_sentinel[sentinel] for sentinel in wait(list(by_sentinel), timeout=0.2)]
-        on_its_own = not stopping.is_set()
-        if on_its_own:
-            for process in ended:
-                process.join(1)  # (its sentinel closes a moment before its exit status can be read)
-            if any(process is not core for process in ended):
-                first = next(process for process in ended if process is not core)
-                logger.error("%s ended (status %s): stopping the server", first.name, first.exitcode)
-            else:  # each frontend hears it on its connection: /health turns 503, it drains and exits 3
-                core.join(1)
-                logger.critical("the engine core (pid %d) ended with status %s: the frontends stop", core.pid,
-                                core.exitcode)
-                wait([f.sentinel for f in frontends], timeout=FRONTEND_STOP_WAIT_S)
-        stop(frontends, core)
+        _, core, refused = spawn_checked(settings, [theirs for _, theirs in pipes], first=pipes[0][0])
+        frontends = []
+        if refused is None:  # its start-up checks first: a refusal is one line, status 2
+            for index, (ours, _) in enumerate(pipes, 1):
+                frontend = context.Process(target=frontend_main, args=(settings, ours, core.pid, sock, index),
+                                           name=f"linserve-frontend-{index}")
+                frontend.start()
+                frontends.append(frontend)
+        for ours, theirs in pipes:
+            ours.close()
+            theirs.close()
+        sock.close()
+        if refused is not None:
+            return refused
+        logger.info("engine core (pid %d) and %d frontends (pids %s) on %s:%d", core.pid, len(frontends),
+                    ", ".join(str(f.pid) for f in frontends), settings.host, settings.port)
+        return watch(frontends, core, stopping)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def watch(frontends: list, core, stopping: threading.Event) -> int:
+    """Until `stopping` (SIGTERM/SIGINT: status 0) or a process ends on its own."""
+    by_sentinel = {process.sentinel: process for process in (*frontends, core)}
+    ended = []
+    while not stopping.is_set() and not ended:
+        ended = [by_sentinel[sentinel] for sentinel in wait(list(by_sentinel), timeout=0.2)]
+    on_its_own = not stopping.is_set()
+    if on_its_own:
+        for process in ended:
+            process.join(1)  # (its sentinel closes a moment before its exit status can be read)
+        if any(process is not core for process in ended):
+            first = next(process for process in ended if process is not core)
+            logger.error("%s ended (status %s): stopping the server", first.name, first.exitcode)
+        else:  # each frontend hears it on its connection: /health turns 503, it drains and exits 3
+            core.join(1)
+            logger.critical("the engine core (pid %d) ended with status %s: the frontends stop", core.pid,
+                            core.exitcode)
+            wait([f.sentinel for f in frontends], timeout=FRONTEND_STOP_WAIT_S)
+    stop(frontends, core)
     if not on_its_own:
         return 0
     # a dead engine: its frontends exit 3; a frontend that could not start: 1; one killed by a signal: 1

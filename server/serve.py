@@ -156,10 +156,9 @@ def serve(settings: Settings) -> int:
         return supervise(settings)
     app = create_app(settings)
     if settings.engine_placement():  # the core first: its start-up checks decide before the HTTP side starts
-        from .engine_process.remote import await_checked, spawn_core
+        from .engine_process.remote import spawn_checked
 
-        ours, process = spawn_core(settings)
-        refused = await_checked(ours, process)  # (Ctrl-C or SIGTERM meanwhile: 0, the core killed)
+        ours, process, refused = spawn_checked(settings)  # (Ctrl-C or SIGTERM meanwhile: 0, the core killed)
         if refused is not None:
             return refused
         app.state.core_started = (ours, process)

@@ -303,12 +303,38 @@ def spawn_core(settings, conns: list[Connection] | None = None, target: Callable
     return ours, process
 
 
-def await_checked(ours: Connection, process) -> int | None:
-    """Until the core has made its start-up checks: None once it says "checked"; its exit status if it ended
-    first (2: a refused setting or checkpoint, whose one `error:` line it printed); 0 if Ctrl-C or SIGTERM came
-    meanwhile — the core killed (it ignores both: its frontends drain it, and there is nothing to drain yet).
-    `serve` exits with what it returns."""
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # (SIGTERM as Ctrl-C, until checked)
+def spawn_checked(settings, conns: list[Connection] | None = None, first: Connection | None = None):
+    """spawn_core(settings, conns), then wait until the core has made its start-up checks: (our end of its first
+    connection — `first` where `conns` are given —, the process, refused). `refused` is None once it says
+    "checked"; its exit status if it ended first (2: a refused setting or checkpoint, whose one `error:` line it
+    printed); 0 if Ctrl-C or SIGTERM came meanwhile — the core killed (it ignores both: its frontends drain it,
+    and there is nothing to drain yet). `serve` exits with what it returns.
+
+    Both signals are held from before the spawn: one that ended this process while `Process.start` writes the
+    child its start (its pickled target and arguments) would leave the child an EOFError's traceback on the
+    shared stderr and an orphan; held, it kills the child once started. The handlers in place before are back on
+    return."""
+    held: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
+                for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        spawned = spawn_core(settings, conns)
+        ours, process = spawned if conns is None else (first, spawned)
+        for signum in previous:  # (SIGTERM as Ctrl-C, until checked)
+            signal.signal(signum, signal.default_int_handler)
+        if held:
+            raise KeyboardInterrupt
+        return ours, process, _checked(ours, process)
+    except KeyboardInterrupt:
+        process.kill()
+        process.join(5)
+        return ours, process, 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _checked(ours: Connection, process) -> int | None:
     try:
         while not ours.poll(START_POLL_S):
             if not process.is_alive():
@@ -318,12 +344,6 @@ def await_checked(ours: Connection, process) -> int | None:
     except EOFError:
         process.join(5)
         return process.exitcode or 1
-    except KeyboardInterrupt:
-        process.kill()
-        process.join(5)
-        return 0
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if message[0] != "checked":
         raise RuntimeError(f"the engine core said {message[0]!r} before its start-up checks")
     return None

@@ -185,3 +185,34 @@ def test_a_frontend_loop_reads_the_channel_itself_without_a_reader_thread(tiny_c
         assert [o.token_id for o in sink.wait(timeout=60) if o.token_id is not None] == tokens
     finally:
         engine.stop(timeout=30)
+
+
+SIGNAL_WHILE_THE_CORE_STARTS = """
+import os, signal, sys
+from linserve.server.engine_process.remote import spawn_checked
+
+class SignalWhilePickled:  # pickled by Process.start while the child waits for it: the signal comes mid-start
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.{signal})
+        return (dict, ())
+
+ours, process, refused = spawn_checked(SignalWhilePickled())
+print(refused, process.pid, process.exitcode, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_core_is_spawned_kills_it_once_started_without_a_traceback(signum):
+    """The signal comes while Process.start writes the child its start (the window `serve` had before its
+    handler: it died of SIGTERM there and the child, reading half a start, printed an EOFError's traceback):
+    held, then the core is killed once started — status 0 to say so, nothing on stderr, no process left, the
+    handler that was there before back in place."""
+    import subprocess
+    import sys
+
+    finished = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_THE_CORE_STARTS.format(signal=signum)],
+                              capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0 and finished.stderr == "", (finished.returncode, finished.stderr)
+    refused, pid, exitcode, default_back = finished.stdout.split()
+    assert (refused, exitcode, default_back) == ("0", str(-9), "True")
+    assert not os.path.exists(f"/proc/{pid}")  # (killed and reaped: its exit status was read)
