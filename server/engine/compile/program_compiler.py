@@ -27,6 +27,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -73,6 +74,12 @@ def building(path: str):
         yield
 
 
+def temporary_beside(path: str) -> str:
+    """A name beside `path` that no other process, nor another thread of this one, writes (what is then renamed
+    onto `path`: the decode and the verification programs' builds write the same model file)."""
+    return f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+
+
 def write_model(directory: str, model: ServedModel) -> None:
     """What the child needs to rebuild the program (config, dtype, weights), once per cache directory
     (which is keyed by exactly these), atomically."""
@@ -84,7 +91,7 @@ def write_model(directory: str, model: ServedModel) -> None:
     payload = {"config": model.config.to_dict(), "model_type": model_type(model.config),
                "dtype": dtype, "weights": projection.weight_format(),
                "state_dict": state_dict_for_compiler(model)}
-    temp = f"{path}.{os.getpid()}.tmp"
+    temp = temporary_beside(path)
     torch.save(payload, temp)
     os.replace(temp, path)
 

@@ -34,6 +34,8 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from .program_compiler import temporary_beside
+
 DECLINE_BELOW = 0.95  # eager/compiled time ratio under which compiled counts as slower here
 MIN_ROUNDS, MAX_ROUNDS = 7, 31
 CALLS_PER_ROUND = 10
@@ -202,7 +204,7 @@ class VerdictStore:
         if path is None or verdict.provisional:
             return
         os.makedirs(self.directory, exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
+        temporary = temporary_beside(path)
         with open(temporary, "w") as f:
             json.dump(asdict(verdict), f)
         os.replace(temporary, path)  # atomic: two servers starting together never see half a file

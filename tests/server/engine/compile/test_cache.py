@@ -179,3 +179,40 @@ def test_a_bucket_another_process_is_building_is_waited_for_and_not_built_again(
             assert artifact.read() == other  # not built again: a build would have replaced it
     finally:
         child.close()
+
+
+def test_two_threads_writing_a_directorys_model_file_at_once_both_succeed(tiny_model, tmp_path, monkeypatch):
+    """The decode and the verification programs' builds may write a cache directory's model file at the same moment
+    from one process: each writes a temporary of its own (a name made from the pid alone was one file for both, and
+    the second rename found it gone: 'compiling the decode step failed')."""
+    import threading
+
+    import torch
+
+    from linserve.server.engine.compile import program_compiler
+
+    both_saved = threading.Barrier(2, timeout=30)
+    save = torch.save
+
+    def save_then_wait(payload, path):  # both temporaries written before either is renamed
+        save(payload, path)
+        both_saved.wait()
+
+    monkeypatch.setattr(program_compiler.torch, "save", save_then_wait)
+    errors = []
+
+    def write() -> None:
+        try:
+            program_compiler.write_model(str(tmp_path), tiny_model)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    writers = [threading.Thread(target=write) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+    assert errors == []
+    assert torch.load(tmp_path / program_compiler.MODEL_FILE, weights_only=False)["config"] == \
+        tiny_model.config.to_dict()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [program_compiler.MODEL_FILE]
