@@ -42,6 +42,8 @@ namespace {
 
 using linserve::for_each_block;
 using linserve::MAX_COLUMNS;
+using linserve::aligned_scratch;
+using linserve::aligned_stride;
 using linserve::scaled_copy;
 using linserve::tree;
 
@@ -72,14 +74,16 @@ inline void block_step(const float* q, const float* k, const float* v, float bet
   std::copy(buf, buf + w, o);
 }
 
-// one column block [c0, c0 + w) of one (row, head) of the gated linear recurrence
+// one column block of w columns of one (row, head) of the gated linear recurrence: S's rows `ss` floats apart,
+// S_new's `sn`, buf's `bs` (S_new may be S: a row's old values are read before they are written)
 inline void linear_block(const float* q, const float* k, const float* v, const float* alpha, const float* S,
-                         float* S_new, float* o, int64_t dk, int64_t dv, int64_t w, float* buf) {
+                         int64_t ss, float* S_new, int64_t sn, float* o, int64_t dk, int64_t w, float* buf,
+                         int64_t bs) {
   for (int64_t i = 0; i < dk; ++i) {
-    float* __restrict s1 = S_new + i * dv;
-    float* __restrict row = buf + i * w;
+    float* __restrict s1 = S_new + i * sn;
+    float* __restrict row = buf + i * bs;
     const float ki = k[i], qi = q[i];
-    scaled_copy(S + i * dv, s1, alpha ? alpha + i : nullptr, w);
+    scaled_copy(S + i * ss, s1, alpha ? alpha + i : nullptr, w);
 #pragma GCC ivdep
     for (int64_t c = 0; c < w; ++c) {
       const float outer = ki * v[c];
@@ -88,14 +92,20 @@ inline void linear_block(const float* q, const float* k, const float* v, const f
 #pragma GCC ivdep
     for (int64_t c = 0; c < w; ++c) row[c] = qi * s1[c];
   }
-  tree(buf, dk, w);
+  tree(buf, dk, w, bs);
   std::copy(buf, buf + w, o);
+}
+
+// w columns of dk rows from `from` (rows `fs` apart) to `to` (rows `ts` apart)
+inline void copy_rows(const float* from, int64_t fs, float* to, int64_t ts, int64_t dk, int64_t w) {
+  for (int64_t i = 0; i < dk; ++i) std::copy(from + i * fs, from + i * fs + w, to + i * ts);
 }
 
 // linear_scan: q, k (B, H, T, dk), v (B, H, T, dv), alpha (B, H, T, dk) or none, S
 // (B, H, dk, dv) → o (B, H, T, dv) and the state after the T tokens — or, with `prefixes`, after every prefix
-// (B, T, H, dk, dv). Token by token each element gets the roundings above (the block updated in place: a row's old
-// values are read before they are written), so the bits are those of T single-token scans whatever T is.
+// (B, T, H, dk, dv). Token by token each element gets the roundings above, so the bits are those of T single-token
+// scans whatever T is. A (row, head)'s column block is carried across the tokens in the thread's aligned scratch
+// (`aligned_stride`), copied out after every token with `prefixes`, else once at the end.
 std::tuple<at::Tensor, at::Tensor> linear_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const c10::optional<at::Tensor>& alpha, const at::Tensor& S,
                                                bool prefixes) {
@@ -115,21 +125,25 @@ std::tuple<at::Tensor, at::Tensor> linear_scan(const at::Tensor& q, const at::Te
   }
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), Sc = S.contiguous();
   at::Tensor o = at::empty({B, H, T, dv}, S.options());
-  at::Tensor out = prefixes ? at::empty({B, T, H, dk, dv}, S.options()) : Sc.clone();
+  at::Tensor out = prefixes ? at::empty({B, T, H, dk, dv}, S.options()) : at::empty_like(Sc);
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const float *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
   float *outp = out.data_ptr<float>(), *op = o.data_ptr<float>();
   const int64_t square = dk * dv;
-  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
-    const int64_t b = bh / H, h = bh % H;
-    const float* before = sp + bh * square + c0;
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float*) {
+    const int64_t b = bh / H, h = bh % H, stride = aligned_stride(w);
+    float* state = aligned_scratch(static_cast<size_t>(2 * dk * stride + 16));  // (dk, stride): the block's state
+    // (dk, stride): the read-out's tree, one cache line past the state's end — right after it, a 32 × 32 block put
+    // each state row 4 KiB from its tree row, and the loads of one waited on the stores to the other (4K aliasing)
+    float* buf = state + dk * stride + 16;
+    copy_rows(sp + bh * square + c0, dv, state, stride, dk, w);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t token = bh * T + t;
-      float* after = prefixes ? outp + ((b * T + t) * H + h) * square + c0 : outp + bh * square + c0;
-      linear_block(qp + token * dk, kp + token * dk, vp + token * dv + c0, ap ? ap + token * dk : nullptr, before,
-                   after, op + token * dv + c0, dk, dv, w, buf);
-      before = after;
+      linear_block(qp + token * dk, kp + token * dk, vp + token * dv + c0, ap ? ap + token * dk : nullptr, state,
+                   stride, state, stride, op + token * dv + c0, dk, w, buf, stride);
+      if (prefixes) copy_rows(state, stride, outp + ((b * T + t) * H + h) * square + c0, dv, dk, w);
     }
+    if (!prefixes) copy_rows(state, stride, outp + bh * square + c0, dv, dk, w);
   });
   return {o, out};
 }

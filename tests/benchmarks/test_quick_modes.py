@@ -67,6 +67,19 @@ def test_engine_inprocess(tmp_path):
     assert all(us > 0 for us in data["P4"]["python_us_per_row"].values())
 
 
+def test_shipped_scan_against_a_baseline_build(tmp_path):
+    """This tree's kernels against a baseline build (here: the same library, by its path): both measured at every
+    shape and the prefill, a ratio per round."""
+    from linserve.model import kernels
+
+    require_kernel()
+    run("shipped_scan.py", "--baseline-library", kernels.library_path()[0], "--out", str(tmp_path / "s.json"))
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert set(data["median"]) == {"this tree", "baseline"}
+    assert len(data["median"]["this tree"]) == 4 and all(v > 0 for v in data["median"]["baseline"].values())
+    assert all(len(ratios) == 1 and ratios[0] > 0 for ratios in data["speedup_per_round"].values())
+
+
 def test_engine_host_cost(tmp_path):
     """Both models' engines alive together, every combination measured, and a + b·B through both batch sizes."""
     run("engine_host_cost.py", "--out", str(tmp_path / "h.json"))
