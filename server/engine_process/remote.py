@@ -326,6 +326,8 @@ def spawn_checked(settings, conns: list[Connection] | None = None, first: Connec
             raise KeyboardInterrupt
         return ours, process, _checked(ours, process)
     except KeyboardInterrupt:
+        for signum in previous:  # (a second signal while the core is killed changes nothing)
+            signal.signal(signum, signal.SIG_IGN)
         process.kill()
         process.join(5)
         return ours, process, 0
