@@ -74,16 +74,19 @@ inline void block_step(const float* q, const float* k, const float* v, float bet
   std::copy(buf, buf + w, o);
 }
 
-// one column block of w columns of one (row, head) of the gated linear recurrence: S's rows `ss` floats apart,
-// S_new's `sn`, buf's `bs` (S_new may be S: a row's old values are read before they are written)
-inline void linear_block(const float* q, const float* k, const float* v, const float* alpha, const float* S,
-                         int64_t ss, float* S_new, int64_t sn, float* o, int64_t dk, int64_t w, float* buf,
-                         int64_t bs) {
+// one token of the gated linear recurrence over one column block of w columns of one (row, head), its state S
+// updated in place (a row's old values are read before they are written): S's rows and buf's `stride` floats apart
+inline void linear_block(const float* q, const float* k, const float* v, const float* alpha, float* S, float* o,
+                         int64_t dk, int64_t w, float* buf, int64_t stride) {
   for (int64_t i = 0; i < dk; ++i) {
-    float* __restrict s1 = S_new + i * sn;
-    float* __restrict row = buf + i * bs;
+    float* __restrict s1 = S + i * stride;
+    float* __restrict row = buf + i * stride;
     const float ki = k[i], qi = q[i];
-    scaled_copy(S + i * ss, s1, alpha ? alpha + i : nullptr, w);
+    if (alpha) {
+      const float ai = alpha[i];
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) s1[c] = s1[c] * ai;
+    }
 #pragma GCC ivdep
     for (int64_t c = 0; c < w; ++c) {
       const float outer = ki * v[c];
@@ -92,7 +95,7 @@ inline void linear_block(const float* q, const float* k, const float* v, const f
 #pragma GCC ivdep
     for (int64_t c = 0; c < w; ++c) row[c] = qi * s1[c];
   }
-  tree(buf, dk, w, bs);
+  tree(buf, dk, w, stride);
   std::copy(buf, buf + w, o);
 }
 
@@ -140,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor> linear_scan(const at::Tensor& q, const at::Te
     for (int64_t t = 0; t < T; ++t) {
       const int64_t token = bh * T + t;
       linear_block(qp + token * dk, kp + token * dk, vp + token * dv + c0, ap ? ap + token * dk : nullptr, state,
-                   stride, state, stride, op + token * dv + c0, dk, w, buf, stride);
+                   op + token * dv + c0, dk, w, buf, stride);
       if (prefixes) copy_rows(state, stride, outp + ((b * T + t) * H + h) * square + c0, dv, dk, w);
     }
     if (!prefixes) copy_rows(state, stride, outp + bh * square + c0, dv, dk, w);
