@@ -6,8 +6,8 @@
 - `autotuned`: `compile_autotune: true` with the kernel off (Inductor's max-autotune GEMM templates: fast, but a
   row's result depends on its bucket) — the default before 2026-11-26, except that prefill then ran in fp32;
 - `fp32`: `--dtype float32` with `compile_autotune: true` (what the issue proposed as the fallback);
-- `fp32_plain`: `--dtype float32` with the default programs (`dtype auto` on a CPU without AVX512, and on an AVX512
-  CPU without AVX512-BF16 before 2026-12-01);
+- `fp32_plain`: `--dtype float32` with the default programs (`dtype auto` on a CPU without AVX2, on an AVX2 CPU
+  without AVX512 before 2026-12-03, and on an AVX512 CPU without AVX512-BF16 before 2026-12-01);
 - `exact_int8`: the default configuration with `--quantization int8` (weight-only int8 through the same kernel:
   the same guarantee, half the projection bytes).
 

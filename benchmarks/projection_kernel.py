@@ -2,9 +2,10 @@
 
 For each projection shape of the shipped model and of fla's 340M models, at M = 1, 8 and 512 rows (decode, 8
 streams, a prefill chunk): linserve's batch-invariant kernel (`numerics.linear`: AMX tiles over weights packed
-once, or bf16 lanes), oneDNN's inner product over weights packed for one row (wave 6's exact default) and torch's
-F.linear (not batch-invariant) — interleaved, median of `--reps`; beside them one read of the weight at the DRAM
-read bandwidth measured in the same run (P6's floor: a buffer 4× the last-level cache).
+once, or bf16 lanes), oneDNN's inner product over weights packed for one row (wave 6's exact default), torch's
+F.linear (not batch-invariant) and F.linear over the fp32 weights (the default where bf16 is not served) —
+interleaved, median of `--reps`; beside them one read of the weight at the DRAM read bandwidth measured in the same
+run (P6's floor: a buffer 4× the last-level cache).
 
     python benchmarks/projection_kernel.py [--threads 1 2] [--reps 7] [--out FILE]
 
@@ -108,13 +109,15 @@ def main(argv: list[str] | None = None) -> None:
         for name, (N, K) in SHAPES.items():
             weight = torch.randn(N, K, generator=generator).bfloat16()  # (N, K)
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            weight_fp32 = weight.float()  # (N, K): what a CPU without bf16 served before the AVX2 lanes
             for M in args.rows:
                 x = torch.randn(M, K, generator=generator).bfloat16()  # (M, K)
                 calls = max(3, min(300, int(2e5 / (N * K * M) * 100)))
                 forms = {"kernel": functools.partial(numerics.linear, x, weight),
                          "onednn_one_row": functools.partial(torch.ops.mkldnn._linear_pointwise, x, onednn, None,
                                                              "none", [], ""),
-                         "f_linear": functools.partial(torch.nn.functional.linear, x, weight)}
+                         "f_linear": functools.partial(torch.nn.functional.linear, x, weight),
+                         "f_linear_fp32": functools.partial(torch.nn.functional.linear, x.float(), weight_fp32)}
                 times = {form: [] for form in forms}
                 for _ in range(args.reps):  # interleaved: drift falls on every form alike
                     for form, call in forms.items():
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                 row["weight_read_us"] = round(N * K * 2 / dram / 1e3, 1)
                 row["kernel_vs_floor"] = round(row["kernel"] / row["weight_read_us"], 2)
                 row["kernel_vs_onednn"] = round(row["onednn_one_row"] / row["kernel"], 2)
+                row["kernel_vs_fp32"] = round(row["f_linear_fp32"] / row["kernel"], 2)
                 result["calls"][f"{name} N={N} K={K} M={M} threads={threads}"] = row
                 print(f"{name:24} M={M:4} t={threads}: {row}", file=sys.stderr)
     emit(result, args.out)

@@ -157,7 +157,7 @@ class Settings(BaseSettings):
         "every 30 s); false: always the ceilings, by rows")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights' dtype; the (S, z) state stays fp32. auto: bfloat16 on a CPU with bf16 in "
-        "hardware (AVX512-BF16, AMX), else float32")
+        "hardware (AVX512-BF16, AMX) or AVX512 / AVX2 (linserve's kernel, built with a C++ compiler), else float32")
     quantization: Literal["none", "int8"] = Field(
         "none", description="weight-only quantization of the projections: int8 — per output channel, made at load "
         "from the served weights, widened exactly inside linserve's kernel: half the bytes a decode step reads, the "

@@ -14,7 +14,8 @@ bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.li
 `invariant_linear_cat` for up to four weights over one input in one parallel region): each output a fixed sequence
 of roundings whatever the number of rows, bf16 or int8 weights packed once (on memory advised as huge pages) or in
 the checkpoint's own (N, K) layout: AMX tiles or AVX512-BF16 lanes where the CPU has them, the same lanes'
-arithmetic in plain AVX512 instructions on an AVX512 CPU without bf16 arithmetic, in scalar code elsewhere (or a
+arithmetic in plain AVX512 instructions on an AVX512 CPU without bf16 arithmetic, in AVX2 halves on an AVX2 CPU
+(AVX2 + FMA: AMD Zen 2/3, Intel Haswell on), in scalar code elsewhere (or a
 lower form than the CPU's, named by LINSERVE_KERNEL_ISA: `kernel_isa`). It is
 built once per (source, torch, form) with the C++ compiler Inductor uses into
 `$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
@@ -96,7 +97,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "library": the loaded CDLL, or "error": why there is none
 
 
-ISAS = ("scalar", "avx512", "avx512bf16", "amx")  # the kernel's forms, each needing what the one before it needs
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")  # the kernel's forms, each needing what the one before needs
 ISA_VARIABLE = "LINSERVE_KERNEL_ISA"
 
 
@@ -120,17 +121,20 @@ def kernel_isa() -> str:
     return asked
 
 
-def cpu_isa() -> str:
+def cpu_isa(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The best kernel form this CPU can run: "amx" (AMX-BF16 tiles), "avx512bf16" (bf16 dot products in vector
-    registers), "avx512" (AVX512 without bf16 arithmetic: the same lanes in plain vector instructions) or
+    registers), "avx512" (AVX512 without bf16 arithmetic: the same lanes in plain vector instructions), "avx2"
+    (AVX2 + FMA without AVX512: the same lanes as two 8-float halves) or
     "scalar" — from Linux's CPU flags (elsewhere: scalar)."""
     try:
-        with open("/proc/cpuinfo") as info:
+        with open(cpuinfo) as info:
             flags = set(next((line for line in info if line.startswith("flags")), "").split())
     except OSError:
         return "scalar"
-    if platform.machine() != "x86_64" or not {"avx512f", "avx512bw", "avx512vl"} <= flags:
+    if platform.machine() != "x86_64" or not {"avx2", "fma"} <= flags:
         return "scalar"
+    if not {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx2"
     if "avx512_bf16" not in flags:
         return "avx512"
     return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512bf16"
@@ -163,7 +167,8 @@ def build_command(cxx: str, source: str, output: str, isa: str) -> list[str]:
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     avx512 = ["-DLINSERVE_LANES", "-mavx512f", "-mavx512bw", "-mavx512vl"]
-    flags = {"scalar": [], "avx512": avx512, "avx512bf16": [*avx512, "-DLINSERVE_AVX512BF16", "-mavx512bf16"]}
+    flags = {"scalar": [], "avx2": ["-DLINSERVE_AVX2", "-mavx2", "-mfma"], "avx512": avx512,
+             "avx512bf16": [*avx512, "-DLINSERVE_AVX512BF16", "-mavx512bf16"]}
     flags["amx"] = [*flags["avx512bf16"], "-DLINSERVE_AMX", "-mamx-tile", "-mamx-bf16"]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     return [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", abi, *flags[isa], *includes,
@@ -271,8 +276,8 @@ def load_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-FORMS = {2: "amx", 1: "avx512bf16", 3: "avx512", 0: "scalar"}
-LANES_FORMS = ("avx512bf16", "avx512")  # the lanes over packed weights in vector registers
+FORMS = {2: "amx", 1: "avx512bf16", 3: "avx512", 4: "avx2", 0: "scalar"}
+LANES_FORMS = ("avx512bf16", "avx512", "avx2")  # the lanes over packed weights in vector registers
 # set at load: the kernel reads weights packed by `pack_weight` (a new tensor: AMX tiles, or the lanes form's groups
 # of 16 outputs side by side) wherever the CPU has AVX512 (with AVX512-BF16 or without); the scalar form reads a
 # weight as it is (N, K) and nothing is packed — a plain module constant, so a compiler tracing a projection reads it

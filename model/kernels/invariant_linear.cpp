@@ -7,8 +7,8 @@
 // row's bits are the same with 1 or 16 rows configured — so one row, a decode batch and a prefill chunk agree.
 // AMX's internal rounding is its own (it matched no sequential or fused emulation), hence no scalar twin.
 //
-// Lanes (AVX512-BF16; on an AVX512 CPU without it, its arithmetic in plain AVX512 instructions; else scalar code —
-// the same bits, all three), over W packed once into groups of 16 outputs whose 32-wide
+// Lanes (AVX512-BF16; on an AVX512 CPU without it, its arithmetic in plain AVX512 instructions; on an AVX2 CPU, the
+// same in two 8-float halves; else scalar code — the same bits, all four), over W packed once into groups of 16 outputs whose 32-wide
 // chunks lie side by side (pack_weight: (N/16, K/32, 16, 32), so a one-row pass over a group reads one stream; W as
 // it is (N, K) is read too, and by the scalar code), one output y[m, n]:
 //   lanes[j] = 0 (j < 16); for each 32-wide chunk c of K (the tail read as zeros), in order:
@@ -17,7 +17,7 @@
 //   s = Σ lanes as the fixed tree of halves (j + j+8, then j + j+4, j + j+2, j + j+1).
 // Both: y = bf16_rne(s + bias[n]) (int8 weights: bf16_rne(s · scale[n] + bias[n]); every int8 is a bf16, so the
 // weights are widened exactly). The threads set FTZ/DAZ for the kernel's length so their fp32 adds round alike.
-// The forms live in linear_scalar.h, linear_lanes.h and linear_amx.h; packing in packed_weights.h; the threads' shares
+// The forms live in linear_scalar.h, linear_lanes.h, linear_avx2.h and linear_amx.h; packing in packed_weights.h; the threads' shares
 // in task_shares.h; here the op, its checks and its registrations.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "linear_amx.h"
+#include "linear_avx2.h"
 #include "linear_lanes.h"
 #include "linear_scalar.h"
 #include "packed_weights.h"
@@ -43,8 +44,8 @@
 namespace {
 
 template <typename W>
-void run(const uint16_t* x, const Parts<W>& parts, uint16_t* y, int64_t ys, int64_t M, int64_t K, bool force_scalar,
-         bool lanes_packed, bool fused) {
+void run(const uint16_t* x, const float* xs, const Parts<W>& parts, uint16_t* y, int64_t ys, int64_t M, int64_t K,
+         bool force_scalar, bool lanes_packed, bool fused) {  // xs: x split (the AVX2 form's, else null)
   // tasks: each part's groups of outputs × blocks of rows, the parts' tasks in one range (one parallel region a
   // call); every output's arithmetic is the same whichever task holds it
   const int64_t row_block = M <= 64 ? M : 64;
@@ -69,8 +70,17 @@ void run(const uint16_t* x, const Parts<W>& parts, uint16_t* y, int64_t ys, int6
         rows_avx512<W, Packed>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
       return;
     }
-    if (avx512_path && !force_scalar) {
+    if (lanes_path && !force_scalar) {
       rows_avx512<W, RowMajor>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
+      return;
+    }
+#endif
+#ifdef LINSERVE_AVX2
+    if (lanes_packed) {  // ((N, K) weights: the scalar code below)
+      if (fused)
+        rows_avx2<W, true>(xs, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
+      else
+        rows_avx2<W>(xs, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
       return;
     }
 #endif
@@ -120,7 +130,7 @@ void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::
     return;
   }
 #endif
-  TORCH_CHECK(!tiles || avx512_path, "invariant_linear: packed weights on a CPU without AVX512");
+  TORCH_CHECK(!tiles || lanes_path, "invariant_linear: packed weights on a CPU without the lanes form's instructions");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
 #ifdef LINSERVE_AVX512BF16
   const bool fused = false;  // (VDPBF16PS is the step already)
@@ -132,7 +142,19 @@ void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::
     fused = std::is_same<W, int8_t>::value || packed_in_fused_range(weights[j].data_ptr());
   fused = fused && in_fused_range(xp, M * K);
 #endif
-  run<W>(xp, parts, yp, ys, M, K, force_scalar, tiles, fused);
+  const float* xs = nullptr;
+#ifdef LINSERVE_AVX2
+  // (a call's, grows to the largest chunk of rows seen and is kept; on a 64-byte boundary: a 32-byte load across
+  // two cache lines costs two, and a 16-byte aligned buffer made half of them so — 0.5x the speed)
+  thread_local std::vector<float> split;
+  if (tiles) {
+    split.resize(static_cast<size_t>(M * split_stride(K) + 16));
+    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(split.data()) + 63) & ~uintptr_t{63});
+    split_rows(xp, M, K, aligned);
+    xs = aligned;
+  }
+#endif
+  run<W>(xp, xs, parts, yp, ys, M, K, force_scalar, tiles, fused);
 }
 
 at::Tensor as_float(const at::Tensor& t) {  // (a scale or a bias: fp32 and contiguous already, without a dispatch)
@@ -207,7 +229,9 @@ at::Tensor invariant_linear_cat(const at::Tensor& x, const at::Tensor& w0, const
 }
 
 bool has_lanes() {  // the instructions the lanes form was built with
-#ifdef LINSERVE_LANES
+#if defined(LINSERVE_AVX2)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#elif defined(LINSERVE_LANES)
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
 #ifdef LINSERVE_AVX512BF16
@@ -231,9 +255,9 @@ bool has_amx() {
 
 struct Init {
   Init() {
-    avx512_path = has_lanes();
+    lanes_path = has_lanes();
 #ifdef LINSERVE_AMX
-    amx_path = avx512_path && has_amx();
+    amx_path = lanes_path && has_amx();
 #endif
   }
 } init;
@@ -288,18 +312,24 @@ extern "C" int linserve_streamed_rows() {  // rows a call takes one at a time no
 #ifdef LINSERVE_AMX
   if (amx_path) return 0;  // (tiles: run_amx)
 #endif
-  return avx512_path && weights_streamed() ? static_cast<int>(SINGLE_ROWS) : 0;
+#ifdef LINSERVE_AVX2
+  return 0;  // (rows_avx2 blocks rows alike wherever the weights lie)
+#else
+  return lanes_path && weights_streamed() ? static_cast<int>(SINGLE_ROWS) : 0;
+#endif
 }
 
 extern "C" int64_t linserve_last_level_cache_bytes() { return last_level_cache_bytes(); }
 
-extern "C" int linserve_kernel_form() {  // 2: AMX tiles, 1: AVX512-BF16 lanes, 3: AVX512 lanes, 0: scalar lanes
+extern "C" int linserve_kernel_form() {  // 2: AMX tiles, 1: AVX512-BF16 lanes, 3: AVX512 lanes, 4: AVX2 lanes, 0: scalar
 #ifdef LINSERVE_AMX
   if (amx_path) return 2;
 #endif
-#ifdef LINSERVE_AVX512BF16
-  return avx512_path ? 1 : 0;
+#if defined(LINSERVE_AVX2)
+  return lanes_path ? 4 : 0;
+#elif defined(LINSERVE_AVX512BF16)
+  return lanes_path ? 1 : 0;
 #else
-  return avx512_path ? 3 : 0;
+  return lanes_path ? 3 : 0;
 #endif
 }

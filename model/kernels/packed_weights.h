@@ -1,10 +1,11 @@
 // invariant_linear.cpp's weights packed once at load: on huge pages, in the form the CPU's kernel reads,
-// and (plain AVX512) whether every product of a call is exact and normal, so that a fused multiply-add keeps the bits.
+// and (plain AVX512, AVX2) whether every product of a call is exact and normal, so that a fused multiply-add keeps the bits.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include "linear_amx.h"
+#include "linear_avx2.h"
 #include "linear_lanes.h"
 
 #include <memory>
@@ -15,9 +16,9 @@
 
 namespace {
 
-bool avx512_path = false;  // set at load when the CPU has the lanes form's instructions (the library was built for it)
+bool lanes_path = false;  // set at load when the CPU has the lanes form's instructions (the library was built for it)
 
-// The plain-AVX512 lanes form's fused step (dot_chunk<true>) gives the unfused step's bits when every product is
+// The plain lanes forms' fused step (AVX512's dot_chunk<true>, AVX2's dot_half<true>) gives the unfused step's bits when every product is
 // exact and normal: bf16 × bf16 (or int8 × bf16) significands always fit fp32's, so what remains is the exponents —
 // every nonzero input in [2^-63, 2^64) keeps each product in [2^-126, FLT_MAX), neither flushed nor overflowed,
 // and the multiply-add then rounds the same exact sum once, as the add does. A zero or subnormal input (read as
@@ -37,7 +38,7 @@ bool packed_in_fused_range(const void* data) {
 bool in_fused_range(const uint16_t* v, int64_t n) {
   int64_t i = 0;
 #ifdef LINSERVE_LANES
-  if (avx512_path) {
+  if (lanes_path) {
     const __m512i low = _mm512_set1_epi16(FUSED_EXPONENT_LOW), high = _mm512_set1_epi16(FUSED_EXPONENT_HIGH);
     const __m512i field = _mm512_set1_epi16(0xff);
     __mmask32 all = ~__mmask32(0);
@@ -47,6 +48,21 @@ bool in_fused_range(const uint16_t* v, int64_t n) {
       all &= zero | (_mm512_cmpge_epu16_mask(e, low) & _mm512_cmple_epu16_mask(e, high));
     }
     if (all != ~__mmask32(0)) return false;
+  }
+#endif
+#ifdef LINSERVE_AVX2
+  if (lanes_path) {  // the same test on 16 exponents at a time: e == 0, or low <= e <= high (unsigned: min/max)
+    const __m256i low = _mm256_set1_epi16(FUSED_EXPONENT_LOW), high = _mm256_set1_epi16(FUSED_EXPONENT_HIGH);
+    const __m256i field = _mm256_set1_epi16(0xff), zero = _mm256_setzero_si256();
+    __m256i all = _mm256_set1_epi16(-1);
+    for (; i + 16 <= n; i += 16) {
+      const __m256i e = _mm256_and_si256(
+          _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)), 7), field);
+      const __m256i inside = _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_max_epu16(e, low), e),
+                                              _mm256_cmpeq_epi16(_mm256_min_epu16(e, high), e));
+      all = _mm256_and_si256(all, _mm256_or_si256(_mm256_cmpeq_epi16(e, zero), inside));
+    }
+    if (_mm256_movemask_epi8(all) != -1) return false;
   }
 #endif
   for (; i < n; ++i) {
@@ -114,7 +130,7 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kChar,
               "pack_weight: weight must be bfloat16 or int8");
   const int64_t N = weight.size(0), K = weight.size(1), Nb = (N + 15) / 16, Kb = (K + 31) / 32;
-  if (!avx512_path) return weight.contiguous();  // the scalar form reads (N, K)
+  if (!lanes_path) return weight.contiguous();  // the scalar form reads (N, K)
   at::Tensor padded = weight.contiguous();  // (Nb·16, Kb·32): zeros past N and K, a copy only where there are any
   if (N % 16 || K % 32) {
     padded = at::zeros({Nb * 16, Kb * 32}, weight.options());

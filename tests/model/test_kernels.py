@@ -2,6 +2,7 @@
 decode program's top-k draw. (The recurrence kernels: test_recurrence_kernels.py.)"""
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -98,15 +99,15 @@ def test_the_vector_lanes_round_edge_values_as_the_scalar_code_does():
 
 @pytest.mark.parametrize("M", [1, 2])
 def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits(M):
-    """The plain-AVX512 lanes fuse each multiply and add on calls over packed weights (one row or several), which gives
-    the same bits only while every product is exact and normal: one below fp32's normal range is flushed by the
-    multiply and kept by a fused multiply-add. An x or a packed weight with a nonzero value out of [2^-63, 2^64)
-    keeps the call unfused, so these outputs are the scalar code's (with the checks removed, both differ: lane 0
+    """The plain-AVX512 and AVX2 lanes fuse each multiply and add on calls over packed weights (one row or several),
+    which gives the same bits only while every product is exact and normal: one below fp32's normal range is flushed
+    by the multiply and kept by a fused multiply-add. An x or a packed weight with a nonzero value out of [2^-63,
+    2^64) keeps the call unfused, so these outputs are the scalar code's (with the checks removed, both differ: lane 0
     sums 2^-126 and 63 products of 2^-133 that the unfused step flushes). The AVX512-BF16 form has no step to choose
     (VDPBF16PS is it) — and AMD's VDPBF16PS (Zen 4) adds such a product to a normal sum unflushed, as a fused
     multiply-add does, where Intel's and the scalar form flush it: these inputs tell the two vendors apart."""
-    if kernels.form() != "avx512":
-        pytest.skip(f"not the plain-AVX512 lanes form on this CPU ({kernels.form()})")
+    if kernels.form() not in ("avx512", "avx2"):
+        pytest.skip(f"not a plain lanes form (AVX512 or AVX2) on this CPU ({kernels.form()})")
     N, K = 16, 1024
     small, tiny = 2.0 ** -63, 2.0 ** -70  # 2^-63 · 2^-63 = 2^-126, fp32's least normal; 2^-63 · 2^-70 is below it
     x_out = torch.full((M, K), tiny).bfloat16()  # (M, K) out of range but for one value
@@ -205,8 +206,8 @@ def test_rows_taken_one_at_a_time_once_the_weights_outgrow_the_cache_are_the_sam
     same both ways, and the way follows the packed weights the process holds."""
     from linserve.model import kernels
 
-    if kernels.form() not in kernels.LANES_FORMS:
-        pytest.skip(f"the lanes form over packed weights is not this CPU's ({kernels.form()})")
+    if kernels.form() not in ("avx512bf16", "avx512"):  # (the AVX2 form blocks rows alike wherever the weights lie)
+        pytest.skip(f"the AVX512 lanes form over packed weights is not this CPU's ({kernels.form()})")
     assert kernels.streamed_rows() == 0  # (this process's packed weights so far fit the cache)
     N, K = 1040, 1000  # a short last group of outputs, a tail of K
     x, w, b = operands(24, N, K)
@@ -281,9 +282,23 @@ def test_numerics_linear_uses_the_kernel_over_weights_packed_once():
 
 
 def test_the_loaded_form_follows_the_cpu():
-    assert kernels.form() == kernels.kernel_isa()  # (amx, avx512bf16, avx512 or scalar)
+    assert kernels.form() == kernels.kernel_isa()  # (amx, avx512bf16, avx512, avx2 or scalar)
     if not os.environ.get(kernels.ISA_VARIABLE):
         assert kernels.form() == kernels.cpu_isa()
+
+
+@pytest.mark.parametrize(("flags", "form"), [
+    ("fpu sse avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16", "amx"),  # Sapphire Rapids
+    ("fpu sse avx2 fma avx512f avx512bw avx512vl avx512_bf16", "avx512bf16"),  # Zen 4
+    ("fpu sse avx2 fma avx512f avx512bw avx512vl", "avx512"),  # Skylake-SP to Ice Lake
+    ("fpu sse avx avx2 fma bmi2", "avx2"),  # Zen 2/3, Haswell to Alder Lake
+    ("fpu sse avx avx2", "scalar"),  # (AVX2 without FMA: no such CPU sells, but the form needs both)
+    ("fpu sse sse4_2 avx", "scalar"),
+])
+def test_the_cpus_form_from_its_flags(tmp_path, flags, form):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert kernels.cpu_isa(str(info)) == (form if platform.machine() == "x86_64" else "scalar")
 
 
 def test_the_kernel_form_asked_for_is_the_cpus_or_a_lower_one(monkeypatch, caplog):
@@ -291,13 +306,14 @@ def test_the_kernel_form_asked_for_is_the_cpus_or_a_lower_one(monkeypatch, caplo
     monkeypatch.delitem(kernels._state, "isa_warned", raising=False)
     monkeypatch.delenv(kernels.ISA_VARIABLE, raising=False)
     assert kernels.kernel_isa() == "avx512bf16"
-    for asked, form in (("avx512", "avx512"), (" Scalar ", "scalar"), ("avx512bf16", "avx512bf16"), ("", "avx512bf16"),
-                        ("amx", "avx512bf16")):  # (above the CPU's: the CPU's, said once)
+    for asked, form in (("avx512", "avx512"), ("AVX2", "avx2"), (" Scalar ", "scalar"), ("avx512bf16", "avx512bf16"),
+                        ("", "avx512bf16"), ("amx", "avx512bf16")):  # (above the CPU's: the CPU's, said once)
         monkeypatch.setenv(kernels.ISA_VARIABLE, asked)
         assert kernels.kernel_isa() == form
     assert "runs at most the avx512bf16 form" in caplog.text
-    monkeypatch.setenv(kernels.ISA_VARIABLE, "avx2")
-    with pytest.raises(ValueError, match="LINSERVE_KERNEL_ISA='avx2': must be one of scalar, avx512, avx512bf16, amx"):
+    monkeypatch.setenv(kernels.ISA_VARIABLE, "sse4")
+    with pytest.raises(ValueError,
+                       match="LINSERVE_KERNEL_ISA='sse4': must be one of scalar, avx2, avx512, avx512bf16, amx"):
         kernels.kernel_isa()
 
 

@@ -36,13 +36,14 @@ def test_unreadable_cpuinfo_is_not_native(tmp_path):
 
 
 def test_bf16_is_served_where_the_kernels_lanes_run_in_vector_registers(monkeypatch):
-    """bf16 in hardware; else AVX512 with linserve's kernel built (its lanes in plain AVX512: the same bits, half the
-    bytes of fp32); else — no AVX512, or no compiler to build the kernel (oneDNN would widen bf16 in software) — not."""
+    """bf16 in hardware; else AVX512 or AVX2 with linserve's kernel built (its lanes in plain vector instructions: the
+    same bits, half the bytes of fp32); else — neither, or no compiler to build the kernel (oneDNN would widen bf16 in
+    software) — not."""
     from linserve.model import kernels, loading
 
     monkeypatch.setattr(loading, "cpu_computes_bf16", lambda: False)
     monkeypatch.setattr(kernels, "load", lambda: True)
-    for isa, served in (("avx512", True), ("scalar", False)):
+    for isa, served in (("avx512", True), ("avx2", True), ("scalar", False)):
         monkeypatch.setattr(kernels, "cpu_isa", lambda isa=isa: isa)
         assert cpu_serves_bf16() is served
     monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx512")

@@ -1,0 +1,206 @@
+// invariant_linear.cpp's AVX2 lanes form (AVX2 + FMA without AVX512: AMD Zen 2/3, Intel Haswell to Alder Lake):
+// VDPBF16PS's arithmetic as the scalar form states it, each output's 16 lanes as two 8-float halves — the same bits.
+// It reads pack_weight's groups (N/16, K/32, 16, 32) only (weights given as (N, K) take the scalar code).
+#pragma once
+
+#include "linear_scalar.h"
+
+#ifdef LINSERVE_AVX2
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#ifdef LINSERVE_AVX2
+// register blocks: up to AVX2_ROWS rows a pass (AVX2 has 16 vector registers; one output's lanes for one row take two)
+constexpr int64_t AVX2_ROWS = 6;  // (6 rows × 1 output: 12 accumulators and a weight half's 2 registers)
+
+// where output o's 32-wide chunk at k = c lies in pack_weight's layout, counted from its group's start (elements)
+inline int64_t packed_at(int o, int64_t c) { return o * CHUNK + c * GROUP; }
+inline int64_t packed_group(int64_t g, int64_t K) { return g * ((K + CHUNK - 1) / CHUNK) * CHUNK; }
+
+// 32 bf16 of a row at k = c: lanes 0-7's pairs (elements 0-15) and lanes 8-15's (16-31), zeros past the end
+struct PairChunk {
+  __m256i lo, hi;
+};
+
+inline PairChunk load_pairs(const uint16_t* p, int64_t left) {
+  if (left >= CHUNK)
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
+  alignas(32) uint16_t tail[CHUNK] = {};
+  std::memcpy(tail, p, static_cast<size_t>(left) * sizeof(uint16_t));
+  return {_mm256_load_si256(reinterpret_cast<const __m256i*>(tail)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tail + 16))};
+}
+
+inline __m256 odd_of(__m256i pairs) {  // each 32-bit lane's high bf16 as fp32 (exact)
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline __m256 even_of(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }  // the low one
+
+// a chunk as fp32 values, split once for every row or output that reads it: lanes 0-7 and 8-15, element 2j + 1
+// (odd) and 2j (even) of lane j
+struct SplitChunk {
+  __m256 odd_lo, even_lo, odd_hi, even_hi;
+};
+
+inline SplitChunk split(const PairChunk& p) { return {odd_of(p.lo), even_of(p.lo), odd_of(p.hi), even_of(p.hi)}; }
+
+// half a weight chunk (16 of its k's: 8 lanes) as fp32, element 2j + 1 (odd) and 2j (even) of lane j
+struct HalfChunk {
+  __m256 odd, even;
+};
+
+inline HalfChunk load_weight_half(const uint16_t* p) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {odd_of(pairs), even_of(pairs)};
+}
+
+inline HalfChunk load_weight_half(const int8_t* p) {  // 16 int8 as fp32 (exact, as their bf16 would be)
+  const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_cvtepi32_ps(_mm256_srai_epi32(words, 16)),
+          _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 16), 16))};
+}
+
+// one half's step: its odd pair's product added, then its even pair's (unfused under the kernel's FTZ/DAZ: the
+// scalar form's step); F: as fused multiply-adds, for a call whose every product is exact and normal
+// (`in_fused_range`) — the same exact sum rounded once, the same bits
+template <bool F>
+inline __m256 dot_half(__m256 acc, __m256 xo, __m256 xe, __m256 wo, __m256 we) {
+  if (F) return _mm256_fmadd_ps(xe, we, _mm256_fmadd_ps(xo, wo, acc));
+  acc = _mm256_add_ps(acc, _mm256_mul_ps(xo, wo));
+  return _mm256_add_ps(acc, _mm256_mul_ps(xe, we));
+}
+
+// The tree of halves, levels 2-4, over 8 outputs whose level 1 is done (v[o]: lane j + lane j + 8, j < 8) → their
+// 8 sums in order, each exactly tree16's: j + j+4 for outputs o and o + 4 side by side, then j + j+2, then j + j+1
+inline __m256 tree8(const __m256* v) {
+  __m256 w[4];
+  for (int o = 0; o < 4; ++o)  // [o: t0..t3 | o + 4: t0..t3]
+    w[o] = _mm256_add_ps(_mm256_permute2f128_ps(v[o], v[o + 4], 0x20), _mm256_permute2f128_ps(v[o], v[o + 4], 0x31));
+  __m256 x[2];
+  for (int p = 0; p < 2; ++p)  // [2p: u0 u1, 2p + 1: u0 u1 | 2p + 4: u0 u1, 2p + 5: u0 u1]
+    x[p] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),  // outputs 0-3 | 4-7
+                       _mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m128i to_bf16(__m256 s) {  // float_to_bf16 on 8 lanes: RNE, an input subnormal read as zero, NaN kept
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  __m256i bits = _mm256_castps_si256(s);
+  const __m256i subnormal = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), _mm256_setzero_si256());
+  bits = _mm256_blendv_epi8(bits, _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN)), subnormal);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), exponent);
+  const __m256i kept_lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));  // ties to even
+  const __m256i up = _mm256_add_epi32(kept_lsb, _mm256_set1_epi32(0x7fff));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, up), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  const __m256i out = _mm256_blendv_epi8(rounded, quiet, nan);  // each ≤ 0xffff: packed without saturating
+  return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
+}
+
+// x split once a call: each row's 32-wide chunks as fp32 [odd_lo, even_lo, odd_hi, even_hi] (8 floats each, the
+// tail's zeros too), so the passes over every group of outputs read x as it goes into the arithmetic
+inline int64_t split_stride(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
+
+inline void split_rows(const uint16_t* x, int64_t M, int64_t K, float* xs) {
+  const int64_t stride = split_stride(K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K; c += CHUNK) {
+      const SplitChunk a = split(load_pairs(x + m * K + c, K - c));
+      float* out = xs + m * stride + c;
+      _mm256_storeu_ps(out, a.odd_lo), _mm256_storeu_ps(out + 8, a.even_lo);
+      _mm256_storeu_ps(out + 16, a.odd_hi), _mm256_storeu_ps(out + 24, a.even_hi);
+    }
+}
+
+// R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over all of K → v[r][o0 + o]
+// (level 1 of the tree done: lanes 0-7 + lanes 8-15). Each accumulator takes two dependent steps a chunk, so the
+// block keeps 2 · R · O of them going (8-12: a fused multiply-add's latency times the two a cycle); each weight
+// half is split once in registers for the R rows, whose x the steps read from L1. fetch: the group's first pass
+// brings the whole block of each chunk in, FETCH_AHEAD chunks ahead, so the passes over its other outputs read
+// cached lines
+template <int R, int O, typename W, bool F>
+__attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t stride, const W* wg, int64_t K,
+                                                      __m256 (*v)[GROUP], int o0, bool fetch) {
+  __m256 lo[R][O], hi[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) lo[r][o] = hi[r][o] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K; c += CHUNK) {
+    if (fetch) {
+      const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
+      for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
+        _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    for (int o = 0; o < O; ++o) {  // a half of the weight chunk at a time: two registers of it live, not four
+      const HalfChunk b_lo = load_weight_half(wg + packed_at(o0 + o, c));
+      for (int r = 0; r < R; ++r) {
+        const float* a = xs + r * stride + c;
+        lo[r][o] = dot_half<F>(lo[r][o], _mm256_load_ps(a), _mm256_load_ps(a + 8), b_lo.odd, b_lo.even);
+      }
+      const HalfChunk b_hi = load_weight_half(wg + packed_at(o0 + o, c) + 16);
+      for (int r = 0; r < R; ++r) {
+        const float* a = xs + r * stride + c;
+        hi[r][o] = dot_half<F>(hi[r][o], _mm256_load_ps(a + 16), _mm256_load_ps(a + 24), b_hi.odd, b_hi.even);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) v[r][o0 + o] = _mm256_add_ps(lo[r][o], hi[r][o]);
+}
+
+// R rows × a group's 16 outputs → v[r][o]
+template <int R, int O, typename W, bool F>
+void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch) {
+  for (int o0 = 0; o0 < GROUP; o0 += O) avx2_block<R, O, W, F>(xs, stride, wg, K, v, o0, fetch && o0 == 0);
+}
+
+// rows [m0, m1) (split: xs, split_rows) × outputs [n0, n1) over packed weights (a packed group's missing outputs
+// are zeros: computed, not stored)
+template <typename W, bool F = false>
+void rows_avx2(const float* xs, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
+               int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys) {  // ys: y's row stride
+  const int64_t stride = split_stride(K);
+  __m256 v[AVX2_ROWS][GROUP];
+  for (int64_t g = n0; g < n1; g += GROUP) {
+    const int64_t outputs = std::min(GROUP, n1 - g);
+    const W* wg = w + packed_group(g, K);
+    alignas(32) float sc[GROUP] = {}, bi[GROUP] = {};
+    for (int64_t o = 0; o < outputs; ++o) sc[o] = scale ? scale[g + o] : 0.0f, bi[o] = bias ? bias[g + o] : 0.0f;
+    for (int64_t m = m0; m < m1;) {
+      const int64_t rows = std::min<int64_t>(m1 - m, AVX2_ROWS);
+      const float* xm = xs + m * stride;
+      const bool fetch = m == m0;
+      switch (rows) {  // (R · O accumulator pairs; the rows' x from L1)
+        case 6: avx2_group<6, 1, W, F>(xm, stride, wg, K, v, fetch); break;
+        case 5: avx2_group<5, 1, W, F>(xm, stride, wg, K, v, fetch); break;
+        case 4: avx2_group<4, 1, W, F>(xm, stride, wg, K, v, fetch); break;
+        case 3: avx2_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
+        case 2: avx2_group<2, 2, W, F>(xm, stride, wg, K, v, fetch); break;
+        default: avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int h = 0; h < 2 && 8 * h < outputs; ++h) {
+          __m256 s = tree8(v[r] + 8 * h);
+          if (scale) s = _mm256_mul_ps(s, _mm256_load_ps(sc + 8 * h));
+          if (bias) s = _mm256_add_ps(s, _mm256_load_ps(bi + 8 * h));
+          const __m128i out = to_bf16(s);
+          uint16_t* yp = y + (m + r) * ys + g + 8 * h;
+          if (outputs - 8 * h >= 8) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(yp), out);
+          } else {
+            alignas(16) uint16_t tail[8];
+            _mm_store_si128(reinterpret_cast<__m128i*>(tail), out);
+            std::memcpy(yp, tail, static_cast<size_t>(outputs - 8 * h) * sizeof(uint16_t));
+          }
+        }
+      m += rows;
+    }
+  }
+}
+#endif
+
+}  // namespace
