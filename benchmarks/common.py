@@ -62,6 +62,16 @@ def wait_settled(url: str, seconds: float, poll_s: float = 1.0) -> bool:
         time.sleep(poll_s)
 
 
+def require_free_port(port: int) -> None:
+    """Raise if something already listens on 127.0.0.1:port — a server left from an earlier run would answer for the
+    one about to start (which then fails to bind), and a measurement would silently be that stale server's."""
+    import socket
+
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is in use by another process: stop it (an earlier run's server?) first")
+
+
 def wait_until_up(process: subprocess.Popen, url: str, what: str, timeout_s: float = 120.0,
                   settled=None, poll_s: float = 0.2) -> subprocess.Popen:
     """Poll `url` every `poll_s` until it answers 200 (and `settled(json body)` holds, if given); kill the process

@@ -24,7 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from common import add_compile_argument, emit, machine_check, reference_workload_ms, wait_until_up  # noqa: E402
+from common import (  # noqa: E402
+    add_compile_argument,
+    emit,
+    machine_check,
+    reference_workload_ms,
+    require_free_port,
+    wait_until_up,
+)
 from serving_overhead import start_server  # noqa: E402
 
 from linserve.model.loading import DEFAULT_CHECKPOINT  # noqa: E402
@@ -39,6 +46,7 @@ LLAMA_SERVER = PEERS / "llama.cpp" / "bin" / "llama-server"
 def start_llama(gguf: Path, port: int, context_per_slot: int, threads: int) -> subprocess.Popen:
     command = [str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "8", "-cb",
                "-t", str(threads), "-c", str(8 * context_per_slot), "--log-disable"]
+    require_free_port(port)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return wait_until_up(process, f"http://127.0.0.1:{port}/health", "llama-server")
 
@@ -91,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     servers = {"linserve": 8901, "llama.cpp gpt2": 8902, "llama.cpp mamba": 8903}
     if args.speculative != "off":
         servers[f"linserve speculative {args.speculative}"] = 8904
-    processes = [
-        start_server(
+    starts = [
+        lambda: start_server(
             str(DEFAULT_CHECKPOINT),
             servers["linserve"],
             64,  # the default slot count: the compiled programs `linserve compile` built for `serve` are reused
@@ -101,14 +109,24 @@ def main(argv: list[str] | None = None) -> None:
             env={"LINSERVE_SESSION_STORE": "none"},
             compile=args.compile,
         ),
-        *([start_server(str(DEFAULT_CHECKPOINT), 8904, 64,
-                        extra=["--log-level", "warning", "--speculative", args.speculative,
-                               *(["--threads", str(args.threads)] if args.threads else [])],
-                        env={"LINSERVE_SESSION_STORE": "none"}, compile=args.compile)]
+        *([lambda: start_server(str(DEFAULT_CHECKPOINT), 8904, 64,
+                                extra=["--log-level", "warning", "--speculative", args.speculative,
+                                       *(["--threads", str(args.threads)] if args.threads else [])],
+                                env={"LINSERVE_SESSION_STORE": "none"}, compile=args.compile)]
           if args.speculative != "off" else []),
-        start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64, args.llama_threads),
-        start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64, args.llama_threads),
+        lambda: start_llama(PEERS / "models" / "gpt2.gguf", servers["llama.cpp gpt2"], long_tokens + 64,
+                            args.llama_threads),
+        lambda: start_llama(PEERS / "models" / "mamba.gguf", servers["llama.cpp mamba"], long_tokens + 64,
+                            args.llama_threads),
     ]
+    processes = []
+    try:  # one at a time: a server that fails to start stops the ones already up (none is left running)
+        for start in starts:
+            processes.append(start())
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
     rates = {(s, load): [] for s in servers for load in loads}
     early_late = {s: [] for s in servers}
     last_summaries = {}

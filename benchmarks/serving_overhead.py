@@ -35,6 +35,7 @@ from common import (  # noqa: E402
     describe,
     emit,
     host_busy_seconds,
+    require_free_port,
     resolve_device,
     wait_programs,
     wait_settled,
@@ -59,6 +60,7 @@ def start_server(model: str, port: int, slots: int, extra: list[str] | None = No
     """`linserve serve` on 127.0.0.1:port, returned once /ready answers 200 and the decode step is compiled
     (or settled on eager) — or, with `compile_wait_s`, once that long has passed after /ready's 200, whatever
     is compiled by then (a GPU's lease is short: the buckets still compiling serve graphs of the eager program)."""
+    require_free_port(port)
     command = [sys.executable, "-m", "linserve.server.cli", "serve", "--model", model, "--port", str(port),
                "--device", device, "--num-slots", str(slots), "--compile", compile,
                *(extra or ["--log-level", "warning"])]
