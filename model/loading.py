@@ -39,8 +39,8 @@ def cpu_serves_bf16() -> bool:
     """Whether bf16 weights are this CPU's fast and batch-invariant configuration: bf16 arithmetic in hardware, or
     AVX512 or AVX2 without it where linserve's projection kernel runs its lanes in plain vector instructions (built
     here on first use: without a C++ compiler, bf16 there would be widened by oneDNN in software — float32 then).
-    On the AVX2 form's Zen 3 host a projection call at 1-8 rows took 0.23-0.83x fp32's time and the 8,192-token
-    prefill 1.05x fp32's (docs/benchmarks.md, "The AVX2 lanes")."""
+    On the AVX2 form's Zen 3 host it served 1.77x fp32's tokens/s at 1 stream and 1.27x at 8, its 8,192-token
+    prefill 1.05x fp32's time (docs/benchmarks.md, "The AVX2 lanes")."""
     if cpu_computes_bf16():
         return True
     from . import kernels
