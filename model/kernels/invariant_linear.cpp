@@ -8,8 +8,8 @@
 // AMX's internal rounding is its own (it matched no sequential or fused emulation), hence no scalar twin.
 //
 // Lanes (AVX512-BF16; on an AVX512 CPU without it, its arithmetic in plain AVX512 instructions; on an AVX2 CPU, the
-// same in two 8-float halves; else scalar code — the same bits, all four), over W packed once into groups of 16 outputs whose 32-wide
-// chunks lie side by side (pack_weight: (N/16, K/32, 16, 32), so a one-row pass over a group reads one stream; W as
+// same in two 8-float halves; else scalar code — the same bits, all four), over W packed once into groups of 16
+// outputs whose 32-wide chunks lie side by side (pack_weight: (N/16, K/32, 16, 32), so a one-row pass over a group reads one stream; W as
 // it is (N, K) is read too, and by the scalar code), one output y[m, n]:
 //   lanes[j] = 0 (j < 16); for each 32-wide chunk c of K (the tail read as zeros), in order:
 //       lanes[j] = fma(x[32c + 2j + 1], w[32c + 2j + 1], lanes[j]);  lanes[j] = fma(x[32c + 2j], w[32c + 2j], lanes[j])
@@ -17,8 +17,8 @@
 //   s = Σ lanes as the fixed tree of halves (j + j+8, then j + j+4, j + j+2, j + j+1).
 // Both: y = bf16_rne(s + bias[n]) (int8 weights: bf16_rne(s · scale[n] + bias[n]); every int8 is a bf16, so the
 // weights are widened exactly). The threads set FTZ/DAZ for the kernel's length so their fp32 adds round alike.
-// The forms live in linear_scalar.h, linear_lanes.h, linear_avx2.h and linear_amx.h; packing in packed_weights.h; the threads' shares
-// in task_shares.h; here the op, its checks and its registrations.
+// The forms live in linear_scalar.h, linear_lanes.h, linear_avx2.h and linear_amx.h; packing in packed_weights.h; the
+// threads' shares in task_shares.h; here the op, its checks and its registrations.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
