@@ -15,10 +15,6 @@ namespace {
 // register blocks: up to AVX2_ROWS rows a pass (AVX2 has 16 vector registers; one output's lanes for one row take two)
 constexpr int64_t AVX2_ROWS = 6;  // (6 rows × 1 output: 12 accumulators and a weight half's 2 registers)
 
-// where output o's 32-wide chunk at k = c lies in pack_weight's layout, counted from its group's start (elements)
-inline int64_t packed_at(int o, int64_t c) { return o * CHUNK + c * GROUP; }
-inline int64_t packed_group(int64_t g, int64_t K) { return g * ((K + CHUNK - 1) / CHUNK) * CHUNK; }
-
 // 32 bf16 of a row at k = c: lanes 0-7's pairs (elements 0-15) and lanes 8-15's (16-31), zeros past the end
 struct PairChunk {
   __m256i lo, hi;

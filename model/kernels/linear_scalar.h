@@ -66,6 +66,11 @@ struct Parts {
   int count;
 };
 
+// pack_weight's lanes layout (N/16, K/32, 16, 32), in elements: where output o's 32-wide chunk at k = c lies from its
+// group's start, and where the group of output g (a multiple of 16) starts
+inline int64_t packed_at(int o, int64_t c) { return o * CHUNK + c * GROUP; }
+inline int64_t packed_group(int64_t g, int64_t K) { return g * ((K + CHUNK - 1) / CHUNK) * CHUNK; }
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
