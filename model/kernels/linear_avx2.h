@@ -14,6 +14,8 @@ namespace {
 #ifdef LINSERVE_AVX2
 // register blocks: up to AVX2_ROWS rows a pass (AVX2 has 16 vector registers; one output's lanes for one row take two)
 constexpr int64_t AVX2_ROWS = 6;  // (6 rows × 1 output: 12 accumulators and a weight half's 2 registers)
+// k's a block of several rows takes at a time (a multiple of CHUNK): 6 rows' x of it, split, are 12 KB of L1
+constexpr int64_t AVX2_K_BLOCK = 512;
 
 // 32 bf16 of a row at k = c: lanes 0-7's pairs (elements 0-15) and lanes 8-15's (16-31), zeros past the end
 struct PairChunk {
@@ -113,19 +115,24 @@ inline void split_rows(const uint16_t* x, int64_t M, int64_t K, float* xs) {
     }
 }
 
-// R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over all of K → v[r][o0 + o]
-// (level 1 of the tree done: lanes 0-7 + lanes 8-15). Each accumulator takes two dependent steps a chunk, so the
-// block keeps 2 · R · O of them going (8-12: a fused multiply-add's latency times the two a cycle); each weight
-// half is split once in registers for the R rows, whose x the steps read from L1. fetch: the group's first pass
-// brings the whole block of each chunk in, FETCH_AHEAD chunks ahead, so the passes over its other outputs read
-// cached lines
+// R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1) → their
+// lanes 0-7 and 8-15 in lo[r][o0 + o], hi[r][o0 + o] (from zero where `first`, else carried on from the last block
+// of k: each lane's sum runs over its chunks in order either way — the same bits). Each accumulator takes two
+// dependent steps a chunk, so the block keeps 2 · R · O of them going (8-12: a fused multiply-add's latency times
+// the two a cycle); each weight half is split once in registers for the R rows, whose x the steps read from L1.
+// fetch: the group's first pass brings the whole block of each chunk in, FETCH_AHEAD chunks ahead, so the passes
+// over its other outputs read cached lines
 template <int R, int O, typename W, bool F>
-__attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t stride, const W* wg, int64_t K,
-                                                      __m256 (*v)[GROUP], int o0, bool fetch) {
+__attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t stride, const W* wg, int64_t c0,
+                                                      int64_t c1, __m256 (*lo_s)[GROUP], __m256 (*hi_s)[GROUP],
+                                                      __m256 (*v)[GROUP], int o0, bool first, bool last, bool fetch) {
   __m256 lo[R][O], hi[R][O];
   for (int r = 0; r < R; ++r)
-    for (int o = 0; o < O; ++o) lo[r][o] = hi[r][o] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < K; c += CHUNK) {
+    for (int o = 0; o < O; ++o) {
+      lo[r][o] = first ? _mm256_setzero_ps() : lo_s[r][o0 + o];
+      hi[r][o] = first ? _mm256_setzero_ps() : hi_s[r][o0 + o];
+    }
+  for (int64_t c = c0; c < c1; c += CHUNK) {
     if (fetch) {
       const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
       for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
@@ -145,13 +152,30 @@ __attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t s
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int o = 0; o < O; ++o) v[r][o0 + o] = _mm256_add_ps(lo[r][o], hi[r][o]);
+    for (int o = 0; o < O; ++o)
+      if (last)
+        v[r][o0 + o] = _mm256_add_ps(lo[r][o], hi[r][o]);  // (level 1 of the tree: lanes 0-7 + lanes 8-15)
+      else
+        lo_s[r][o0 + o] = lo[r][o], hi_s[r][o0 + o] = hi[r][o];
 }
 
-// R rows × a group's 16 outputs → v[r][o]
+// R rows × a group's 16 outputs → v[r][o] (level 1 of the tree done: lanes 0-7 + lanes 8-15). Several rows take k
+// in blocks of AVX2_K_BLOCK, every output's over one block before the next: the rows' x of a block stays in L1 for
+// all 16 (6 rows of K = 2,816 are 66 KB, twice L1); one row (a decode step's: its read of the weights is the cost,
+// its x small) takes all of K at once
 template <int R, int O, typename W, bool F>
 void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch) {
-  for (int o0 = 0; o0 < GROUP; o0 += O) avx2_block<R, O, W, F>(xs, stride, wg, K, v, o0, fetch && o0 == 0);
+  if (R == 1 || K <= AVX2_K_BLOCK) {  // (one block: nothing carried)
+    for (int o0 = 0; o0 < GROUP; o0 += O)
+      avx2_block<R, O, W, F>(xs, stride, wg, 0, K, nullptr, nullptr, v, o0, true, true, fetch && o0 == 0);
+    return;
+  }
+  __m256 lo[R][GROUP], hi[R][GROUP];
+  for (int64_t c0 = 0; c0 < K; c0 += AVX2_K_BLOCK) {
+    const int64_t c1 = std::min(K, c0 + AVX2_K_BLOCK);
+    for (int o0 = 0; o0 < GROUP; o0 += O)
+      avx2_block<R, O, W, F>(xs, stride, wg, c0, c1, lo, hi, v, o0, c0 == 0, c1 == K, fetch && o0 == 0);
+  }
 }
 
 // rows [m0, m1) (split: xs, split_rows) × outputs [n0, n1) over packed weights (a packed group's missing outputs

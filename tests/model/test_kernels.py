@@ -24,7 +24,7 @@ def kernel_built():
 
 
 SHAPES = [(1, 768, 256), (3, 50, 77), (7, 1024, 1024), (33, 33, 300), (130, 256, 1024), (40, 40, 64), (5, 17, 31),
-          (9, 40, 1100)]  # (K > 1024: packed bf16 weights six rows a pass, not two)
+          (9, 40, 1100)]  # (K > 1024: packed bf16 weights six rows a pass, not two; the AVX2 lanes: three blocks of k)
 
 
 def operands(M, N, K, seed=0, dtype=torch.bfloat16):
