@@ -9,8 +9,8 @@
 //
 // Lanes (AVX512-BF16; on an AVX512 CPU without it, its arithmetic in plain AVX512 instructions; on an AVX2 CPU, the
 // same in two 8-float halves; else scalar code — the same bits, all four), over W packed once into groups of 16
-// outputs whose 32-wide chunks lie side by side (pack_weight: (N/16, K/32, 16, 32), so a one-row pass over a group reads one stream; W as
-// it is (N, K) is read too, and by the scalar code), one output y[m, n]:
+// outputs whose 32-wide chunks lie side by side (pack_weight: (N/16, K/32, 16, 32), so a one-row pass over a group
+// reads one stream; W as it is (N, K) is read too, and by the scalar code), one output y[m, n]:
 //   lanes[j] = 0 (j < 16); for each 32-wide chunk c of K (the tail read as zeros), in order:
 //       lanes[j] = fma(x[32c + 2j + 1], w[32c + 2j + 1], lanes[j]);  lanes[j] = fma(x[32c + 2j], w[32c + 2j], lanes[j])
 //     (VDPBF16PS: bf16 products are exact in fp32, inputs' subnormals read as zero, results' flushed, RNE);

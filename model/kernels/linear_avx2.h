@@ -115,9 +115,10 @@ inline void split_rows(const uint16_t* x, int64_t M, int64_t K, float* xs) {
     }
 }
 
-// R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1) → their
-// lanes 0-7 and 8-15 in lo[r][o0 + o], hi[r][o0 + o] (from zero where `first`, else carried on from the last block
-// of k: each lane's sum runs over its chunks in order either way — the same bits). Each accumulator takes two
+// R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1): their
+// lanes 0-7 and 8-15 start from zero where `first`, else from lo_s[r][o0 + o], hi_s[r][o0 + o] (carried on from the
+// last block of k: each lane's sum runs over its chunks in order either way — the same bits), and end in lo_s, hi_s
+// again, or where `last` as v[r][o0 + o] = lo + hi (level 1 of the tree). Each accumulator takes two
 // dependent steps a chunk, so the block keeps 2 · R · O of them going (8-12: a fused multiply-add's latency times
 // the two a cycle); each weight half is split once in registers for the R rows, whose x the steps read from L1.
 // fetch: the group's first pass brings the whole block of each chunk in, FETCH_AHEAD chunks ahead, so the passes
