@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", help="PNG: ITL vs position of the 8,192-token load, all three servers")
     parser.add_argument("--threads", type=int, help="linserve serve --threads [default: the server's default]")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-server -t (default 2)")
-    parser.add_argument("--api-servers", type=int, choices=[0, 1], default=0,
-                        help="linserve serve --api-servers (1: the engine core a process of its own) [default: 0]")
+    parser.add_argument("--api-servers", type=int, choices=[0, 1],
+                        help="linserve serve --api-servers (1: the engine core a process of its own) [default: the "
+                        "server's default, as `serve` runs it here; the result's settings record which]")
     parser.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
                         help="also run a second linserve with this speculative decoding default, side by side "
                         "(reported as P9_speculative)")
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
             str(DEFAULT_CHECKPOINT),
             servers["linserve"],
             64,  # the default slot count: the compiled programs `linserve compile` built for `serve` are reused
-            extra=["--log-level", "warning", "--api-servers", str(args.api_servers),
+            extra=["--log-level", "warning",
+                   *(["--api-servers", str(args.api_servers)] if args.api_servers is not None else []),
                    *(["--threads", str(args.threads)] if args.threads else [])],
             env={"LINSERVE_SESSION_STORE": "none"},
             compile=args.compile,
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         row[long_load].update({"itl_p50_first_ms": early, "itl_p50_last_ms": late, "late_over_early": late / early})
         table[name] = row
     machine = machine_check(reference_before, reference_workload_ms())
-    settings = {"linserve": {k: linserve_version.get(k) for k in ("threads", "cpu_threads", "dtype", "decode_step")},
+    settings = {"linserve": {k: linserve_version.get(k) for k in ("threads", "cpu_threads", "dtype", "api_servers",
+                                                                  "decode_step")},
                 "llama_threads": args.llama_threads}
     result = {"loads": loads, "reps": args.reps, "machine": machine, "settings": settings, "servers": table, "P9": {}}
     for load in list(loads)[:2]:
