@@ -11,18 +11,17 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from linserve.model.loading import DEFAULT_CHECKPOINT
 from linserve.server.settings import Settings
+from tests.benchmarks import BENCHMARKS
 from tests.devices import device_name_under_test
 from tests.helpers import require_kernel, require_program
 
 pytestmark = pytest.mark.slow
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 ON_ANY_DEVICE = {"decode_vs_context.py", "engine_inprocess.py", "serving_overhead.py", "served_flatness.py",
                  "served_load.py", "serve_startup.py"}
 
@@ -290,41 +289,6 @@ def test_served_load_with_each_frontend_count(tmp_path):
         assert [placement["programs"][when]["compile"] for when in ("at_start", "at_end")] == ["off", "off"]
 
 
-def test_wait_settled_gives_up_after_its_time_and_returns_at_once_when_settled():
-    """`--compile-wait`: a server still compiling is measured after that long (a GPU lease is short), one that
-    has settled at once."""
-    import http.server
-    import threading
-
-    sys.path.insert(0, str(BENCHMARKS))
-    from common import wait_settled
-
-    status = {"value": "compiling"}
-
-    class Ready(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (the stdlib's name)
-            body = json.dumps({"decode_step": {"status": status["value"]}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/ready"
-    try:
-        started = time.monotonic()
-        assert wait_settled(url, 0.6, poll_s=0.1) is False and time.monotonic() - started >= 0.6
-        status["value"] = "compiled"
-        started = time.monotonic()
-        assert wait_settled(url, 30, poll_s=0.1) is True and time.monotonic() - started < 10
-    finally:
-        server.shutdown()
-
-
 def test_families_served(tmp_path):
     """fla families served (issue 48's figures on a GPU): each checkpoint's load, and its state bytes as the
     server's /v1/models reports them — the family's own formula."""
@@ -342,68 +306,6 @@ def test_families_served(tmp_path):
         assert entry["model_type"] == key.split("-")[0] and entry["state_bytes"] == formula
         assert set(entry["loads"]) == {"streams_1", "streams_2"}
         assert all(load["tokens_per_s"] > 0 for load in entry["loads"].values())
-
-
-def test_gpu_suite_without_a_gpu_says_so_and_runs_the_cpu_parts(tmp_path):
-    """What CI runs of `bash benchmarks/gpu.sh`: no CUDA (hidden even where there is one), so the GPU parts are
-    skipped, the thread sweep runs, and one results file plus the table rows are written; exit status 0."""
-    result = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "--quick", "--out-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-                            cwd=BENCHMARKS.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    skipped = "GPU parts skipped (tests, fla, p1p6, p5, served, p12, p15, families)"
-    assert f"no CUDA device on this machine: {skipped}" in result.stdout
-    data = json.loads((tmp_path / "gpu_suite.json").read_text())
-    assert data["machine"]["gpu"] is None and data["machine"]["cpus_usable"] >= 1
-    assert set(data["parts"]) == {"threads"} and data["parts"]["threads"]["status"] == 0
-    sweep = data["parts"]["threads"]["result"]
-    assert set(sweep["configs"]) == {"1 threads, default", "2 threads, default"}
-    assert all(row["1_stream"]["tokens_per_s"] > 0 for row in sweep["configs"].values())
-    assert [row["threads"] for row in sweep["configs"].values()] == [1, 2]  # each server ran with its count
-    assert "CPU threads sweep" in (tmp_path / "gpu_rows.md").read_text()
-
-
-def test_gpu_wheels_names_only_pinned_packages_the_gpu_image_lacks():
-    """benchmarks/gpu_wheels.sh downloads each package at configs/constraints.txt's pin: every name it lists has
-    one, and the server's own dependencies that the GPU image lacks are all among them."""
-    script = (BENCHMARKS / "gpu_wheels.sh").read_text()
-    names = re.search(r"PACKAGES=\(([^)]*)\)", script).group(1).split()
-    pins = {re.split(r"==", line)[0].lower().replace("_", "-") for line in
-            (BENCHMARKS.parent / "configs" / "constraints.txt").read_text().splitlines() if "==" in line}
-    listed = {name.lower().replace("_", "-") for name in names}
-    assert listed <= pins, listed - pins
-    assert {"fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "pydantic-settings", "redis",
-            "llguidance", "fastapi-offline", "httptools"} <= listed
-
-
-def test_gpu_suite_rejects_an_unknown_part(tmp_path):
-    result = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "--parts", "tests,nope", "--out-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
-    assert result.returncode == 2 and "unknown parts ['nope']" in result.stderr
-
-
-def test_machine_check_judges_drift():
-    sys.path.insert(0, str(BENCHMARKS))
-    from common import machine_check, reference_workload_ms
-
-    assert machine_check(10.0, 10.4)["pass"] and not machine_check(10.0, 11.0)["pass"]
-    assert not machine_check(10.0, 9.0)["pass"]
-    assert reference_workload_ms(reps=3) > 0
-
-
-def test_compile_settled_waits_for_the_prefill_program_too():
-    """A benchmark measures only once nothing compiles beside it: the decode step's buckets and the prefill
-    program's (a compile takes a core; /ready's body nests the prefill program's status under the decode step's)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from common import compile_settled
-
-    assert compile_settled({"decode_step": None})  # the softmax baseline: nothing to compile
-    assert compile_settled({"decode_step": {"status": "compiled"}})  # no prefill program (a GPU, a large model)
-    assert not compile_settled({"decode_step": {"status": "compiling"}})
-    assert not compile_settled({"decode_step": {"status": "compiled", "prefill": {"status": "pending"}}})
-    assert not compile_settled({"decode_step": {"status": "compiled", "prefill": {"status": "compiling"}}})
-    assert compile_settled({"decode_step": {"status": "compiled", "prefill": {"status": "declined"}}})
-    assert compile_settled({"decode_step": {"status": "eager", "prefill": {"status": "eager"}}})
 
 
 def test_session_affinity(tmp_path):
