@@ -302,9 +302,8 @@ class Engine:
             raise EngineError("the engine is shutting down", kind="unavailable")
         if request.request_id in self.live:
             raise EngineError(f"duplicate request id {request.request_id}")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise EngineError("the request queue is full", kind="capacity")
         params = request.params
+        # what could never be served is a 400 whether the queue is full or not (a 429 would ask for a useless retry)
         check_request(request, self.config, self.reserved_slots, self.vocab_size)
         self.parts.admit(params)  # a draft model it lacks: 400; else its programs get compiled
         feed = list(request.prompt_ids)
@@ -322,7 +321,14 @@ class Engine:
                 feed = [self.eos_id]
         elif not feed:
             raise EngineError("the prompt is empty", param="prompt")
-        self.parts.check_context(len(feed), params.max_tokens)  # the softmax baseline's KV cache must hold it
+        try:
+            self.parts.check_context(len(feed), params.max_tokens)  # the softmax baseline's KV cache must hold it
+            if len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise EngineError("the request queue is full", kind="capacity")
+        except EngineError:
+            if session is not None:  # (claimed above: free again for the retry)
+                self.registry.release(session)
+            raise
         live = LiveRequest(request=request, sink=sink, feed=feed, session=session, decoder=self.decoder,
                            eos_ids=self.eos_ids, arrival=time.monotonic(),
                            text_chars=self.registry.text_chars if session is not None else 0)

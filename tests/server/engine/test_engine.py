@@ -208,8 +208,37 @@ def test_full_queue_rejects_with_capacity_error(make_engine):
         except EngineError as error:
             kinds.append(error.kind)
     assert "capacity" in kinds and kinds[0] == "ok"
+    # a request that could never be served says why, full queue or not: retrying it later would not help
     for i in range(6):
         engine.abort(f"q{i}")
+
+
+def test_a_request_that_could_never_run_says_why_even_when_the_queue_is_full(make_engine):
+    engine = make_engine(num_slots=2, reserved_slots=1, max_waiting=1)
+    session = engine.sessions.create(None).result(10)
+    endless = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    names = ["running-0", "running-1", "waiting"]  # two hold the slots, one waits for them: the queue is full
+    for name in names:
+        engine.submit(EngineRequest(name, [1, 2], endless), Collector()).result(10)
+        while name != "waiting" and engine.counts().result(10)[0] < int(name[-1]) + 1:  # (running before the next)
+            time.sleep(0.01)
+    with pytest.raises(EngineError) as full:
+        engine.submit(EngineRequest("more", [1, 2], endless), Collector()).result(10)
+    assert full.value.kind == "capacity"
+    # retrying later would not help it: its 400, not the queue's 429
+    with pytest.raises(EngineError) as refused:
+        engine.submit(EngineRequest("bad", [1, 2], SamplingParams(max_tokens=1, n=99)), Collector()).result(10)
+    assert refused.value.kind != "capacity" and refused.value.param == "n", refused.value
+    with pytest.raises(EngineError) as refused:  # a session's turn the same: n must be 1 there
+        engine.submit(EngineRequest("bad-turn", [1, 2], SamplingParams(max_tokens=1, n=2), session_id=session.id),
+                      Collector()).result(10)
+    assert refused.value.param == "n", refused.value
+    with pytest.raises(EngineError) as full:  # a good turn waits its turn: the queue's 429 leaves the session free
+        engine.submit(EngineRequest("turn", [1, 2], GREEDY, session_id=session.id), Collector()).result(10)
+    assert full.value.kind == "capacity"
+    for name in names:
+        engine.abort(name)
+    assert tokens_of(run(engine, [1, 2], GREEDY, "turn-again", session_id=session.id))  # (not left busy: no 409)
 
 
 def test_sessions_offload_to_host_and_come_back(make_engine):
