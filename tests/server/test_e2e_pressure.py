@@ -1,10 +1,11 @@
 """Everything at once, against the split server with two frontends and too few slots: streams a client leaves
 half-way, sampled batches of n rows, session turns, forks and deletes (sessions spilling past the device tier into
-host memory and the store), a session two clients continue at once, and bad requests — from many clients for a few
-seconds. Then: no answer was a 5xx or hung, every refusal was a 4xx with a JSON error saying why, the engine is idle
-with its slots balanced (slots in use == the sessions left on the device tier), the sessions listed are exactly the
-ones never deleted, and the same greedy requests give the same tokens they gave before the storm and on a fresh
-session with the same history (invariants 2, 3 and 5 under load)."""
+host memory and the store), a session two clients continue at once, stored Responses continued and deleted,
+JSON-schema outputs, the greedy reference request at any priority and speculating or not, and bad requests — from
+many clients for a few seconds. Then: no answer was a 5xx or hung, every refusal was a 4xx with a JSON error
+saying why, the engine is idle with its slots balanced (slots in use == the sessions left on the device tier), the
+sessions listed are exactly the ones never deleted, and the same greedy requests give the same tokens they gave
+before the storm and on a fresh session with the same history (invariants 2, 3 and 5 under load)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ WITNESS_PROMPT, WITNESS_TURNS = "KING.", [" My lord", " and", " the queen"]
 
 @pytest.fixture(scope="module")
 def crowded(tiny_checkpoint, tmp_path_factory):
-    """Six slots (two kept for stateless work), two sessions in host memory, then the store; a short queue."""
+    """Six slots (two kept for stateless work), two sessions in host memory, then the store; a short queue;
+    priority scheduling."""
     process = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("pressure") / "serve.log", "--api-servers", "2",
                             "--num-slots", "6", "--reserved-slots", "2", "--max-host-sessions", "2",
-                            "--max-waiting", "6", "--max-n", "2")
+                            "--max-waiting", "6", "--max-n", "2", "--scheduling-policy", "priority")
     yield process
     process.stop()
 
@@ -58,6 +60,8 @@ class Outcomes:
         if response.status_code not in allowed:
             self.problem(f"{what}: {response.status_code} {response.text[:300]}")
             return False
+        if response.status_code == 429:
+            time.sleep(0.05)  # (a client backs off a little before its next request, as Retry-After asks)
         try:
             message = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
@@ -134,6 +138,49 @@ def bad_requests(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -
         outcomes.saw("bad request", response, (400, 404, 422))
 
 
+def greedy_probe(client: httpx.Client, outcomes: Outcomes, rng: random.Random, reference: str) -> None:
+    """The reference request among the others, at any priority, speculating or not: the same tokens."""
+    body = {**REFERENCE, "priority": rng.randint(-3, 3),
+            **({"speculative": {"method": "ngram", "k": 4}} if rng.random() < 0.5 else {})}
+    response = client.post("/v1/completions", json=body)
+    if outcomes.saw("probe", response, (429,)) and response.json()["choices"][0]["text"] != reference:
+        outcomes.problem(f"probe {body}: {response.json()['choices'][0]['text']!r} != {reference!r}")
+
+
+def structured(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 64, "seed": rng.randint(0, 99),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "who", "schema": schema}}}
+    response = client.post("/v1/chat/completions", json=body)
+    if outcomes.saw("structured", response, (429,)):
+        choice = response.json()["choices"][0]
+        if choice["finish_reason"] == "stop":  # (a grammar's end: the object is whole)
+            try:
+                parsed = json.loads(choice["message"]["content"])
+                assert set(parsed) == {"name", "age"} and isinstance(parsed["age"], int)
+            except (ValueError, AssertionError):
+                outcomes.problem(f"structured output does not fit its schema: {choice['message']['content']!r}")
+
+
+def conversation(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -> None:
+    """A stored response, continued once, then its conversation (a session) deleted; or one not stored."""
+    stored = rng.random() < 0.6
+    first = client.post("/v1/responses", json={"input": "Speak.", "max_output_tokens": rng.randint(1, 8),
+                                               "store": stored})
+    if not outcomes.saw("response", first, (429,)) or not stored:
+        return
+    sid = "sess-" + first.json()["id"].split("_")[1]
+    with outcomes.lock:
+        outcomes.alive.add(sid)
+    follow = client.post("/v1/responses", json={"input": "More.", "max_output_tokens": 4,
+                                                "previous_response_id": first.json()["id"]})
+    outcomes.saw("follow-up", follow, (429,))
+    if outcomes.saw("delete conversation", client.delete(f"/v1/sessions/{sid}"), ()):
+        with outcomes.lock:
+            outcomes.alive.discard(sid)
+
+
 def both_at_once(client: httpx.Client, outcomes: Outcomes, shared: str) -> None:
     """Two turns of one session at the same time: each is served or a 409 (busy), never both corrupted."""
     body = {"prompt": " And", "max_tokens": 6}
@@ -183,7 +230,8 @@ def test_a_storm_of_mixed_clients_leaves_no_5xx_no_leak_and_the_same_tokens(crow
         rng = random.Random(seed)
         with httpx.Client(base_url=base, timeout=TIMEOUT_S) as client:
             while time.monotonic() < deadline:
-                action = rng.choice(["stream", "stream", "n", "session", "bad", "shared"])
+                action = rng.choice(["stream", "stream", "n", "session", "bad", "shared", "probe", "structured",
+                                     "conversation"])
                 try:
                     if action == "stream":
                         leave_a_stream(client, outcomes, rng)
@@ -193,6 +241,12 @@ def test_a_storm_of_mixed_clients_leaves_no_5xx_no_leak_and_the_same_tokens(crow
                         session_life(client, outcomes, rng)
                     elif action == "bad":
                         bad_requests(client, outcomes, rng)
+                    elif action == "probe":
+                        greedy_probe(client, outcomes, rng, reference)
+                    elif action == "structured":
+                        structured(client, outcomes, rng)
+                    elif action == "conversation":
+                        conversation(client, outcomes, rng)
                     else:
                         both_at_once(client, outcomes, shared)
                 except httpx.HTTPError as error:  # a timeout is a hang; a closed connection a crash
