@@ -204,10 +204,21 @@ def witness_turns(client: httpx.Client, outcomes: Outcomes, sid: str) -> list[st
             turn = client.post(f"/v1/sessions/{sid}/completions", json={"prompt": prompt, **GREEDY})
             if turn.status_code != 429:
                 break
-            time.sleep(0.05)
+            outcomes.saw("witness turn", turn, (429,))
         assert outcomes.saw("witness turn", turn, ()), turn.text
         texts.append(turn.json()["choices"][0]["text"])
     return texts
+
+
+def refusals_counted(base: str) -> dict[int, int]:
+    """`linserve_requests_total` of every status from 300 up, summed over endpoints."""
+    counted = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("linserve_requests_total{"):
+            status = int(line.split('status="')[1].split('"')[0])
+            if status >= 300:
+                counted[status] = counted.get(status, 0) + int(float(line.split()[-1]))
+    return counted
 
 
 def metric(base: str, name: str) -> float:
@@ -272,6 +283,13 @@ def test_a_storm_of_mixed_clients_leaves_no_5xx_no_leak_and_the_same_tokens(crow
     per_session = metric(base, "linserve_state_bytes_per_session")
     in_use = metric(base, 'linserve_state_pool_bytes{kind="in_use"}')
     assert in_use / per_session == metric(base, 'linserve_sessions{tier="device"}')
+    # every refusal counted once, whichever frontend answered it: one /metrics sums them all (a frontend counts a
+    # request once its answer is sent, and tells the core after: a moment later at most)
+    seen = {code: n for code, n in outcomes.statuses.items() if code >= 300}
+    deadline = time.monotonic() + 10
+    while (counted := refusals_counted(base)) != seen and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counted == seen
     listed, after = set(), None
     while True:
         page = httpx.get(f"{base}/v1/sessions", params={"limit": 100, **({"after": after} if after else {})}).json()
