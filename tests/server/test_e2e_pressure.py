@@ -1,6 +1,7 @@
 """Everything at once, against the split server with two frontends and too few slots: streams a client leaves
 half-way, sampled batches of n rows, session turns, forks and deletes (sessions spilling past the device tier into
-host memory and the store), a session two clients continue at once, stored Responses continued and deleted,
+host memory and the store), a session two clients continue at once, a session turn left half-way and then
+continued, stored Responses continued and deleted,
 JSON-schema outputs, the greedy reference request at any priority and speculating or not, and bad requests — from
 many clients for a few seconds. Then: no answer was a 5xx or hung, every refusal was a 4xx with a JSON error
 saying why, the engine is idle with its slots balanced (slots in use == the sessions left on the device tier), the
@@ -123,6 +124,33 @@ def session_life(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -
                     outcomes.alive.discard(other)
 
 
+def leave_a_session_turn(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -> None:
+    """A session's streamed turn left half-way, then its next turn: the session is free again and goes on."""
+    created = client.post("/v1/sessions", json={"prompt": "QUEEN."})
+    if not outcomes.saw("create", created, (429,)):
+        return
+    sid = created.json()["id"]
+    with outcomes.lock:
+        outcomes.alive.add(sid)
+    body = {"prompt": " Now", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with client.stream("POST", f"/v1/sessions/{sid}/completions", json=body) as response:
+        if response.status_code == 200:
+            outcomes.saw("left turn", response, ())
+            for count, _ in enumerate(response.iter_lines()):
+                if count >= rng.randint(1, 10):
+                    break
+        else:
+            response.read()
+            outcomes.saw("left turn", response, (429,))
+    for _ in range(100):  # (its 429s waited out: the session must not stay busy — a 409 is a problem)
+        after = client.post(f"/v1/sessions/{sid}/completions", json={"prompt": " Then", "max_tokens": 4})
+        if outcomes.saw("turn after leaving", after, (429,)) or after.status_code != 429:
+            break
+    if outcomes.saw("delete", client.delete(f"/v1/sessions/{sid}"), ()):
+        with outcomes.lock:
+            outcomes.alive.discard(sid)
+
+
 def bad_requests(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -> None:
     bad = rng.choice([
         lambda: client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}),
@@ -242,7 +270,7 @@ def test_a_storm_of_mixed_clients_leaves_no_5xx_no_leak_and_the_same_tokens(crow
         with httpx.Client(base_url=base, timeout=TIMEOUT_S) as client:
             while time.monotonic() < deadline:
                 action = rng.choice(["stream", "stream", "n", "session", "bad", "shared", "probe", "structured",
-                                     "conversation"])
+                                     "conversation", "left turn"])
                 try:
                     if action == "stream":
                         leave_a_stream(client, outcomes, rng)
@@ -258,6 +286,8 @@ def test_a_storm_of_mixed_clients_leaves_no_5xx_no_leak_and_the_same_tokens(crow
                         structured(client, outcomes, rng)
                     elif action == "conversation":
                         conversation(client, outcomes, rng)
+                    elif action == "left turn":
+                        leave_a_session_turn(client, outcomes, rng)
                     else:
                         both_at_once(client, outcomes, shared)
                 except httpx.HTTPError as error:  # a timeout is a hang; a closed connection a crash
