@@ -1,12 +1,12 @@
 """Everything at once, against the split server with two frontends and too few slots: streams a client leaves
 half-way, sampled batches of n rows, session turns, forks and deletes (sessions spilling past the device tier into
 host memory and the store), a session two clients continue at once, a session turn left half-way and then
-continued, stored Responses continued and deleted,
-JSON-schema outputs, the greedy reference request at any priority and speculating or not, and bad requests — from
-many clients for a few seconds. Then: no answer was a 5xx or hung, every refusal was a 4xx with a JSON error
-saying why, the engine is idle with its slots balanced (slots in use == the sessions left on the device tier), the
-sessions listed are exactly the ones never deleted, and the same greedy requests give the same tokens they gave
-before the storm and on a fresh session with the same history (invariants 2, 3 and 5 under load)."""
+continued, stored Responses continued and deleted, JSON-schema outputs, the greedy reference request at any
+priority and speculating or not, and bad requests — from many clients for a few seconds. Then: no answer was a
+5xx or hung, every refusal was a 4xx with a JSON error saying why, the engine is idle with its slots balanced
+(slots in use == the sessions left on the device tier), the sessions listed are exactly the ones never deleted,
+and the same greedy requests give the same tokens they gave before the storm and on a fresh session with the same
+history (invariants 2, 3 and 5 under load). Then the same through a SIGTERM and a restart."""
 
 from __future__ import annotations
 
