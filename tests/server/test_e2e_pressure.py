@@ -79,7 +79,7 @@ class Outcomes:
 
 def leave_a_stream(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -> None:
     body = {"prompt": rng.choice(["ROMEO.", "To be", "HAMLET."]), "max_tokens": rng.randint(4, 60),
-            "temperature": 0.8, "stream": True}
+            "temperature": 0.8, "stream": True, "priority": rng.randint(-3, 3)}
     with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
@@ -96,7 +96,7 @@ def leave_a_stream(client: httpx.Client, outcomes: Outcomes, rng: random.Random)
 
 def sample_n_rows(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -> None:
     body = {"prompt": "HAMLET.", "max_tokens": rng.randint(1, 16), "n": 2, "temperature": 1.0,
-            "seed": rng.randint(0, 1000), "logprobs": 2}
+            "seed": rng.randint(0, 1000), "logprobs": 2, "priority": rng.randint(-3, 3)}
     response = client.post("/v1/completions", json=body)
     if outcomes.saw("n rows", response, (429,)) and len(response.json()["choices"]) != 2:
         outcomes.problem(f"n rows: {response.text[:300]}")
@@ -109,7 +109,8 @@ def session_life(client: httpx.Client, outcomes: Outcomes, rng: random.Random) -
     sid = created.json()["id"]
     with outcomes.lock:
         outcomes.alive.add(sid)
-    turn = client.post(f"/v1/sessions/{sid}/completions", json={"prompt": " Well", "max_tokens": rng.randint(1, 8)})
+    turn = client.post(f"/v1/sessions/{sid}/completions", json={"prompt": " Well", "max_tokens": rng.randint(1, 8),
+                                                                "priority": rng.randint(-3, 3)})
     outcomes.saw("turn", turn, (429,))
     fork = client.post(f"/v1/sessions/{sid}/fork")
     if outcomes.saw("fork", fork, (429,)):
@@ -132,7 +133,7 @@ def leave_a_session_turn(client: httpx.Client, outcomes: Outcomes, rng: random.R
     sid = created.json()["id"]
     with outcomes.lock:
         outcomes.alive.add(sid)
-    body = {"prompt": " Now", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"prompt": " Now", "max_tokens": 200, "ignore_eos": True, "stream": True, "priority": rng.randint(-3, 3)}
     with client.stream("POST", f"/v1/sessions/{sid}/completions", json=body) as response:
         if response.status_code == 200:
             outcomes.saw("left turn", response, ())
@@ -303,6 +304,7 @@ def test_a_storm_of_mixed_clients_leaves_no_5xx_no_leak_and_the_same_tokens(crow
     assert not outcomes.problems, "\n".join(outcomes.problems[:20])
     assert sum(outcomes.statuses.values()) > 50, outcomes.statuses  # (it was a storm)
     assert outcomes.statuses.get(409, 0) + outcomes.statuses.get(429, 0) > 0, outcomes.statuses  # (it was crowded)
+    assert metric(base, "linserve_preemptions_total") > 0  # (urgent arrivals parked running rows, sessions' too)
 
     # idle, and the slots balance: in use == the sessions left on the device tier
     for name in ("linserve_requests_running", "linserve_requests_waiting"):
