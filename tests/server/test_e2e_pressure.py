@@ -266,31 +266,20 @@ def test_a_storm_of_mixed_clients_leaves_no_5xx_no_leak_and_the_same_tokens(crow
     outcomes.alive |= {shared, witnessed_sid}
     deadline = time.monotonic() + STORM_S
 
+    actions = {  # what a client does next, as often as it is listed
+        "stream": leave_a_stream, "stream again": leave_a_stream, "n rows": sample_n_rows, "session": session_life,
+        "bad": bad_requests, "structured": structured, "conversation": conversation, "left turn": leave_a_session_turn,
+        "probe": lambda client, outcomes, rng: greedy_probe(client, outcomes, rng, reference),
+        "shared": lambda client, outcomes, rng: both_at_once(client, outcomes, shared),
+    }
+
     def client_loop(seed: int) -> None:
         rng = random.Random(seed)
         with httpx.Client(base_url=base, timeout=TIMEOUT_S) as client:
             while time.monotonic() < deadline:
-                action = rng.choice(["stream", "stream", "n", "session", "bad", "shared", "probe", "structured",
-                                     "conversation", "left turn"])
+                action = rng.choice(list(actions))
                 try:
-                    if action == "stream":
-                        leave_a_stream(client, outcomes, rng)
-                    elif action == "n":
-                        sample_n_rows(client, outcomes, rng)
-                    elif action == "session":
-                        session_life(client, outcomes, rng)
-                    elif action == "bad":
-                        bad_requests(client, outcomes, rng)
-                    elif action == "probe":
-                        greedy_probe(client, outcomes, rng, reference)
-                    elif action == "structured":
-                        structured(client, outcomes, rng)
-                    elif action == "conversation":
-                        conversation(client, outcomes, rng)
-                    elif action == "left turn":
-                        leave_a_session_turn(client, outcomes, rng)
-                    else:
-                        both_at_once(client, outcomes, shared)
+                    actions[action](client, outcomes, rng)
                 except httpx.HTTPError as error:  # a timeout is a hang; a closed connection a crash
                     outcomes.problem(f"{action}: {error!r}")
 
