@@ -4,6 +4,8 @@ exactly once — each session continues as a new session given the answered turn
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, spawned_children
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +47,24 @@ def take_turns(base: str, sid: str, number: int, answered: list[dict], stop: thr
     return None
 
 
-def test_sessions_turning_under_load_through_sigterm_keep_every_answered_turn_exactly(tiny_checkpoint, tmp_path):
-    """Six sessions take greedy turns at once, each with an Idempotency-Key, through the split server's SIGTERM;
-    after a restart on the same store each unanswered turn is retried with its key (its first answer, if it was
-    applied), and every session continues exactly as a new session given the answered turns again does."""
+def stop_under_load(server: ServerProcess, how: str) -> None:
+    """SIGTERM to `serve` (every frontend drains, the core flushes the sessions: status 0), or SIGKILL to `serve`,
+    its engine core and its frontends at once (nothing drains or flushes)."""
+    if how == "sigterm":
+        server.stop()
+        assert server.process.returncode == 0, server.log.read_text()[-2000:]
+        return
+    for pid in [server.process.pid, *spawned_children(server.process.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    server.process.wait(10)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_sessions_turning_under_load_through_a_stop_keep_every_answered_turn_exactly(tiny_checkpoint, tmp_path, how):
+    """Six sessions take greedy turns at once, each with an Idempotency-Key, through the split server's SIGTERM —
+    or SIGKILL to all its processes: a turn is answered only once it is stored; after a restart on the same store
+    each unanswered turn is retried with its key (its first answer, if it was applied), and every session continues
+    exactly as a new session given the answered turns again does."""
     args = ("--api-servers", "2", "--num-slots", "4", "--reserved-slots", "1")
     env = {"LINSERVE_SESSION_STORE": f"dir:{tmp_path / 'store'}"}
     first = ServerProcess(tiny_checkpoint, tmp_path / "a.log", *args, env=env)
@@ -59,10 +75,9 @@ def test_sessions_turning_under_load_through_sigterm_keep_every_answered_turn_ex
     with ThreadPoolExecutor(RESTART_SESSIONS) as pool:
         pending = [pool.submit(take_turns, first.base, sid, n, answered[n], stop) for n, sid in enumerate(sids)]
         time.sleep(3.0)
-        first.stop()  # SIGTERM to `serve`: every frontend drains, the core flushes the sessions
+        stop_under_load(first, how)
         stop.set()
         unknown = [future.result() for future in pending]
-    assert first.process.returncode == 0, first.log.read_text()[-2000:]
     assert all(answered) and sum(map(len, answered)) >= 12, [len(turns) for turns in answered]  # (under load)
 
     second = ServerProcess(tiny_checkpoint, tmp_path / "b.log", *args, env=env)
