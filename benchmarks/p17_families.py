@@ -213,18 +213,18 @@ def main(argv: list[str] | None = None) -> None:
                             "--num-slots", "8", *quantized], check=True, stdout=subprocess.DEVNULL)
     servers = {f"linserve {name}": 8971 + i for i, name in enumerate(checkpoints)}
     processes = {}
-    for (label, port), directory in zip(servers.items(), checkpoints.values()):
-        processes[label] = start_server(str(directory), port, 8, extra=["--log-level", "warning", *quantized],
-                                        env={"LINSERVE_SESSION_STORE": "none"},
-                                        compile="off" if args.quick else args.compile)
     peer_label = f"llama.cpp {peer_model}"
-    if with_peer:
-        servers[peer_label] = 8979
-        processes[peer_label] = start_llama(PEERS / "models" / f"{peer_model}.gguf", 8979,
-                                            max(tokens for _, tokens in loads.values()) + 64, args.llama_threads)
-    rates = {(s, load): [] for s in servers for load in loads}
-    flat = {s: [] for s in servers}
-    try:
+    rates = {(s, load): [] for s in [*servers, *([peer_label] if with_peer else [])] for load in loads}
+    flat = {s: [] for s in [*servers, *([peer_label] if with_peer else [])]}
+    try:  # (a server that fails to start: the ones already started are stopped too)
+        for (label, port), directory in zip(servers.items(), checkpoints.values()):
+            processes[label] = start_server(str(directory), port, 8, extra=["--log-level", "warning", *quantized],
+                                            env={"LINSERVE_SESSION_STORE": "none"},
+                                            compile="off" if args.quick else args.compile)
+        if with_peer:
+            servers[peer_label] = 8979
+            processes[peer_label] = start_llama(PEERS / "models" / f"{peer_model}.gguf", 8979,
+                                                max(tokens for _, tokens in loads.values()) + 64, args.llama_threads)
         cards = {label: httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]
                  for label, port in servers.items() if label.startswith("linserve")}
         for port in servers.values():
