@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     servers = {f"linserve {name}": 8971 + i for i, name in enumerate(checkpoints)}
     processes = {}
     peer_label = f"llama.cpp {peer_model}"
-    rates = {(s, load): [] for s in [*servers, *([peer_label] if with_peer else [])] for load in loads}
-    flat = {s: [] for s in [*servers, *([peer_label] if with_peer else [])]}
+    labels = [*servers, *([peer_label] if with_peer else [])]
+    rates = {(s, load): [] for s in labels for load in loads}
+    flat = {s: [] for s in labels}
     try:  # (a server that fails to start: the ones already started are stopped too)
         for (label, port), directory in zip(servers.items(), checkpoints.values()):
             processes[label] = start_server(str(directory), port, 8, extra=["--log-level", "warning", *quantized],

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, metric
 
 pytestmark = pytest.mark.slow
 
@@ -248,13 +248,6 @@ def refusals_counted(base: str) -> dict[int, int]:
             if status >= 300:
                 counted[status] = counted.get(status, 0) + int(float(line.split()[-1]))
     return counted
-
-
-def metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 def test_a_storm_of_mixed_clients_leaves_no_5xx_no_leak_and_the_same_tokens(crowded):

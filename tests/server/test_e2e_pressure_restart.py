@@ -68,16 +68,19 @@ def test_sessions_turning_under_load_through_a_stop_keep_every_answered_turn_exa
     args = ("--api-servers", "2", "--num-slots", "4", "--reserved-slots", "1")
     env = {"LINSERVE_SESSION_STORE": f"dir:{tmp_path / 'store'}"}
     first = ServerProcess(tiny_checkpoint, tmp_path / "a.log", *args, env=env)
-    sids = [httpx.post(f"{first.base}/v1/sessions", json={"prompt": f"KING {n}."}).json()["id"]
-            for n in range(RESTART_SESSIONS)]
-    answered: list[list[dict]] = [[] for _ in sids]
-    stop = threading.Event()
-    with ThreadPoolExecutor(RESTART_SESSIONS) as pool:
-        pending = [pool.submit(take_turns, first.base, sid, n, answered[n], stop) for n, sid in enumerate(sids)]
-        time.sleep(3.0)
-        stop_under_load(first, how)
-        stop.set()
-        unknown = [future.result() for future in pending]
+    try:
+        sids = [httpx.post(f"{first.base}/v1/sessions", json={"prompt": f"KING {n}."}).json()["id"]
+                for n in range(RESTART_SESSIONS)]
+        answered: list[list[dict]] = [[] for _ in sids]
+        stop = threading.Event()
+        with ThreadPoolExecutor(RESTART_SESSIONS) as pool:
+            pending = [pool.submit(take_turns, first.base, sid, n, answered[n], stop) for n, sid in enumerate(sids)]
+            time.sleep(3.0)
+            stop_under_load(first, how)
+            stop.set()
+            unknown = [future.result() for future in pending]
+    finally:
+        first.stop()  # (a no-op once it has exited; a failure above leaves no server behind)
     assert all(answered) and sum(map(len, answered)) >= 12, [len(turns) for turns in answered]  # (under load)
 
     second = ServerProcess(tiny_checkpoint, tmp_path / "b.log", *args, env=env)

@@ -208,7 +208,6 @@ def test_full_queue_rejects_with_capacity_error(make_engine):
         except EngineError as error:
             kinds.append(error.kind)
     assert "capacity" in kinds and kinds[0] == "ok"
-    # a request that could never be served says why, full queue or not: retrying it later would not help
     for i in range(6):
         engine.abort(f"q{i}")
 
