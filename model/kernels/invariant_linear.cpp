@@ -77,10 +77,12 @@ void run(const uint16_t* x, const float* xs, const Parts<W>& parts, uint16_t* y,
 #endif
 #ifdef LINSERVE_AVX2
     if (lanes_packed) {  // ((N, K) weights: the scalar code below)
+      // the next task's group, which this thread most likely runs next (its share is taken from the front)
+      const W* after = g + 1 < groups ? part.w + packed_group(n0 + GROUP, K) : nullptr;
       if (fused)
-        rows_avx2<W, true>(xs, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
+        rows_avx2<W, true>(xs, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys, after);
       else
-        rows_avx2<W>(xs, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
+        rows_avx2<W>(xs, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys, after);
       return;
     }
 #endif

@@ -122,11 +122,14 @@ inline void split_rows(const uint16_t* x, int64_t M, int64_t K, float* xs) {
 // dependent steps a chunk, so the block keeps 2 · R · O of them going (8-12: a fused multiply-add's latency times
 // the two a cycle); each weight half is split once in registers for the R rows, whose x the steps read from L1.
 // fetch: the group's first pass brings the whole block of each chunk in, FETCH_AHEAD chunks ahead, so the passes
-// over its other outputs read cached lines
+// over its other outputs read cached lines. next (one int8 row's passes after the first; else null): the next group's
+// weights, every third line of each chunk from line `share` brought into L2 as this pass goes — so its memory is read
+// while these passes compute from the cache, instead of the read and the arithmetic taking turns
 template <int R, int O, typename W, bool F>
 __attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t stride, const W* wg, int64_t c0,
                                                       int64_t c1, __m256 (*lo_s)[GROUP], __m256 (*hi_s)[GROUP],
-                                                      __m256 (*v)[GROUP], int o0, bool first, bool last, bool fetch) {
+                                                      __m256 (*v)[GROUP], int o0, bool first, bool last, bool fetch,
+                                                      const W* next = nullptr, int share = 0) {
   __m256 lo[R][O], hi[R][O];
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) {
@@ -138,6 +141,11 @@ __attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t s
       const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
       for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
         _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    if (next != nullptr) {
+      const char* lines = reinterpret_cast<const char*>(next + packed_at(0, c));
+      for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 3 * 64)
+        _mm_prefetch(lines + line, _MM_HINT_T1);
     }
     for (int o = 0; o < O; ++o) {  // a half of the weight chunk at a time: two registers of it live, not four
       const HalfChunk b_lo = load_weight_half(wg + packed_at(o0 + o, c));
@@ -165,10 +173,13 @@ __attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t s
 // all 16 (6 rows of K = 2,816 are 66 KB, twice L1); one row (a decode step's: its read of the weights is the cost,
 // its x small) takes all of K at once
 template <int R, int O, typename W, bool F>
-void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch) {
+void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch,
+                const W* next = nullptr) {  // next: one row's next group (avx2_block), else null
+  static_assert(R > 1 || GROUP / O == 4, "one row's three later passes share the next group's lines");
   if (R == 1 || K <= AVX2_K_BLOCK) {  // (one block: nothing carried)
     for (int o0 = 0; o0 < GROUP; o0 += O)
-      avx2_block<R, O, W, F>(xs, stride, wg, 0, K, nullptr, nullptr, v, o0, true, true, fetch && o0 == 0);
+      avx2_block<R, O, W, F>(xs, stride, wg, 0, K, nullptr, nullptr, v, o0, true, true, fetch && o0 == 0,
+                             R == 1 && o0 > 0 ? next : nullptr, o0 / O - 1);
     return;
   }
   __m256 lo[R][GROUP], hi[R][GROUP];
@@ -183,7 +194,8 @@ void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 
 // are zeros: computed, not stored)
 template <typename W, bool F = false>
 void rows_avx2(const float* xs, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
-               int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys) {  // ys: y's row stride
+               int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys,  // ys: y's row stride
+               const W* after = nullptr) {  // after: the group this thread likely reads next (null: none known)
   const int64_t stride = split_stride(K);
   __m256 v[AVX2_ROWS][GROUP];
   for (int64_t g = n0; g < n1; g += GROUP) {
@@ -195,13 +207,16 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
       const int64_t rows = std::min<int64_t>(m1 - m, AVX2_ROWS);
       const float* xm = xs + m * stride;
       const bool fetch = m == m0;
+      // the group read next, for int8 only: bf16's later passes are too short to hide a read behind (measured
+      // 0.95-1.06x with it, int8 1.02-1.37x; docs/engine.md)
+      const W* next = sizeof(W) > 1 ? nullptr : g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after;
       switch (rows) {  // (R · O accumulator pairs; the rows' x from L1)
         case 6: avx2_group<6, 1, W, F>(xm, stride, wg, K, v, fetch); break;
         case 5: avx2_group<5, 1, W, F>(xm, stride, wg, K, v, fetch); break;
         case 4: avx2_group<4, 1, W, F>(xm, stride, wg, K, v, fetch); break;
         case 3: avx2_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
         case 2: avx2_group<2, 2, W, F>(xm, stride, wg, K, v, fetch); break;
-        default: avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch);
+        default: avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
       }
       for (int64_t r = 0; r < rows; ++r)
         for (int h = 0; h < 2 && 8 * h < outputs; ++h) {
