@@ -201,15 +201,15 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
     const W* wg = w + packed_group(g, K);
+    // the group read next, for one int8 row: bf16's later passes are too short to hide a read behind (measured
+    // 0.95-1.06x with it, int8 1.02-1.37x; docs/engine.md)
+    const W* next = sizeof(W) > 1 ? nullptr : g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after;
     alignas(32) float sc[GROUP] = {}, bi[GROUP] = {};
     for (int64_t o = 0; o < outputs; ++o) sc[o] = scale ? scale[g + o] : 0.0f, bi[o] = bias ? bias[g + o] : 0.0f;
     for (int64_t m = m0; m < m1;) {
       const int64_t rows = std::min<int64_t>(m1 - m, AVX2_ROWS);
       const float* xm = xs + m * stride;
       const bool fetch = m == m0;
-      // the group read next, for int8 only: bf16's later passes are too short to hide a read behind (measured
-      // 0.95-1.06x with it, int8 1.02-1.37x; docs/engine.md)
-      const W* next = sizeof(W) > 1 ? nullptr : g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after;
       switch (rows) {  // (R · O accumulator pairs; the rows' x from L1)
         case 6: avx2_group<6, 1, W, F>(xm, stride, wg, K, v, fetch); break;
         case 5: avx2_group<5, 1, W, F>(xm, stride, wg, K, v, fetch); break;
