@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     from linserve.server.engine.cpu_threads import apply_threads
 
-    apply_threads(args.threads)  # the server's count (this thread runs every step measured here)
+    plan = apply_threads(args.threads)  # the server's count (this thread runs every step measured here)
     if args.quick:
         args.contexts, args.reps, args.steps = [16, 256], 1, 3
     torch.manual_seed(0)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                                                "spread_ms": [1e3 * min(values), 1e3 * max(values)]}
     first, last = args.contexts[0], args.contexts[-1]
     p1 = table["linear"][last]["median_ms"] / table["linear"][first]["median_ms"]
-    engine_steps = engine_step_table(linear, device, args, bandwidth)
+    engine_steps = engine_step_table(linear, device, args, bandwidth, plan.kernel_threads)
     best = min(engine_steps.values(), key=lambda row: row["ratio"])
     result = {
         **describe(device),
@@ -180,10 +180,12 @@ def main(argv: list[str] | None = None) -> None:
         plot_steps(table, args.plot)
 
 
-def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: dict) -> dict:
+def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: dict, kernel_threads: int = 1) -> dict:
     """The engine's batch-1 decode step (the whole program — gather, model, sampling — and the scatter into the
     pool) per weights dtype, eager and compiled, each against the time to read that dtype's weights once.
-    --quick measures eager only."""
+    --quick measures eager only. A compiled CPU program runs on the decode count and, where the server's plan has
+    more (`kernel_threads`: the count its engine times served against the decode count for each bucket and keeps
+    where faster, thread_trial.py), on that count too — its projections then split over the threads."""
     from linserve.server.engine.compile.compiled_decode import DecodeStep
     from linserve.server.engine.sampling import SlotSampling
     from linserve.server.engine.state_pool import StatePool
@@ -199,14 +201,22 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: d
             step.start()
             step.wait_compiled()
             setting = f"{str(dtype).removeprefix('torch.')} {'compiled' if mode == 'on' else 'eager'}"
-            steps[setting] = (step, pool, sum(p.numel() * p.element_size() for p in typed.parameters()))
-            rows[setting] = []
+            counts = [torch.get_num_threads()]
+            if mode == "on" and device.type == "cpu" and kernel_threads > counts[0]:
+                counts.append(kernel_threads)
+            for count in counts:
+                named = setting if count == counts[0] else f"{setting}, {count} kernel threads"
+                steps[named] = (step, pool, sum(p.numel() * p.element_size() for p in typed.parameters()), count)
+                rows[named] = []
+    decode_count = torch.get_num_threads()
     for _ in range(args.reps):  # interleaved repetitions, as above
-        for setting, (step, _, _) in steps.items():
+        for setting, (step, _, _, count) in steps.items():
+            torch.set_num_threads(count)
             rows[setting].append(median_step(lambda s=step: s([1], [0], [0]), args.steps, device))  # (writes slot 0)
+    torch.set_num_threads(decode_count)
     table = {}
     for setting, values in rows.items():
-        weight_bytes = steps[setting][2]
+        weight_bytes, count = steps[setting][2], steps[setting][3]
         read_ms = weight_bytes / (bandwidth["dram_gb_s"] * 1e9) * 1e3
         cached_ms = weight_bytes / (bandwidth["cache_gb_s"] * 1e9) * 1e3  # fp32-sized buffer: bf16 fits better
         one_thread = bandwidth["cache_gb_s_one_thread" if weight_bytes <= bandwidth["last_level_cache_bytes"]
@@ -215,6 +225,7 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: d
         step_ms = 1e3 * statistics.median(values)
         table[setting] = {
             "setting": setting,
+            "threads": count,
             "weight_bytes": weight_bytes,
             "weight_read_ms": read_ms,
             "weight_read_cached_ms": cached_ms,

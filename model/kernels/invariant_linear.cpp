@@ -43,6 +43,12 @@
 
 namespace {
 
+// a task grain: tasks (each a group of 16 outputs over a block of rows) until K × rows × tasks reaches this; a call of
+// at most one grain runs on the calling thread alone. The shipped model's batch-1 step on 2 threads of the AVX2 host:
+// 0.52-0.55 ms at 2,048 (one row over K = 256: 8 groups, 64 KB of bf16 a grain) against 0.69-0.94 at 16,384, where
+// its calls ran on one thread; 1,024-4,096 alike (docs/benchmarks.md, "One row's projections over two threads")
+constexpr int64_t GRAIN_K_ROWS = 2048;
+
 template <typename W>
 void run(const uint16_t* x, const float* xs, const Parts<W>& parts, uint16_t* y, int64_t ys, int64_t M, int64_t K,
          bool force_scalar, bool lanes_packed, bool fused) {  // xs: x split (the AVX2 form's, else null)
@@ -50,7 +56,7 @@ void run(const uint16_t* x, const float* xs, const Parts<W>& parts, uint16_t* y,
   // call); every output's arithmetic is the same whichever task holds it
   const int64_t row_block = M <= 64 ? M : 64;
   const int64_t row_blocks = (M + row_block - 1) / row_block;
-  const int64_t per_task = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * std::min<int64_t>(M, 64)));
+  const int64_t per_task = std::max<int64_t>(1, GRAIN_K_ROWS / std::max<int64_t>(1, K * std::min<int64_t>(M, 64)));
   int64_t first[MAX_PARTS + 1] = {0};  // part j's tasks: [first[j], first[j + 1])
   for (int j = 0; j < parts.count; ++j) first[j + 1] = first[j] + (parts.part[j].N + GROUP - 1) / GROUP * row_blocks;
   run_tasks(first[parts.count], per_task, [&](int64_t t) {
