@@ -191,7 +191,8 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: d
     from linserve.server.engine.state_pool import StatePool
 
     modes = ("off",) if args.quick else ("off", "on")
-    steps, rows = {}, {}
+    steps = {}  # setting → (step, its pool, weight bytes, threads)
+    decode_count = torch.get_num_threads()
     for dtype in (torch.float32, torch.bfloat16):
         typed = copy.deepcopy(model).to(dtype)
         pool = StatePool(typed, 2, device)
@@ -201,14 +202,11 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: d
             step.start()
             step.wait_compiled()
             setting = f"{str(dtype).removeprefix('torch.')} {'compiled' if mode == 'on' else 'eager'}"
-            counts = [torch.get_num_threads()]
-            if mode == "on" and device.type == "cpu" and kernel_threads > counts[0]:
-                counts.append(kernel_threads)
-            for count in counts:
-                named = setting if count == counts[0] else f"{setting}, {count} kernel threads"
-                steps[named] = (step, pool, sum(p.numel() * p.element_size() for p in typed.parameters()), count)
-                rows[named] = []
-    decode_count = torch.get_num_threads()
+            weight_bytes = sum(p.numel() * p.element_size() for p in typed.parameters())
+            steps[setting] = (step, pool, weight_bytes, decode_count)
+            if mode == "on" and device.type == "cpu" and kernel_threads > decode_count:
+                steps[f"{setting}, {kernel_threads} kernel threads"] = (step, pool, weight_bytes, kernel_threads)
+    rows = {setting: [] for setting in steps}
     for _ in range(args.reps):  # interleaved repetitions, as above
         for setting, (step, _, _, count) in steps.items():
             torch.set_num_threads(count)
@@ -216,7 +214,7 @@ def engine_step_table(model: LinearGPT, device: torch.device, args, bandwidth: d
     torch.set_num_threads(decode_count)
     table = {}
     for setting, values in rows.items():
-        weight_bytes, count = steps[setting][2], steps[setting][3]
+        _, _, weight_bytes, count = steps[setting]
         read_ms = weight_bytes / (bandwidth["dram_gb_s"] * 1e9) * 1e3
         cached_ms = weight_bytes / (bandwidth["cache_gb_s"] * 1e9) * 1e3  # fp32-sized buffer: bf16 fits better
         one_thread = bandwidth["cache_gb_s_one_thread" if weight_bytes <= bandwidth["last_level_cache_bytes"]

@@ -45,7 +45,7 @@ namespace {
 
 // a task grain: tasks (each a group of 16 outputs over a block of rows) until K × rows × tasks reaches this; a call of
 // at most one grain runs on the calling thread alone. The shipped model's batch-1 step on 2 threads of the AVX2 host:
-// 0.52-0.55 ms at 2,048 (one row over K = 256: 8 groups, 64 KB of bf16 a grain) against 0.69-0.94 at 16,384, where
+// 0.52-0.56 ms at 2,048 (one row over K = 256: 8 groups, 64 KB of bf16 a grain) against 0.69-0.94 at 16,384, where
 // its calls ran on one thread; 1,024-4,096 alike (docs/benchmarks.md, "One row's projections over two threads")
 constexpr int64_t GRAIN_K_ROWS = 2048;
 
