@@ -147,8 +147,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bo
 
 
 def lookup(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """table (65536,) at x's bf16 bit patterns: (...) in the table's dtype."""
-    index = (x.float().view(torch.int32) >> 16) & 0xFFFF  # (...) unsigned pattern (bf16 → fp32 is exact)
+    """table (65536,) at x's bf16 bit patterns: (...) in the table's dtype. A bf16 x is read as its 16-bit
+    pattern directly: Inductor makes that a plain scalar loop, where the same index through fp32's bits (shift,
+    mask) became int64 vectors — ~10x slower a lookup (docs/engine.md, "Lookups")."""
+    if x.dtype == torch.bfloat16:
+        index = x.view(torch.int16).to(torch.int32) & 0xFFFF  # (...) unsigned pattern
+    else:
+        index = (x.float().view(torch.int32) >> 16) & 0xFFFF  # (...) the pattern of x's bf16 truncation
     return table[index]
 
 
