@@ -49,6 +49,18 @@ def test_lookup_tables_are_the_float64_function_rounded_once():
                        elu1(x.double()).float())
 
 
+def test_a_bf16_lookup_reads_the_entry_of_its_own_bit_pattern_eager_and_compiled():
+    """The int16 index (a bf16 tensor) and the fp32 one (its exact widening) pick the same entry for every one of the
+    65,536 patterns — negative values, infinities and NaNs included — and so does the compiled form."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)  # (65536,) every bf16 pattern
+    x = patterns.view(torch.bfloat16)  # (65536,)
+    table = torch.arange(65536, dtype=torch.int32)  # (65536,) entry i holds its own index: the unsigned pattern i
+    expected = patterns.to(torch.int32) & 0xFFFF  # (65536,) unsigned
+    assert torch.equal(numerics.lookup(table, x), expected)
+    assert torch.equal(numerics.lookup(table, x.float()), expected)
+    assert torch.equal(torch.compile(numerics.lookup)(table, x), expected)
+
+
 @pytest.mark.parametrize("shape", [(256, 768), (256, 256), (256, 1024), (1024, 256), (256, 4096), (64, 192)])
 def test_every_projection_of_the_shipped_shapes_gives_a_row_the_same_bits_in_any_batch(shape, device):
     """The kernel property the whole construction rests on, checked on this machine's BLAS: a row of
