@@ -148,6 +148,12 @@ class Settings(BaseSettings):
         "fewer than `threads`, for a step of at least 32 rows — narrower ones run on `threads` (a second thread "
         "spinning between their small regions takes the CPU the HTTP side needs) — and, with `adapt_threads`, "
         "each compiled step's bucket timed served on both counts and run on the faster; set: every compiled step")
+    kernel_pool: bool = Field(
+        True, description="CPU: while a compiled program built for one thread runs on more (`kernel_threads`), "
+        "linserve's kernels (the projections, the scans) run their parallel regions on a pool of their own whose "
+        "regions wait only for the threads that joined them — an OpenMP region waits at its end for every thread "
+        "of its team, also one the HTTP side or another process holds off its CPU; the same bits either way. "
+        "false: OpenMP's threads, as eager steps and prefill always use")
     adapt_threads: bool = Field(
         True, description="treat `threads`, `kernel_threads` and `prefill_threads` as ceilings: every 0.5 s the "
         "engine reads the kernel's CPU counters and runs each phase on the CPUs other processes leave free "

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include "flush_subnormals.h"
+#include "work_pool.h"
 #include "linear_lanes.h"  // (its loads and its rounding to bf16)
 
 #ifdef LINSERVE_AMX
@@ -124,7 +125,7 @@ void run_amx(const uint16_t* x, int64_t x_stride, const Parts<W>& parts, uint16_
     const int64_t pairs = ((parts.part[j].N + 15) / 16 + 1) / 2;
     first[j + 1] = first[j] + (pairs + pair_group - 1) / pair_group * row_groups;
   }
-  at::parallel_for(0, first[parts.count], 1, [&](int64_t begin, int64_t end) {
+  linserve::parallel_for(0, first[parts.count], 1, [&](int64_t begin, int64_t end) {
     linserve::FlushSubnormals flushed;
     int configured = -1, j = 0;
     for (int64_t t = begin; t < end; ++t) {

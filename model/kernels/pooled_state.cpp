@@ -429,7 +429,7 @@ void pending_settle(at::TensorList pools, at::TensorList pk, at::TensorList pu, 
     }
   }
   if (items.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  linserve::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     linserve::FlushSubnormals flushed;  // (as every commit)
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];

@@ -15,6 +15,8 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include "work_pool.h"
+
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -50,10 +52,19 @@ std::vector<at::Tensor> run_program(int64_t run, int64_t container, at::TensorLi
   return result;
 }
 
+// whether this thread's kernels run their parallel regions on linserve's work pool (work_pool.h); returns the
+// setting it replaces
+bool use_work_pool(bool on) {
+  const bool before = linserve::pool_wanted();
+  linserve::pool_wanted() = on;
+  return before;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("run_program(int run, int container, Tensor[] inputs, int num_outputs) -> Tensor[]");
+  m.def("use_work_pool(bool on) -> bool", &use_work_pool);
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("run_program", &run_program); }

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include "flush_subnormals.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -70,7 +71,7 @@ inline float* scratch(size_t floats) {
 // parallel tasks, each thread with its own d_k × block scratch and subnormals flushed
 template <class Fn>
 void for_each_block(int64_t n, int64_t dk, int64_t dv, const Fn& fn) {
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  linserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     linserve::FlushSubnormals flushed;
     float* buf = scratch(static_cast<size_t>(std::max<int64_t>(dk, 1) * std::min(MAX_COLUMNS, std::max<int64_t>(dv, 1))));
     for (int64_t bh = begin; bh < end; ++bh)

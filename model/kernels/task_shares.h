@@ -1,10 +1,12 @@
 // invariant_linear.cpp's threads: a call's tasks in contiguous shares, the thread done first taking the rest
-// of the others' from their ends (which thread runs a task changes nothing in its arithmetic).
+// of the others' from their ends (which thread runs a task changes nothing in its arithmetic), over the kernels'
+// own pool (work_pool.h: a region waits only for the threads that joined it).
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include "flush_subnormals.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -42,8 +44,8 @@ void run_tasks(int64_t total, int64_t grain, const Task& task) {
   // as many shares as at::parallel_for would make threads busy (none: a call of at most `grain` tasks runs here)
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (total + grain - 1) / grain));
   if (threads < 2 || threads > MAX_SHARES || total < 4 * threads || total >= (int64_t{1} << 31) ||
-      at::in_parallel_region()) {  // (a share's front and back are 32-bit halves of one word)
-    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+      linserve::WorkPool::inside() || at::in_parallel_region()) {  // (a share's front and back: 32-bit halves)
+    linserve::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
       linserve::FlushSubnormals flushed;
       for (int64_t t = begin; t < end; ++t) task(t);
     });
@@ -52,17 +54,23 @@ void run_tasks(int64_t total, int64_t grain, const Task& task) {
   Share shares[MAX_SHARES];
   for (int i = 0; i < threads; ++i) shares[i].range.store(Share::pack(total * i / threads, total * (i + 1) / threads));
   const int64_t step = std::max<int64_t>(1, grain / 4);
-  at::parallel_for(0, threads, 1, [&](int64_t first_share, int64_t last_share) {
+  const auto participate = [&](int64_t own) {  // share `own` from its front, then the others' from their ends
     linserve::FlushSubnormals flushed;
     int64_t begin, end;
-    for (int64_t i = first_share; i < last_share; ++i)
-      while (shares[i].take(true, step, begin, end))
-        for (int64_t t = begin; t < end; ++t) task(t);
-    for (int k = 1; k < threads; ++k) {  // then the others' shares, from their ends
-      Share& other = shares[(first_share + k) % threads];
+    while (shares[own].take(true, step, begin, end))
+      for (int64_t t = begin; t < end; ++t) task(t);
+    for (int k = 1; k < threads; ++k) {
+      Share& other = shares[(own + k) % threads];
       while (other.take(false, step, begin, end))
         for (int64_t t = begin; t < end; ++t) task(t);
     }
+  };
+  // over the pool (work_pool.h), where this thread asked for it: a share whose thread never joins is taken from its
+  // end by those that did; else an OpenMP region, one share a thread
+  if (linserve::pool_wanted() && linserve::run_region(threads, [&](int participant, int) { participate(participant); }))
+    return;
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t own = first; own < last; ++own) participate(own);
   });
 }
 

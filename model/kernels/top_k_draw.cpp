@@ -19,6 +19,8 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include "work_pool.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -126,7 +128,7 @@ at::Tensor top_k_draw(const at::Tensor& probs, const at::Tensor& k, const at::Te
   const float* m_data = floors.data_ptr<float>();
   const float* u_data = us.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  linserve::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) out[b] = draw_row(data + b * V, V, k_data[b], m_data[b], u_data[b]);
   });
   return tokens;

@@ -90,7 +90,7 @@ class Engine:
         self.model = model = (in_dtype(model, dtype) if dtype else model).eval()  # (every use below: this copy)
         # before the model runs or a program is built (kernels bake the count in); large weights: every CPU
         self.threads = apply_threads(config.threads, config.prefill_threads, weight_bytes(model), config.adapt_threads,
-                                     config.kernel_threads)
+                                     config.kernel_threads, config.kernel_pool)
         self.config, self.device = config, device
         # incremental detokenization: a byte-level BPE tokenizer's table of token bytes where it reproduces the
         # tokenizer's decoding, else the Rust tokenizer directly if there is one (two decode calls per token)

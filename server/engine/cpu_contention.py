@@ -135,6 +135,10 @@ class ThreadCounts:
             else ThreadTrials()
         # the counts in force now
         self.decode, self.kernel, self.prefill = plan.threads, plan.kernel_threads, plan.prefill_threads
+        # linserve's kernels on their own pool while a compiled program built for one thread runs (no OpenMP region
+        # of its own then competes with the pool's workers; model/kernels/work_pool.h): the switch, if loaded
+        self._pool = work_pool_switch() if plan.kernel_pool and plan.threads == 1 else None
+        self._pooled = False
 
     def _refresh(self) -> None:
         if self.contention is None or not self.contention.update():
@@ -161,6 +165,12 @@ class ThreadCounts:
                 self.trials.interrupt()  # (an eager step between two of a compiled bucket's is not its cadence)
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
+        self._use_pool(compiled and want > 1)
+
+    def _use_pool(self, on: bool) -> None:
+        if self._pool is not None and on != self._pooled:
+            self._pool(on)
+            self._pooled = on
 
     def interrupt(self) -> None:
         """Before a step whose rows differ from the last one's: its interval is no step's cadence."""
@@ -172,6 +182,7 @@ class ThreadCounts:
         """The chunked form (prefill, prompt scoring) on the prefill count; the decode count after."""
         self.interrupt()
         self._refresh()
+        self._use_pool(False)  # (the chunked form's eager ops run OpenMP regions between the kernels')
         if torch.get_num_threads() != self.prefill:
             torch.set_num_threads(self.prefill)
         try:
@@ -179,3 +190,11 @@ class ThreadCounts:
         finally:
             if self.prefill != self.decode:
                 torch.set_num_threads(self.decode)  # (the next decode step sets its own: this is eager work's)
+
+
+def work_pool_switch():
+    """`torch.ops.linserve.use_work_pool` (this thread's kernels' regions on their own pool or OpenMP's), or None
+    where linserve's kernels are not loaded."""
+    from linserve.model import kernels
+
+    return torch.ops.linserve.use_work_pool if kernels.load() else None

@@ -72,6 +72,8 @@ class ThreadPlan:
     kernel_from_rows: int = 1
     weight_bytes: int = 0  # the model's weights as the decode step reads them (0: not known when planned)
     adaptive: bool = False  # both counts are ceilings, lowered while other processes hold the CPUs (cpu_contention)
+    # linserve's kernels on their own pool while a compiled program built for one thread runs (kernels/work_pool.h)
+    kernel_pool: bool = False
 
     def describe(self) -> dict:
         return asdict(self)
@@ -164,7 +166,7 @@ def default_kernel_threads(usable: float, threads: int) -> int:
 
 
 def plan_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0,
-                 adaptive: bool = False, kernel_requested: int | None = None) -> ThreadPlan:
+                 adaptive: bool = False, kernel_requested: int | None = None, kernel_pool: bool = False) -> ThreadPlan:
     usable = usable_cpus()
     threads = requested if requested is not None else default_threads(usable, weight_bytes)
     prefill = prefill_requested if prefill_requested is not None else default_prefill_threads(usable)
@@ -172,18 +174,18 @@ def plan_threads(requested: int | None, prefill_requested: int | None = None, we
     from_rows = 1 if kernel_requested is not None else KERNEL_THREADS_FROM_ROWS
     return ThreadPlan(threads, usable, "setting" if requested is not None else "default",
                       os.environ.get("OMP_WAIT_POLICY", "default").lower(), prefill, kernel, from_rows, weight_bytes,
-                      adaptive)
+                      adaptive, kernel_pool)
 
 
 def apply_threads(requested: int | None, prefill_requested: int | None = None, weight_bytes: int = 0,
-                  adaptive: bool = False, kernel_requested: int | None = None) -> ThreadPlan:
+                  adaptive: bool = False, kernel_requested: int | None = None, kernel_pool: bool = False) -> ThreadPlan:
     """Set torch's intra-op thread count for this process (before any compiled program is built or loaded:
     Inductor bakes the count into its kernels). `weight_bytes`: the decode model's `weight_bytes(model)`. The
     engine thread then runs each phase on its count (cpu_contention.ThreadCounts: lowered while other processes
     hold the CPUs when `adaptive`)."""
     import torch
 
-    plan = plan_threads(requested, prefill_requested, weight_bytes, adaptive, kernel_requested)
+    plan = plan_threads(requested, prefill_requested, weight_bytes, adaptive, kernel_requested, kernel_pool)
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
     return plan

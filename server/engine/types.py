@@ -57,6 +57,7 @@ class EngineConfig:
     prefill_threads: int | None  # the same while the chunked form (prefill) runs
     kernel_threads: int | None  # the same while a compiled CPU program runs (linserve's kernels in it)
     adapt_threads: bool  # both are ceilings, lowered while other processes hold the CPUs (cpu_contention.py)
+    kernel_pool: bool  # CPU: linserve's kernels on their own pool while a program built for one thread runs
     prefill_program_tokens: int  # CPU: short prompt chunks as compiled programs of this many tokens; 0: eager
     session_responses_mb: float = 64.0  # a session's stored responses (their own store entries), at most
     prefix_cache_mb: float = 1024.0  # the prefix cache's states, at most (its entries: the fewer of the two)

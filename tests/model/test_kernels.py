@@ -5,6 +5,8 @@ import os
 import platform
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -177,11 +179,23 @@ def test_several_weights_in_one_call_are_each_the_bits_of_its_own_call(Ns, K, dt
         torch.set_num_threads(threads)
 
 
-def test_every_task_runs_once_however_the_threads_share_them_out():
+@contextmanager
+def work_pool(on: bool):
+    """This thread's kernel regions on linserve's pool (work_pool.h) or OpenMP's, as the engine thread switches."""
+    before = OP.use_work_pool(on)
+    try:
+        yield
+    finally:
+        OP.use_work_pool(before)
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_every_task_runs_once_however_the_threads_share_them_out(pool):
     """A call's tasks start as one contiguous share a thread and a thread done first takes the rest of the others'
     from their ends (run_tasks): whatever the interleaving, every output is written, once, with its own bits. Two
     inputs in turn, so an output left unwritten would keep the other call's values (the allocator hands back the
-    same block); three threads on two cores make the shares finish unevenly, as a busy host does."""
+    same block); three threads on two cores make the shares finish unevenly, as a busy host does — and on the
+    kernels' own pool, a worker that is not running when a region opens misses it (its share taken by the rest)."""
     Ns, K = (1024, 1024, 512), 1024  # 160 groups of 16 outputs: many tasks a share
     weights = [OP.pack_weight(operands(1, N, K, seed=j)[1]) for j, N in enumerate(Ns)]
     inputs = [operands(M, 1, K, seed=M)[0] for M in (1, 1, 4)]
@@ -190,14 +204,46 @@ def test_every_task_runs_once_however_the_threads_share_them_out():
     try:
         torch.set_num_threads(1)
         wanted = [OP.invariant_linear_cat(x, *weights, None, *[None] * 4, *Ns, 0) for x in inputs]
-        for count in (2, 3):
-            torch.set_num_threads(count)
-            for call in range(200):
-                i = call % len(inputs)
-                got = OP.invariant_linear_cat(inputs[i], *weights, None, *[None] * 4, *Ns, 0)
-                assert torch.equal(got, wanted[i]), (count, call)
+        with work_pool(pool):
+            for count in (2, 3):
+                torch.set_num_threads(count)
+                for call in range(200):
+                    i = call % len(inputs)
+                    got = OP.invariant_linear_cat(inputs[i], *weights, None, *[None] * 4, *Ns, 0)
+                    assert torch.equal(got, wanted[i]), (count, call)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_callers_on_two_threads_share_the_pool_or_fall_back_with_the_same_bits():
+    """The pool runs one caller's region at a time; a second thread asking meanwhile runs its region on OpenMP's
+    threads instead — both threads' every call the bits of a one-thread call, however their calls interleave."""
+    Ns, K = (1024, 512, 256), 1024
+    weights = [OP.pack_weight(operands(1, N, K, seed=j)[1]) for j, N in enumerate(Ns)]
+    inputs = [operands(M, 1, K, seed=10 + M)[0] for M in (1, 8)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        wanted = [OP.invariant_linear_cat(x, *weights, None, *[None] * 4, *Ns, 0) for x in inputs]
+    finally:
+        torch.set_num_threads(threads)
+    failures: list = []
+
+    def caller(index: int) -> None:
+        torch.set_num_threads(2)
+        with work_pool(True):
+            for call in range(300):
+                got = OP.invariant_linear_cat(inputs[index], *weights, None, *[None] * 4, *Ns, 0)
+                if not torch.equal(got, wanted[index]):
+                    failures.append((index, call))
+
+    pair = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+    for thread in pair:
+        thread.start()
+    for thread in pair:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in pair), "a caller hung"
+    assert not failures, failures[:5]
 
 
 def test_rows_taken_one_at_a_time_once_the_weights_outgrow_the_cache_are_the_same_bits():

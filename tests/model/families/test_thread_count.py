@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linserve.model import families
+from linserve.model import families, kernels
 from linserve.model.checkpoint import load_served
 from linserve.model.loading import DEFAULT_CHECKPOINT, in_dtype
 from tests.model.families.checkpoints import BASE, FAMILY_CASES
@@ -36,9 +36,14 @@ def tensors_of(state) -> list[torch.Tensor]:
     return [t for value in vars(state).values() for t in tensors_of(value)]
 
 
-def run_on(model, ids: torch.Tensor, threads: int) -> list[torch.Tensor]:
+def run_on(model, ids: torch.Tensor, threads: int, pool: bool = False) -> list[torch.Tensor]:
+    """The forward over several chunks and one step on `threads` intra-op threads; `pool`: linserve's kernels'
+    regions on their own pool (model/kernels/work_pool.h) instead of OpenMP's threads, as the engine thread runs a
+    compiled program."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    switch = torch.ops.linserve.use_work_pool if kernels.load() else lambda on: False
+    pooled = switch(pool)
     try:
         with torch.no_grad():
             state, chunks = None, []
@@ -48,17 +53,19 @@ def run_on(model, ids: torch.Tensor, threads: int) -> list[torch.Tensor]:
             step, state = model(ids[:, :1], state)  # (B, 1, V): the recurrent form
         return [*chunks, step, *tensors_of(state)]
     finally:
+        switch(pooled)
         torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name", ["linear_gpt", *FAMILY_CASES])
 def test_the_exact_forward_is_the_same_bits_on_one_thread_or_several(name):
+    """…on OpenMP's threads or on the kernels' own pool."""
     model = in_dtype(perturbed(name), torch.bfloat16).eval()
     ids = torch.randint(1, 4000, (3, 250), generator=torch.Generator().manual_seed(1))  # (B, T)
     one = run_on(model, ids, 1)
     assert len(one) > 4
-    for threads in (2, 3):
-        several = run_on(model, ids, threads)
+    for threads, pool in ((2, False), (3, False), (2, True)):
+        several = run_on(model, ids, threads, pool)
         assert len(several) == len(one)
         for i, (a, b) in enumerate(zip(one, several)):
-            assert torch.equal(a, b), (name, threads, i, (a.float() - b.float()).abs().max().item())
+            assert torch.equal(a, b), (name, threads, pool, i, (a.float() - b.float()).abs().max().item())
