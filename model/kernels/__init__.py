@@ -21,8 +21,10 @@ built once per (source, torch, form) with the C++ compiler Inductor uses into
 `$XDG_CACHE_HOME/linserve/kernels/<key>/` (else `~/.cache/…`; `LINSERVE_KERNEL_DIR` overrides), loaded into the
 process with its symbols global — a compiled program's C++ calls the op's C shim
 (`aoti_torch_cpu_invariant_linear`) by name — and its op registered with a shape function so that torch.export
-traces it as one call. `program_call.cpp` calls a compiled program with its tensors' handles made in C++, and
-`cpu_allocator.cpp` is a caching CPU allocator for torch's tensors, installed at load (`use_caching_allocator`;
+traces it as one call. `program_call.cpp` calls a compiled program with its tensors' handles made in C++ (and
+`use_work_pool` switches the calling thread's kernel regions onto the kernels' own threads, `work_pool.h`: a region
+that waits only for the threads that joined it), and `cpu_allocator.cpp` is a caching CPU allocator for torch's
+tensors, installed at load (`use_caching_allocator`;
 LINSERVE_CPU_ALLOCATOR=default keeps torch's own). Without a C++ compiler (a slim image), or with
 `LINSERVE_KERNELS=off` in the environment, `load()` says why and returns False: the model then keeps oneDNN's
 inner product (numerics.linear).
