@@ -19,7 +19,9 @@
 //
 // Used where the calling thread asked for it (`pool_wanted`: the engine thread, while a compiled program built for
 // one thread runs); elsewhere the kernels' regions are at::parallel_for's. One caller at a time: a region asked for
-// while another thread's is running runs as at::parallel_for did. A forked child starts a new pool (its parent's workers do not exist in it).
+// while another thread's is running runs as at::parallel_for did. A forked child starts a new pool (its parent's
+// workers do not exist in it). An exception a worker's part throws is rethrown by the caller once the region is
+// over (as at::parallel_for does), never left to end the process.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -31,6 +33,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <thread>
 
@@ -85,7 +88,7 @@ class WorkPool {
       finish();
       throw;
     }
-    finish();
+    if (std::exception_ptr error = finish()) std::rethrow_exception(error);  // (a worker's)
     return true;
   }
 
@@ -99,12 +102,16 @@ class WorkPool {
   static constexpr uint64_t OPEN = uint64_t{1} << 31;   // state: generation << 32 | OPEN | workers joined
   static constexpr uint64_t JOINED = OPEN - 1;
 
-  void finish() {  // close the region, wait for the workers in it
+  // close the region, wait for the workers in it; the first exception one of them threw (taken: the pool is free)
+  std::exception_ptr finish() {
     inside() = false;
     const uint64_t closed = state_.fetch_and(~OPEN, std::memory_order_acq_rel);  // no one joins from here
     const uint32_t joined = static_cast<uint32_t>(closed & JOINED);
     while (done_.load(std::memory_order_acquire) < joined) _mm_pause();
+    std::exception_ptr error = std::move(error_);
+    error_ = nullptr;
     busy_.store(false, std::memory_order_release);
+    return error;
   }
 
   static WorkPool*& current() {
@@ -138,7 +145,12 @@ class WorkPool {
              (state & JOINED) < static_cast<uint64_t>(helpers_.load(std::memory_order_relaxed))) {
         if (state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
           const int participant = static_cast<int>(state & JOINED) + 1;
-          body_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed), participant);
+          try {
+            body_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed), participant);
+          } catch (...) {
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (!error_) error_ = std::current_exception();
+          }
           done_.fetch_add(1, std::memory_order_release);
           break;
         }
@@ -156,8 +168,9 @@ class WorkPool {
   alignas(64) std::atomic<bool> busy_{false};
   std::atomic<int> sleepers_{0};
   unsigned started_ = 0;  // (written by the one running caller)
-  std::mutex mutex_;
+  std::mutex mutex_;  // the sleepers' wait, and error_
   std::condition_variable wake_;
+  std::exception_ptr error_;  // the first exception a worker's part of this region threw (read after it is over)
 };
 
 // body(participant, threads) on up to `threads` participants — the calling thread (0) and the pool's workers that
