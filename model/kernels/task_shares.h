@@ -67,7 +67,7 @@ void run_tasks(int64_t total, int64_t grain, const Task& task) {
   };
   // over the pool (work_pool.h), where this thread asked for it: a share whose thread never joins is taken from its
   // end by those that did; else an OpenMP region, one share a thread
-  if (linserve::pool_wanted() && linserve::run_region(threads, [&](int participant, int) { participate(participant); }))
+  if (linserve::pool_wanted() && linserve::run_region(threads, participate))
     return;
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     for (int64_t own = first; own < last; ++own) participate(own);

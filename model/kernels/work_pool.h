@@ -173,23 +173,19 @@ class WorkPool {
   std::exception_ptr error_;  // the first exception a worker's part of this region threw (read after it is over)
 };
 
-// body(participant, threads) on up to `threads` participants — the calling thread (0) and the pool's workers that
-// join; a participant that never joins never runs, so the work must not belong to one (take it from shared
-// counters). Returns false where the pool is busy (another thread's region): nothing ran.
+// body(participant) on up to `threads` participants — the calling thread (0) and the pool's workers that join; a
+// participant that never joins never runs, so the work must not belong to one (take it from shared counters).
+// Returns false where the pool is busy (another thread's region): nothing ran.
 template <class Body>
 bool run_region(int threads, const Body& body) {
-  struct Context {
-    const Body* body;
-    int threads;
-  } context{&body, threads};
-  return WorkPool::get().run(threads - 1, [](const void* c, int participant) {
-    const Context& ctx = *static_cast<const Context*>(c);
-    (*ctx.body)(participant, ctx.threads);
-  }, &context);
+  return WorkPool::get().run(threads - 1, [](const void* b, int participant) {
+    (*static_cast<const Body*>(b))(participant);
+  }, &body);
 }
 
-// at::parallel_for's contract — fn(begin, end) over [begin, end) in pieces of at least `grain` — over the pool: pieces taken from one counter by whichever participants are running (about four a thread, so one
-// that joins late still takes a share). A range of at most one grain, one thread, a thread that did not ask for the
+// at::parallel_for's contract — fn(begin, end) over [begin, end) in pieces of at least `grain` — over the pool:
+// pieces taken from one counter by whichever participants are running (about four a thread, so one that joins late
+// still takes a share). A range of at most one grain, one thread, a thread that did not ask for the
 // pool (`pool_wanted`) or a busy pool: at::parallel_for itself; a call inside a region's work: inline.
 template <class Fn>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
@@ -202,7 +198,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
   if (!pool_wanted() || threads < 2 || at::in_parallel_region()) return fallback();
   const int64_t piece = std::max(grain, (n + 4 * threads - 1) / (4 * threads));
   std::atomic<int64_t> next{begin};
-  const bool ran = run_region(threads, [&](int, int) {
+  const bool ran = run_region(threads, [&](int) {
     for (int64_t b = next.fetch_add(piece, std::memory_order_relaxed); b < end;
          b = next.fetch_add(piece, std::memory_order_relaxed))
       fn(b, std::min(end, b + piece));
