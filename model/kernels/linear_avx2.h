@@ -12,8 +12,10 @@
 namespace {
 
 #ifdef LINSERVE_AVX2
-// register blocks: up to AVX2_ROWS rows a pass (AVX2 has 16 vector registers; one output's lanes for one row take two)
-constexpr int64_t AVX2_ROWS = 6;  // (6 rows × 1 output: 12 accumulators and a weight half's 2 registers)
+// register blocks (AVX2 has 16 vector registers): up to AVX2_ROWS rows a pass over int8 weights,
+// AVX2_BF16_ROWS over bf16
+constexpr int64_t AVX2_ROWS = 6;  // (6 rows × 1 output, both halves: 12 accumulators and a weight half's 2 registers)
+constexpr int64_t AVX2_BF16_ROWS = 4;  // (4 rows × 2 outputs, a half at a time: 8 accumulators, 4 weight, 2 x)
 // k's a block of several rows takes at a time (a multiple of CHUNK): 6 rows' x of it, split, are 12 KB of L1
 constexpr int64_t AVX2_K_BLOCK = 512;
 
@@ -190,6 +192,66 @@ void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 
   }
 }
 
+// Two registers kept as registers: without this GCC folds each load of a row's x into every multiply-add that reads
+// it — a load per multiply-add, and the block then waits on L1's two loads a cycle (4 rows × 2 outputs 1.19x slower
+// at 8 rows, the shipped model's shapes on one Zen 3 core)
+inline void in_registers(__m256& a, __m256& b) { asm volatile("" : "+x"(a), "+x"(b)); }
+
+// R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1), one half
+// of each chunk (half 0: lanes 0-7, its first 16 k's; 1: lanes 8-15): the accumulators start from zero where `first`,
+// else from acc_s[r][o0 + o] (carried on from the last block of k), and end there. A lane's sum over its chunks
+// never meets the other half's until level 1 of the tree, so the halves may run one after the other — the same bits
+// as both at once — and a block holds R · O accumulators, not twice that: 4 × 2 keeps 8 going (a fused
+// multiply-add's latency times the two a cycle), its 2 outputs' weight halves in 4 registers and a row's x in 2, each
+// x read from L1 once for both outputs (with 6 rows × 1 output over both halves each multiply-add read its x:
+// 28 loads for 24 of them a chunk). fetch: this pass brings the whole block of each chunk in, FETCH_AHEAD ahead
+template <int R, int O, typename W, bool F>
+__attribute__((always_inline)) inline void avx2_half_block(const float* xs, int64_t stride, const W* wg, int64_t c0,
+                                                           int64_t c1, __m256 (*acc_s)[GROUP], int o0, int half,
+                                                           bool first, bool fetch) {
+  __m256 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = first ? _mm256_setzero_ps() : acc_s[r][o0 + o];
+  for (int64_t c = c0; c < c1; c += CHUNK) {
+    if (fetch) {
+      const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
+      for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
+        _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    HalfChunk b[O];
+    for (int o = 0; o < O; ++o) b[o] = load_weight_half(wg + packed_at(o0 + o, c) + 16 * half);
+    for (int r = 0; r < R; ++r) {
+      const float* a = xs + r * stride + c + 16 * half;
+      __m256 odd = _mm256_load_ps(a), even = _mm256_load_ps(a + 8);
+      in_registers(odd, even);
+      for (int o = 0; o < O; ++o) acc[r][o] = dot_half<F>(acc[r][o], odd, even, b[o].odd, b[o].even);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc_s[r][o0 + o] = acc[r][o];
+}
+
+// R rows × a group's 16 outputs → v[r][o] (level 1 of the tree done: lanes 0-7 + lanes 8-15), k in blocks of
+// AVX2_K_BLOCK: each half of every output over one block before the next block, so the rows' x of a block stays in
+// L1 for all 16 (4 rows of K = 2,816 are 44 KB, more than L1), the sums carried from block to block
+template <int R, int O, typename W, bool F>
+void avx2_rows_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch) {
+  __m256 lo[R][GROUP], hi[R][GROUP];
+  for (int64_t c0 = 0; c0 < K; c0 += AVX2_K_BLOCK) {
+    const int64_t c1 = std::min(K, c0 + AVX2_K_BLOCK);
+    constexpr int whole = GROUP / O * O;  // (outputs in blocks of O; what is left of 16 in one block after them)
+    for (int half = 0; half < 2; ++half) {
+      for (int o0 = 0; o0 < whole; o0 += O)
+        avx2_half_block<R, O, W, F>(xs, stride, wg, c0, c1, half ? hi : lo, o0, half, c0 == 0,
+                                    fetch && half == 0 && o0 == 0);
+      if constexpr (whole < GROUP)
+        avx2_half_block<R, GROUP - whole, W, F>(xs, stride, wg, c0, c1, half ? hi : lo, whole, half, c0 == 0, false);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < GROUP; ++o) v[r][o] = _mm256_add_ps(lo[r][o], hi[r][o]);
+}
+
 // rows [m0, m1) (split: xs, split_rows) × outputs [n0, n1) over packed weights (a packed group's missing outputs
 // are zeros: computed, not stored)
 template <typename W, bool F = false>
@@ -207,16 +269,26 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
     alignas(32) float sc[GROUP] = {}, bi[GROUP] = {};
     for (int64_t o = 0; o < outputs; ++o) sc[o] = scale ? scale[g + o] : 0.0f, bi[o] = bias ? bias[g + o] : 0.0f;
     for (int64_t m = m0; m < m1;) {
-      const int64_t rows = std::min<int64_t>(m1 - m, AVX2_ROWS);
+      const int64_t rows = std::min<int64_t>(m1 - m, sizeof(W) == 1 ? AVX2_ROWS : AVX2_BF16_ROWS);
       const float* xm = xs + m * stride;
       const bool fetch = m == m0;
-      switch (rows) {  // (R · O accumulator pairs; the rows' x from L1)
-        case 6: avx2_group<6, 1, W, F>(xm, stride, wg, K, v, fetch); break;
-        case 5: avx2_group<5, 1, W, F>(xm, stride, wg, K, v, fetch); break;
-        case 4: avx2_group<4, 1, W, F>(xm, stride, wg, K, v, fetch); break;
-        case 3: avx2_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
-        case 2: avx2_group<2, 2, W, F>(xm, stride, wg, K, v, fetch); break;
-        default: avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
+      // int8 keeps 6 × 1 over both halves: its weight half widens in ~6 operations, which 4 rows a pass repeat more
+      // often than 6 (the half-at-a-time blocks 0.92-0.96x at 8 and 16 int8 rows)
+      if (sizeof(W) == 1 || rows == 1) {
+        switch (rows) {  // (R · O accumulator pairs; the rows' x from L1)
+          case 6: avx2_group<6, 1, W, F>(xm, stride, wg, K, v, fetch); break;
+          case 5: avx2_group<5, 1, W, F>(xm, stride, wg, K, v, fetch); break;
+          case 4: avx2_group<4, 1, W, F>(xm, stride, wg, K, v, fetch); break;
+          case 3: avx2_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
+          case 2: avx2_group<2, 2, W, F>(xm, stride, wg, K, v, fetch); break;
+          default: avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
+        }
+      } else {  // bf16, several rows: a half at a time (2 rows × 3 outputs and 3 × 2 measured best for 2 and 3)
+        switch (rows) {
+          case 4: avx2_rows_group<4, 2, W, F>(xm, stride, wg, K, v, fetch); break;
+          case 3: avx2_rows_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
+          default: avx2_rows_group<2, 3, W, F>(xm, stride, wg, K, v, fetch);
+        }
       }
       for (int64_t r = 0; r < rows; ++r)
         for (int h = 0; h < 2 && 8 * h < outputs; ++h) {
