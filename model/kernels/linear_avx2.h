@@ -117,6 +117,14 @@ inline void split_rows(const uint16_t* x, int64_t M, int64_t K, float* xs) {
     }
 }
 
+// a packed group's whole block of the chunk FETCH_AHEAD chunks after k = c brought into L1 (a block's first pass)
+template <typename W>
+inline void fetch_ahead(const W* wg, int64_t c) {
+  const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
+  for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
+    _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
 // R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1): their
 // lanes 0-7 and 8-15 start from zero where `first`, else from lo_s[r][o0 + o], hi_s[r][o0 + o] (carried on from the
 // last block of k: each lane's sum runs over its chunks in order either way — the same bits), and end in lo_s, hi_s
@@ -139,11 +147,7 @@ __attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t s
       hi[r][o] = first ? _mm256_setzero_ps() : hi_s[r][o0 + o];
     }
   for (int64_t c = c0; c < c1; c += CHUNK) {
-    if (fetch) {
-      const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
-      for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
-        _mm_prefetch(ahead + line, _MM_HINT_T0);
-    }
+    if (fetch) fetch_ahead(wg, c);
     if (next != nullptr) {
       const char* lines = reinterpret_cast<const char*>(next + packed_at(0, c));
       for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 3 * 64)
@@ -213,11 +217,7 @@ __attribute__((always_inline)) inline void avx2_half_block(const float* xs, int6
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = first ? _mm256_setzero_ps() : acc_s[r][o0 + o];
   for (int64_t c = c0; c < c1; c += CHUNK) {
-    if (fetch) {
-      const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
-      for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
-        _mm_prefetch(ahead + line, _MM_HINT_T0);
-    }
+    if (fetch) fetch_ahead(wg, c);
     HalfChunk b[O];
     for (int o = 0; o < O; ++o) b[o] = load_weight_half(wg + packed_at(o0 + o, c) + 16 * half);
     for (int r = 0; r < R; ++r) {
