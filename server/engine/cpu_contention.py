@@ -17,7 +17,15 @@ default and runs each phase on the CPUs that are free *now*:
   the hypervisor took is not free);
 - free = min(CPUs of the mask − others on them, quota − others in the cgroup); the phase's count is its planned
   count capped at free rounded to the nearest CPU (a CPU counts as held once others use more than half of it),
-  at least 1.
+  at least 1;
+- a window in which the engine sat idle (no step asked for longer than a window, and this process used less than
+  `IDLE_SHARE` of a CPU) is not a measurement: what others did while it waited — a load generator starting up, a
+  peer's benchmark, a batch job that has ended — says little about what they do beside its next steps. The counts
+  of the last window the engine worked through stand (a neighbour that was busy then is still assumed), and the
+  next window is `FIRST_WINDOW_S` long, so one that started while the engine waited is seen within a tenth of a
+  second. (Measured: a one-stream request arriving after the load generator's own start-up ran all of its 512
+  tokens on one thread, 0.6 of a CPU "held" by a process that had finished; docs/benchmarks.md, "A window the
+  engine sat out".)
 
 The frontend process (`api_servers: 1`) and a load tester on the same host count as others: they compete for the
 same cores, as a neighbour does.
@@ -42,6 +50,8 @@ from .thread_trial import ThreadTrials
 logger = logging.getLogger("linserve.engine")
 
 WINDOW_S = 0.5  # counters are read at most this often; between reads a phase reuses the last count
+FIRST_WINDOW_S = 0.1  # the window after one the engine sat idle through (/proc/stat counts 10 ms ticks)
+IDLE_SHARE = 0.25  # a window without a step asking in it, where this process used less of a CPU: idle
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,8 @@ class CpuContention:
         self.clock = clock
         self.last = self.read()
         self.others = 0.0  # CPUs others used in the last window (0 until a window has passed)
+        self.asked = self.last.at  # the clock at the last `update` (a step's)
+        self.due_s = window_s  # the length of the window now running
 
     @classmethod
     def here(cls, window_s: float = WINDOW_S) -> CpuContention | None:
@@ -95,8 +107,10 @@ class CpuContention:
         return Counters(self.clock(), cpus_busy_seconds(stat, self.cpus), process_seconds(own), usage)
 
     def update(self) -> bool:
-        """Read the counters if a window has passed since the last read; whether it did."""
-        if self.clock() - self.last.at < self.window_s:
+        """Read the counters if a window has passed since the last read; whether a new figure came of it (not from
+        a window the engine sat out). Called before each step."""
+        asked, self.asked = self.asked, self.clock()
+        if self.asked - self.last.at < self.due_s:
             return False
         try:
             now = self.read()
@@ -104,6 +118,10 @@ class CpuContention:
             return False
         wall, then = now.at - self.last.at, self.last
         own = now.own_s - then.own_s
+        if now.at - asked > self.window_s and own < IDLE_SHARE * wall:  # the engine sat this window out
+            self.last, self.due_s = now, min(FIRST_WINDOW_S, self.window_s)  # (the last busy window's figure stands)
+            return False
+        self.due_s = self.window_s
         others = max(0.0, (now.busy_s - then.busy_s - own) / wall)
         if now.cgroup_s is not None and then.cgroup_s is not None:
             others = max(others, (now.cgroup_s - then.cgroup_s - own) / wall)

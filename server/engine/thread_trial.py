@@ -20,8 +20,11 @@ the workers wake), and compares the two medians. The other count wins only when 
 the default — `kernel_threads` from `KERNEL_THREADS_FROM_ROWS` rows, `threads` below — keeps ties, and keeps the
 bucket when other work broke the chain so often that either count has fewer than `MIN_INTERVALS`. The choice then
 holds for `HOLD_S` (at least `HOLD_FACTOR` times the trial's own length: a trial of slow steps is rarer) and is tried
-again, since the host's other work comes and goes. A trial whose key falls out of use for longer than `STALE_S`
-starts over. Called on the engine thread only.
+again, since the host's other work comes and goes; each trial in a row that picks the same count doubles the hold,
+up to `MAX_HOLD_S` (half of a trial runs on the slower count: a one-stream request arriving after a pause spent a
+quarter of its 512 steps there, every time, while the verdict never changed), and a verdict that changes starts it
+at `HOLD_S` again. A trial whose key falls out of use for longer than `STALE_S` starts over. Called on the engine
+thread only.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ BLOCKS = 4  # blocks each count runs in a trial
 MARGIN = 0.03  # the other count must be this much faster (its median cadence) to be chosen
 HOLD_S = 30.0  # a choice holds this long before the next trial ...
 HOLD_FACTOR = 20.0  # ... and at least this many times the trial's own length
+MAX_HOLD_S = 600.0  # the longest hold that verdicts repeating double it to
 STALE_S = 10.0  # a trial that saw no step of its key for this long starts over
 MIN_INTERVALS = 8  # a verdict needs this many intervals of each count (else the default holds)
 
@@ -61,6 +65,7 @@ class Choice:
     until: float
     trial: Trial | None = None
     seen: float = 0.0  # the clock at the key's last step
+    repeats: int = 0  # trials in a row that picked `count` (its hold doubles with each after the first)
 
 
 class ThreadTrials:
@@ -117,12 +122,15 @@ class ThreadTrials:
 
     def _conclude(self, choice: Choice, trial: Trial, now: float, default: int, other: int) -> None:
         choice.trial = None
-        choice.until = now + max(self.hold_s, HOLD_FACTOR * (now - trial.started))
+        hold = max(self.hold_s, HOLD_FACTOR * (now - trial.started))
         if min(len(trial.intervals.get(count, ())) for count in (default, other)) < MIN_INTERVALS:
-            choice.count = default  # (other work broke nearly every interval: nothing to compare — the rule by rows)
+            choice.count, choice.repeats = default, 0  # (other work broke nearly every interval: nothing to compare —
+            choice.until = now + hold  # the rule by rows)
             return
         medians = {count: statistics.median(trial.intervals[count]) for count in (default, other)}
         chosen, passed = (other, default) if medians[other] < (1 - self.margin) * medians[default] else (default, other)
+        choice.repeats = choice.repeats + 1 if chosen == choice.count and choice.repeats else 1
+        choice.until = now + max(hold, min(MAX_HOLD_S, self.hold_s * 2 ** (choice.repeats - 1)))
         if chosen != choice.count:
             logger.info("compiled steps %s: %d threads (%.3f ms a step) over %d (%.3f ms), timed served; tried "
                         "again in %.0f s", "/".join(map(str, choice.key)), chosen, 1e3 * medians[chosen], passed,

@@ -9,7 +9,7 @@ import torch
 
 from linserve.server.engine.cpu_contention import ThreadCounts
 from linserve.server.engine.cpu_threads import ThreadPlan
-from linserve.server.engine.thread_trial import HOLD_FACTOR, STALE_S, ThreadTrials
+from linserve.server.engine.thread_trial import HOLD_FACTOR, MAX_HOLD_S, STALE_S, ThreadTrials
 from linserve.server.engine.types import SamplingParams
 from tests.helpers import prompt, run, tokens_of
 
@@ -45,6 +45,30 @@ def test_the_other_count_wins_when_its_steps_are_faster_and_holds_until_tried_ag
     ran = steps(trials, clock, 25, {1: 0.010, 2: 0.012})
     assert ran[:24] == ([2] * 4 + [1] * 4) * 3
     assert ran[24] == 1 and trials.describe() == {"decode/1": 1}
+
+
+def test_each_trial_that_repeats_the_verdict_doubles_the_hold_and_a_changed_one_starts_it_over():
+    """Half of a trial runs on the slower count: a verdict that keeps coming out the same is asked less often."""
+    clock = Clock()
+    trials = ThreadTrials(clock, block_steps=4, blocks=3, hold_s=5.0)
+    choice = lambda: trials.choices[(KEY, 1, 2)]  # noqa: E731
+    holds = []
+    for _ in range(9):
+        ran = steps(trials, clock, 25, {1: 0.010, 2: 0.008})  # a whole trial (2 wins each time), then a held step
+        assert ran[24] == 2
+        holds.append(round(choice().until - (clock.now - 0.008), 6))  # (decided as the held step began)
+        clock.now = choice().until  # the hold is over
+    assert holds == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, MAX_HOLD_S, MAX_HOLD_S]
+    ran = steps(trials, clock, 25, {1: 0.008, 2: 0.010})  # the host changed: 1 wins now
+    assert ran[24] == 1 and choice().until - (clock.now - 0.008) == pytest.approx(5.0)
+    clock.now = choice().until
+    for _ in range(25):  # a trial other work broke: nothing learnt, the rule by rows and the shortest hold
+        steps(trials, clock, 1, {1: 0.010, 2: 0.008})
+        trials.interrupt()
+    assert choice().count == 1 and choice().repeats == 0
+    clock.now = choice().until
+    ran = steps(trials, clock, 25, {1: 0.008, 2: 0.010})  # 1 wins again: counted from the start
+    assert ran[24] == 1 and choice().until - (clock.now - 0.008) == pytest.approx(5.0)
 
 
 def test_the_default_keeps_a_tie_within_the_margin():
