@@ -5,8 +5,10 @@ weights, GGUF F32), identical `linserve bench` loads, side by side in one run.
     python benchmarks/p9_peers.py [--reps 3] [--api-servers 0|1] [--quick] [--out FILE] [--plot PNG]
 
 Loads (each repetition runs every load on every server, servers in turn): 1 stream × 512 tokens, 8 streams ×
-256 tokens, 1 stream × 8,192 tokens (ITL p50 of the first and the last 1,024 tokens). All three servers run
-at once on 127.0.0.1 (idle ones cost nothing): `llama-server -np 8 -cb -t T` (`--llama-threads`, default 2:
+256 tokens, 1 stream × 8,192 tokens (ITL p50 of the first and the last 1,024 tokens). Every server first runs
+each of the two short loads once, unmeasured (a linserve just started times each compiled bucket on one and two
+threads over its first ~256 steps: docs/engine.md, "Each compiled step's count, timed served"). All three
+servers run at once on 127.0.0.1 (idle ones cost nothing): `llama-server -np 8 -cb -t T` (`--llama-threads`, default 2:
 its best measured count here) and `linserve serve --threads N` (`--threads`; default: the server's own
 default). Target: linserve's tokens/s ≥ the faster peer's at 1 and 8 streams, and linserve's ITL late/early
 ≤ 1.10. A fixed reference workload is timed before and after (benchmarks/common.py): the result says whether
@@ -134,8 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     last_summaries = {}
     try:
         linserve_version = httpx.get(f"http://127.0.0.1:{servers['linserve']}/version", timeout=10).json()
-        for port in servers.values():
-            one_load(port, 1, 8)  # warm-up
+        for port in servers.values():  # warm-up: each short load once on every server (a server just started
+            for streams, tokens in [loads[load] for load in loads if load != long_load]:  # times its compiled
+                one_load(port, streams, tokens)  # buckets' thread counts in its first ~256 steps of each)
         for _ in range(args.reps):
             for load, (streams, tokens) in loads.items():
                 for name, port in servers.items():  # servers in turn within each load: noise falls on all

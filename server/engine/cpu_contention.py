@@ -19,13 +19,13 @@ default and runs each phase on the CPUs that are free *now*:
   count capped at free rounded to the nearest CPU (a CPU counts as held once others use more than half of it),
   at least 1;
 - a window in which the engine sat idle (no step asked for longer than a window, and this process used less than
-  `IDLE_SHARE` of a CPU) is not a measurement: what others did while it waited — a load generator starting up, a
-  peer's benchmark, a batch job that has ended — says little about what they do beside its next steps. The counts
-  of the last window the engine worked through stand (a neighbour that was busy then is still assumed), and the
-  next window is `FIRST_WINDOW_S` long, so one that started while the engine waited is seen within a tenth of a
-  second. (Measured: a one-stream request arriving after the load generator's own start-up ran all of its 512
-  tokens on one thread, 0.6 of a CPU "held" by a process that had finished; docs/benchmarks.md, "A window the
-  engine sat out".)
+  `IDLE_SHARE` of a CPU since the last one did) is not a measurement: what others did while it waited — a load
+  generator starting up, a peer's benchmark, a batch job that has ended — says little about what they do beside
+  its next steps. The counts of the last window the engine worked through stand (a neighbour that was busy then
+  is still assumed), and the next window is `FIRST_WINDOW_S` long, so one that started while the engine waited is
+  seen within a tenth of a second. (Measured: a one-stream request arriving after the load generator's own
+  start-up ran all of its 512 tokens on one thread, 0.6 of a CPU "held" by a process that had finished; "A window
+  the engine sat out" in docs/benchmarks.md.)
 
 The frontend process (`api_servers: 1`) and a load tester on the same host count as others: they compete for the
 same cores, as a neighbour does.
@@ -84,12 +84,13 @@ class CpuContention:
 
     def __init__(self, cpus: frozenset[int], quota: tuple[float, Path] | None = None, proc: Path = Path("/proc"),
                  cgroup_root: Path = CGROUP_ROOT, window_s: float = WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.process_time) -> None:
         self.cpus, self.quota, self.proc, self.cgroup_root, self.window_s = cpus, quota, proc, cgroup_root, window_s
-        self.clock = clock
+        self.clock, self.cpu_clock = clock, cpu_clock
         self.last = self.read()
         self.others = 0.0  # CPUs others used in the last window (0 until a window has passed)
-        self.asked = self.last.at  # the clock at the last `update` (a step's)
+        self.asked = (self.last.at, cpu_clock())  # the clock and this process's CPU seconds at the last `update`
         self.due_s = window_s  # the length of the window now running
 
     @classmethod
@@ -109,8 +110,8 @@ class CpuContention:
     def update(self) -> bool:
         """Read the counters if a window has passed since the last read; whether a new figure came of it (not from
         a window the engine sat out). Called before each step."""
-        asked, self.asked = self.asked, self.clock()
-        if self.asked - self.last.at < self.due_s:
+        (asked_at, asked_cpu), self.asked = self.asked, (self.clock(), self.cpu_clock())
+        if self.asked[0] - self.last.at < self.due_s:
             return False
         try:
             now = self.read()
@@ -118,7 +119,8 @@ class CpuContention:
             return False
         wall, then = now.at - self.last.at, self.last
         own = now.own_s - then.own_s
-        if now.at - asked > self.window_s and own < IDLE_SHARE * wall:  # the engine sat this window out
+        gap = self.asked[0] - asked_at  # since the last step asked (its own CPU clock: the last read may be older)
+        if gap > self.window_s and self.asked[1] - asked_cpu < IDLE_SHARE * gap:  # the engine sat this window out
             self.last, self.due_s = now, min(FIRST_WINDOW_S, self.window_s)  # (the last busy window's figure stands)
             return False
         self.due_s = self.window_s

@@ -55,6 +55,10 @@ class Host:
         (self.proc / "self" / "stat").write_text(SELF_STAT.format(**self.own))
         (self.cgroup / "cpu.stat").write_text(f"usage_usec {self.usage_usec}\nuser_usec 0\nsystem_usec 0\n")
 
+    def own_seconds(self) -> float:
+        """This process's CPU clock (what `time.process_time` reads in the engine)."""
+        return (self.own["utime"] + self.own["stime"]) / TICKS_PER_S
+
     def advance(self, busy0: int, busy1: int, own: int, cgroup_usec: int = 0, idle: int = 0) -> None:
         """Ticks of busy time on cpu0 (split user/steal), cpu1, this process's own; the cgroup's usage."""
         self.cpu0["u0"] += busy0 - busy0 // 4
@@ -78,7 +82,8 @@ def test_the_counters_parse_as_the_kernel_writes_them(tmp_path):
 
 def test_others_are_the_cpus_time_less_this_processs_per_second_of_the_window(tmp_path):
     host, clock = Host(tmp_path), Clock()
-    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock)
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                      cpu_clock=host.own_seconds)
     clock.now += 0.4
     assert not contention.update() and contention.others == 0  # no window has passed yet
     clock.now += 0.6
@@ -106,7 +111,8 @@ def test_a_window_the_engine_sat_out_idle_is_no_measurement_and_the_next_one_is_
     they do beside the next steps: the last busy window's figure stands, and a neighbour busy now is seen a short
     window later."""
     host, clock = Host(tmp_path), Clock()
-    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock)
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                      cpu_clock=host.own_seconds)
     clock.now += 3.0
     host.advance(busy0=0, busy1=2 * TICKS_PER_S, own=1)  # idle 3 s beside a CPU busy for 2 of them
     assert not contention.update() and contention.others == 0 and contention.cap(2) == 2
@@ -126,9 +132,27 @@ def test_a_window_the_engine_sat_out_idle_is_no_measurement_and_the_next_one_is_
     assert contention.update() and contention.cap(2) == 2
 
 
+def test_a_pause_after_steps_is_idle_though_the_window_began_while_they_ran(tmp_path):
+    """The window since the last read holds the steps before a pause: idleness is judged from the last step on."""
+    host, clock = Host(tmp_path), Clock()
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                               cpu_clock=host.own_seconds)
+    for _ in range(4):  # steps on both CPUs for 0.4 s after the read
+        clock.now += 0.1
+        host.advance(busy0=10, busy1=10, own=20)
+        assert not contention.update()
+    clock.now += 1.2  # then a pause, a neighbour busy on both CPUs through it
+    host.advance(busy0=120, busy1=120, own=0)
+    assert not contention.update() and contention.cap(2) == 2  # (the window's own share, 0.5, was the steps')
+    clock.now += 0.1
+    host.advance(busy0=10, busy1=0, own=10)  # the neighbour gone: what is busy is this process's
+    assert contention.update() and contention.others == pytest.approx(0, abs=1e-9) and contention.cap(2) == 2
+
+
 def test_a_busy_window_counts_however_rarely_steps_ask_or_however_little_cpu_this_process_gets(tmp_path):
     host, clock = Host(tmp_path), Clock()
-    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock)
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                      cpu_clock=host.own_seconds)
     clock.now += 2.0  # one step of 2 s (a long prefill chunk): no step asked, but this process worked
     host.advance(busy0=2 * TICKS_PER_S, busy1=2 * TICKS_PER_S, own=2 * TICKS_PER_S)
     assert contention.update() and contention.others == pytest.approx(1.0)
@@ -142,7 +166,8 @@ def test_a_busy_window_counts_however_rarely_steps_ask_or_however_little_cpu_thi
 def test_counters_that_cannot_be_read_keep_the_last_window(tmp_path):
     """A step never fails for want of a counter: the last window's figure stands until one can be read again."""
     host, clock = Host(tmp_path), Clock()
-    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock)
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                      cpu_clock=host.own_seconds)
     clock.now += 1.0
     host.advance(busy0=50, busy1=TICKS_PER_S, own=50)
     assert contention.update() and contention.cap(2) == 1
@@ -158,7 +183,8 @@ def test_a_quota_counts_what_others_in_the_cgroup_use(tmp_path):
     """In a container limited to 1.5 CPUs on a larger host, a busy process in the same container takes quota, not
     a CPU of the mask: the cgroup's usage shows it."""
     host, clock = Host(tmp_path), Clock()
-    contention = CpuContention(frozenset({0, 1}), quota=(1.5, host.cgroup), proc=host.proc, window_s=0.5, clock=clock)
+    contention = CpuContention(frozenset({0, 1}), quota=(1.5, host.cgroup), proc=host.proc, window_s=0.5, clock=clock,
+                      cpu_clock=host.own_seconds)
     clock.now += 1.0
     host.advance(busy0=30, busy1=0, own=30, cgroup_usec=int(1.3e6))  # the mask's CPUs look busy with this only
     contention.update()
@@ -192,7 +218,8 @@ def test_each_phase_runs_on_its_capped_count_and_decode_comes_back(tmp_path):
     host, clock = Host(tmp_path), Clock()
     plan = ThreadPlan(threads=2, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
                       adaptive=True)
-    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock))
+    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                      cpu_clock=host.own_seconds))
     before = torch.get_num_threads()
     try:
         counts.decoding()
@@ -214,7 +241,8 @@ def test_a_compiled_step_runs_on_the_kernel_count_an_eager_one_on_the_decode_cou
     host, clock = Host(tmp_path), Clock()
     plan = ThreadPlan(threads=1, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
                       kernel_threads=2, adaptive=True)
-    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock))
+    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                      cpu_clock=host.own_seconds))
     before = torch.get_num_threads()
     try:
         counts.decoding(compiled=True)
