@@ -14,17 +14,17 @@ nothing else in between (no prefill, no other program, no row started or ended).
 the engine's Python around it and the channel's write — and every preemption the second thread's spinning causes
 the processes it shares the CPUs with, which a timing of the program alone would miss only in part.
 
-For each (program, bucket, the two counts) in use, a trial runs `BLOCKS` blocks of `BLOCK_STEPS` steps on each count,
-alternating (a host whose speed drifts slows both alike), drops each block's first interval (the count just changed:
-the workers wake), and compares the two medians. The other count wins only when it is faster by more than `MARGIN`;
-the default — `kernel_threads` from `KERNEL_THREADS_FROM_ROWS` rows, `threads` below — keeps ties, and keeps the
-bucket when other work broke the chain so often that either count has fewer than `MIN_INTERVALS`. The choice then
-holds for `HOLD_S` (at least `HOLD_FACTOR` times the trial's own length: a trial of slow steps is rarer) and is tried
-again, since the host's other work comes and goes; each trial in a row that picks the same count doubles the hold,
-up to `MAX_HOLD_S` (half of a trial runs on the slower count: a one-stream request arriving after a pause spent a
-quarter of its 512 steps there, every time, while the verdict never changed), and a verdict that changes starts it
-at `HOLD_S` again. A trial whose key falls out of use for longer than `STALE_S` starts over. Called on the engine
-thread only.
+For each (program, bucket, the two counts) in use, a trial runs `BLOCKS` blocks of `BLOCK_STEPS` steps on each
+count, in the order other, default, default, other, … (`block_order`: a host whose speed drifts slows both alike),
+drops each block's first interval (the count just changed: the workers wake), and compares the two medians. The
+other count wins only when it is faster by more than `MARGIN`; the default — `kernel_threads` from
+`KERNEL_THREADS_FROM_ROWS` rows, `threads` below — keeps ties, and keeps the bucket when other work broke the chain
+so often that either count has fewer than `MIN_INTERVALS`. The choice then holds for `HOLD_S` (at least
+`HOLD_FACTOR` times the trial's own length: a trial of slow steps is rarer) and is tried again, since the host's
+other work comes and goes; each trial in a row that picks the same count doubles the hold, up to `MAX_HOLD_S` (half
+of a trial runs on the slower count: a one-stream request arriving after a pause spent a quarter of its 512 steps
+there, every time, while the verdict never changed), and a verdict that changes starts it at `HOLD_S` again. A trial
+whose key falls out of use for longer than `STALE_S` starts over. Called on the engine thread only.
 """
 
 from __future__ import annotations
@@ -47,12 +47,21 @@ STALE_S = 10.0  # a trial that saw no step of its key for this long starts over
 MIN_INTERVALS = 8  # a verdict needs this many intervals of each count (else the default holds)
 
 
+def block_order(other: int, default: int, blocks: int) -> tuple[int, ...]:
+    """The counts' blocks in a trial: other, default, default, other, other, default, … — each count's blocks sit as
+    late as the other's on average, so a drift in the host's speed through the trial (a request's first hundred
+    milliseconds after a pause run slower) falls on both alike; plain alternation gave the default every later
+    place."""
+    return tuple(count for pair in range(blocks)
+                 for count in ((other, default) if pair % 2 == 0 else (default, other)))
+
+
 @dataclass
 class Trial:
     """One key's alternation: the counts' intervals so far and the block now running."""
 
     started: float
-    order: tuple[int, ...]  # the count of each block, alternating, the other count first
+    order: tuple[int, ...]  # the count of each block (block_order)
     block: int = 0  # index into `order`
     steps: int = 0  # steps decided in this block
     intervals: dict[int, list[float]] = field(default_factory=dict)  # count → its steps' cadences (s)
@@ -111,7 +120,7 @@ class ThreadTrials:
         if trial is None:
             if now < choice.until:
                 return choice.count, False
-            trial = choice.trial = Trial(now, (other, default) * self.blocks)
+            trial = choice.trial = Trial(now, block_order(other, default, self.blocks))
         if trial.steps == self.block_steps:
             trial.block, trial.steps = trial.block + 1, 0
             if trial.block == len(trial.order):
