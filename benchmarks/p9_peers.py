@@ -136,9 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     last_summaries = {}
     try:
         linserve_version = httpx.get(f"http://127.0.0.1:{servers['linserve']}/version", timeout=10).json()
-        for port in servers.values():  # warm-up: each short load once on every server (a server just started
-            for streams, tokens in [loads[load] for load in loads if load != long_load]:  # times its compiled
-                one_load(port, streams, tokens)  # buckets' thread counts in its first ~256 steps of each)
+        # warm-up: each short load once on every server (a linserve just started times its compiled buckets'
+        # thread counts over their first ~256 steps)
+        short_loads = [shape for load, shape in loads.items() if load != long_load]
+        for port in servers.values():
+            for streams, tokens in short_loads:
+                one_load(port, streams, tokens)
         for _ in range(args.reps):
             for load, (streams, tokens) in loads.items():
                 for name, port in servers.items():  # servers in turn within each load: noise falls on all

@@ -131,17 +131,23 @@ class ThreadTrials:
 
     def _conclude(self, choice: Choice, trial: Trial, now: float, default: int, other: int) -> None:
         choice.trial = None
-        hold = max(self.hold_s, HOLD_FACTOR * (now - trial.started))
         if min(len(trial.intervals.get(count, ())) for count in (default, other)) < MIN_INTERVALS:
-            choice.count, choice.repeats = default, 0  # (other work broke nearly every interval: nothing to compare —
-            choice.until = now + hold  # the rule by rows)
+            # other work broke nearly every interval: nothing to compare — the rule by rows, the shortest hold
+            choice.count, choice.repeats = default, 0
+            choice.until = now + self._hold(choice, trial, now)
             return
         medians = {count: statistics.median(trial.intervals[count]) for count in (default, other)}
         chosen, passed = (other, default) if medians[other] < (1 - self.margin) * medians[default] else (default, other)
         choice.repeats = choice.repeats + 1 if chosen == choice.count and choice.repeats else 1
-        choice.until = now + max(hold, min(MAX_HOLD_S, self.hold_s * 2 ** (choice.repeats - 1)))
+        choice.until = now + self._hold(choice, trial, now)
         if chosen != choice.count:
             logger.info("compiled steps %s: %d threads (%.3f ms a step) over %d (%.3f ms), timed served; tried "
                         "again in %.0f s", "/".join(map(str, choice.key)), chosen, 1e3 * medians[chosen], passed,
                         1e3 * medians[passed], choice.until - now)
         choice.count = chosen
+
+    def _hold(self, choice: Choice, trial: Trial, now: float) -> float:
+        """How long a verdict holds: `hold_s`, at least HOLD_FACTOR times the trial's length, doubled for each repeat
+        of the same verdict after the first (up to MAX_HOLD_S)."""
+        repeated = self.hold_s * 2 ** (choice.repeats - 1) if choice.repeats else 0.0
+        return max(self.hold_s, HOLD_FACTOR * (now - trial.started), min(MAX_HOLD_S, repeated))
