@@ -39,6 +39,25 @@ def flat_decode_step(model: LinearGPT) -> FlatStep:
     return step
 
 
+def flat_prefill_step(model: LinearGPT) -> FlatStep:
+    """T tokens from the state before them, the state after every prefix kept and the logits at one position a
+    row (the prefill program: a chunk padded on the right, read at its own end):
+
+        step(tokens (B, T), at (B,), *state) -> (logits (B, V) fp32 at `at`, *state after every prefix (B, T, …))
+
+    The head runs on B rows, not B · T: the bits of `flat_verify_step`'s logits there (the head is row by row)."""
+    if model.config.attention != "linear":
+        raise ValueError("a prefill program from a fixed (S, z) state needs attention 'linear'")
+    names = state_names(model)  # outside the traced function
+
+    def step(tokens: torch.Tensor, at: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits, prefixes = model(tokens, model.state_from_tensors(dict(zip(names, state))), prefixes=True,
+                                 logits_at=at)  # (B, V)
+        return (logits.float(), *prefixes.tensors().values())
+
+    return step
+
+
 def flat_verify_step(model: LinearGPT) -> FlatStep:
     """T tokens from the state before them, keeping the state after every prefix (speculative decoding):
 

@@ -39,7 +39,8 @@ class ServedModel(Protocol):
     """A family's model as the server uses it: its config, the state's constructors and the one function of
     both forms — `forward(ids (B, T), state) → (logits (B, T, V), state after)`, chunkwise for a prompt and the
     recurrence for a token (one function: invariant 1), `prefixes=True` keeping the state after every prefix
-    (speculative verification)."""
+    (speculative verification), `logits_at` (B,) the logits at each row's one position only, (B, V) (the
+    prefill program: a chunk's last token)."""
 
     config: ServedConfig
 
@@ -54,7 +55,7 @@ class ServedModel(Protocol):
     def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
     def __call__(self, ids: Tensor, state: ServedState | None = None, key_mask: Tensor | None = None,
-                 prefixes: bool = False) -> tuple[Tensor, ServedState]: ...
+                 prefixes: bool = False, logits_at: Tensor | None = None) -> tuple[Tensor, ServedState]: ...
 
 
 def pooled_state_names(model: ServedModel) -> list[str]:

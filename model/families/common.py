@@ -1,5 +1,5 @@
-"""What fla_base.py and window_attention.py share, below both (no import cycle): the refusal every family raises,
-and fla's rotary position embedding."""
+"""What the families share, below them all (no import cycle): the refusal every family raises, fla's rotary
+position embedding, and the one position a row's logits are wanted at."""
 
 from __future__ import annotations
 
@@ -14,6 +14,15 @@ class UnsupportedCheckpoint(ValueError):
     def __init__(self, field_name: str, value, supported: str) -> None:
         super().__init__(f"config.json: {field_name}={value!r} is not served: {supported}")
         self.field_name, self.value = field_name, value
+
+
+def at_positions(x: Tensor, positions: Tensor | None) -> Tensor:
+    """x (B, T, C) at each row's one position (B,) → (B, C); None: x as it is. Before the final norm and the head,
+    which are row by row (the exact projection's rows are the same bits in any batch: model/kernels/
+    invariant_linear.cpp), so a prompt chunk's last logits are the bits of the whole chunk's, for 1/T the head."""
+    if positions is None:
+        return x
+    return x[torch.arange(x.shape[0], device=x.device), positions]  # (B, C)
 
 
 def rope_cos_sin(positions: Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import numerics
-from .common import UnsupportedCheckpoint, rope_cos_sin, rotate  # noqa: F401 - re-exported to the families
+from .common import UnsupportedCheckpoint, at_positions, rope_cos_sin, rotate  # noqa: F401 - re-exported to the families
 from .window_attention import SlidingWindowAttention, read_window_layers, window_state_shapes
 
 Tensor = torch.Tensor
@@ -279,10 +279,11 @@ class Backbone(nn.Module):
 class FlaCausalLM(nn.Module):
     """An fla linear-family causal LM with the model interface the server uses:
 
-        forward(ids (B, T), state | None, key_mask=None, prefixes=False) -> (logits (B, T, V), state)
+        forward(ids (B, T), state | None, key_mask=None, prefixes=False, logits_at=None) -> (logits (B, T, V), state)
         init_state(B, device) · state_from_tensors(name → tensor) · state_bytes() · config
 
-    `prefixes`: the state after every prefix, each tensor (B, T, …) (speculative verification).
+    `prefixes`: the state after every prefix, each tensor (B, T, …) (speculative verification); `logits_at` (B,):
+    the logits at each row's one position only, (B, V) (a prompt chunk's last: the prefill program).
 
     The backbone (embeddings, layers, final_norm) is `model` as fla names it for the attention-like families;
     a family laid out otherwise (Mamba2's `backbone`) passes its own and the attribute's name."""
@@ -337,7 +338,7 @@ class FlaCausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, ids: Tensor, state: RecurrentState | None = None, key_mask: Tensor | None = None,
-                prefixes: bool = False) -> tuple[Tensor, RecurrentState]:
+                prefixes: bool = False, logits_at: Tensor | None = None) -> tuple[Tensor, RecurrentState]:
         if key_mask is not None:
             raise ValueError("fla families take rows without padding (key_mask is not supported)")
         B, T = ids.shape
@@ -353,6 +354,7 @@ class FlaCausalLM(nn.Module):
                 states.append(layer_state)
         layers = [{name: layer_state[name] for name in self.config.layer_state_shapes(index)}  # pool order
                   for index, layer_state in enumerate(states)]
+        x = at_positions(x, logits_at)  # (B, T, C), or (B, C) at each row's one position
         x = self.body.final_norm(x, numerics.exact_inference(x))  # (B, T, C)
         head = numerics.linear if numerics.exact_inference(x) else F.linear
         return head(x, self.lm_head.weight), RecurrentState(layers=tuple(layers))  # (B, T, V)

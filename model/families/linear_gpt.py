@@ -14,6 +14,7 @@ from .. import numerics
 from ..attention import build_attention
 from ..config import ModelConfig
 from ..state import BlockState, LinearAttentionState, ModelState
+from .common import at_positions
 
 
 class ShortConv(nn.Module):
@@ -143,6 +144,7 @@ class LinearGPT(nn.Module):
         state: ModelState | None = None,
         key_mask: torch.Tensor | None = None,
         prefixes: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ModelState]:
         """ids (B, T) → logits (B, T, V) and the state after those tokens.
 
@@ -150,6 +152,7 @@ class LinearGPT(nn.Module):
         positions leave the state untouched (exact for linear attention). `prefixes` (linear attention):
         the returned state holds the state after every prefix — each tensor (B, T, …), index j the state
         after tokens 0..j (`ModelState.select_prefix` picks one per row): speculative decoding's rollback.
+        `logits_at` (B,): the head runs at each row's one position only, logits (B, V) — a prompt chunk's last.
         """
         B, T = ids.shape
         if state is None:
@@ -159,6 +162,7 @@ class LinearGPT(nn.Module):
         for block, block_state in zip(self.blocks, state.blocks):
             x, block_state = block(x, block_state, key_mask, prefixes)  # (B, T, C)
             new_blocks.append(block_state)
+        x = at_positions(x, logits_at)  # (B, T, C), or (B, C) at each row's one position
         x = numerics.normalize(self.ln_f, x)  # (B, T, C)
         head = numerics.linear if numerics.exact_inference(x) else F.linear
         logits = head(x, self.wte.weight)  # (B, T, V) tied head

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from linserve.model.decode_step import flat_verify_step, state_names
+from linserve.model.decode_step import flat_prefill_step, state_names
 from linserve.model.interface import ServedModel
 
 MAX_PREFIX_BYTES = 64 << 20  # the states after every prefix one call may hold (all its rows)
@@ -79,22 +79,23 @@ def prefill_program(model: ServedModel, tokens: int):
         program(ids (T, P), slots (P,), lengths (P,), *pool buffers, *SlotSampling tensors (not read))
             -> (logits (P, V) fp32 after each row's `length` tokens,)
 
-    gather the rows' state by slot → the model over the T tokens, the state after every prefix kept → each row's
+    gather the rows' state by slot → the model over the T tokens, the state after every prefix kept and the head
+    run at each row's last token only (`logits_at`: 1/T of the head's work, the same bits) → each row's
     state after its `length` tokens written into its slot (index_copy_ into the pool buffers, in place) and its
     logits there returned. Rows padded to a bucket repeat the first row (same slot, same values): their writes
     are the same bits."""
-    step = flat_verify_step(model)
+    step = flat_prefill_step(model)
     n_state = len(state_names(model))
 
     def program(ids: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                 *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
         pool = buffers[:n_state]
         state = [buffer.index_select(0, slots) for buffer in pool]  # (P, …) each
-        logits, *prefixes = step(ids.transpose(0, 1), *state)  # (P, T, V), then (P, T, …) each
-        rows = torch.arange(slots.shape[0], device=slots.device)  # (P,)
         last = lengths - 1  # (P,) where each row's chunk ends
+        logits, *prefixes = step(ids.transpose(0, 1), last, *state)  # (P, V) there, then (P, T, …) each
+        rows = torch.arange(slots.shape[0], device=slots.device)  # (P,)
         for buffer, every in zip(pool, prefixes):
             buffer.index_copy_(0, slots, every[rows, last].to(buffer.dtype))  # the state after the chunk, in place
-        return (logits[rows, last],)  # (P, V)
+        return (logits,)  # (P, V)
 
     return program

@@ -215,14 +215,15 @@ class Scheduler:
         return min(self.waiting.values(), key=lambda s: self._urgency(s, now))
 
     def _priced_chunk(self, seq: SchedSeq, budget: int, call: tuple[int, int]) -> tuple[int, int]:
-        """(length, what it costs of the budget). `call` = (T, share): a whole remaining prompt of at most T tokens
-        runs as one row of one compiled prefill call, padded to T — the call costs the same for 1 or T tokens, and
-        its rows share it — so it costs `share` (T / the call's rows) where that fits the budget; anything else
-        costs its tokens."""
+        """(length, what it costs of the budget). `call` = (T, share): the rest of a prompt of at most T tokens, or
+        T tokens of a longer one, runs as one row of one compiled prefill call, padded to T — the call costs the
+        same for 1 or T tokens, and its rows share it — so it costs `share` (T / the call's rows) where that fits
+        the budget; anything else costs its tokens. (A chunk of fewer tokens than the budget left would be a call
+        of its own: two arrivals' first 16 tokens ride one 2-row call, not a 16-token call and an 8-token one.)"""
         tokens, share = call
-        left = seq.prefill_left
-        if 0 < share <= budget and 0 < left <= tokens and self._chunk(seq, left) == left:  # (no boundary inside)
-            return left, share
+        whole = min(seq.prefill_left, tokens)  # the rest of the prompt, or one call's T tokens of it
+        if 0 < share <= budget and whole > 0 and self._chunk(seq, whole) == whole:  # (no boundary inside)
+            return whole, share
         length = self._chunk(seq, budget)
         return length, length
 

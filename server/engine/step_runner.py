@@ -169,76 +169,82 @@ class StepRunner:
         return delivery
 
     def prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:
-        """This step's prefill chunks (request, start, length) — those of equal length as one batch (exact:
-        no padding), on the prefill thread count. The state moves on; the first tokens come from
-        `first_tokens` once a prompt is whole."""
+        """This step's prefill chunks (request, start, length) — through the compiled prefill program those that
+        take as many of its calls (each row its own length: its padding is never read), eagerly those of equal
+        length as one batch (exact: no padding); on the prefill thread count. The state moves on; the first
+        tokens come from `first_tokens` once a prompt is whole."""
         with self.threads.prefilling() if self.threads is not None else contextlib.nullcontext():
             self._prefill(work)
 
     def _prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:
-        by_length: dict[int, list[tuple[LiveRequest, int]]] = {}
+        eager: dict[int, list[tuple[LiveRequest, int]]] = {}
+        programs: dict[int, list[tuple[LiveRequest, int, int]]] = {}  # by calls of the program: ⌈length / T⌉
         for live, start, length in work:
-            by_length.setdefault(length, []).append((live, start))
-        for length, members in by_length.items():
             if length == 0:  # a session continuing without a prompt: its stored logits
-                for live, _ in members:
-                    live.last_logits = live.session.logits.to(self.device)  # (V,)
-                continue
-            slots = [live.rows[0].slot for live, _ in members]
-            scored = any(live.request.params.prompt_logprobs is not None for live, _ in members)
-            if not scored and self._compiled_prefill(length, len(members)):
-                self._consumed(members, length, None, self._prefill_program(members, length, slots))
-                continue
-            # eagerly: as many rows a call as EAGER_PREFILL_STATE_BYTES of their state allows (at least one; a
-            # row's bits are the same in any batch), each group's state and progress moved on together
+                live.last_logits = live.session.logits.to(self.device)  # (V,)
+            elif live.request.params.prompt_logprobs is None and self._compiled_prefill(length):
+                programs.setdefault(-(-length // self.prefill_step.kind.tokens), []).append((live, start, length))
+            else:
+                eager.setdefault(length, []).append((live, start))
+        most = self.prefill_step.sizes[-1] if programs else 0
+        for members in programs.values():
+            for first in range(0, len(members), most):  # at most the largest bucket's rows a call
+                group = members[first : first + most]
+                if self.prefill_step.bucket_ready(len(group)) is None:  # (its bucket not ready: eagerly)
+                    for live, start, length in group:
+                        eager.setdefault(length, []).append((live, start))
+                    continue
+                self._consumed(group, None, self._prefill_program(group))
+        for length, members in eager.items():
+            # as many rows a call as EAGER_PREFILL_STATE_BYTES of their state allows (at least one; a row's bits
+            # are the same in any batch), each group's state and progress moved on together
             per_call = max(1, EAGER_PREFILL_STATE_BYTES // max(1, self.pool.slot_bytes))
+            slots = [live.rows[0].slot for live, _ in members]
             for first in range(0, len(members), per_call):
                 group, group_slots = members[first : first + per_call], slots[first : first + per_call]
                 ids = torch.tensor([live.feed[start : start + length] for live, start in group], device=self.device)
                 logits, state = self.model(ids, self.pool.gather(group_slots))  # (g, t, V)
                 self.pool.scatter(group_slots, state)
                 del state  # (freed before the next group's is made)
-                self._consumed(group, length, logits, logits[:, -1].float())
+                self._consumed([(live, start, length) for live, start in group], logits, logits[:, -1].float())
 
-    def _consumed(self, members: list[tuple[LiveRequest, int]], length: int, logits: torch.Tensor | None,
+    def _consumed(self, members: list[tuple[LiveRequest, int, int]], logits: torch.Tensor | None,
                   last: torch.Tensor) -> None:
-        """The rows' chunk is in their state: prompt logprobs scored from `logits` (B, t, V), the logits after it
-        `last` (B, V) kept, a stateless prompt's boundary remembered."""
-        for b, (live, start) in enumerate(members):
+        """The rows' chunks (request, start, length) are in their state: prompt logprobs scored from `logits`
+        (B, t, V), the logits after each chunk `last` (B, V) kept, a stateless prompt's boundary remembered."""
+        for b, (live, start, length) in enumerate(members):
             if live.request.params.prompt_logprobs is not None:
                 live.score_chunk(start, logits[b])
             live.consumed_chunk(length, last[b])
             if live.session is None:
                 self._remember_prefix(live, start + length, live.rows[0].slot)
 
-    def _compiled_prefill(self, length: int, rows: int) -> bool:
-        """Whether a chunk of `length` tokens for `rows` rows runs as prefill programs: short enough, and the
-        bucket its rows (at most the largest bucket at a time) run in compiled and ready — never the eager form of
-        the program, which keeps every prefix's state (the model's own eager forward is the faster eager)."""
+    def _compiled_prefill(self, length: int) -> bool:
+        """Whether a chunk of `length` tokens may run as prefill programs: short enough, and the program's
+        one-row bucket compiled and ready — never the eager form of the program, which keeps every prefix's state
+        (the model's own eager forward is the faster eager)."""
         step = self.prefill_step
-        return (step is not None and length <= PIECES * step.kind.tokens
-                and step.bucket_ready(min(rows, step.sizes[-1])) is not None)
+        return step is not None and length <= PIECES * step.kind.tokens and step.bucket_ready(1) is not None
 
-    def _prefill_program(self, members: list[tuple[LiveRequest, int]], length: int, slots: list[int]) -> torch.Tensor:
-        """The chunk through the compiled prefill program, T tokens a call (the last call's rows padded on the
-        right and told their length), at most the largest bucket's rows a call; the program writes the state.
-        Returns the logits after the chunk, (B, V) fp32."""
+    def _prefill_program(self, members: list[tuple[LiveRequest, int, int]]) -> torch.Tensor:
+        """Chunks (request, start, length) that take as many calls of the compiled prefill program, T tokens a
+        call, at most the largest bucket's rows: each call's rows padded on the right and told their own length
+        (every row has at least one token in every call); the program writes the state. Returns the logits
+        after each chunk, (B, V) fp32."""
         step = self.prefill_step
-        T, most = step.kind.tokens, step.sizes[-1]
+        T = step.kind.tokens
+        slots = [live.rows[0].slot for live, _, _ in members]
         before = self.pool.gather(slots)  # (a copy: put back if a call raises — the slots stay as they were)
-        last = []
         try:
-            for first in range(0, len(members), most):
-                group, group_slots = members[first : first + most], slots[first : first + most]
-                for offset in range(0, length, T):
-                    n = min(T, length - offset)
-                    ids = [live.feed[start + offset : start + offset + n] + [0] * (T - n) for live, start in group]
-                    (logits,) = step.run([*map(list, zip(*ids)), group_slots, [n] * len(group)])  # (g, V)
-                last.append(logits)
+            for offset in range(0, max(length for _, _, length in members), T):
+                chunks = [live.feed[start + offset : start + min(length, offset + T)]
+                          for live, start, length in members]
+                ids = [chunk + [0] * (T - len(chunk)) for chunk in chunks]
+                (logits,) = step.run([*map(list, zip(*ids)), slots, [len(chunk) for chunk in chunks]])  # (B, V)
         except BaseException:
             self.pool.scatter(slots, before)
             raise
-        return torch.cat(last) if len(last) > 1 else last[0]  # (B, V)
+        return logits
 
     def first_tokens(self, done: list[LiveRequest]) -> Delivery:
         """The first token of every request whose prompt is now whole, sampled in one batch (a prompt-only

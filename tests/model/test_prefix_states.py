@@ -30,6 +30,25 @@ def test_the_state_after_every_prefix_is_the_recurrent_one(name):
         assert all(torch.allclose(rows.tensors()[n][b], t[0], rtol=1e-5, atol=1e-5) for n, t in alone.tensors().items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_logits_at_one_position_a_row_are_those_of_every_position(dtype):
+    """The prefill program's form: the head at each row's own last position only — in bf16 (exact) the bits of
+    the whole chunk's logits there, and the state after every prefix unchanged."""
+    model = build(tiny(decay=True, conv_kernel=4)).to(dtype)
+    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(4)).to(next(model.parameters()).device)
+    at = torch.tensor([11, 0, 6], device=ids.device)
+    every, every_state = model(ids, prefixes=True)  # (3, 12, V)
+    picked, state = model(ids, prefixes=True, logits_at=at)  # (3, V)
+    want = every[torch.arange(3, device=ids.device), at]  # (3, V)
+    if dtype == torch.bfloat16 and ids.device.type == "cpu":  # the exact path: the same bits
+        assert torch.equal(picked, want)
+    else:  # a GEMM over 3 rows against one over 36 (fp32, or bf16 on a GPU): their roundings
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(picked, want, rtol=tolerance, atol=tolerance)
+    assert all(torch.equal(state.tensors()[n], t) for n, t in every_state.tensors().items())
+
+
 def test_softmax_attention_has_no_prefix_states():
     model = build(tiny(attention="softmax"))
     with pytest.raises(ValueError, match="linear-attention"):

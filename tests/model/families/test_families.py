@@ -62,6 +62,17 @@ def test_the_state_after_every_prefix_is_that_prefixs_state(checkpoint):
 
 
 @torch.no_grad()
+def test_logits_at_one_position_a_row_are_the_bits_of_every_positions(checkpoint):
+    model = load_checkpoint(checkpoint, torch.device("cpu"), torch.bfloat16)
+    ids, at = ids_for(3, 9), torch.tensor([8, 0, 5])
+    every, every_state = model(ids, prefixes=True)  # (3, 9, V)
+    picked, state = model(ids, prefixes=True, logits_at=at)  # (3, V)
+    assert picked.shape == (3, every.shape[-1])
+    assert torch.equal(picked, every[torch.arange(3), at])
+    assert all(torch.equal(state.tensors()[name], tensor) for name, tensor in every_state.tensors().items())
+
+
+@torch.no_grad()
 def test_in_bf16_a_rows_bits_do_not_depend_on_its_batch_or_its_split(checkpoint):
     model = load_checkpoint(checkpoint, torch.device("cpu"), torch.bfloat16)
     ids = ids_for(5, 40)

@@ -4,6 +4,8 @@ what the eager program does; an engine prefilling through them gives the tokens 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -164,6 +166,53 @@ class FailingPrefill:
         if self.calls == self.fail_at:
             raise RuntimeError("injected prefill program fault")
         return self.step.run(io_rows)
+
+
+class RecordingPrefill(FailingPrefill):
+    """The eager program standing in for the compiled buckets, each call's lengths recorded; its first call waits
+    until `release` is set (the engine thread held inside a step while more requests arrive)."""
+
+    def __init__(self, step: DecodeStep) -> None:
+        super().__init__(step, None)
+        self.lengths: list[list[int]] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def run(self, io_rows):
+        self.entered.set()
+        assert self.release.wait(30)
+        self.lengths.append(list(io_rows[-1]))
+        return super().run(io_rows)
+
+
+def test_arrivals_of_different_lengths_share_prefill_program_calls(make_engine, device):
+    """While a stream decodes, prompts of 3, 8, 5 and 20 tokens arrive together: each whole short prompt, and each
+    T-token chunk of the long one, costs its share of a 2-row call, and rows of different lengths ride one call told
+    their own lengths — and every request gets the tokens of an engine that prefills eagerly."""
+    if device.type != "cpu":
+        pytest.skip("the prefill program is compiled on CPUs only (prefill_program_tokens)")
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+    engine = make_engine(num_slots=6, max_prefill_chunk=64, max_batch_tokens=128, max_prefill_while_decoding=2 * T)
+    r = engine.runner
+    program = DecodeStep(r.model, r.pool, r.sampling, device, "off", max_rows=PREFILL_ROWS, kind=prefill_kind(T))
+    r.prefill_step = recording = RecordingPrefill(program)
+    first, sinks = Collector(), [Collector() for _ in range(4)]
+    accepted = [engine.submit(EngineRequest("first", prompt(4, 30), SamplingParams(
+        max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)), first)]
+    assert recording.entered.wait(30)  # the engine thread is inside the first prompt's call
+    prompts = [prompt(3, 31), prompt(8, 32), prompt(5, 33), prompt(20, 34)]
+    accepted += [engine.submit(EngineRequest(f"t{i}", ids, params), sink)
+                 for i, (ids, sink) in enumerate(zip(prompts, sinks))]
+    recording.release.set()  # (the engine takes the arrivals in once the step is over)
+    for future in accepted:
+        future.result(30)
+    got = [sink.wait() for sink in sinks]
+    first.wait()
+    # the first step after: 3 and 8 in one call, then 5 and the long prompt's first T (a budget of 4 shares)
+    assert recording.lengths[1:3] == [[3, 8], [5, T]], recording.lengths
+    eager = make_engine(num_slots=6, max_prefill_chunk=64, max_batch_tokens=128)
+    want = [run(eager, ids, params, f"e{i}") for i, ids in enumerate(prompts)]
+    assert [tokens_of(o) for o in got] == [tokens_of(o) for o in want]
+    assert_slots_balance(engine)
 
 
 def test_a_prefill_program_call_that_raises_fails_the_turn_and_the_session_continues_as_if_it_never_ran(

@@ -138,9 +138,9 @@ def test_prefill_is_throttled_while_streams_decode():
 
 
 def test_short_prompts_are_priced_as_their_share_of_one_prefill_program_call_while_streams_decode():
-    """With the compiled prefill program ready (T 16, 2 rows a call), a whole prompt of at most T tokens costs T / 2
-    of the while-decoding budget: two 16-token arrivals join a decoding step, not one; a longer prompt still gets
-    its tokens' worth, and with no program ready short prompts cost their tokens as before."""
+    """With the compiled prefill program ready (T 16, 2 rows a call), a whole prompt of at most T tokens — or T tokens
+    of a longer one — costs T / 2 of the while-decoding budget: two 16-token arrivals join a decoding step, not one;
+    with no program ready chunks cost their tokens as before."""
     ready = {"call": (16, 2)}
     scheduler = Scheduler(FakeAllocator(8), max_batch_tokens=300, max_prefill_chunk=256, max_prefill_while_decoding=16,
                           prefill_call=lambda: ready["call"])
@@ -154,18 +154,16 @@ def test_short_prompts_are_priced_as_their_share_of_one_prefill_program_call_whi
     for seq_id, _, length in plan.prefill:
         scheduler.prefilled(seq_id, length)
     plan = scheduler.schedule()
-    assert plan.prefill == [("c", 0, 16), ("long", 0, 8)]  # the long prompt takes what is left, in tokens
+    # a longer prompt: one call's T tokens of it at the same share (an 8-token chunk would be a call of its own)
+    assert plan.prefill == [("c", 0, 16), ("long", 0, 16)]
     scheduler.prefilled("c", 16)
-    scheduler.prefilled("long", 8)
-    assert scheduler.schedule().prefill == [("long", 8, 16)]  # not one call: its tokens' worth
+    scheduler.prefilled("long", 16)
     ready["call"] = (0, 0)  # no program ready: tokens again
     scheduler.add(SchedSeq("d", to_prefill=10))
     scheduler.add(SchedSeq("e", to_prefill=10))
+    assert scheduler.schedule().prefill == [("long", 16, 16)]
     scheduler.prefilled("long", 16)
-    plan = scheduler.schedule()
-    assert plan.prefill == [("long", 24, 16)]
-    scheduler.prefilled("long", 16)
-    assert scheduler.schedule().prefill == [("d", 0, 10), ("e", 0, 6)]
+    assert scheduler.schedule().prefill == [("long", 32, 8), ("d", 0, 8)]
 
 
 def admitted(plan) -> list[str]:
