@@ -45,14 +45,15 @@ def flat_prefill_step(model: LinearGPT) -> FlatStep:
 
         step(tokens (B, T), at (B,), *state) -> (logits (B, V) fp32 at `at`, *state after every prefix (B, T, …))
 
-    The head runs on B rows, not B · T: the bits of `flat_verify_step`'s logits there (the head is row by row)."""
+    The head runs on B rows, not B · T: the bits of `flat_verify_step`'s logits there (the head is row by row);
+    `at` None reads every position, as `flat_verify_step` does."""
     if model.config.attention != "linear":
-        raise ValueError("a prefill program from a fixed (S, z) state needs attention 'linear'")
+        raise ValueError("keeping the state after every prefix from a fixed (S, z) state needs attention 'linear'")
     names = state_names(model)  # outside the traced function
 
-    def step(tokens: torch.Tensor, at: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def step(tokens: torch.Tensor, at: torch.Tensor | None, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         logits, prefixes = model(tokens, model.state_from_tensors(dict(zip(names, state))), prefixes=True,
-                                 logits_at=at)  # (B, V)
+                                 logits_at=at)  # (B, V), or (B, T, V) where `at` is None
         return (logits.float(), *prefixes.tensors().values())
 
     return step
@@ -64,12 +65,9 @@ def flat_verify_step(model: LinearGPT) -> FlatStep:
         step(tokens (B, T), *state) -> (logits (B, T, V) fp32, *state after every prefix (B, T, …) each)
 
     in `state_names` order; the recurrence's scan over the T tokens, so one pass verifies a draft."""
-    if model.config.attention != "linear":
-        raise ValueError("verifying drafts from a fixed (S, z) state needs attention 'linear'")
-    names = state_names(model)  # outside the traced function
+    every = flat_prefill_step(model)
 
     def step(tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, prefixes = model(tokens, model.state_from_tensors(dict(zip(names, state))), prefixes=True)  # (B, T, V)
-        return (logits.float(), *prefixes.tensors().values())
+        return every(tokens, None, *state)  # every position's logits (B, T, V)
 
     return step
