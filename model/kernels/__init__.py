@@ -8,9 +8,11 @@ generalised delta rule for every row and head in one pass over the state (`torch
 `delta_read` from each row's slot, then `state_commit` in place once the step's rows are known good; the delta rule's
 `linear_read_folded` and `delta_read_folded` apply the slot's pending update as they read, and `pending_record` notes
 the next one; `pending_settle` writes the pending updates of listed slots, every folded state in one call).
-`top_k_draw.cpp` holds the decode program's top-k draw (`torch.ops.linserve.top_k_draw`: one pass a row for what
-torch did in two `topk` calls, a tie mask and a window — server/engine/sampling.py's `_draw_survivors`, to the
-bit). `invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
+`sampling.cpp` holds the decode program's sampling (`torch.ops.linserve.choose_tokens`: one pass a row for its
+penalties, its counter-based uniform and its draw — server/engine/sampling.py's `choose_tokens`, to the bit; the
+draw alone, `tempered_draw`, in what torch did in a division, exponentials over the whole vocabulary, two `topk`
+calls, a tie mask and a window). `invariant_linear.cpp` holds the
+batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
 `invariant_linear_cat` for up to four weights over one input in one parallel region): each output a fixed sequence
 of roundings whatever the number of rows, bf16 or int8 weights packed once (on memory advised as huge pages) or in
 the checkpoint's own (N, K) layout: AMX tiles or AVX512-BF16 lanes where the CPU has them, the same lanes'
@@ -48,7 +50,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp",
-                                                                           "pooled_state.cpp", "top_k_draw.cpp",
+                                                                           "pooled_state.cpp", "sampling.cpp",
                                                                            "program_call.cpp", "cpu_allocator.cpp")]
 # every header beside the sources, part of the build's key (listed from the directory: a new one needs no entry here)
 HEADERS = sorted(os.path.join(os.path.dirname(__file__), name) for name in os.listdir(os.path.dirname(__file__))
@@ -91,8 +93,14 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
     "state_commit": "AOTITorchError aoti_torch_cpu_state_commit(AtenTensorHandle pool, AtenTensorHandle slots, "
                     "AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle keep, "
                     "AtenTensorHandle* ret0)",
-    "top_k_draw": "AOTITorchError aoti_torch_cpu_top_k_draw(AtenTensorHandle probs, AtenTensorHandle k, "
-                  "AtenTensorHandle min_p, AtenTensorHandle uniforms, AtenTensorHandle* ret0)",
+    "choose_tokens": "AOTITorchError aoti_torch_cpu_choose_tokens(AtenTensorHandle logits, AtenTensorHandle slots, "
+                     "AtenTensorHandle positions, AtenTensorHandle floats, AtenTensorHandle top_k, "
+                     "AtenTensorHandle seed, AtenTensorHandle bias, AtenTensorHandle counts, AtenTensorHandle seen, "
+                     "AtenTensorHandle* ret0, AtenTensorHandle* ret1, AtenTensorHandle* ret2, "
+                     "AtenTensorHandle* ret3, AtenTensorHandle* ret4)",
+    "tempered_draw": "AOTITorchError aoti_torch_cpu_tempered_draw(AtenTensorHandle logits, "
+                     "AtenTensorHandle temperature, AtenTensorHandle k, AtenTensorHandle min_p, "
+                     "AtenTensorHandle uniforms, AtenTensorHandle* ret0)",
 }
 
 _lock = threading.Lock()
@@ -356,9 +364,15 @@ def _register_fake() -> None:
     def dplr_shapes(r, d, k, v, a, b, S):
         return v.new_empty(v.shape), S.new_empty(S.shape)
 
-    @torch.library.register_fake("linserve::top_k_draw")
-    def drawn_shape(probs, k, min_p, uniforms):
-        return k.new_empty((probs.shape[0],))
+    @torch.library.register_fake("linserve::choose_tokens")
+    def chosen_shapes(logits, slots, positions, floats, top_k, seed, bias, counts, seen):
+        rows = (logits.shape[0],)
+        return (slots.new_empty(rows), slots.new_empty(rows, dtype=torch.bool), logits.new_empty(rows),
+                logits.new_empty(logits.shape), slots.new_empty(rows, dtype=torch.bool))
+
+    @torch.library.register_fake("linserve::tempered_draw")
+    def drawn_shape(logits, temperature, k, min_p, uniforms):
+        return k.new_empty((logits.shape[0],))
 
     @torch.library.register_fake("linserve::pack_weight")
     def packed_shape(weight):

@@ -27,7 +27,6 @@ class DecodeOutputs:
     """What one decode program returns for B rows (see `decode_program`)."""
 
     tokens: torch.Tensor  # (B,) int64 drawn (argmax for greedy rows; top-k applied where the program can)
-    logprob: torch.Tensor  # (B,) the drawn token's log-probability under the model
     finite: torch.Tensor  # (B,) bool: the row's logits were finite
     uniforms: torch.Tensor  # (B,) the rows' counter-based uniforms (a filtered redraw reuses them)
     processed: torch.Tensor  # (B, V) logits after logit_bias and penalties
@@ -52,6 +51,11 @@ class ProgramKind:
     @property
     def io_rows(self) -> int:
         return 3 if self.drafts == 0 else self.drafts + 4
+
+    @property
+    def logits_output(self) -> int:
+        """Which of the program's outputs are the logits (DecodeOutputs' or VerifyOutputs' order)."""
+        return 4 if self.drafts == 0 else 5
 
     def make(self, model: ServedModel):
         if self.drafts == 0:
@@ -86,7 +90,7 @@ def decode_program(model: ServedModel):
     """The whole decode step as one function of tensors — what gets compiled per bucket:
 
         program(tokens (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors, *pending updates)
-            -> (tokens, logprob, finite, uniforms, processed, logits, redraw, table)
+            -> (tokens, finite, uniforms, processed, logits, redraw, table)
 
     gather the rows' state from the pool by slot (a state the family reads in place: handed over as the pool
     buffer and the slots, model/pooled_state.py) → the model's recurrent step → the rows' sampling
@@ -124,7 +128,7 @@ def decode_program(model: ServedModel):
             update = PendingBuffers(*(next(pending) for _ in range(4))) if fold and kept else None
             state.append(PooledState(buffer, slots, update))
         logits, *new_state = step(tokens[:, None], *state)  # (P, V) fp32
-        tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling)
+        tokens, finite, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling)
         counts = sampling[COUNTS]  # (N, V)
         drawn = finite & ~redraw  # (P,) the token is the row's (a redrawn row is counted by the host's redraw)
         current = counts[slots, tokens]  # (P,)
@@ -136,6 +140,6 @@ def decode_program(model: ServedModel):
             keep = finite.view(-1, *([1] * (new.dim() - 1)))  # (P, 1, …)
             buffer.index_copy_(0, slots, torch.where(keep, new.to(buffer.dtype), gathered(old)))  # the commit
         table = torch.stack([tokens, finite.long(), redraw.long()], dim=1)  # (P, 3)
-        return tokens, logprob, finite, uniforms, processed, logits, redraw, table
+        return tokens, finite, uniforms, processed, logits, redraw, table
 
     return program

@@ -51,6 +51,8 @@ class PrefillKind:
     def io_rows(self) -> int:
         return self.tokens + 2
 
+    logits_output = 0  # the program's one output
+
     @property
     def label(self) -> str:
         return f"prefill step ({self.tokens} tokens)"

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from linserve.model import kernels, numerics
+from linserve.model import kernels
 
 from .types import SamplingParams, TokenLogprob
 
@@ -136,20 +136,22 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _tempered(processed: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax (B,), softmax(logits / T) (B, V) in float64); rows with temperature 0 get T = 1 (their argmax is
-    used). The exponentials are float64 (the eager and the compiled program's exp differ in fp32's last bit,
-    enough to move an inverse-CDF draw across a boundary; in float64 the difference is ~1e-16)."""
+    """(argmax (B,), the weights of softmax(logits / T) (B, V) in float64, unnormalised: exp(scaled − max), the
+    largest 1); rows with temperature 0 get T = 1 (their argmax is used). Every draw here is the same whatever the
+    weights' scale (inverse CDF, top-k, min-p against the largest; top-p against the sum), so the sum over the
+    vocabulary is taken only where top-p needs it. The exponentials are float64 (the eager and the compiled
+    program's exp differ in fp32's last bit, enough to move an inverse-CDF draw across a boundary; in float64 the
+    difference is ~1e-16), and a CPU's are SLEEF's vector exp, the decode program's kernel's too."""
     scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # (B,)
     scaled = processed / scale[:, None]  # (B, V)
-    weights = torch.exp((scaled - scaled.amax(dim=-1, keepdim=True)).double())  # (B, V) float64, max 1
-    return processed.argmax(dim=-1), weights / weights.sum(dim=-1, keepdim=True)
+    return processed.argmax(dim=-1), torch.exp((scaled - scaled.amax(dim=-1, keepdim=True)).double())  # (B,), (B, V)
 
 
 def sample_plain(processed: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """processed (B, V) → tokens (B,): argmax where temperature is 0, else a draw from softmax(logits / T)
     — no top-k/top-p/min-p filter (no sort): the decode program's path."""
-    greedy, probs = _tempered(processed, temperature)  # (B,), (B, V)
-    return torch.where(temperature > 0, _inverse_cdf(probs, uniforms), greedy)  # (B,)
+    greedy, weights = _tempered(processed, temperature)  # (B,), (B, V)
+    return torch.where(temperature > 0, _inverse_cdf(weights, uniforms), greedy)  # (B,)
 
 
 def sample_filtered(processed: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -157,77 +159,85 @@ def sample_filtered(processed: torch.Tensor, temperature: torch.Tensor, top_k: t
     """`sample_plain` with each row's top-k (0: off), top-p and min-p filters (B,), decided over the sorted
     distribution (the most likely token always survives); the draw itself is inverse-CDF in vocabulary
     order over the survivors, so a row whose filters drop nothing gets exactly `sample_plain`'s token."""
-    greedy, probs = _tempered(processed, temperature)  # (B,), (B, V)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).clamp(max=probs.shape[-1])  # (B,)
+    greedy, weights = _tempered(processed, temperature)  # (B,), (B, V)
+    vocab = weights.shape[-1]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)  # (B,)
     if bool((top_p < 1).any()):
-        chosen = _inverse_cdf(probs.masked_fill(_dropped_by_sort(probs, k, top_p, min_p), 0.0), uniforms)  # (B,)
+        chosen = _inverse_cdf(weights.masked_fill(_dropped_by_sort(weights, k, top_p, min_p), 0.0), uniforms)  # (B,)
     else:
-        chosen = _draw_top_k(probs, k, min_p, uniforms)  # (B,)
+        chosen = _draw_top_k(weights, k, min_p, uniforms)  # (B,)
     return torch.where(temperature > 0, chosen, greedy)  # (B,)
 
 
-def _draw_top_k(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def _draw_top_k(weights: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Top-k and min-p without a sort of the vocabulary (k in [1, V]): the inverse-CDF draw over each row's
     survivors alone, in vocabulary order (`_draw_survivors`)."""
-    return _draw_survivors(probs, k, min_p, uniforms, min(int(k.max()), probs.shape[-1]))  # (B,)
+    return _draw_survivors(weights, k, min_p, uniforms, min(int(k.max()), weights.shape[-1]))  # (B,)
 
 
-def _draw_survivors(probs: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor,
+def _draw_survivors(weights: torch.Tensor, k: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor,
                     width: int) -> torch.Tensor:
     """The draw over each row's top-k survivors (k (B,) in [1, width]; ties at the k-th value broken toward the
     lower id, as a stable descending sort ranks them), less those min-p drops, gathered into a window of `width`
     in vocabulary order: the same additions in the same order as the inverse CDF over the whole masked row (a
     dropped token adds an exact zero there), so the same token to the bit, also where the draw runs past the last
     survivor (id V - 1, as `_inverse_cdf` clamps). No branch and static shapes: the decode program's form too."""
-    vocab = probs.shape[-1]
-    kth = probs.topk(width, dim=-1).values.gather(1, (k - 1)[:, None])  # (B, 1) each row's k-th largest value
-    keep = ~_outside_top_k(probs, k, kth) & (probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True))  # (B, V)
-    order = torch.arange(vocab, 0, -1, device=probs.device)  # (V,) larger for lower ids
+    vocab = weights.shape[-1]
+    kth = weights.topk(width, dim=-1).values.gather(1, (k - 1)[:, None])  # (B, 1) each row's k-th largest value
+    floor = min_p[:, None] * weights.amax(dim=-1, keepdim=True)  # (B, 1) min-p, against the largest
+    keep = ~_outside_top_k(weights, k, kth) & (weights >= floor)  # (B, V)
+    order = torch.arange(vocab, 0, -1, device=weights.device)  # (V,) larger for lower ids
     ranked, at_id = torch.where(keep, order[None, :], torch.zeros_like(order)[None, :]).topk(width, dim=-1)  # (B, W)
     ids = vocab - ranked  # (B, W) the survivors in vocabulary order, then filler (ranked 0)
-    values = torch.where(ranked > 0, probs.gather(1, at_id), torch.zeros((), dtype=probs.dtype, device=probs.device))
+    values = torch.where(ranked > 0, weights.gather(1, at_id),
+                         torch.zeros((), dtype=weights.dtype, device=weights.device))  # (B, W)
     cdf = values.cumsum(dim=-1)  # (B, W)
     at = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)  # (B, 1)
     token = ids.gather(1, at.clamp(max=width - 1))[:, 0]  # (B,)
     return torch.where(at[:, 0] < width, token, torch.full_like(token, vocab - 1))  # (B,)
 
 
-def _dropped_by_sort(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """The filters over each row's whole sorted distribution (top-p needs the mass before every rank):
-    (B, V) bool in vocabulary order. The most likely token (the lowest id among equals) always survives."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B, V)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, V)
+def _dropped_by_sort(weights: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor) -> torch.Tensor:
+    """The filters over each row's whole sorted distribution (top-p needs the mass before every rank, as a share
+    of the row's total): (B, V) bool in vocabulary order. The most likely token (the lowest id among equals)
+    always survives."""
+    ordered, order = weights.sort(dim=-1, descending=True, stable=True)  # (B, V)
+    ranks = torch.arange(weights.shape[-1], device=weights.device)[None, :]  # (1, V)
+    cumulative = ordered.cumsum(dim=-1)  # (B, V)
     drop = ranks >= k[:, None]  # (B, V) in sorted order
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V) mass strictly before each rank
-    drop |= before >= top_p[:, None]
-    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    drop |= cumulative - ordered >= top_p[:, None] * cumulative[:, -1:]  # mass strictly before each rank
+    drop |= ordered < min_p[:, None] * ordered[:, :1]
     drop[:, 0] = False
     return torch.zeros_like(drop).scatter(1, order, drop)  # (B, V) back in vocabulary order
 
 
-def _outside_top_k(probs: torch.Tensor, k: torch.Tensor, kth: torch.Tensor | None = None) -> torch.Tensor:
+def _outside_top_k(weights: torch.Tensor, k: torch.Tensor, kth: torch.Tensor | None = None) -> torch.Tensor:
     """Without top-p no sort is needed: (B, V) True where a token is not among its row's k most likely, ties at
     the k-th value broken toward the lower id — exactly the ranks a stable descending sort gives (k in [1, V]).
     `kth` (B, 1): each row's k-th largest value, if the caller has it."""
     if kth is None:
-        kth = probs.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # (B, 1)
-    above = probs > kth  # (B, V)
-    level = probs == kth  # (B, V)
+        kth = weights.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # (B, 1)
+    above = weights > kth  # (B, V)
+    level = weights == kth  # (B, V)
     room = k[:, None] - above.sum(dim=-1, keepdim=True)  # (B, 1) >= 1: how many at the k-th value survive
     return ~(above | (level & (level.cumsum(dim=-1) <= room)))  # (B, V)
 
 
-def _draw_in_program(probs: torch.Tensor, window: torch.Tensor, min_p: torch.Tensor,
+def _draw_in_program(processed: torch.Tensor, temperature: torch.Tensor, window: torch.Tensor, min_p: torch.Tensor,
                      uniforms: torch.Tensor) -> torch.Tensor:
-    """The decode program's draw (static shapes): window (B,) > 0 — the top-k (and min-p) draw over a fixed width
-    (TOP_K_IN_PROGRAM; `_draw_top_k`'s token: the survivors are the same and a wider window only adds exact zeros
-    to the cumulative sum); 0 — no filter, the inverse CDF over the whole row. On a CPU one pass a row
-    (kernels/top_k_draw.cpp), the same tokens to the bit; elsewhere torch's ops."""
-    if probs.device.type == "cpu" and kernels.load():
-        return torch.ops.linserve.top_k_draw(probs, window, min_p, uniforms)  # (B,)
-    width = min(TOP_K_IN_PROGRAM, probs.shape[-1])
-    filtered = _draw_survivors(probs, window.clamp(min=1, max=width), min_p, uniforms, width)  # (B,)
-    return torch.where(window > 0, filtered, _inverse_cdf(probs, uniforms))  # (B,)
+    """The decode program's draw (static shapes): argmax where temperature is 0; else window (B,) > 0 — the top-k
+    (and min-p) draw over a fixed width (TOP_K_IN_PROGRAM; `_draw_top_k`'s token: the survivors are the same and a
+    wider window only adds exact zeros to the cumulative sum); 0 — no filter, the inverse CDF over the whole row.
+    On a CPU one pass a row (kernels/sampling.cpp: the weights of the survivors alone), the same tokens to the
+    bit; elsewhere torch's ops."""
+    if processed.device.type == "cpu" and kernels.load():
+        return torch.ops.linserve.tempered_draw(processed, temperature, window, min_p, uniforms)  # (B,)
+    greedy, weights = _tempered(processed, temperature)  # (B,), (B, V)
+    width = min(TOP_K_IN_PROGRAM, weights.shape[-1])
+    filtered = _draw_survivors(weights, window.clamp(min=1, max=width), min_p, uniforms, width)  # (B,)
+    drawn = torch.where(window > 0, filtered, _inverse_cdf(weights, uniforms))  # (B,)
+    return torch.where(temperature > 0, drawn, greedy)  # (B,)
 
 
 def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, floats: torch.Tensor,
@@ -235,12 +245,16 @@ def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Te
                   seen: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The sampling half of a decode program: logits (B, V) of the rows in `slots` (B,), their token
     positions (B,), and the SlotSampling tensors →
-    (tokens (B,), chosen-token logprob (B,), finite (B,) bool, uniforms (B,), processed (B, V), redraw (B,) bool).
+    (tokens (B,), finite (B,) bool, uniforms (B,), processed (B, V), redraw (B,) bool).
     tokens: argmax for greedy rows, the top-k (and min-p) draw for rows with top-k up to TOP_K_IN_PROGRAM and no
     top-p, the unfiltered draw for the rest; `redraw` marks the sampled rows with filters this program could not
     apply (top-p, larger k, min-p alone): the caller redraws them from `processed` with
     the same uniforms (`sample_filtered`, the same token where both apply). Rows with non-finite logits sample
-    from zeros (their requests fail)."""
+    from zeros (their requests fail). Log-probabilities are the host's, for the rows that ask (`token_logprobs`).
+    On a CPU one pass a row (kernels/sampling.cpp), the same outputs to the bit; elsewhere torch's ops."""
+    if logits.device.type == "cpu" and kernels.load():
+        return tuple(torch.ops.linserve.choose_tokens(logits, slots, positions, floats, top_k, seed, bias, counts,
+                                                      seen))
     finite = torch.isfinite(logits).all(dim=-1)  # (B,)
     logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # (B, V)
     row_floats = floats.index_select(1, slots)  # (6, B)
@@ -249,22 +263,12 @@ def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Te
     uniforms = counter_uniforms(seed.index_select(0, slots), positions)  # (B,)
     temperature, top_p, min_p = row_floats[0], row_floats[1], row_floats[2]  # (B,) each
     k = top_k.index_select(0, slots)  # (B,)
-    greedy, probs = _tempered(processed, temperature)  # (B,), (B, V)
     filters = (k > 0) | (top_p < 1) | (min_p > 0)  # (B,) as SamplingParams.uses_filters
     window = torch.where(filters, k.clamp(min=1, max=TOP_K_IN_PROGRAM), torch.zeros_like(k))  # (B,) 0: whole row
-    drawn = _draw_in_program(probs, window, min_p, uniforms)  # (B,)
-    tokens = torch.where(temperature > 0, drawn, greedy)  # (B,)
+    tokens = _draw_in_program(processed, temperature, window, min_p, uniforms)  # (B,)
     cannot = (k <= 0) | (k > TOP_K_IN_PROGRAM) | (top_p < 1)  # (B,) top-p, a larger k, min-p alone
     redraw = (temperature > 0) & filters & cannot  # (B,)
-    return tokens, chosen_logprob(logits, tokens), finite, uniforms, processed, redraw
-
-
-def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] (B,) fp32 — its sum a fixed tree and its exp/log in float64, so the eager
-    and the compiled program report the same bits (model/numerics.py)."""
-    shifted = logits - logits.amax(dim=-1, keepdim=True)  # (B, V) exact
-    total = numerics.tree_sum(torch.exp(shifted.double()), -1)  # (B,) float64
-    return (shifted.gather(1, tokens[:, None])[:, 0].double() - torch.log(total)).float()  # (B,)
+    return tokens, finite, uniforms, processed, redraw
 
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (almost) no mass

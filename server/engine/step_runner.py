@@ -154,8 +154,8 @@ class StepRunner:
         out = VerifyOutputs(*raw[:6], state=raw[6:])
         index = torch.tensor(slots, device=self.device)  # (B,)
         nexts = out.emitted.gather(1, out.kept[:, None])[:, 0]  # (B,) the token after the accepted drafts
-        sampled = self._sampled(rows, DecodeOutputs(nexts, None, out.finite, out.uniforms, out.processed,
-                                                    out.logits, None), slots, wanted_logprobs(rows), index)
+        sampled = self._sampled(rows, DecodeOutputs(nexts, out.finite, out.uniforms, out.processed, out.logits,
+                                                    None), slots, wanted_logprobs(rows), index)
         table = torch.cat([out.emitted, out.kept[:, None]], dim=1).tolist()  # (B, k+2): one transfer
         kept = [line[-1] for line in table]
         accepted = [line[:n] for line, n in zip(table, kept)]
@@ -276,9 +276,8 @@ class StepRunner:
         slots = [row.slot for row in rows]
         index = torch.tensor(slots, device=self.device)  # (B,)
         positions = torch.tensor([row.position for row in rows], device=self.device)  # (B,)
-        tokens, logprob, finite, uniforms, processed, redraw = choose_tokens(logits, index, positions,
-                                                                             *self.sampling.tensors())
-        outputs = DecodeOutputs(tokens, logprob, finite, uniforms, processed, logits, redraw)
+        tokens, finite, uniforms, processed, redraw = choose_tokens(logits, index, positions, *self.sampling.tensors())
+        outputs = DecodeOutputs(tokens, finite, uniforms, processed, logits, redraw)
         return self._sampled(rows, outputs, slots, wanted_logprobs(rows), index)
 
     def _sampled(self, rows: list[Row], out: DecodeOutputs, slots: list[int], top_n: list[int | None] | None,

@@ -396,11 +396,13 @@ def test_each_lower_form_is_built_and_keeps_every_kernel_guarantee_on_this_cpu(f
     assert "test_the_loaded_form_follows_the_cpu" not in skipped
 
 
-def test_the_top_k_draw_is_the_torch_windows_token_to_the_bit():
-    """kernels/top_k_draw.cpp against sampling's `_draw_survivors` (two topk calls, the tie mask, the window):
-    rows with ties at the k-th value (logits rounded to quarters), min-p, probabilities that underflow to 0, a row
-    of one value, k from 1 to 64 and past the vocabulary, uniforms at 0 and just below 1 — every token the same,
-    and each row's the same alone as in the batch; k = 0, no filter: `_inverse_cdf` over the whole row."""
+def test_the_tempered_draw_is_the_torch_programs_token_to_the_bit():
+    """kernels/tempered_draw.cpp against sampling's torch form of the program's draw (`_tempered`, then
+    `_draw_survivors` — two topk calls, the tie mask, the window — or `_inverse_cdf`): rows with ties at the k-th
+    value (logits rounded to quarters), min-p, weights that underflow to 0 (so the k-th weight is 0 and the kernel
+    takes every weight), a row of one value, k from 1 to 64 and past the vocabulary, uniforms at 0 and just below 1,
+    greedy rows (temperature 0) — every token the same, and each row's the same alone as in the batch; k = 0, no
+    filter: `_inverse_cdf` over the whole row."""
     from linserve.server.engine.sampling import TOP_K_IN_PROGRAM, _draw_survivors, _inverse_cdf, _tempered
 
     generator = torch.Generator().manual_seed(11)
@@ -408,29 +410,32 @@ def test_the_top_k_draw_is_the_torch_windows_token_to_the_bit():
         rows = 256
         logits = torch.randn(rows, vocab, generator=generator) * 3  # (B, V)
         logits[::2] = (logits[::2] * 4).round() / 4  # half the rows: ties everywhere
-        logits[1::8] *= 400  # large spreads: many probabilities underflow to exactly 0
+        logits[1::8] *= 400  # large spreads: many weights underflow to exactly 0
         logits[3] = 0.5  # one value: all tie
         temperature = torch.rand(rows, generator=generator) * 1.5 + 0.05
-        _, probs = _tempered(logits, temperature)  # (B, V) float64
+        temperature[5::16] = 0.0  # greedy rows
+        greedy, weights = _tempered(logits, temperature)  # (B,), (B, V) float64
         width = min(TOP_K_IN_PROGRAM, vocab)
         k = torch.randint(1, width + 1, (rows,), generator=generator)  # (B,)
         k[:4] = torch.tensor([1, width, width, 2])
         min_p = torch.rand(rows, generator=generator) * torch.tensor([0.0, 0.0, 0.1, 0.5]).repeat(rows // 4)
         uniforms = torch.rand(rows, generator=generator)
         uniforms[:3] = torch.tensor([0.0, 1.0 - 2**-24, 0.5])
-        drawn = OP.top_k_draw(probs, k, min_p, uniforms)  # (B,)
-        expected = _draw_survivors(probs, k, min_p, uniforms, width)
+        sampled = temperature > 0
+        drawn = OP.tempered_draw(logits, temperature, k, min_p, uniforms)  # (B,)
+        expected = torch.where(sampled, _draw_survivors(weights, k, min_p, uniforms, width), greedy)
         assert drawn.equal(expected), (vocab, (drawn != expected).nonzero()[:5].flatten().tolist())
-        alone = torch.stack([OP.top_k_draw(probs[b : b + 1], k[b : b + 1], min_p[b : b + 1], uniforms[b : b + 1])[0]
-                             for b in range(0, rows, 17)])
+        alone = torch.stack([OP.tempered_draw(logits[b : b + 1], temperature[b : b + 1], k[b : b + 1],
+                                              min_p[b : b + 1], uniforms[b : b + 1])[0] for b in range(0, rows, 17)])
         assert alone.equal(drawn[::17])
         assert len(set(drawn.tolist())) > rows // 8  # (not one token for every row)
-        whole = OP.top_k_draw(probs, torch.zeros_like(k), min_p, uniforms)  # (B,) min-p is not applied here
-        assert whole.equal(_inverse_cdf(probs, uniforms)), vocab
+        whole = OP.tempered_draw(logits, temperature, torch.zeros_like(k), min_p, uniforms)  # min-p not applied
+        assert whole.equal(torch.where(sampled, _inverse_cdf(weights, uniforms), greedy)), vocab
 
 
-def test_the_top_k_draw_refuses_what_it_cannot_compute_with_a_message():
-    with pytest.raises(RuntimeError, match="float64"):
-        OP.top_k_draw(torch.zeros(2, 8), torch.ones(2, dtype=torch.long), torch.zeros(2), torch.zeros(2))
-    with pytest.raises(RuntimeError, match="one k, min_p, uniform a row"):
-        OP.top_k_draw(torch.zeros(2, 8).double(), torch.ones(3, dtype=torch.long), torch.zeros(2), torch.zeros(2))
+def test_the_tempered_draw_refuses_what_it_cannot_compute_with_a_message():
+    one, ones = torch.ones(2), torch.ones(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="fp32"):
+        OP.tempered_draw(torch.zeros(2, 8).double(), one, ones, one, one)
+    with pytest.raises(RuntimeError, match="one temperature, k, min_p, uniform a row"):
+        OP.tempered_draw(torch.zeros(2, 8), one, torch.ones(3, dtype=torch.long), one, one)

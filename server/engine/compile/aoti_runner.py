@@ -105,7 +105,7 @@ def allow_amx() -> None:
 
 def load_program(package: str):
     """The package's program called without the GIL; torch's loader where that cannot be done. linserve's kernels
-    are loaded first: a CPU program calls their C shims by name (every one draws through `top_k_draw`)."""
+    are loaded first: a CPU program calls their C shims by name (every one draws through `tempered_draw`)."""
     kernels.load()
     allow_amx()
     try:

@@ -209,7 +209,7 @@ class DecodeStep:
         if bucket is None:
             outputs = self._run(self.eager_program, rows, io_rows)
         elif self.device.type == "cuda":
-            outputs = replay(bucket, io_rows)
+            outputs = replay(bucket, io_rows, self.kind.logits_output)
         else:
             outputs = self._run(bucket.step, bucket.size, io_rows)
         if len(outputs[0]) != rows:  # padded to the bucket: the padding's outputs are dropped

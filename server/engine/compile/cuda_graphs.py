@@ -44,7 +44,8 @@ def capture(bucket: Bucket, inputs: Callable[[torch.Tensor], tuple], io_rows: in
     bucket.graph = graph
 
 
-def replay(bucket: Bucket, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
+def replay(bucket: Bucket, io_rows: list[list[int]], logits_at: int) -> tuple[torch.Tensor, ...]:
+    """The bucket's graph run on `io_rows`; its outputs, the logits (output `logits_at`) copied out."""
     pad = bucket.size - len(io_rows[0])
     # rows beyond the batch repeat the first row (a decode program writes every row's state in place: a padded row
     # writes its slot the same bits as the first); their outputs are dropped
@@ -52,4 +53,5 @@ def replay(bucket: Bucket, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]
     bucket.graph.replay()
     # the outputs are read (the sampled tokens) within this engine step; the logits may outlive
     # it (a prompt-only turn keeps them), so they get their own memory
-    return (*bucket.outputs[:5], bucket.outputs[5].clone(), *bucket.outputs[6:])
+    outputs = bucket.outputs
+    return (*outputs[:logits_at], outputs[logits_at].clone(), *outputs[logits_at + 1 :])

@@ -56,8 +56,8 @@ def run_steps(model, program_of, poisoned_slot: int | None, folded: bool = False
             pending = pool.pending_tensors() if folded else []  # (the commits noted for the next read)
             out = program(tokens, slots, torch.full((4,), position), *pool.buffers.values(), *sampling.tensors(),
                           *pending)
-            tokens = torch.where(out[2], out[0], 1)
-            outputs.append([t.clone() for t in (out[0], out[2], out[5])])
+            tokens = torch.where(out[1], out[0], 1)  # (tokens, finite, uniforms, processed, logits, …)
+            outputs.append([t.clone() for t in (out[0], out[1], out[4])])
     if folded:
         assert pool.pending and any(bool(t.any()) for t in pool.pending_tensors()[3::4])  # updates left pending
     pool.settle()  # (the pool as its states)

@@ -53,7 +53,7 @@ def test_top_k_and_min_p_without_a_sort_drop_exactly_what_the_sorted_form_drops(
 
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(64, 40, generator=generator) * 4).round() / 4  # (64, 40): ties at every k-th value
-    _, probs = _tempered(logits, torch.ones(64))  # (64, 40) float64
+    _, probs = _tempered(logits, torch.ones(64))  # (64, 40) float64 (weights: the largest 1)
     for top_k in (1, 2, 3, 7, 20, 39, 40):
         k = torch.full((64,), top_k)
         min_p = torch.rand(64, generator=generator) * torch.tensor([0.0, 0.3]).repeat(32)  # half the rows: none
@@ -143,9 +143,8 @@ def test_choose_tokens_reads_each_rows_parameters_from_its_slot():
     sampling.assign(2, SamplingParams(temperature=0, repetition_penalty=1e6), 0, None, [2])  # prompt token 2
     logits = torch.tensor([0.0, 0.0, 5.0, 4.0, 0.0, 0.0]).repeat(3, 1)
     slots, positions = torch.tensor([1, 3, 2]), torch.zeros(3, dtype=torch.long)
-    tokens, logprob, finite, _, processed, redraw = choose_tokens(logits, slots, positions, *sampling.tensors())
+    tokens, finite, _, processed, redraw = choose_tokens(logits, slots, positions, *sampling.tensors())
     assert tokens.tolist() == [2, 5, 3] and finite.all() and not redraw.any()  # (greedy rows: no filters apply)
-    assert torch.allclose(logprob, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])  # the model's
     assert float(processed[1, 5]) == 100.0
 
 
@@ -172,7 +171,7 @@ def test_the_programs_top_k_draw_is_the_hosts_and_it_flags_what_it_cannot_apply(
         sampling.assign(slot, params, 1000 + slot, None, [])
         cases.append(params)
     slots, positions = torch.arange(rows), torch.arange(rows) * 3
-    tokens, _, _, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling.tensors())
+    tokens, _, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling.tensors())
     host = sample_filtered(processed, sampling.floats[0], sampling.top_k, sampling.floats[1], sampling.floats[2],
                            uniforms)
     greedy = processed.argmax(-1)
@@ -194,15 +193,17 @@ def test_the_programs_top_k_draw_is_the_hosts_and_it_flags_what_it_cannot_apply(
     assert all(not redraw[b] and tokens[b] == host[b] for b in tied)
     from linserve.server.engine.sampling import _dropped_by_sort, _inverse_cdf, _tempered
 
-    _, probs = _tempered(processed[tied], sampling.floats[0, tied])  # the whole sorted distribution's draw
-    dropped = _dropped_by_sort(probs, sampling.top_k[tied], torch.ones(len(tied)), torch.zeros(len(tied)))
-    assert tokens[tied].equal(_inverse_cdf(probs.masked_fill(dropped, 0.0), uniforms[tied]))
+    _, weights = _tempered(processed[tied], sampling.floats[0, tied])  # the whole sorted distribution's draw
+    dropped = _dropped_by_sort(weights, sampling.top_k[tied], torch.ones(len(tied)), torch.zeros(len(tied)))
+    assert tokens[tied].equal(_inverse_cdf(weights.masked_fill(dropped, 0.0), uniforms[tied]))
     assert sum(1 for b, params in enumerate(cases) if params.uses_filters and not redraw[b]) > 30  # most drawn here
 
 
-def test_the_programs_draw_is_the_same_with_and_without_linserves_kernel(monkeypatch):
-    """On a CPU the decode program draws through kernels/top_k_draw.cpp; elsewhere (CUDA, no C++ compiler) through
-    torch's ops: the same tokens for every kind of row — greedy, unfiltered, top-k with ties, min-p, flagged."""
+def test_the_programs_sampling_is_the_same_with_and_without_linserves_kernel(monkeypatch):
+    """On a CPU the decode program samples through kernels/sampling.cpp; elsewhere (CUDA, no C++ compiler) through
+    torch's ops: the same five outputs to the bit for every kind of row — greedy, unfiltered, top-k with ties,
+    min-p, flagged, with logit_bias, repetition/presence/frequency penalties over a prompt and generated counts,
+    seeds of every sign and size, rows in any slot order (one slot twice), a row whose logits are not finite."""
     from linserve.model import kernels
     from tests.helpers import require_kernel
 
@@ -210,18 +211,26 @@ def test_the_programs_draw_is_the_same_with_and_without_linserves_kernel(monkeyp
     vocab, rows = 700, 64
     generator = torch.Generator().manual_seed(5)
     logits = (torch.randn(rows, vocab, generator=generator) * 8).round() / 4  # (B, V) ties
-    sampling = SlotSampling(rows, vocab, CPU)
+    logits[7, 3] = float("inf")
+    sampling = SlotSampling(rows + 8, vocab, CPU)
+    seeds = [77, -1, 2**63 - 100, -(2**63), 2**40 + 5, 0]
     for slot in range(rows):
+        penalties = {} if slot % 4 else {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": -0.25}
         params = SamplingParams(temperature=[0.0, 0.7, 1.3][slot % 3], top_k=[0, 1, 5, 40, 64, 65, 0, 3][slot % 8],
-                                min_p=[0.0, 0.05][slot // 8 % 2], top_p=[1.0, 1.0, 1.0, 0.8][slot // 16])
-        sampling.assign(slot, params, 77 + slot, None, [])
-    slots, positions = torch.arange(rows), torch.arange(rows) + 9
+                                min_p=[0.0, 0.05][slot // 8 % 2], top_p=[1.0, 1.0, 1.0, 0.8][slot // 16],
+                                logit_bias=((5, 3.5), (9, -100.0)) if slot % 5 == 0 else (), **penalties)
+        sampling.assign(slot + 8, params, seeds[slot % len(seeds)] + slot, None, [1, 2, 3, slot])
+    sampling.record(torch.arange(8, rows + 8).repeat(3), torch.randint(0, vocab, (3 * rows,), generator=generator))
+    slots = torch.cat([torch.randperm(rows, generator=generator)[:-1] + 8, torch.tensor([20])])  # slot 20 twice
+    positions = torch.arange(rows) * 1000 + 2**33 + 9
     with_kernel = choose_tokens(logits, slots, positions, *sampling.tensors())
     monkeypatch.setattr(kernels, "load", lambda: False)
     without = choose_tokens(logits, slots, positions, *sampling.tensors())
+    assert len(with_kernel) == len(without) == 5
     for a, b in zip(with_kernel, without):
-        assert a.equal(b)
-    assert len(set(with_kernel[0].tolist())) > 16
+        assert a.dtype == b.dtype and a.equal(b)
+    assert not with_kernel[1][7] and with_kernel[1].sum() == rows - 1  # (the infinite row flagged)
+    assert len(set(with_kernel[0].tolist())) > 16 and with_kernel[4].any()
 
 
 def test_counts_recorded_by_slot_feed_the_penalties():
@@ -236,7 +245,7 @@ def test_counts_recorded_by_slot_feed_the_penalties():
 def test_non_finite_rows_are_flagged_and_sample_anyway():
     sampling = SlotSampling(2, 3, CPU)
     logits = torch.tensor([[0.0, float("nan"), 1.0], [0.0, 1.0, 0.0]])
-    _, _, finite, _, _, _ = choose_tokens(logits, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long),
+    _, finite, _, _, _ = choose_tokens(logits, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long),
                                        *sampling.tensors())
     assert finite.tolist() == [False, True]
 

@@ -12,6 +12,7 @@ import torch
 
 from linserve.server.engine.compile import aoti_runner
 from linserve.server.engine.compile.aoti_runner import ReleasingProgram, load_program
+from linserve.server.engine.decode_program import DECODE
 from tests.server.engine.compile.test_compiled_decode import BUILD_WAIT_S, make_step, pool_with_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUILD_WAIT_S + 600)]
@@ -51,7 +52,7 @@ def test_the_step_uses_the_releasing_program_and_matches_torch_loader(built, han
     mine, torchs = fresh(inputs), fresh(inputs)
     ours = (ReleasingProgram(package) if handles == "c++" else by_ctypes(ReleasingProgram(package)))(*mine)
     theirs = torch._inductor.aoti_load_package(package)(*torchs)
-    assert len(ours) == len(theirs) == 8  # tokens … redraw, table (the new state is written into the pool)
+    assert len(ours) == len(theirs) == 7  # tokens … redraw, table (the new state is written into the pool)
     for a, b in zip(ours, theirs):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     buffers = slice(3, 3 + len(step.buffers))  # after token, slot, position
@@ -71,7 +72,8 @@ def test_a_run_the_program_refuses_raises_and_the_next_run_is_exact(built):
     program = ReleasingProgram(package)
     with pytest.raises(RuntimeError, match="inputs vector size"):
         program(*fresh(inputs)[:-1])  # one input short
-    assert torch.equal(program(*fresh(inputs))[5], by_ctypes(ReleasingProgram(package))(*fresh(inputs))[5])
+    logits = DECODE.logits_output
+    assert torch.equal(program(*fresh(inputs))[logits], by_ctypes(ReleasingProgram(package))(*fresh(inputs))[logits])
 
 
 def test_the_run_entry_point_releases_the_gil(built):
@@ -85,7 +87,8 @@ def test_the_run_entry_point_releases_the_gil(built):
     assert program._in_cpp is torch.ops.linserve.run_program.default  # an op call: the GIL released around it
     for _ in range(3):  # handles are made and taken on every call: repeated calls stay exact
         again = program(*fresh(inputs))
-    assert torch.equal(again[5], by_ctypes(ReleasingProgram(package))(*fresh(inputs))[5])
+        logits = DECODE.logits_output
+        assert torch.equal(again[logits], by_ctypes(ReleasingProgram(package))(*fresh(inputs))[logits])
 
 
 def test_a_package_without_a_library_falls_back_to_torch_loader(tmp_path, monkeypatch, built, caplog):
