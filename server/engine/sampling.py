@@ -226,13 +226,11 @@ def _outside_top_k(weights: torch.Tensor, k: torch.Tensor, kth: torch.Tensor | N
 
 def _draw_in_program(processed: torch.Tensor, temperature: torch.Tensor, window: torch.Tensor, min_p: torch.Tensor,
                      uniforms: torch.Tensor) -> torch.Tensor:
-    """The decode program's draw (static shapes): argmax where temperature is 0; else window (B,) > 0 — the top-k
-    (and min-p) draw over a fixed width (TOP_K_IN_PROGRAM; `_draw_top_k`'s token: the survivors are the same and a
-    wider window only adds exact zeros to the cumulative sum); 0 — no filter, the inverse CDF over the whole row.
-    On a CPU one pass a row (kernels/sampling.cpp: the weights of the survivors alone), the same tokens to the
-    bit; elsewhere torch's ops."""
-    if processed.device.type == "cpu" and kernels.load():
-        return torch.ops.linserve.tempered_draw(processed, temperature, window, min_p, uniforms)  # (B,)
+    """The decode program's draw in torch's ops (static shapes): argmax where temperature is 0; else window (B,) > 0
+    — the top-k (and min-p) draw over a fixed width (TOP_K_IN_PROGRAM; `_draw_top_k`'s token: the survivors are the
+    same and a wider window only adds exact zeros to the cumulative sum); 0 — no filter, the inverse CDF over the
+    whole row. On a CPU `choose_tokens` draws in one pass a row instead (kernels/sampling.cpp, the weights of the
+    top-k's candidates alone; the op `tempered_draw` is that draw by itself): the same tokens to the bit."""
     greedy, weights = _tempered(processed, temperature)  # (B,), (B, V)
     width = min(TOP_K_IN_PROGRAM, weights.shape[-1])
     filtered = _draw_survivors(weights, window.clamp(min=1, max=width), min_p, uniforms, width)  # (B,)
