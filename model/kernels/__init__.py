@@ -98,9 +98,6 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
                      "AtenTensorHandle seed, AtenTensorHandle bias, AtenTensorHandle counts, AtenTensorHandle seen, "
                      "AtenTensorHandle* ret0, AtenTensorHandle* ret1, AtenTensorHandle* ret2, "
                      "AtenTensorHandle* ret3, AtenTensorHandle* ret4)",
-    "tempered_draw": "AOTITorchError aoti_torch_cpu_tempered_draw(AtenTensorHandle logits, "
-                     "AtenTensorHandle temperature, AtenTensorHandle k, AtenTensorHandle min_p, "
-                     "AtenTensorHandle uniforms, AtenTensorHandle* ret0)",
 }
 
 _lock = threading.Lock()
@@ -369,10 +366,6 @@ def _register_fake() -> None:
         rows = (logits.shape[0],)
         return (slots.new_empty(rows), slots.new_empty(rows, dtype=torch.bool), logits.new_empty(rows),
                 logits.new_empty(logits.shape), slots.new_empty(rows, dtype=torch.bool))
-
-    @torch.library.register_fake("linserve::tempered_draw")
-    def drawn_shape(logits, temperature, k, min_p, uniforms):
-        return k.new_empty((logits.shape[0],))
 
     @torch.library.register_fake("linserve::pack_weight")
     def packed_shape(weight):

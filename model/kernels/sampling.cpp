@@ -4,7 +4,8 @@
 //   (a row that is not samples from zeros), logit_bias and the penalties (`process_logits`: each elementwise step
 //   rounded as torch rounds it), its counter-based uniform (`counter_uniforms`), the draw below, and the flag of a
 //   row whose filters only the host applies (top-p, a k above 64, min-p alone).
-// linserve::tempered_draw — `_draw_in_program`, the draw alone, over processed logits: what torch did in a
+// linserve::tempered_draw — `_draw_in_program`, the draw alone (what the tests hold against torch's form; the
+//   programs call choose_tokens), over processed logits: what torch did in a
 //   division, exponentials over the whole vocabulary, two `topk` calls, the tie mask and the window:
 //
 //   greedy   = argmax(logits) (the first of equals) where temperature ≤ 0 — nothing else is computed for the row
@@ -149,13 +150,13 @@ int64_t inverse_cdf(const double* weights, int64_t n, float uniform, double* cdf
 }
 
 // k in [1, 64] over candidates (values: their weights, ids: their ids, in vocabulary order; every weight that can
-// survive among them): `_draw_survivors`' token. top: the row's largest weight
-int64_t draw_candidates(const double* values, const int64_t* ids, int64_t n, double kth, int64_t k, double top,
-                        float min_p, float uniform, int64_t V) {
+// survive among them): `_draw_survivors`' token. Min-p is against the row's largest weight, exp(m − m) = 1 exactly
+int64_t draw_candidates(const double* values, const int64_t* ids, int64_t n, double kth, int64_t k, float min_p,
+                        float uniform, int64_t V) {
   int64_t above = 0;
   for (int64_t j = 0; j < n; ++j) above += values[j] > kth;
   const int64_t room = k - above;  // how many at the k-th value survive (≥ 1), the lowest ids first
-  const double floor = static_cast<double>(min_p) * top;
+  const double floor = static_cast<double>(min_p);  // min_p · max(w), widened first: max(w) is 1
   int64_t kept_ids[DRAW_MAX_K];
   double cdf[DRAW_MAX_K];
   int64_t kept = 0, level = 0;
@@ -225,10 +226,9 @@ int64_t draw_row(const float* row, int64_t V, float temperature, int64_t k, floa
   if (!(kth > below)) {  // a value outside the candidates could tie with the k-th: every weight, as torch takes them
     all_weights();
     for (int64_t i = 0; i < V; ++i) ids[i] = i;
-    return draw_candidates(weights, ids, V, kth_largest(weights, V, k, s.sorted.data()), k,
-                           *std::max_element(weights, weights + V), min_p, uniform, V);
+    return draw_candidates(weights, ids, V, kth_largest(weights, V, k, s.sorted.data()), k, min_p, uniform, V);
   }
-  return draw_candidates(values, ids, n, kth, k, *std::max_element(values, values + n), min_p, uniform, V);
+  return draw_candidates(values, ids, n, kth, k, min_p, uniform, V);
 }
 
 at::Tensor tempered_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& k,
@@ -377,18 +377,6 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("tempered_draw", &tempered_draw);
   m.impl("choose_tokens", &choose_tokens);
-}
-
-extern "C" AOTITorchError aoti_torch_cpu_tempered_draw(AtenTensorHandle logits, AtenTensorHandle temperature,
-                                                        AtenTensorHandle k, AtenTensorHandle min_p,
-                                                        AtenTensorHandle uniforms, AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
-    auto tokens = tempered_draw(*tensor_handle_to_tensor_pointer(logits), *tensor_handle_to_tensor_pointer(temperature),
-                                *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(min_p),
-                                *tensor_handle_to_tensor_pointer(uniforms));
-    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(tokens));
-  });
 }
 
 extern "C" AOTITorchError aoti_torch_cpu_choose_tokens(AtenTensorHandle logits, AtenTensorHandle slots,
