@@ -79,6 +79,13 @@ def test_shipped_scan_against_a_baseline_build(tmp_path):
     assert all(len(ratios) == 1 and ratios[0] > 0 for ratios in data["speedup_per_round"].values())
 
 
+def test_one_row_step(tmp_path):
+    out = tmp_path / "step.json"
+    run("one_row_step.py", "--out", str(out), timeout=300)
+    result = json.loads(out.read_text())
+    assert result["rows"] == 1 and result["steps"] > 0 and 0 < result["p10_ms"] <= result["median_ms"]
+
+
 def test_engine_host_cost(tmp_path):
     """Both models' engines alive together, every combination measured, and a + b·B through both batch sizes."""
     run("engine_host_cost.py", "--out", str(tmp_path / "h.json"))
