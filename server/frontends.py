@@ -54,7 +54,7 @@ def frontend_main(settings: Settings, conn, core_pid: int, sock: socket.socket, 
 
     from .app import create_app
     from .engine_process.remote import CoreProcess
-    from .serve import UvicornLoggerName, run_app
+    from .serve import UvicornLoggerName, lower_priority, run_app
 
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s [frontend {index}] "
                         "%(name)s: %(message)s")
@@ -62,6 +62,7 @@ def frontend_main(settings: Settings, conn, core_pid: int, sock: socket.socket, 
         handler.addFilter(UvicornLoggerName())
     app = create_app(settings)
     app.state.core_link = (conn, CoreProcess(core_pid))
+    lower_priority(settings.frontend_nice)
     status = run_app(settings, app, sockets=[sock])
     logging.shutdown()
     os._exit(status)  # (as `serve` ends: no interpreter teardown)

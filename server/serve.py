@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -162,7 +163,21 @@ def serve(settings: Settings) -> int:
         if refused is not None:
             return refused
         app.state.core_started = (ours, process)
+        lower_priority(settings.frontend_nice)  # (after the core's spawn: it keeps this process's priority)
     return run_app(settings, app)
+
+
+def lower_priority(increment: int) -> None:
+    """This frontend's thread (and the threads it starts from now on) `increment` nice levels below the engine
+    core: on a host with few CPUs the core's second kernel thread, woken for a step's parallel region, preempts the
+    frontend's token work instead of waiting behind it (docs/benchmarks.md, "The frontend a few nice levels below
+    the core"). Linux's nice is per thread; a limit that refuses it leaves the priority as it was."""
+    if increment <= 0:
+        return
+    try:
+        os.nice(increment)
+    except OSError as error:
+        logging.getLogger("linserve.server").info("frontend priority left as it was: %s", error)
 
 
 def run_app(settings: Settings, app, sockets: list | None = None) -> int:

@@ -34,6 +34,10 @@ class Settings(BaseSettings):
         "frontend talks to it over one channel of per-step batches (docs/engine.md, \"The engine core process\"); "
         "N > 1: N frontend processes share the port, each with its own channel to the one core. Unset: 1 where "
         "this process may use 2 CPUs or more (measured best on 2 cores), 0 on one")
+    frontend_nice: int = Field(
+        0, ge=0, le=19, description="with the engine core a process of its own (api_servers >= 1): how much "
+        "lower each frontend's scheduling priority is than the core's (a nice increment; 0: the same). On 2 CPUs "
+        "3-10 served one stream 1.13-1.19x faster and 8 streams 0.83-0.96x (docs/benchmarks.md)")
     num_slots: int = Field(64, ge=1, description="state pool slots (device-resident sessions + running rows)")
     state_memory_mb: float | None = Field(None, gt=0, description="if set, slots = this budget / state bytes")
     max_batch_tokens: int = Field(640, ge=1, description="decode rows + prefill tokens per engine step")

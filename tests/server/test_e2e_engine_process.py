@@ -129,6 +129,32 @@ def test_no_frontend_loads_torch_only_the_core_does(split):
     assert Path(card["root"]) == Path(split.checkpoint)  # the directory the core loaded, as it says
 
 
+def nice_of(pid: int) -> int:
+    """The nice value of `pid`'s main thread (/proc/PID/stat's 19th field)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[16])
+
+
+def test_the_frontends_run_at_the_cores_priority_unless_frontend_nice_says(split, tiny_checkpoint, tmp_path):
+    """`frontend_nice` 0 (the default): every process at the priority `serve` started with; set, the serving
+    frontend — `serve` itself with one, each spawned frontend with several — that many nice levels below the core,
+    which keeps `serve`'s."""
+    core, *frontends = spawned(split)
+    for pid in (core, *frontends):
+        assert nice_of(pid) == nice_of(split.process.pid), pid
+    if frontends:
+        return
+    lowered = ServerProcess(tiny_checkpoint, tmp_path / "serve.log", "--num-slots", "2", "--api-servers", "1",
+                            "--frontend-nice", "7")
+    try:
+        core = spawned_children(lowered.process.pid)[0]
+        assert nice_of(lowered.process.pid) == min(19, nice_of(core) + 7)
+        assert nice_of(core) == nice_of(os.getpid())  # (the core kept the priority serve was started with)
+        answer = httpx.post(f"{lowered.base}/v1/completions", json={"prompt": "To be", "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+    finally:
+        lowered.stop()
+
+
 def test_per_step_stats_reach_the_frontends_metrics_and_a_client_that_leaves_frees_its_row(split):
     before = metric(split.base, 'linserve_inter_token_latency_seconds_count{context="0-1k"}')
     chunks = streamed(split.base, {"prompt": "ROMEO.", "max_tokens": 30, "temperature": 0, "ignore_eos": True})
