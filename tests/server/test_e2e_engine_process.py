@@ -135,9 +135,9 @@ def nice_of(pid: int) -> int:
 
 
 def test_the_frontends_run_at_the_cores_priority_unless_frontend_nice_says(split, tiny_checkpoint, tmp_path):
-    """`frontend_nice` 0 (the default): every process at the priority `serve` started with; set, the serving
-    frontend — `serve` itself with one, each spawned frontend with several — that many nice levels below the core,
-    which keeps `serve`'s."""
+    """`frontend_nice` 0 (the default): every process — the core and each frontend, one or several — at the priority
+    `serve` started with; set (one frontend: `serve` itself), the serving process that many nice levels below the
+    core, which keeps `serve`'s."""
     core, *frontends = spawned(split)
     for pid in (core, *frontends):
         assert nice_of(pid) == nice_of(split.process.pid), pid
