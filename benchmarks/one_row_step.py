@@ -3,9 +3,13 @@
 for one thread) — a steady process to time, or to hold still under `perf record -p PID` while it runs.
 
     python benchmarks/one_row_step.py [--rows 1] [--threads 2] [--seconds 10] [--quick] [--out FILE]
+    python benchmarks/one_row_step.py --bound-vs-unbound [--rounds 300] [--threads 1|2]
 
-Prints the step's median and 10th percentile. Two installs side by side: run each one's python on this script in
-turn (the compile cache is shared; the program's key does not depend on the kernels' sources). `--quick`: the eager
+Prints the step's median and 10th percentile. `--bound-vs-unbound`: rounds of 100 steps alternating between the
+bucket called bound to its unchanging inputs (as the engine calls it) and with every input passed on each call —
+in one process, so the host's drift falls on both; the medians and the median of the rounds' paired differences.
+Two installs side by side: run each one's python on this script in turn (the compile cache is shared; the program's
+key does not depend on the kernels' sources). `--quick`: the eager
 step for a fraction of a second (tests).
 """
 
@@ -36,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="the eager step, briefly (tests)")
+    parser.add_argument("--bound-vs-unbound", action="store_true",
+                        help="alternate the bucket bound / every input passed (aoti_runner.BoundProgram)")
+    parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.quick:
@@ -57,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     tokens, slots, positions = [1] * args.rows, list(range(args.rows)), [0] * args.rows
     for _ in range(50):
         step(tokens, slots, positions)
+    if args.bound_vs_unbound:
+        return emit({"benchmark": "one_row_step_bound", "machine": describe(device), "rows": args.rows,
+                     "threads": args.threads, **bound_vs_unbound(step, tokens, slots, positions, args.rounds)},
+                    args.out)
     print("timing", flush=True)  # (a profiler attaches from here)
     times, end = [], time.perf_counter() + args.seconds
     while time.perf_counter() < end:
@@ -68,6 +79,30 @@ def main(argv: list[str] | None = None) -> None:
           "compiled": not args.quick,
           "steps": len(times), "median_ms": 1e3 * statistics.median(times),
           "p10_ms": 1e3 * times[len(times) // 10]}, args.out)
+
+
+def bound_vs_unbound(step: DecodeStep, tokens: list[int], slots: list[int], positions: list[int],
+                     rounds: int) -> dict:
+    """µs a step, rounds of 100 alternating (which goes first alternates too) between the bucket bound and not."""
+    bucket = step._bucket_for(len(tokens))
+    bound = bucket.bound
+    if bound is None:
+        raise SystemExit("the bucket is not bound here (no compiled CPU program through linserve's kernels)")
+    times: dict[str, list[float]] = {"bound": [], "unbound": []}
+    try:
+        for r in range(rounds):
+            for name in ("bound", "unbound") if r % 2 == 0 else ("unbound", "bound"):
+                bucket.bound = bound if name == "bound" else None
+                start = time.perf_counter()
+                for _ in range(100):
+                    step(tokens, slots, positions)
+                times[name].append(1e4 * (time.perf_counter() - start))  # (µs a step)
+    finally:
+        bucket.bound = bound
+    differences = [u - b for u, b in zip(times["unbound"], times["bound"])]
+    return {"rounds": rounds, "bound_median_us": statistics.median(times["bound"]),
+            "unbound_median_us": statistics.median(times["unbound"]),
+            "paired_difference_median_us": statistics.median(differences)}
 
 
 if __name__ == "__main__":

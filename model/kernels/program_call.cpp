@@ -18,6 +18,9 @@
 #include "work_pool.h"
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -27,14 +30,9 @@ namespace {
 using ContainerRun = int32_t (*)(void* container, AtenTensorHandle* inputs, size_t num_inputs,
                                  AtenTensorHandle* outputs, size_t num_outputs, void* stream, void* proxy_executor);
 
-std::vector<at::Tensor> run_program(int64_t run, int64_t container, at::TensorList inputs, int64_t num_outputs) {
-  TORCH_CHECK(run != 0 && container != 0, "run_program: no program loaded");
-  TORCH_CHECK(num_outputs >= 0, "run_program: num_outputs < 0");
-  std::vector<AtenTensorHandle> handles;
-  handles.reserve(inputs.size());
-  for (const at::Tensor& input : inputs) {
-    handles.push_back(torch::aot_inductor::new_tensor_handle(at::Tensor(input)));  // the container's to free
-  }
+// One run of the container over the handles given (the container's to free); the outputs as tensors
+std::vector<at::Tensor> call_container(int64_t run, int64_t container, std::vector<AtenTensorHandle>& handles,
+                                       int64_t num_outputs) {
   std::vector<AtenTensorHandle> outputs(static_cast<size_t>(num_outputs), nullptr);
   const int32_t status =
       reinterpret_cast<ContainerRun>(run)(reinterpret_cast<void*>(container), handles.data(), handles.size(),
@@ -52,6 +50,70 @@ std::vector<at::Tensor> run_program(int64_t run, int64_t container, at::TensorLi
   return result;
 }
 
+void add_handles(std::vector<AtenTensorHandle>& handles, at::TensorList tensors) {
+  for (const at::Tensor& tensor : tensors) {
+    handles.push_back(torch::aot_inductor::new_tensor_handle(at::Tensor(tensor)));  // the container's to free
+  }
+}
+
+std::vector<at::Tensor> run_program(int64_t run, int64_t container, at::TensorList inputs, int64_t num_outputs) {
+  TORCH_CHECK(run != 0 && container != 0, "run_program: no program loaded");
+  TORCH_CHECK(num_outputs >= 0, "run_program: num_outputs < 0");
+  std::vector<AtenTensorHandle> handles;
+  handles.reserve(inputs.size());
+  add_handles(handles, inputs);
+  return call_container(run, container, handles, num_outputs);
+}
+
+// A program bound to the inputs it reads the same tensors of on every call (the pool's buffers, the sampling
+// tables, the weights: ~75 of a decode step's ~77): a call passes only its leading few (the io rows), so the ~70
+// others are not boxed into a list, converted and checked by the dispatcher on every step — ~20 µs of a one-row
+// step on the AVX2 host. Kept here, by number, until unbound.
+struct Binding {
+  int64_t run, container, num_outputs;
+  std::vector<at::Tensor> tail;  // after the leading inputs, in the program's order
+};
+
+std::mutex& bindings_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::unordered_map<int64_t, std::shared_ptr<const Binding>>& bindings() {
+  static auto* table = new std::unordered_map<int64_t, std::shared_ptr<const Binding>>();  // (never destroyed)
+  return *table;
+}
+
+int64_t bind_program(int64_t run, int64_t container, at::TensorList tail, int64_t num_outputs) {
+  TORCH_CHECK(run != 0 && container != 0, "bind_program: no program loaded");
+  TORCH_CHECK(num_outputs >= 0, "bind_program: num_outputs < 0");
+  static int64_t next = 0;
+  auto binding = std::make_shared<const Binding>(Binding{run, container, num_outputs, tail.vec()});
+  std::lock_guard<std::mutex> lock(bindings_mutex());
+  bindings()[++next] = std::move(binding);
+  return next;
+}
+
+bool unbind_program(int64_t id) {
+  std::lock_guard<std::mutex> lock(bindings_mutex());
+  return bindings().erase(id) > 0;
+}
+
+std::vector<at::Tensor> run_bound(int64_t id, at::TensorList leading) {
+  std::shared_ptr<const Binding> binding;
+  {
+    std::lock_guard<std::mutex> lock(bindings_mutex());
+    auto found = bindings().find(id);
+    TORCH_CHECK(found != bindings().end(), "run_bound: no program bound as ", id);
+    binding = found->second;  // (kept alive for the call, whatever unbinds it meanwhile)
+  }
+  std::vector<AtenTensorHandle> handles;
+  handles.reserve(leading.size() + binding->tail.size());
+  add_handles(handles, leading);
+  add_handles(handles, binding->tail);
+  return call_container(binding->run, binding->container, handles, binding->num_outputs);
+}
+
 // whether this thread's kernels run their parallel regions on linserve's work pool (work_pool.h); returns the
 // setting it replaces
 bool use_work_pool(bool on) {
@@ -64,7 +126,14 @@ bool use_work_pool(bool on) {
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("run_program(int run, int container, Tensor[] inputs, int num_outputs) -> Tensor[]");
+  m.def("bind_program(int run, int container, Tensor[] tail, int num_outputs) -> int");
+  m.def("unbind_program(int binding) -> bool", &unbind_program);
+  m.def("run_bound(int binding, Tensor[] leading) -> Tensor[]");
   m.def("use_work_pool(bool on) -> bool", &use_work_pool);
 }
 
-TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("run_program", &run_program); }
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("run_program", &run_program);
+  m.impl("bind_program", &bind_program);
+  m.impl("run_bound", &run_bound);
+}

@@ -82,10 +82,37 @@ class ReleasingProgram:
         return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(
             [_new_capsule(out_array[i], None, None) for i in range(self.num_outputs)])
 
+    def bind(self, tail: tuple[torch.Tensor, ...]) -> BoundProgram | None:
+        """This program with its trailing inputs bound (None without linserve's kernels): see BoundProgram."""
+        return BoundProgram(self, tail) if self._in_cpp is not None else None
+
     def __del__(self) -> None:
         if getattr(self, "handle", None) and self.handle.value:
             self._delete(self.handle)
             self.handle.value = None  # (no module global: at interpreter exit `ctypes` may already be gone)
+
+
+class BoundProgram:
+    """`bound(*leading) -> list of tensors`: a ReleasingProgram whose trailing inputs — the tensors a step passes
+    the same on every call (the pool's buffers, the sampling tables, the weights: ~75 of a decode step's ~77) — are
+    held in C++ (`linserve::bind_program`), so a call passes only its leading ones: no list of every input boxed
+    and checked by the dispatcher on each step (model/kernels/program_call.cpp). The tensors are the binding's
+    until it goes; the program is kept alive with it."""
+
+    def __init__(self, program: ReleasingProgram, tail: tuple[torch.Tensor, ...]) -> None:
+        self.program = program  # (its container outlives the binding)
+        self.binding = torch.ops.linserve.bind_program(program._run_address, program.handle.value, list(tail),
+                                                       program.num_outputs)
+        self._run = torch.ops.linserve.run_bound.default
+        self._unbind = torch.ops.linserve.unbind_program.default
+
+    def __call__(self, *leading: torch.Tensor) -> list[torch.Tensor]:
+        return self._run(self.binding, leading)
+
+    def __del__(self) -> None:
+        if getattr(self, "binding", None) is not None:
+            self._unbind(self.binding)
+            self.binding = None
 
 
 def check(status: int, what: str) -> None:

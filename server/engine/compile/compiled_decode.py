@@ -211,7 +211,7 @@ class DecodeStep:
         elif self.device.type == "cuda":
             outputs = replay(bucket, io_rows, self.kind.logits_output)
         else:
-            outputs = self._run(bucket.step, bucket.size, io_rows)
+            outputs = self._run(bucket.step, bucket.size, io_rows, bucket.bound)
         if len(outputs[0]) != rows:  # padded to the bucket: the padding's outputs are dropped
             outputs = [tensor[:rows] for tensor in outputs]
         return list(outputs)
@@ -238,12 +238,25 @@ class DecodeStep:
 
     def _inputs(self, io: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The program's arguments from its io tensor (rows, P)."""
-        return (*self.kind.arguments(io), *self.buffers, *self.sampling.tensors(), *self.pending)
+        return (*self.kind.arguments(io), *self._unchanging())
 
-    def _run(self, program, size: int, io_rows: list[list[int]]) -> tuple[torch.Tensor, ...]:
-        """`program` over the rows padded to `size` with copies of the first (eager: size = rows)."""
+    def _unchanging(self) -> tuple[torch.Tensor, ...]:
+        """The arguments after the io rows: the same tensors on every call."""
+        return (*self.buffers, *self.sampling.tensors(), *self.pending)
+
+    def _bucket(self, size: int, program) -> Bucket:
+        """A compiled bucket, its program bound to the unchanging arguments where it can be (a CPU artifact
+        through linserve's kernels: aoti_runner.BoundProgram)."""
+        bind = getattr(program, "bind", None)
+        return Bucket(size, program, bound=bind(self._unchanging()) if bind is not None else None)
+
+    def _run(self, program, size: int, io_rows: list[list[int]], bound=None) -> tuple[torch.Tensor, ...]:
+        """`program` over the rows padded to `size` with copies of the first (eager: size = rows); `bound`, where
+        given, is the program with the unchanging arguments bound: called with the io rows alone."""
         pad = size - len(io_rows[0])
         io = torch.tensor([row + row[:1] * pad for row in io_rows], dtype=torch.long, device=self.device)  # (r, P)
+        if bound is not None:
+            return bound(*self.kind.arguments(io))
         return program(*self._inputs(io))
 
     def _captured(self, bucket: Bucket) -> Bucket | None:
@@ -372,7 +385,7 @@ class DecodeStep:
                     self._set_verdict(self._measure_verdict(size, program))
                 if self.verdict.decision == "declined":
                     break
-            self._ready[size] = Bucket(size, program)
+            self._ready[size] = self._bucket(size, program)
             logger.info("%s bucket %d %s in %.1f s", self.label, size, "loaded" if cached else "compiled",
                         self.compile_seconds[size])
         if self._unavailable:
@@ -418,7 +431,7 @@ class DecodeStep:
             self._ready.clear()  # the engine serves eagerly from its next step
             self.status = "declined"
         elif verdict.decision == "compiled" and before == "declined":
-            self._ready[size] = Bucket(size, program)  # the rest are built next (_compile_all)
+            self._ready[size] = self._bucket(size, program)  # the rest are built next (_compile_all)
         self._set_verdict(verdict)
         return True
 

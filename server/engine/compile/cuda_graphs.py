@@ -18,6 +18,7 @@ class Bucket:
     graph: torch.cuda.CUDAGraph | None = None
     io: torch.Tensor | None = None  # (rows, size) int64 on the device: the program's io (CUDA graphs read it)
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
+    bound: object | None = None  # CPU: the program with the step's unchanging inputs bound (aoti_runner.py)
 
 
 # Held by every engine step, and by compile=auto's measurements between them (a round never overlaps a step).

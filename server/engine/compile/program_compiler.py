@@ -112,6 +112,11 @@ class WithWeights:
     def __call__(self, *args: torch.Tensor):
         return self.program(*args, *self.weights)
 
+    def bind(self, tail: tuple[torch.Tensor, ...]):
+        """The program with `tail` and the weights after it bound (aoti_runner.BoundProgram), or None."""
+        bind = getattr(self.program, "bind", None)
+        return bind((*tail, *self.weights)) if bind is not None else None
+
 
 def shared_weights(path: str, model: ServedModel) -> list[torch.Tensor]:
     """The tensors an artifact takes after the program's arguments: the listed parameters read as they are (the

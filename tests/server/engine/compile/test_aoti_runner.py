@@ -91,6 +91,30 @@ def test_the_run_entry_point_releases_the_gil(built):
         assert torch.equal(again[logits], by_ctypes(ReleasingProgram(package))(*fresh(inputs))[logits])
 
 
+def test_a_bound_program_takes_the_io_rows_alone_and_computes_the_same(built):
+    """The step's bucket is bound to its unchanging inputs (the pool's buffers, the sampling tables, the pending
+    updates): called with the io rows alone, it gives the outputs and writes the pool as a call with every input
+    does; repeated calls stay exact, and once the binding goes its number is refused."""
+    step, package, inputs = built
+    assert step._ready[1].bound is not None  # the engine's step calls its bucket bound
+    leading = len(DECODE.arguments(torch.zeros(3, 1, dtype=torch.long)))
+    for _ in range(2):
+        full, tail = fresh(inputs), fresh(inputs)[leading:]
+        bound = ReleasingProgram(package).bind(tuple(tail))
+        ours, theirs = bound(*inputs[:leading]), ReleasingProgram(package)(*full)
+        assert len(ours) == len(theirs) == 7
+        for a, b in zip(ours, theirs):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        for a, b in zip(tail, full[leading:], strict=True):  # the same state noted pending, the same counts
+            assert torch.equal(a, b)
+        assert any(not torch.equal(a, b) for a, b in zip(tail, inputs[leading:]))  # (the bound tensors written)
+    number = bound.binding
+    del bound
+    with pytest.raises(RuntimeError, match=f"no program bound as {number}"):
+        torch.ops.linserve.run_bound(number, list(inputs[:leading]))
+    assert by_ctypes(ReleasingProgram(package)).bind(tuple(inputs[leading:])) is None  # no kernels: no binding
+
+
 def test_a_package_without_a_library_falls_back_to_torch_loader(tmp_path, monkeypatch, built, caplog):
     _, package, inputs = built
     broken = tmp_path / "broken.pt2"
