@@ -17,7 +17,9 @@
 
 #include "work_pool.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -114,6 +116,29 @@ std::vector<at::Tensor> run_bound(int64_t id, at::TensorList leading) {
   return call_container(binding->run, binding->container, handles, binding->num_outputs);
 }
 
+// run_bound with the leading inputs made here from the io rows' values: `io` is (rows, width) int64 flattened, and
+// `spans` says which rows make each leading input, in order — (start, 0): row `start` as a (width,) tensor; (start,
+// count): rows start … start + count - 1 as a (count, width) one. No tensor is made in Python for a step, and none
+// of the dispatcher's views of it
+std::vector<at::Tensor> run_bound_rows(int64_t id, at::IntArrayRef io, int64_t rows, at::IntArrayRef spans) {
+  TORCH_CHECK(rows > 0 && !io.empty() && io.size() % static_cast<size_t>(rows) == 0,
+              "run_bound_rows: ", io.size(), " values are not ", rows, " whole rows");
+  TORCH_CHECK(spans.size() % 2 == 0, "run_bound_rows: spans are (start, count) pairs");
+  const int64_t width = static_cast<int64_t>(io.size()) / rows;
+  std::vector<at::Tensor> leading;
+  leading.reserve(spans.size() / 2);
+  for (size_t i = 0; i < spans.size(); i += 2) {
+    const int64_t start = spans[i], count = spans[i + 1], taken = std::max<int64_t>(count, 1);
+    TORCH_CHECK(start >= 0 && count >= 0 && start + taken <= rows, "run_bound_rows: rows ", start, " + ", taken,
+                " of ", rows);
+    at::Tensor input = count ? at::detail::empty_cpu({count, width}, at::kLong, false, c10::nullopt)
+                             : at::detail::empty_cpu({width}, at::kLong, false, c10::nullopt);
+    std::memcpy(input.data_ptr<int64_t>(), io.data() + start * width, sizeof(int64_t) * taken * width);
+    leading.push_back(std::move(input));
+  }
+  return run_bound(id, leading);
+}
+
 // whether this thread's kernels run their parallel regions on linserve's work pool (work_pool.h); returns the
 // setting it replaces
 bool use_work_pool(bool on) {
@@ -129,6 +154,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("bind_program(int run, int container, Tensor[] tail, int num_outputs) -> int");
   m.def("unbind_program(int binding) -> bool", &unbind_program);
   m.def("run_bound(int binding, Tensor[] leading) -> Tensor[]");
+  m.def("run_bound_rows(int binding, int[] io, int rows, int[] spans) -> Tensor[]", &run_bound_rows);
   m.def("use_work_pool(bool on) -> bool", &use_work_pool);
 }
 

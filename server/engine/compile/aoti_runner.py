@@ -104,10 +104,16 @@ class BoundProgram:
         self.binding = torch.ops.linserve.bind_program(program._run_address, program.handle.value, list(tail),
                                                        program.num_outputs)
         self._run = torch.ops.linserve.run_bound.default
+        self._run_rows = torch.ops.linserve.run_bound_rows.default
         self._unbind = torch.ops.linserve.unbind_program.default
 
     def __call__(self, *leading: torch.Tensor) -> list[torch.Tensor]:
         return self._run(self.binding, leading)
+
+    def rows(self, io: list[int], rows: int, spans: tuple[int, ...]) -> list[torch.Tensor]:
+        """The program with its leading inputs made in C++ from the io rows' values (`io`: rows × width, flat);
+        `spans`: (start, count) a leading input — count 0: row `start` alone, (width,); else count rows."""
+        return self._run_rows(self.binding, io, rows, spans)
 
     def __del__(self) -> None:
         if getattr(self, "binding", None) is not None:

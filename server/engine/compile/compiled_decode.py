@@ -66,6 +66,21 @@ def remaining_s(per_bucket_s: float, elapsed_s: float, left: int) -> float:
     return max(per - elapsed_s, 0.0) + per * (left - 1)
 
 
+def argument_spans(kind: ProgramKind, rows: int) -> tuple[int, ...]:
+    """`kind.arguments` of a (rows, P) io tensor as (start, count) pairs, one an argument — count 0: the row
+    `start` itself, (P,); else rows start … start + count - 1 — read off the views it returns of a probe io, so the
+    pairs are what `arguments` takes (aoti_runner.BoundProgram.rows)."""
+    probe = torch.arange(2 * rows, dtype=torch.long).view(rows, 2)  # (rows, 2): row r holds 2r, 2r + 1
+    spans = []
+    for argument in kind.arguments(probe):
+        taken = argument.reshape(-1).tolist()
+        if argument.dim() not in (1, 2) or argument.shape[-1] != 2 or taken[0] % 2 or \
+                taken != list(range(taken[0], taken[0] + len(taken))):
+            raise ValueError(f"{kind}: an argument that is not whole, consecutive io rows")
+        spans += [taken[0] // 2, len(taken) // 2 if argument.dim() == 2 else 0]
+    return tuple(spans)
+
+
 class DecodeStep:
     """`step(tokens, slots, positions) -> DecodeOutputs`: a decode program over the pool's slots — eager, or
     a compiled bucket (a CUDA graph on CUDA).
@@ -115,6 +130,7 @@ class DecodeStep:
         self._built = threading.Event()  # the first pass over the buckets is over (wait_compiled)
         self.compile_seconds: dict[int, float] = {}
         self._ready: dict[int, Bucket] = {}
+        self._spans: dict[int, tuple[int, ...]] = {}  # io rows → the bound program's argument spans (argument_spans)
         self._unavailable: set[int] = set()  # not in the cache, and no compiler here
         self.demand: dict[int, int] = {}  # bucket → decode steps run eagerly for want of it (compile order)
         self.on_demand = on_demand
@@ -254,9 +270,11 @@ class DecodeStep:
         """`program` over the rows padded to `size` with copies of the first (eager: size = rows); `bound`, where
         given, is the program with the unchanging arguments bound: called with the io rows alone."""
         pad = size - len(io_rows[0])
+        if bound is not None:  # (no io tensor made here: the program's leading inputs are made in C++)
+            rows = len(io_rows)
+            spans = self._spans.get(rows) or self._spans.setdefault(rows, argument_spans(self.kind, rows))
+            return bound.rows([v for row in io_rows for v in row + row[:1] * pad], rows, spans)
         io = torch.tensor([row + row[:1] * pad for row in io_rows], dtype=torch.long, device=self.device)  # (r, P)
-        if bound is not None:
-            return bound(*self.kind.arguments(io))
         return program(*self._inputs(io))
 
     def _captured(self, bucket: Bucket) -> Bucket | None:

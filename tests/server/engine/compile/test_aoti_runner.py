@@ -101,17 +101,22 @@ def test_a_bound_program_takes_the_io_rows_alone_and_computes_the_same(built):
     for _ in range(2):
         full, tail = fresh(inputs), fresh(inputs)[leading:]
         bound = ReleasingProgram(package).bind(tuple(tail))
+        again_tail = fresh(inputs)[leading:]
         ours, theirs = bound(*inputs[:leading]), ReleasingProgram(package)(*full)
-        assert len(ours) == len(theirs) == 7
-        for a, b in zip(ours, theirs):
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        for a, b in zip(tail, full[leading:], strict=True):  # the same state noted pending, the same counts
-            assert torch.equal(a, b)
+        by_rows = ReleasingProgram(package).bind(tuple(again_tail)).rows([17, 1, 40], 3, (0, 0, 1, 0, 2, 0))
+        assert len(ours) == len(theirs) == len(by_rows) == 7
+        for a, b, c in zip(ours, theirs, by_rows):
+            assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
+            assert torch.equal(a, b) and torch.equal(a, c)
+        for a, b, c in zip(tail, full[leading:], again_tail, strict=True):  # the same state noted pending, counts
+            assert torch.equal(a, b) and torch.equal(a, c)
         assert any(not torch.equal(a, b) for a, b in zip(tail, inputs[leading:]))  # (the bound tensors written)
     number = bound.binding
     del bound
     with pytest.raises(RuntimeError, match=f"no program bound as {number}"):
         torch.ops.linserve.run_bound(number, list(inputs[:leading]))
+    with pytest.raises(RuntimeError, match="rows 2 \\+ 1 of 2"):  # spans past the rows given: refused, not read
+        torch.ops.linserve.run_bound_rows(number, [17, 1], 2, [2, 0])
     assert by_ctypes(ReleasingProgram(package)).bind(tuple(inputs[leading:])) is None  # no kernels: no binding
 
 

@@ -9,7 +9,7 @@ import torch
 
 from linserve.model import LinearGPT, kernels
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
-from linserve.server.engine.compile.compiled_decode import DecodeStep, bucket_sizes
+from linserve.server.engine.compile.compiled_decode import DecodeStep, argument_spans, bucket_sizes
 from linserve.server.engine.compile.cuda_graphs import STEP_LOCK, Bucket
 from linserve.server.engine.compile.verdict import Measurement, VerdictStore
 from linserve.server.engine.sampling import SlotSampling
@@ -41,6 +41,33 @@ def test_buckets_are_powers_of_two_up_to_the_largest_batch():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(5) == [1, 2, 4, 8]
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+@pytest.mark.parametrize("kind, rows", [("decode", 3), ("verify3", 7), ("prefill16", 18), ("draft4", 2)])
+def test_argument_spans_make_what_the_kinds_arguments_take(kind, rows):
+    """A bound program's leading inputs are made in C++ from (start, count) spans of the io rows: read off each
+    kind's `arguments`, they make the same tensors, shape for shape and value for value."""
+    from linserve.server.engine.decode_program import DECODE, verify_kind
+    from linserve.server.engine.prefill_program import prefill_kind
+    from linserve.server.engine.spec.draft_model import DraftKind
+
+    program_kind = {"decode": DECODE, "verify3": verify_kind(3), "prefill16": prefill_kind(16),
+                    "draft4": DraftKind("draft4")}[kind]
+    io = torch.randint(0, 1000, (rows, 5))  # (rows, P)
+    spans = argument_spans(program_kind, rows)
+    made = [io[start] if count == 0 else io[start:start + count] for start, count in zip(spans[::2], spans[1::2])]
+    expected = program_kind.arguments(io)
+    assert len(made) == len(expected) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(made, expected))
+    assert any(count for count in spans[1::2]) == (kind != "decode" and kind != "draft4")  # (both forms seen)
+
+
+def test_argument_spans_refuse_arguments_that_are_not_whole_rows():
+    class Columns:
+        def arguments(self, io):
+            return (io[:, 0],)
+
+    with pytest.raises(ValueError, match="not whole, consecutive io rows"):
+        argument_spans(Columns(), 3)
 
 
 def test_every_bucket_and_padded_batch_matches_eager(tiny_model, device, compile_cache):
