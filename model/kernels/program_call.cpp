@@ -69,8 +69,8 @@ std::vector<at::Tensor> run_program(int64_t run, int64_t container, at::TensorLi
 
 // A program bound to the inputs it reads the same tensors of on every call (the pool's buffers, the sampling
 // tables, the weights: ~75 of a decode step's ~77): a call passes only its leading few (the io rows), so the ~70
-// others are not boxed into a list, converted and checked by the dispatcher on every step — ~20 µs of a one-row
-// step on the AVX2 host. Kept here, by number, until unbound.
+// others are not boxed into a list, converted and checked by the dispatcher on every step — 12.6-16.0 µs of a
+// one-row step on the AVX2 host (docs/engine.md). Kept here, by number, until unbound.
 struct Binding {
   int64_t run, container, num_outputs;
   std::vector<at::Tensor> tail;  // after the leading inputs, in the program's order

@@ -117,7 +117,10 @@ class BoundProgram:
 
     def __del__(self) -> None:
         if getattr(self, "binding", None) is not None:
-            self._unbind(self.binding)
+            try:
+                self._unbind(self.binding)
+            except (RuntimeError, TypeError, AttributeError):  # (at interpreter exit torch may already be gone)
+                pass
             self.binding = None
 
 
