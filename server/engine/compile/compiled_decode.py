@@ -270,12 +270,12 @@ class DecodeStep:
         """`program` over the rows padded to `size` with copies of the first (eager: size = rows); `bound`, where
         given, is the program with the unchanging arguments bound: called with the io rows alone."""
         pad = size - len(io_rows[0])
+        padded = [row + row[:1] * pad for row in io_rows] if pad else io_rows  # (r, P)
         if bound is not None:  # (no io tensor made here: the program's leading inputs are made in C++)
-            rows = len(io_rows)
+            rows = len(padded)
             spans = self._spans.get(rows) or self._spans.setdefault(rows, argument_spans(self.kind, rows))
-            return bound.rows([v for row in io_rows for v in row + row[:1] * pad], rows, spans)
-        io = torch.tensor([row + row[:1] * pad for row in io_rows], dtype=torch.long, device=self.device)  # (r, P)
-        return program(*self._inputs(io))
+            return bound.rows([v for row in padded for v in row], rows, spans)
+        return program(*self._inputs(torch.tensor(padded, dtype=torch.long, device=self.device)))
 
     def _captured(self, bucket: Bucket) -> Bucket | None:
         """The bucket with its graph captured; a graph of the eager program that cannot be captured (an op that
