@@ -7,8 +7,9 @@ Its main thread reads the frontends' messages (whichever is ready) and hands the
 queue orders them); what the engine produces is collected per frontend in an `Outbox` — a request's outputs
 and a call's answer in its own frontend's, the stats in every one (each frontend's /metrics shows the whole
 engine) — and each outbox goes out as one message when the engine thread reports its pool after a step or a
-batch of commands (written by the engine thread, or by the outboxes' thread where that costs it much:
-`WriteHandoff`). A frontend that is gone has its running requests aborted: its clients' slots come back.
+batch of commands (written by the engine thread, or by the outboxes' thread where the engine's steps, timed both
+ways, go faster so: write_handoff.py). A frontend that is gone has its running requests aborted: its clients' slots
+come back.
 
 Starting: the checks that need torch (preflight.check_engine: the device, the checkpoint, int8 where it can run)
 come first — a failure is its one `error:` line on stderr and exit status 2, as `serve` reports its own checks —
@@ -24,7 +25,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 
@@ -34,42 +34,11 @@ from ..engine.cpu_threads import in_passing_thread
 from ..engine.types import PoolStats, StepStats, output_values, pool_values, step_values
 from . import channel
 from .channel import ANSWERED_AT_ONCE, CALLS, crossing
+from .write_handoff import WriteHandoff
 
 logger = logging.getLogger("linserve.server.engine_process")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # (serve.py's)
 BACKLOG_EVENTS = 4096  # an outbox holding more when a step posts: the engine thread writes it, waiting as it must
-
-
-class WriteHandoff:
-    """Who writes a step's outboxes: the engine thread itself, or the outboxes' thread while the engine thread's
-    own writes cost more than HANDOFF_US (median of PROBE_STEPS): there, writing to the frontend takes the CPU
-    from the engine thread for long (Linux places the frontend the write wakes on the writer's CPU; on a 2-vCPU
-    Xeon VM a step's write took a median 210-340 µs of the engine thread's time at one stream), and elsewhere
-    it does not (~16 µs on a Zen 5, where the thread's wake-up and GIL hand-overs cost more than they moved).
-    Every REPROBE_STEPS handed-off steps the engine thread writes (and times) PROBE_STEPS again."""
-
-    PROBE_STEPS, HANDOFF_US, REPROBE_STEPS = 64, 50.0, 8192
-
-    def __init__(self) -> None:
-        self.handed_off = self._announced = False
-        self._timings: list[float] = []  # seconds, the engine thread's own writes of this probe
-        self._posted = 0
-
-    def timed(self, seconds: float) -> None:
-        self._timings.append(seconds)
-        if len(self._timings) == self.PROBE_STEPS:
-            median_us = sorted(self._timings)[self.PROBE_STEPS // 2] * 1e6
-            self._timings, self._posted = [], 0
-            self.handed_off = median_us > self.HANDOFF_US
-            if self.handed_off != self._announced:  # (logged when the writer changes, not at every probe)
-                self._announced = self.handed_off
-                logger.info("a step's write took the engine thread a median %.0f µs: written by %s", median_us,
-                            "the outboxes' thread" if self.handed_off else "the engine thread")
-
-    def posted(self) -> None:
-        self._posted += 1
-        if self._posted >= self.REPROBE_STEPS:
-            self.handed_off, self._posted = False, 0
 
 
 class Outbox:
@@ -137,9 +106,10 @@ class Outboxes:
     """Every frontend's outbox: the engine's stats sink (stats go to each; a PoolStats ends a step or a batch of
     commands — every outbox goes out) and the place a frontend's counted HTTP request is told to all.
 
-    Where the engine thread's own writes cost it much (`WriteHandoff`), a step's outboxes are written by a thread
-    of their own (`post` wakes it): pickling and writing them — and the frontend the write wakes — then overlap
-    the next step's program, which runs without the GIL. Every other flush is the caller's own, at once.
+    Where the engine's decode steps go faster so (`WriteHandoff`: both writers timed served), a step's outboxes are
+    written by a thread of their own (`post` wakes it): pickling and writing them — and the frontend the write wakes
+    — then overlap the next step's program, which runs without the GIL. Every other flush is the caller's own, at
+    once.
     Either way each outbox sends its events in the order they were appended (popped and written under its lock).
     A frontend that reads more slowly than the engine steps holds the engine, as it did when the engine thread wrote
     every step: past BACKLOG_EVENTS the engine thread flushes that outbox itself (so nothing grows without bound)."""
@@ -150,6 +120,7 @@ class Outboxes:
         self._posted = threading.Lock()  # released: a step's events wait for the sender (held: nothing waits)
         self._posted.acquire()
         self.handoff = WriteHandoff()
+        self._decoded = False  # a decode step's StepStats came since the last PoolStats
         self._closed = False
         self._thread = threading.Thread(target=self._sender, name="linserve-outboxes", daemon=True)
         self._thread.start()
@@ -158,6 +129,7 @@ class Outboxes:
         kind = type(stats)
         if kind is StepStats:  # (every step: its fields' tuple, as an output's)
             self._append(("t", step_values(stats)))
+            self._decoded = stats.phase == "decode"
         elif kind is PoolStats:
             values = pool_values(stats)
             if values != self._last_pool:
@@ -168,14 +140,12 @@ class Outboxes:
             self._append(("s", stats))
 
     def step_done(self) -> None:
-        """A step's (or a batch of commands') events go out: written here and timed, or handed to the thread."""
-        if self.handoff.handed_off:
-            self.handoff.posted()
+        """A step's (or a batch of commands') events go out: written here, or handed to the thread."""
+        decoded, self._decoded = self._decoded, False
+        if self.handoff.step_ended(decoded):
             self.post()
-            return
-        started = time.perf_counter()
-        self.flush()
-        self.handoff.timed(time.perf_counter() - started)
+        else:
+            self.flush()
 
     def post(self) -> None:
         """The sender thread flushes every outbox soon (a release: one futex wake, or nothing if one is due)."""

@@ -1,6 +1,7 @@
 """The engine core's outboxes (server/engine_process/core_main.py): a step's events are written by the engine thread
-or, where that costs it much, by the outboxes' own thread — in order with every other flush either way — and a
-frontend that does not read holds the engine once its backlog is full: nothing is lost, nothing grows unbounded."""
+or, where the engine's steps go faster so, by the outboxes' own thread — in order with every other flush either way —
+and a frontend that does not read holds the engine once its backlog is full: nothing is lost, nothing grows
+unbounded."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from multiprocessing import Pipe
 
 import pytest
 
-from linserve.server.engine_process.core_main import BACKLOG_EVENTS, Outboxes, WriteHandoff
+from linserve.server.engine.types import PoolStats, StepStats
+from linserve.server.engine_process.core_main import BACKLOG_EVENTS, Outboxes
 
 
 def received(conn, count: int) -> list:
@@ -22,33 +24,12 @@ def received(conn, count: int) -> list:
     return events
 
 
-def test_the_engine_thread_hands_its_writes_off_while_they_cost_it_much_and_probes_again():
-    handoff = WriteHandoff()
-    for _ in range(WriteHandoff.PROBE_STEPS - 1):
-        handoff.timed(300e-6)  # (a 2-vCPU VM's step write at one stream)
-    assert not handoff.handed_off  # (decided on a whole probe)
-    handoff.timed(10e-6)
-    assert handoff.handed_off
-    for _ in range(WriteHandoff.REPROBE_STEPS - 1):
-        handoff.posted()
-    assert handoff.handed_off
-    handoff.posted()
-    assert not handoff.handed_off  # the engine thread writes and times a probe again
-    for _ in range(WriteHandoff.PROBE_STEPS // 2 + 1):
-        handoff.timed(16e-6)
-    for _ in range(WriteHandoff.PROBE_STEPS // 2 - 1):
-        handoff.timed(900e-6)
-    assert not handoff.handed_off  # the median's side of HANDOFF_US, not the mean's
-
-
 @pytest.mark.parametrize("handed_off", [False, True], ids=["engine-thread-writes", "outboxes-thread-writes"])
 def test_step_and_call_events_arrive_once_each_in_the_order_they_were_appended(handed_off):
     frontend, core = Pipe()
     outboxes = Outboxes([core])
     outboxes.opened()
-    outboxes.handoff.handed_off = handed_off
-    outboxes.handoff.timed = lambda seconds: None  # (this mode throughout)
-    outboxes.handoff.posted = lambda: None
+    outboxes.handoff.step_ended = lambda decoded: handed_off  # (this writer throughout)
     total = 3000
 
     def engine() -> None:  # a step's events, then its end (the engine thread); now and then a call's flush
@@ -75,7 +56,7 @@ def test_a_frontend_that_does_not_read_holds_the_engine_once_its_backlog_is_full
     frontend, core = Pipe()
     outboxes = Outboxes([core])
     outboxes.opened()
-    outboxes.handoff.handed_off = True  # (the engine thread writing would block at once, bound or not)
+    outboxes.handoff.step_ended = lambda decoded: True  # (the engine thread writing would block at once, bound or not)
     total, most = 3 * BACKLOG_EVENTS, [0]
 
     def engine() -> None:
@@ -95,3 +76,23 @@ def test_a_frontend_that_does_not_read_holds_the_engine_once_its_backlog_is_full
         thread.join()
         outboxes.close()
     assert [event[1] for event in events] == list(range(total))
+
+
+def test_the_handoff_is_told_a_decode_steps_end_and_anything_else_as_other_work():
+    frontend, core = Pipe()
+    outboxes = Outboxes([core])
+    outboxes.opened()
+    told = []
+    outboxes.handoff.step_ended = lambda decoded: told.append(decoded) or False
+    pool = PoolStats(running=1, waiting=0, slots_in_use=1, slots_total=4, state_bytes_in_use=64, sessions_device=0,
+                     sessions_host=0)
+    try:
+        for phase in ("decode", None, "prefill", "mixed", "decode", "decode"):  # (None: a batch of commands)
+            if phase is not None:
+                outboxes.stats(StepStats(duration_s=1e-3, phase=phase, batch_size=1, decode_tokens=1,
+                                         prefill_tokens=0))
+            outboxes.stats(pool)  # (unchanged after the first: not sent again, but a step's end all the same)
+        assert told == [True, False, False, False, True, True]
+        assert [kind for kind, *_ in received(frontend, 6)] == ["t", "p", "t", "t", "t", "t"]
+    finally:
+        outboxes.close()
