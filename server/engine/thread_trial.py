@@ -56,6 +56,17 @@ def block_order(other: int, default: int, blocks: int) -> tuple[int, ...]:
                  for count in ((other, default) if pair % 2 == 0 else (default, other)))
 
 
+def faster(intervals: dict, default, other, margin: float = MARGIN,
+           least: int = MIN_INTERVALS) -> tuple[object, dict] | None:
+    """The trial's winner — `other` only where its median cadence is faster than `default`'s by more than `margin` —
+    and both medians; None where either has fewer than `least` intervals (other work broke the chain: nothing to
+    compare). Shared by the thread counts' trials and the core's writer trial (engine_process/write_handoff.py)."""
+    if min(len(intervals.get(choice, ())) for choice in (default, other)) < least:
+        return None
+    medians = {choice: statistics.median(intervals[choice]) for choice in (default, other)}
+    return (other if medians[other] < (1 - margin) * medians[default] else default), medians
+
+
 @dataclass
 class Trial:
     """One key's alternation: the counts' intervals so far and the block now running."""
@@ -131,13 +142,13 @@ class ThreadTrials:
 
     def _conclude(self, choice: Choice, trial: Trial, now: float, default: int, other: int) -> None:
         choice.trial = None
-        if min(len(trial.intervals.get(count, ())) for count in (default, other)) < MIN_INTERVALS:
-            # other work broke nearly every interval: nothing to compare — the rule by rows, the shortest hold
+        verdict = faster(trial.intervals, default, other, self.margin)
+        if verdict is None:  # other work broke nearly every interval: the rule by rows, the shortest hold
             choice.count, choice.repeats = default, 0
             choice.until = now + self._hold(choice, trial, now)
             return
-        medians = {count: statistics.median(trial.intervals[count]) for count in (default, other)}
-        chosen, passed = (other, default) if medians[other] < (1 - self.margin) * medians[default] else (default, other)
+        chosen, medians = verdict
+        passed = other if chosen == default else default
         choice.repeats = choice.repeats + 1 if chosen == choice.count and choice.repeats else 1
         choice.until = now + self._hold(choice, trial, now)
         if chosen != choice.count:

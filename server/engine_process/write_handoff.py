@@ -25,11 +25,10 @@ over. An interval with anything else in it — a prefill, a batch of commands �
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 
-from ..engine.thread_trial import block_order
+from ..engine.thread_trial import Trial, block_order, faster
 
 logger = logging.getLogger("linserve.server.engine_process")
 
@@ -47,57 +46,60 @@ class WriteHandoff:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, block_steps: int = BLOCK_STEPS,
                  blocks: int = BLOCKS, hold_steps: int = HOLD_STEPS) -> None:
-        self.clock, self.block_steps, self.hold_steps = clock, block_steps, hold_steps
-        self.order = block_order(True, False, blocks)  # each block's writer: handed off or not
+        self.clock, self.block_steps, self.blocks, self.hold_steps = clock, block_steps, blocks, hold_steps
         self.handed_off = False  # the verdict in force between trials (the engine thread writes until one ends)
         self.trials = 0  # trials concluded
-        self._trial: dict[bool, list[float]] | None = {True: [], False: []}  # each writer's cadences (s)
-        self._block = self._steps = self._held = 0
+        self.trial: Trial | None = None  # the one running (its blocks' writers: handed off or not)
+        self._held = 0  # decode steps since the last verdict
         self._last: tuple[bool, float, bool] | None = None  # (writer, clock, first of its block) at the last decode end
         self._seen = 0.0  # the clock at the last decode step's end
+        self._start(0.0)
+
+    @property
+    def order(self) -> tuple[bool, ...]:
+        return block_order(True, False, self.blocks)
 
     def step_ended(self, decode: bool) -> bool:
         """A step ended — a decode step (`decode`), or something else: a prefill, a batch of commands, which breaks
         the chain of intervals. Returns the writer of what it appended."""
         now = self.clock()
         last, self._last = self._last, None
+        trial = self.trial
         if not decode:
-            return self._writer()
-        if self._trial is not None and now - self._seen > STALE_S:
-            self._start()  # (its intervals are too old to compare with new ones)
+            return trial.order[trial.block] if trial is not None and trial.steps else self.handed_off
+        if trial is not None and now - self._seen > STALE_S:
+            trial = self._start(now)  # (its intervals are too old to compare with new ones)
         self._seen = now
-        if self._trial is None:
+        if trial is None:
             self._held += 1
             if self._held < self.hold_steps:
                 return self.handed_off
-            self._start()
+            trial = self._start(now)
         if last is not None and not last[2]:  # the interval since the last decode step is its writer's cadence
-            self._trial[last[0]].append(now - last[1])
-        if self._steps == self.block_steps:
-            self._block, self._steps = self._block + 1, 0
-            if self._block == len(self.order):
-                self._conclude()
+            trial.intervals.setdefault(last[0], []).append(now - last[1])
+        if trial.steps == self.block_steps:
+            trial.block, trial.steps = trial.block + 1, 0
+            if trial.block == len(trial.order):
+                self._conclude(trial)
                 return self.handed_off
-        self._steps += 1
-        writer = self.order[self._block]
-        self._last = (writer, now, self._steps == 1)
+        trial.steps += 1
+        writer = trial.order[trial.block]
+        self._last = (writer, now, trial.steps == 1)
         return writer
 
-    def _writer(self) -> bool:
-        return self.order[self._block] if self._trial is not None and self._steps else self.handed_off
+    def _start(self, now: float) -> Trial:
+        self.trial, self._held = Trial(now, self.order), 0
+        return self.trial
 
-    def _start(self) -> None:
-        self._trial, self._block, self._steps, self._held = {True: [], False: []}, 0, 0, 0
-
-    def _conclude(self) -> None:
-        trial, self._trial, self._held = self._trial, None, 0
+    def _conclude(self, trial: Trial) -> None:
+        self.trial, self._held = None, 0
         self.trials += 1
-        if min(len(trial[True]), len(trial[False])) < MIN_INTERVALS:
+        verdict = faster(trial.intervals, False, True, MARGIN, MIN_INTERVALS)
+        if verdict is None:
             return  # other work broke nearly every interval: nothing to compare, the last verdict holds
-        thread, engine = statistics.median(trial[True]), statistics.median(trial[False])
-        handed_off = thread < (1 - MARGIN) * engine
+        handed_off, medians = verdict
         if handed_off != self.handed_off or self.trials == 1:  # (logged when the writer changes, and the first time)
             logger.info("a decode step every %.0f µs with the outboxes' thread writing, %.0f µs with the engine "
-                        "thread: written by %s", thread * 1e6, engine * 1e6,
+                        "thread: written by %s", medians[True] * 1e6, medians[False] * 1e6,
                         "the outboxes' thread" if handed_off else "the engine thread")
         self.handed_off = handed_off
