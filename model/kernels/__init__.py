@@ -303,7 +303,8 @@ def form() -> str | None:
 def streamed_rows() -> int:
     """Up to how many rows a lanes-form call over packed bf16 weights now takes one row at a time: SINGLE_ROWS while
     the process's packed weights of a megabyte or more exceed one L3 cache (a decode step streams them from DRAM),
-    else 0 (invariant_linear.cpp, `rows_avx512`). Which way a call goes changes no bit of its outputs."""
+    else 0 (invariant_linear.cpp, `rows_avx512`); the AVX2 form 1 then (a one-row call's single pass over each group,
+    `avx2_row_streamed`; several rows blocked alike). Which way a call goes changes no bit of its outputs."""
     library = _state.get("library")
     return library.linserve_streamed_rows() if library else 0
 

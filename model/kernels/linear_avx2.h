@@ -174,6 +174,38 @@ __attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t s
         lo_s[r][o0 + o] = lo[r][o], hi_s[r][o0 + o] = hi[r][o];
 }
 
+// Two registers kept as registers: without this GCC folds each load of a row's x into every multiply-add that reads
+// it — a load per multiply-add, and the block then waits on L1's two loads a cycle (4 rows × 2 outputs 1.19x slower
+// at 8 rows, the shipped model's shapes on one Zen 3 core)
+inline void in_registers(__m256& a, __m256& b) { asm volatile("" : "+x"(a), "+x"(b)); }
+
+// One row × a group's 16 outputs in one pass over K, for bf16 weights streamed from DRAM (`weights_streamed`): the
+// 16 outputs' 32 sums cannot all be registers, so they live in an array (L1) from chunk to chunk, and the group is
+// read as one sequential stream at an even pace — where 4 passes of 4 outputs took turns, one waiting on memory
+// while three computed from the cache. The loads and stores of the sums cost more than that turn-taking where the
+// weights stay cached, so cached weights keep avx2_group's passes. Each lane's sum runs over its chunks in order
+// either way: the same bits.
+template <bool F>
+void avx2_row_streamed(const float* xs, const uint16_t* wg, int64_t K, __m256* v) {
+  __m256 lo[GROUP], hi[GROUP];
+  for (int o = 0; o < GROUP; ++o) lo[o] = hi[o] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K; c += CHUNK) {
+    const float* a = xs + c;  // (the row's chunk, split: [odd_lo, even_lo, odd_hi, even_hi])
+    __m256 odd_lo = _mm256_load_ps(a), even_lo = _mm256_load_ps(a + 8);
+    __m256 odd_hi = _mm256_load_ps(a + 16), even_hi = _mm256_load_ps(a + 24);
+    in_registers(odd_lo, even_lo);
+    in_registers(odd_hi, even_hi);
+    for (int o = 0; o < GROUP; ++o) {
+      const uint16_t* p = wg + packed_at(o, c);
+      const HalfChunk b_lo = load_weight_half(p);
+      lo[o] = dot_half<F>(lo[o], odd_lo, even_lo, b_lo.odd, b_lo.even);
+      const HalfChunk b_hi = load_weight_half(p + 16);
+      hi[o] = dot_half<F>(hi[o], odd_hi, even_hi, b_hi.odd, b_hi.even);
+    }
+  }
+  for (int o = 0; o < GROUP; ++o) v[o] = _mm256_add_ps(lo[o], hi[o]);  // (level 1 of the tree)
+}
+
 // R rows × a group's 16 outputs → v[r][o] (level 1 of the tree done: lanes 0-7 + lanes 8-15). Several rows take k
 // in blocks of AVX2_K_BLOCK, every output's over one block before the next: the rows' x of a block stays in L1 for
 // all 16 (6 rows of K = 2,816 are 66 KB, twice L1); one row (a decode step's: its read of the weights is the cost,
@@ -195,11 +227,6 @@ void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 
       avx2_block<R, O, W, F>(xs, stride, wg, c0, c1, lo, hi, v, o0, c0 == 0, c1 == K, fetch && o0 == 0);
   }
 }
-
-// Two registers kept as registers: without this GCC folds each load of a row's x into every multiply-add that reads
-// it — a load per multiply-add, and the block then waits on L1's two loads a cycle (4 rows × 2 outputs 1.19x slower
-// at 8 rows, the shipped model's shapes on one Zen 3 core)
-inline void in_registers(__m256& a, __m256& b) { asm volatile("" : "+x"(a), "+x"(b)); }
 
 // R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1), one half
 // of each chunk (half 0: lanes 0-7, its first 16 k's; 1: lanes 8-15): the accumulators start from zero where `first`,
@@ -286,7 +313,14 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
           case 4: avx2_group<4, 1, W, F>(xm, stride, wg, K, v, fetch); break;
           case 3: avx2_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
           case 2: avx2_group<2, 2, W, F>(xm, stride, wg, K, v, fetch); break;
-          default: avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
+          default:
+            if constexpr (sizeof(W) == 2) {
+              if (weights_streamed()) {  // (int8's stream form measured no faster: its widening is the cost)
+                avx2_row_streamed<F>(xm, wg, K, v[0]);
+                break;
+              }
+            }
+            avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
         }
       } else {  // bf16, several rows: a half at a time (2 rows × 3 outputs and 3 × 2 measured best for 2 and 3)
         switch (rows) {
