@@ -185,8 +185,8 @@ inline void in_registers(__m256& a, __m256& b) { asm volatile("" : "+x"(a), "+x"
 // while three computed from the cache. The loads and stores of the sums cost more than that turn-taking where the
 // weights stay cached, so cached weights keep avx2_group's passes. Each lane's sum runs over its chunks in order
 // either way: the same bits.
-template <bool F>
-void avx2_row_streamed(const float* xs, const uint16_t* wg, int64_t K, __m256* v) {
+template <typename W, bool F>
+void avx2_row_streamed(const float* xs, const W* wg, int64_t K, __m256* v) {
   __m256 lo[GROUP], hi[GROUP];
   for (int o = 0; o < GROUP; ++o) lo[o] = hi[o] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K; c += CHUNK) {
@@ -196,7 +196,7 @@ void avx2_row_streamed(const float* xs, const uint16_t* wg, int64_t K, __m256* v
     in_registers(odd_lo, even_lo);
     in_registers(odd_hi, even_hi);
     for (int o = 0; o < GROUP; ++o) {
-      const uint16_t* p = wg + packed_at(o, c);
+      const W* p = wg + packed_at(o, c);
       const HalfChunk b_lo = load_weight_half(p);
       lo[o] = dot_half<F>(lo[o], odd_lo, even_lo, b_lo.odd, b_lo.even);
       const HalfChunk b_hi = load_weight_half(p + 16);
@@ -286,6 +286,9 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
                int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys,  // ys: y's row stride
                const W* after = nullptr) {  // after: the group this thread likely reads next (null: none known)
   const int64_t stride = split_stride(K);
+  // one bf16 row over weights streamed from DRAM: a single pass a group (int8's measured no faster: its widening is
+  // the cost)
+  const bool row_streamed = sizeof(W) == 2 && weights_streamed();
   __m256 v[AVX2_ROWS][GROUP];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
@@ -314,13 +317,10 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
           case 3: avx2_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
           case 2: avx2_group<2, 2, W, F>(xm, stride, wg, K, v, fetch); break;
           default:
-            if constexpr (sizeof(W) == 2) {
-              if (weights_streamed()) {  // (int8's stream form measured no faster: its widening is the cost)
-                avx2_row_streamed<F>(xm, wg, K, v[0]);
-                break;
-              }
-            }
-            avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
+            if (row_streamed)
+              avx2_row_streamed<W, F>(xm, wg, K, v[0]);
+            else
+              avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
         }
       } else {  // bf16, several rows: a half at a time (2 rows × 3 outputs and 3 × 2 measured best for 2 and 3)
         switch (rows) {
