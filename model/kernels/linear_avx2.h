@@ -239,12 +239,18 @@ void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 
 template <int R, int O, typename W, bool F>
 __attribute__((always_inline)) inline void avx2_half_block(const float* xs, int64_t stride, const W* wg, int64_t c0,
                                                            int64_t c1, __m256 (*acc_s)[GROUP], int o0, int half,
-                                                           bool first, bool fetch) {
+                                                           bool first, bool fetch, const W* next = nullptr,
+                                                           int share = 0, int shares = 1) {
   __m256 acc[R][O];
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = first ? _mm256_setzero_ps() : acc_s[r][o0 + o];
   for (int64_t c = c0; c < c1; c += CHUNK) {
     if (fetch) fetch_ahead(wg, c);
+    if (next != nullptr) {  // (a later pass: its share of the next group's block of this chunk, into L2)
+      const char* lines = reinterpret_cast<const char*>(next + packed_at(0, c));
+      for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64 * shares)
+        _mm_prefetch(lines + line, _MM_HINT_T1);
+    }
     HalfChunk b[O];
     for (int o = 0; o < O; ++o) b[o] = load_weight_half(wg + packed_at(o0 + o, c) + 16 * half);
     for (int r = 0; r < R; ++r) {
@@ -262,17 +268,23 @@ __attribute__((always_inline)) inline void avx2_half_block(const float* xs, int6
 // AVX2_K_BLOCK: each half of every output over one block before the next block, so the rows' x of a block stays in
 // L1 for all 16 (4 rows of K = 2,816 are 44 KB, more than L1), the sums carried from block to block
 template <int R, int O, typename W, bool F>
-void avx2_rows_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch) {
+void avx2_rows_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch,
+                     const W* next = nullptr) {  // next: the group read next, over streamed weights (else null)
   __m256 lo[R][GROUP], hi[R][GROUP];
+  constexpr int whole = GROUP / O * O;  // (outputs in blocks of O; what is left of 16 in one block after them)
+  constexpr int passes = 2 * ((GROUP + O - 1) / O);  // a block of k's passes: the first fetches, the rest share next
   for (int64_t c0 = 0; c0 < K; c0 += AVX2_K_BLOCK) {
     const int64_t c1 = std::min(K, c0 + AVX2_K_BLOCK);
-    constexpr int whole = GROUP / O * O;  // (outputs in blocks of O; what is left of 16 in one block after them)
+    int pass = 0;
     for (int half = 0; half < 2; ++half) {
-      for (int o0 = 0; o0 < whole; o0 += O)
+      for (int o0 = 0; o0 < whole; o0 += O, ++pass)
         avx2_half_block<R, O, W, F>(xs, stride, wg, c0, c1, half ? hi : lo, o0, half, c0 == 0,
-                                    fetch && half == 0 && o0 == 0);
-      if constexpr (whole < GROUP)
-        avx2_half_block<R, GROUP - whole, W, F>(xs, stride, wg, c0, c1, half ? hi : lo, whole, half, c0 == 0, false);
+                                    fetch && pass == 0, pass > 0 ? next : nullptr, pass - 1, passes - 1);
+      if constexpr (whole < GROUP) {
+        avx2_half_block<R, GROUP - whole, W, F>(xs, stride, wg, c0, c1, half ? hi : lo, whole, half, c0 == 0, false,
+                                                next, pass - 1, passes - 1);
+        ++pass;
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -323,10 +335,13 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
               avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
         }
       } else {  // bf16, several rows: a half at a time (2 rows × 3 outputs and 3 × 2 measured best for 2 and 3)
+        // over streamed weights the first block of rows reads the next group meanwhile: its later passes compute
+        // from the cache, DRAM otherwise idle
+        const W* ahead = row_streamed && fetch ? (g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after) : nullptr;
         switch (rows) {
-          case 4: avx2_rows_group<4, 2, W, F>(xm, stride, wg, K, v, fetch); break;
-          case 3: avx2_rows_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
-          default: avx2_rows_group<2, 3, W, F>(xm, stride, wg, K, v, fetch);
+          case 4: avx2_rows_group<4, 2, W, F>(xm, stride, wg, K, v, fetch, ahead); break;
+          case 3: avx2_rows_group<3, 2, W, F>(xm, stride, wg, K, v, fetch, ahead); break;
+          default: avx2_rows_group<2, 3, W, F>(xm, stride, wg, K, v, fetch, ahead);
         }
       }
       for (int64_t r = 0; r < rows; ++r)
