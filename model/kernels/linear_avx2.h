@@ -12,11 +12,9 @@
 namespace {
 
 #ifdef LINSERVE_AVX2
-// register blocks (AVX2 has 16 vector registers): up to AVX2_ROWS rows a pass over int8 weights,
-// AVX2_BF16_ROWS over bf16
-constexpr int64_t AVX2_ROWS = 6;  // (6 rows × 1 output, both halves: 12 accumulators and a weight half's 2 registers)
-constexpr int64_t AVX2_BF16_ROWS = 4;  // (4 rows × 2 outputs, a half at a time: 8 accumulators, 4 weight, 2 x)
-// k's a block of several rows takes at a time (a multiple of CHUNK): 6 rows' x of it, split, are 12 KB of L1
+// register blocks (AVX2 has 16 vector registers): up to AVX2_ROWS rows a pass
+constexpr int64_t AVX2_ROWS = 4;  // (4 rows × 2 outputs, a half at a time: 8 accumulators, 4 weight, 2 x)
+// k's a block of several rows takes at a time (a multiple of CHUNK): 4 rows' x of it, split, are 8 KB of L1
 constexpr int64_t AVX2_K_BLOCK = 512;
 
 // 32 bf16 of a row at k = c: lanes 0-7's pairs (elements 0-15) and lanes 8-15's (16-31), zeros past the end
@@ -58,10 +56,13 @@ inline HalfChunk load_weight_half(const uint16_t* p) {
   return {odd_of(pairs), even_of(pairs)};
 }
 
-inline HalfChunk load_weight_half(const int8_t* p) {  // 16 int8 as fp32 (exact, as their bf16 would be)
-  const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return {_mm256_cvtepi32_ps(_mm256_srai_epi32(words, 16)),
-          _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 16), 16))};
+// 16 int8 as fp32 (exact, as their bf16 would be), packed odd elements first on this form (pack_weight: each half's
+// 8 odd bytes, then its 8 even ones): each 8 widened straight to 32-bit lanes — 4 operations a half, where widening
+// the pairs to 16 bits and splitting them took 6 (which is what made 4 int8 rows a pass cost more than 6)
+inline HalfChunk load_weight_half(const int8_t* p) {
+  const __m256i odd = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i even = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  return {_mm256_cvtepi32_ps(odd), _mm256_cvtepi32_ps(even)};
 }
 
 // one half's step: its odd pair's product added, then its even pair's (unfused under the kernel's FTZ/DAZ: the
@@ -183,7 +184,7 @@ inline void in_registers(__m256& a, __m256& b) { asm volatile("" : "+x"(a), "+x"
 // 16 outputs' 32 sums cannot all be registers, so they live in an array (L1) from chunk to chunk, and the group is
 // read as one sequential stream at an even pace — where 4 passes of 4 outputs took turns, one waiting on memory
 // while three computed from the cache. The loads and stores of the sums cost more than that turn-taking where the
-// weights stay cached, so cached weights keep avx2_group's passes. Each lane's sum runs over its chunks in order
+// weights stay cached, so cached weights keep avx2_row_passes. Each lane's sum runs over its chunks in order
 // either way: the same bits.
 template <typename W, bool F>
 void avx2_row_streamed(const float* xs, const W* wg, int64_t K, __m256* v) {
@@ -206,26 +207,15 @@ void avx2_row_streamed(const float* xs, const W* wg, int64_t K, __m256* v) {
   for (int o = 0; o < GROUP; ++o) v[o] = _mm256_add_ps(lo[o], hi[o]);  // (level 1 of the tree)
 }
 
-// R rows × a group's 16 outputs → v[r][o] (level 1 of the tree done: lanes 0-7 + lanes 8-15). Several rows take k
-// in blocks of AVX2_K_BLOCK, every output's over one block before the next: the rows' x of a block stays in L1 for
-// all 16 (6 rows of K = 2,816 are 66 KB, twice L1); one row (a decode step's: its read of the weights is the cost,
-// its x small) takes all of K at once
-template <int R, int O, typename W, bool F>
-void avx2_group(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch,
-                const W* next = nullptr) {  // next: one row's next group (avx2_block), else null
-  static_assert(R > 1 || GROUP / O == 4, "one row's three later passes share the next group's lines");
-  if (R == 1 || K <= AVX2_K_BLOCK) {  // (one block: nothing carried)
-    for (int o0 = 0; o0 < GROUP; o0 += O)
-      avx2_block<R, O, W, F>(xs, stride, wg, 0, K, nullptr, nullptr, v, o0, true, true, fetch && o0 == 0,
-                             R == 1 && o0 > 0 ? next : nullptr, o0 / O - 1);
-    return;
-  }
-  __m256 lo[R][GROUP], hi[R][GROUP];
-  for (int64_t c0 = 0; c0 < K; c0 += AVX2_K_BLOCK) {
-    const int64_t c1 = std::min(K, c0 + AVX2_K_BLOCK);
-    for (int o0 = 0; o0 < GROUP; o0 += O)
-      avx2_block<R, O, W, F>(xs, stride, wg, c0, c1, lo, hi, v, o0, c0 == 0, c1 == K, fetch && o0 == 0);
-  }
+// One row × a group's 16 outputs in four passes of 4 → v[0][o] (level 1 of the tree done: lanes 0-7 + lanes 8-15),
+// all of K at once (a decode step's row: its read of the weights is the cost, its x small) — where the weights stay
+// cached, and int8's row
+template <typename W, bool F>
+void avx2_row_passes(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch,
+                     const W* next = nullptr) {  // next: the group read next (avx2_block), else null
+  for (int o0 = 0; o0 < GROUP; o0 += 4)
+    avx2_block<1, 4, W, F>(xs, stride, wg, 0, K, nullptr, nullptr, v, o0, true, true, fetch && o0 == 0,
+                           o0 > 0 ? next : nullptr, o0 / 4 - 1);
 }
 
 // R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1), one half
@@ -298,9 +288,8 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
                int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys,  // ys: y's row stride
                const W* after = nullptr) {  // after: the group this thread likely reads next (null: none known)
   const int64_t stride = split_stride(K);
-  // one bf16 row over weights streamed from DRAM: a single pass a group (int8's measured no faster: its widening is
-  // the cost)
-  const bool row_streamed = sizeof(W) == 2 && weights_streamed();
+  // one bf16 row over weights streamed from DRAM: a single pass a group (int8's measured no faster)
+  const bool streamed = weights_streamed(), row_streamed = sizeof(W) == 2 && streamed;
   __m256 v[AVX2_ROWS][GROUP];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
@@ -316,28 +305,19 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
     if (bias)
       for (int64_t o = 0; o < GROUP; ++o) bi[o] = o < outputs ? bias[g + o] : 0.0f;
     for (int64_t m = m0; m < m1;) {
-      const int64_t rows = std::min<int64_t>(m1 - m, sizeof(W) == 1 ? AVX2_ROWS : AVX2_BF16_ROWS);
+      const int64_t rows = std::min<int64_t>(m1 - m, AVX2_ROWS);
       const float* xm = xs + m * stride;
       const bool fetch = m == m0;
-      // int8 keeps 6 × 1 over both halves: its weight half widens in ~6 operations, which 4 rows a pass repeat more
-      // often than 6 (the half-at-a-time blocks 0.92-0.96x at 8 and 16 int8 rows)
-      if (sizeof(W) == 1 || rows == 1) {
-        switch (rows) {  // (R · O accumulator pairs; the rows' x from L1)
-          case 6: avx2_group<6, 1, W, F>(xm, stride, wg, K, v, fetch); break;
-          case 5: avx2_group<5, 1, W, F>(xm, stride, wg, K, v, fetch); break;
-          case 4: avx2_group<4, 1, W, F>(xm, stride, wg, K, v, fetch); break;
-          case 3: avx2_group<3, 2, W, F>(xm, stride, wg, K, v, fetch); break;
-          case 2: avx2_group<2, 2, W, F>(xm, stride, wg, K, v, fetch); break;
-          default:
-            if (row_streamed)
-              avx2_row_streamed<W, F>(xm, wg, K, v[0]);
-            else
-              avx2_group<1, 4, W, F>(xm, stride, wg, K, v, fetch, next);
-        }
-      } else {  // bf16, several rows: a half at a time (2 rows × 3 outputs and 3 × 2 measured best for 2 and 3)
-        // over streamed weights the first block of rows reads the next group meanwhile: its later passes compute
-        // from the cache, DRAM otherwise idle
-        const W* ahead = row_streamed && fetch ? (g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after) : nullptr;
+      if (rows == 1) {
+        if (row_streamed)
+          avx2_row_streamed<W, F>(xm, wg, K, v[0]);
+        else
+          avx2_row_passes<W, F>(xm, stride, wg, K, v, fetch, next);
+      } else {  // several rows: a half at a time (2 rows × 3 outputs and 3 × 2 measured best for 2 and 3; int8 since
+        // its half widens in 4 operations: 1.16-1.40x at 4 int8 rows, 1.00-1.14x at 8). Over streamed weights the
+        // first block of rows reads the next group meanwhile: its later passes compute from the cache, DRAM
+        // otherwise idle
+        const W* ahead = streamed && fetch ? (g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after) : nullptr;
         switch (rows) {
           case 4: avx2_rows_group<4, 2, W, F>(xm, stride, wg, K, v, fetch, ahead); break;
           case 3: avx2_rows_group<3, 2, W, F>(xm, stride, wg, K, v, fetch, ahead); break;
