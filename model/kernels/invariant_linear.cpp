@@ -321,7 +321,7 @@ extern "C" int linserve_streamed_rows() {  // rows a call takes one at a time no
   if (amx_path) return 0;  // (tiles: run_amx)
 #endif
 #ifdef LINSERVE_AVX2
-  return weights_streamed() ? 1 : 0;  // (rows_avx2: one row's streamed pass; several rows blocked, the next group read meanwhile)
+  return weights_streamed() ? 1 : 0;  // (rows_avx2: one row's streamed pass; several rows blocked, reading the next)
 #else
   return lanes_path && weights_streamed() ? static_cast<int>(SINGLE_ROWS) : 0;
 #endif

@@ -126,53 +126,37 @@ inline void fetch_ahead(const W* wg, int64_t c) {
     _mm_prefetch(ahead + line, _MM_HINT_T0);
 }
 
-// R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1): their
-// lanes 0-7 and 8-15 start from zero where `first`, else from lo_s[r][o0 + o], hi_s[r][o0 + o] (carried on from the
-// last block of k: each lane's sum runs over its chunks in order either way — the same bits), and end in lo_s, hi_s
-// again, or where `last` as v[r][o0 + o] = lo + hi (level 1 of the tree). Each accumulator takes two
-// dependent steps a chunk, so the block keeps 2 · R · O of them going (8-12: a fused multiply-add's latency times
-// the two a cycle); each weight half is split once in registers for the R rows, whose x the steps read from L1.
-// fetch: the group's first pass brings the whole block of each chunk in, FETCH_AHEAD chunks ahead, so the passes
-// over its other outputs read cached lines. next (one int8 row's passes after the first; else null): the next group's
-// weights, every third line of each chunk from line `share` brought into L2 as this pass goes — so its memory is read
-// while these passes compute from the cache, instead of the read and the arithmetic taking turns
-template <int R, int O, typename W, bool F>
-__attribute__((always_inline)) inline void avx2_block(const float* xs, int64_t stride, const W* wg, int64_t c0,
-                                                      int64_t c1, __m256 (*lo_s)[GROUP], __m256 (*hi_s)[GROUP],
-                                                      __m256 (*v)[GROUP], int o0, bool first, bool last, bool fetch,
-                                                      const W* next = nullptr, int share = 0) {
-  __m256 lo[R][O], hi[R][O];
-  for (int r = 0; r < R; ++r)
-    for (int o = 0; o < O; ++o) {
-      lo[r][o] = first ? _mm256_setzero_ps() : lo_s[r][o0 + o];
-      hi[r][o] = first ? _mm256_setzero_ps() : hi_s[r][o0 + o];
-    }
-  for (int64_t c = c0; c < c1; c += CHUNK) {
+// a later pass's share of the group read next: every `shares`-th line of its block of the chunk at k = c, from line
+// `share`, brought into L2 — so the next group's memory is read while the passes over this one compute from the cache
+template <typename W>
+inline void fetch_share(const W* next, int64_t c, int share, int shares) {
+  const char* lines = reinterpret_cast<const char*>(next + packed_at(0, c));
+  for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64 * shares)
+    _mm_prefetch(lines + line, _MM_HINT_T1);
+}
+
+// One row (split: xs) × O outputs of a packed group from output o0, over all of K → v[0][o0 + o] (level 1 of the tree
+// done: lanes 0-7 + lanes 8-15). Each accumulator takes two dependent steps a chunk, so the block keeps 2 · O of them
+// going (8: a fused multiply-add's latency times the two a cycle). fetch: the group's first pass brings the whole
+// block of each chunk in, FETCH_AHEAD chunks ahead, so the passes over its other outputs read cached lines. next (the
+// passes after the first; else null): the group read next, a third of its lines each (fetch_share)
+template <int O, typename W, bool F>
+__attribute__((always_inline)) inline void avx2_block(const float* xs, const W* wg, int64_t K, __m256 (*v)[GROUP],
+                                                      int o0, bool fetch, const W* next = nullptr, int share = 0) {
+  __m256 lo[O], hi[O];
+  for (int o = 0; o < O; ++o) lo[o] = hi[o] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K; c += CHUNK) {
     if (fetch) fetch_ahead(wg, c);
-    if (next != nullptr) {
-      const char* lines = reinterpret_cast<const char*>(next + packed_at(0, c));
-      for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 3 * 64)
-        _mm_prefetch(lines + line, _MM_HINT_T1);
-    }
+    if (next != nullptr) fetch_share(next, c, share, 3);
     for (int o = 0; o < O; ++o) {  // a half of the weight chunk at a time: two registers of it live, not four
+      const float* a = xs + c;
       const HalfChunk b_lo = load_weight_half(wg + packed_at(o0 + o, c));
-      for (int r = 0; r < R; ++r) {
-        const float* a = xs + r * stride + c;
-        lo[r][o] = dot_half<F>(lo[r][o], _mm256_load_ps(a), _mm256_load_ps(a + 8), b_lo.odd, b_lo.even);
-      }
+      lo[o] = dot_half<F>(lo[o], _mm256_load_ps(a), _mm256_load_ps(a + 8), b_lo.odd, b_lo.even);
       const HalfChunk b_hi = load_weight_half(wg + packed_at(o0 + o, c) + 16);
-      for (int r = 0; r < R; ++r) {
-        const float* a = xs + r * stride + c;
-        hi[r][o] = dot_half<F>(hi[r][o], _mm256_load_ps(a + 16), _mm256_load_ps(a + 24), b_hi.odd, b_hi.even);
-      }
+      hi[o] = dot_half<F>(hi[o], _mm256_load_ps(a + 16), _mm256_load_ps(a + 24), b_hi.odd, b_hi.even);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int o = 0; o < O; ++o)
-      if (last)
-        v[r][o0 + o] = _mm256_add_ps(lo[r][o], hi[r][o]);  // (level 1 of the tree: lanes 0-7 + lanes 8-15)
-      else
-        lo_s[r][o0 + o] = lo[r][o], hi_s[r][o0 + o] = hi[r][o];
+  for (int o = 0; o < O; ++o) v[0][o0 + o] = _mm256_add_ps(lo[o], hi[o]);
 }
 
 // Two registers kept as registers: without this GCC folds each load of a row's x into every multiply-add that reads
@@ -211,11 +195,10 @@ void avx2_row_streamed(const float* xs, const W* wg, int64_t K, __m256* v) {
 // all of K at once (a decode step's row: its read of the weights is the cost, its x small) — where the weights stay
 // cached, and int8's row
 template <typename W, bool F>
-void avx2_row_passes(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch,
+void avx2_row_passes(const float* xs, const W* wg, int64_t K, __m256 (*v)[GROUP], bool fetch,
                      const W* next = nullptr) {  // next: the group read next (avx2_block), else null
   for (int o0 = 0; o0 < GROUP; o0 += 4)
-    avx2_block<1, 4, W, F>(xs, stride, wg, 0, K, nullptr, nullptr, v, o0, true, true, fetch && o0 == 0,
-                           o0 > 0 ? next : nullptr, o0 / 4 - 1);
+    avx2_block<4, W, F>(xs, wg, K, v, o0, fetch && o0 == 0, o0 > 0 ? next : nullptr, o0 / 4 - 1);
 }
 
 // R rows (split: xs, row stride `stride`) × O outputs of a packed group from output o0, over k in [c0, c1), one half
@@ -236,11 +219,7 @@ __attribute__((always_inline)) inline void avx2_half_block(const float* xs, int6
     for (int o = 0; o < O; ++o) acc[r][o] = first ? _mm256_setzero_ps() : acc_s[r][o0 + o];
   for (int64_t c = c0; c < c1; c += CHUNK) {
     if (fetch) fetch_ahead(wg, c);
-    if (next != nullptr) {  // (a later pass: its share of the next group's block of this chunk, into L2)
-      const char* lines = reinterpret_cast<const char*>(next + packed_at(0, c));
-      for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64 * shares)
-        _mm_prefetch(lines + line, _MM_HINT_T1);
-    }
+    if (next != nullptr) fetch_share(next, c, share, shares);  // (a later pass: its share of the next group)
     HalfChunk b[O];
     for (int o = 0; o < O; ++o) b[o] = load_weight_half(wg + packed_at(o0 + o, c) + 16 * half);
     for (int r = 0; r < R; ++r) {
@@ -294,9 +273,10 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
     const W* wg = w + packed_group(g, K);
-    // the group read next, for one int8 row: bf16's later passes are too short to hide a read behind (measured
-    // 0.95-1.06x with it, int8 1.02-1.37x; docs/engine.md)
-    const W* next = sizeof(W) > 1 ? nullptr : g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after;
+    // the group read next (this call's, else the next task's): one int8 row's later passes read it meanwhile — bf16's
+    // are too short to hide a read behind (measured 0.95-1.06x with it, int8 1.02-1.37x; docs/engine.md) —, and so
+    // do several rows' over streamed weights
+    const W* following = g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after;
     // the group's scales and biases, each filled only where given (a bf16 projection has neither; zero-filling both
     // was a `rep stos` each a group — 10% of a one-row call's perf samples, mostly skid: measured, ≤ 5% of a call)
     alignas(32) float sc[GROUP], bi[GROUP];
@@ -312,12 +292,12 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
         if (row_streamed)
           avx2_row_streamed<W, F>(xm, wg, K, v[0]);
         else
-          avx2_row_passes<W, F>(xm, stride, wg, K, v, fetch, next);
+          avx2_row_passes<W, F>(xm, wg, K, v, fetch, sizeof(W) == 1 ? following : nullptr);
       } else {  // several rows: a half at a time (2 rows × 3 outputs and 3 × 2 measured best for 2 and 3; int8 since
         // its half widens in 4 operations: 1.16-1.40x at 4 int8 rows, 1.00-1.14x at 8). Over streamed weights the
         // first block of rows reads the next group meanwhile: its later passes compute from the cache, DRAM
         // otherwise idle
-        const W* ahead = streamed && fetch ? (g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after) : nullptr;
+        const W* ahead = streamed && fetch ? following : nullptr;
         switch (rows) {
           case 4: avx2_rows_group<4, 2, W, F>(xm, stride, wg, K, v, fetch, ahead); break;
           case 3: avx2_rows_group<3, 2, W, F>(xm, stride, wg, K, v, fetch, ahead); break;

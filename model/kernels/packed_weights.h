@@ -144,14 +144,13 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   }
 #endif
   // lanes: (N, K) → (Nb, Kb, 16, 32): [nb][kb][n][j] = w[16nb + n][32kb + j] — a group's chunks side by side
-  packed.copy_(padded.view({Nb, 16, Kb, 32}).permute({0, 2, 1, 3}));
 #ifdef LINSERVE_AVX2
-  if (weight.scalar_type() == at::kChar) {  // each half of a chunk odd elements first (linear_avx2.h's
-    // load_weight_half): [..][h][j][e] = element 16h + 2j + e → [..][h][1 - e][j]
-    at::Tensor halves = packed.view({Nb, Kb, 16, 2, 8, 2}).flip({5}).permute({0, 1, 2, 3, 5, 4}).contiguous();
-    packed.view({Nb, Kb, 16, 2, 2, 8}).copy_(halves);
-  }
+  if (weight.scalar_type() == at::kChar)  // each half of a chunk odd elements first (linear_avx2.h's load_weight_half):
+    // [nb][kb][n][h][1 - e][j] = w[16nb + n][32kb + 16h + 2j + e]
+    packed.view({Nb, Kb, 16, 2, 2, 8}).copy_(padded.view({Nb, 16, Kb, 2, 8, 2}).permute({0, 2, 1, 3, 5, 4}).flip({4}));
+  else
 #endif
+    packed.copy_(padded.view({Nb, 16, Kb, 32}).permute({0, 2, 1, 3}));
 #ifdef LINSERVE_AVX512BF16
   return packed;  // (VDPBF16PS is the step: nothing fused to choose, no weight to know)
 #else
