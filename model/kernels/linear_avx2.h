@@ -16,6 +16,8 @@ namespace {
 constexpr int64_t AVX2_ROWS = 4;  // (4 rows × 2 outputs, a half at a time: 8 accumulators, 4 weight, 2 x)
 // k's a block of several rows takes at a time (a multiple of CHUNK): 4 rows' x of it, split, are 8 KB of L1
 constexpr int64_t AVX2_K_BLOCK = 512;
+// chunks ahead one int8 row's single pass over streamed weights prefetches (avx2_row_streamed; 16 measured alike)
+constexpr int64_t INT8_STREAM_AHEAD = 8;
 
 // 32 bf16 of a row at k = c: lanes 0-7's pairs (elements 0-15) and lanes 8-15's (16-31), zeros past the end
 struct PairChunk {
@@ -118,10 +120,11 @@ inline void split_rows(const uint16_t* x, int64_t M, int64_t K, float* xs) {
     }
 }
 
-// a packed group's whole block of the chunk FETCH_AHEAD chunks after k = c brought into L1 (a block's first pass)
+// a packed group's whole block of the chunk `chunks` after k = c brought into L1 (a block's first pass; one int8 row's
+// single pass, INT8_STREAM_AHEAD ahead — past the group's end, the next group's first chunks)
 template <typename W>
-inline void fetch_ahead(const W* wg, int64_t c) {
-  const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
+inline void fetch_ahead(const W* wg, int64_t c, int64_t chunks = FETCH_AHEAD) {
+  const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + chunks * CHUNK));
   for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
     _mm_prefetch(ahead + line, _MM_HINT_T0);
 }
@@ -164,17 +167,21 @@ __attribute__((always_inline)) inline void avx2_block(const float* xs, const W* 
 // at 8 rows, the shipped model's shapes on one Zen 3 core)
 inline void in_registers(__m256& a, __m256& b) { asm volatile("" : "+x"(a), "+x"(b)); }
 
-// One row × a group's 16 outputs in one pass over K, for bf16 weights streamed from DRAM (`weights_streamed`): the
+// One row × a group's 16 outputs in one pass over K, for weights streamed from DRAM (`weights_streamed`): the
 // 16 outputs' 32 sums cannot all be registers, so they live in an array (L1) from chunk to chunk, and the group is
 // read as one sequential stream at an even pace — where 4 passes of 4 outputs took turns, one waiting on memory
 // while three computed from the cache. The loads and stores of the sums cost more than that turn-taking where the
 // weights stay cached, so cached weights keep avx2_row_passes. Each lane's sum runs over its chunks in order
-// either way: the same bits.
+// either way: the same bits. int8 reads a chunk in half bf16's time, faster than the hardware prefetchers bring it:
+// without a prefetch of its own its single pass was no faster than the passes (one int8 row at ~11 GB/s on one
+// Zen 3 thread, where the core computes ~24 G weights a second from L1); INT8_STREAM_AHEAD chunks ahead, 1.24-1.54x
+// on one thread, 1.06-1.39x on two (bf16's within the noise with it: left without)
 template <typename W, bool F>
 void avx2_row_streamed(const float* xs, const W* wg, int64_t K, __m256* v) {
   __m256 lo[GROUP], hi[GROUP];
   for (int o = 0; o < GROUP; ++o) lo[o] = hi[o] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K; c += CHUNK) {
+    if constexpr (sizeof(W) == 1) fetch_ahead(wg, c, INT8_STREAM_AHEAD);
     const float* a = xs + c;  // (the row's chunk, split: [odd_lo, even_lo, odd_hi, even_hi])
     __m256 odd_lo = _mm256_load_ps(a), even_lo = _mm256_load_ps(a + 8);
     __m256 odd_hi = _mm256_load_ps(a + 16), even_hi = _mm256_load_ps(a + 24);
@@ -267,15 +274,14 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
                int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys,  // ys: y's row stride
                const W* after = nullptr) {  // after: the group this thread likely reads next (null: none known)
   const int64_t stride = split_stride(K);
-  // one bf16 row over weights streamed from DRAM: a single pass a group (int8's measured no faster)
-  const bool streamed = weights_streamed(), row_streamed = sizeof(W) == 2 && streamed;
+  const bool streamed = weights_streamed();  // one row over weights streamed from DRAM: a single pass a group
   __m256 v[AVX2_ROWS][GROUP];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
     const W* wg = w + packed_group(g, K);
-    // the group read next (this call's, else the next task's): one int8 row's later passes read it meanwhile — bf16's
-    // are too short to hide a read behind (measured 0.95-1.06x with it, int8 1.02-1.37x; docs/engine.md) —, and so
-    // do several rows' over streamed weights
+    // the group read next (this call's, else the next task's): one int8 row's later passes over cached weights read it
+    // meanwhile — bf16's are too short to hide a read behind (measured 0.95-1.06x with it, int8 1.02-1.37x;
+    // docs/engine.md) —, and so do several rows' over streamed weights
     const W* following = g + GROUP < n1 ? w + packed_group(g + GROUP, K) : after;
     // the group's scales and biases, each filled only where given (a bf16 projection has neither; zero-filling both
     // was a `rep stos` each a group — 10% of a one-row call's perf samples, mostly skid: measured, ≤ 5% of a call)
@@ -289,7 +295,7 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
       const float* xm = xs + m * stride;
       const bool fetch = m == m0;
       if (rows == 1) {
-        if (row_streamed)
+        if (streamed)
           avx2_row_streamed<W, F>(xm, wg, K, v[0]);
         else
           avx2_row_passes<W, F>(xm, wg, K, v, fetch, sizeof(W) == 1 ? following : nullptr);

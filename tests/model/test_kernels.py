@@ -246,20 +246,23 @@ def test_callers_on_two_threads_share_the_pool_or_fall_back_with_the_same_bits()
     assert not failures, failures[:5]
 
 
-def test_rows_taken_one_at_a_time_once_the_weights_outgrow_the_cache_are_the_same_bits():
-    """Packed bf16 weights of more than one L3 stream from DRAM a decode step: then a call of at most 8 rows takes
-    them one at a time over each group of outputs (faster on Zen 4; the AVX2 form: one row in a single pass over a
-    group's 16 outputs, faster on Zen 3), else several at a time — each row's bits the same both ways, and the way
-    follows the packed weights the process holds."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_rows_taken_one_at_a_time_once_the_weights_outgrow_the_cache_are_the_same_bits(dtype):
+    """Packed weights of more than one L3 stream from DRAM a decode step: then a call of at most 8 bf16 rows takes
+    them one at a time over each group of outputs (faster on Zen 4; the AVX2 form: one row, bf16 or int8, in a single
+    pass over a group's 16 outputs, faster on Zen 3), else several at a time — each row's bits the same both ways,
+    and the way follows the packed weights the process holds."""
     from linserve.model import kernels
 
     if kernels.form() not in ("avx512bf16", "avx512", "avx2"):
         pytest.skip(f"the lanes form over packed weights is not this CPU's ({kernels.form()})")
     assert kernels.streamed_rows() == 0  # (this process's packed weights so far fit the cache)
     N, K = 1040, 1000  # a short last group of outputs, a tail of K
-    x, w, b = operands(24, N, K)
+    x, w, b = operands(24, N, K, dtype=dtype)
+    scale = torch.rand(N, generator=torch.Generator().manual_seed(2)) / 20 if dtype == torch.int8 else None
     tiles = OP.pack_weight(w)
-    cached = {rows: OP.invariant_linear(x[:rows], tiles, None, b, N) for rows in range(1, 13)}
+    cached = {rows: OP.invariant_linear(x[:rows], tiles, scale, b, N) for rows in range(1, 13)}
+    assert torch.equal(cached[12], lanes_reference(x[:12], w, scale, b))  # (the definition, cached)
     filler = [OP.pack_weight(torch.zeros(2048, 1024, dtype=torch.bfloat16))  # 4 MB each, past one L3
               for _ in range(kernels.last_level_cache_bytes() // (4 << 20) + 2)]
     assert kernels.streamed_rows() == (1 if kernels.form() == "avx2" else 8)
@@ -269,11 +272,11 @@ def test_rows_taken_one_at_a_time_once_the_weights_outgrow_the_cache_are_the_sam
             torch.set_num_threads(count)
             for rows in range(1, 13):
                 for start in (0, 5):
-                    got = OP.invariant_linear(x[start : start + rows], tiles, None, b, N)
-                    want = torch.cat([OP.invariant_linear(x[i : i + 1], tiles, None, b, N)
+                    got = OP.invariant_linear(x[start : start + rows], tiles, scale, b, N)
+                    want = torch.cat([OP.invariant_linear(x[i : i + 1], tiles, scale, b, N)
                                       for i in range(start, start + rows)])
                     assert torch.equal(got, want), (count, rows, start)
-                assert torch.equal(OP.invariant_linear(x[:rows], tiles, None, b, N), cached[rows]), (count, rows)
+                assert torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows]), (count, rows)
     finally:
         torch.set_num_threads(threads)
     del filler
