@@ -2,8 +2,8 @@
 
 Buckets are powers of two up to the largest decode batch (1, 2, 4, …, 64 for 64 slots); a batch runs in
 the smallest ready bucket that holds it, padded with copies of its first row (rows are independent, the
-padding's outputs are dropped), or eagerly while none is ready. A background thread gets the buckets
-ready in the order traffic needs them, while the engine serves, so start-up and `/ready` never wait.
+padding's outputs are dropped), or eagerly while none is ready. A background thread (bucket_builds.py) gets the
+buckets ready in the order traffic needs them, while the engine serves, so start-up and `/ready` never wait.
 
 Each bucket is an AOTInductor artifact in the compile cache, built by a child process
 (program_compiler.py) and loaded here: the serving process never runs the compiler (no GIL held for seconds
@@ -17,7 +17,7 @@ loads the artifacts in milliseconds.
   replaces each bucket's graph as it is built in the background (captured again at its next use).
 
 `compile`: `off` (eager only), `on`, or `auto` — on CUDA the same as `on`; on CPU the first bucket is
-timed against eager and served unless it is measurably slower (compile_verdict.py: a margin, more rounds
+timed against eager and served unless it is measurably slower (verdict.py: a margin, more rounds
 where close, provisional under load and measured again, stored once made quietly), and nothing is compiled
 without a C++ compiler unless the artifacts are already in the cache.
 """
@@ -25,9 +25,6 @@ without a C++ compiler unless the artifacts are already in the cache.
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import time
 
 import torch
 
@@ -35,14 +32,13 @@ from linserve.model import numerics
 from linserve.model.decode_step import state_names
 from linserve.model.interface import ServedModel
 
-from ..cpu_threads import in_passing_thread, one_thread_here
 from ..decode_program import DECODE, DecodeOutputs, ProgramKind, program_pending
 from ..sampling import SlotSampling
 from ..state_pool import StatePool
-from . import verdict as compile_verdict
-from .cache import ChildBuilder, claim, compile_cache_dir, cpp_compiler_available, prune
-from .cuda_graphs import STEP_LOCK, Bucket, capture, replay
-from .verdict import Verdict, VerdictStore, judge
+from .bucket_builds import BucketBuilds
+from .cache import claim, compile_cache_dir
+from .cuda_graphs import Bucket, capture, replay
+from .verdict import Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +52,6 @@ def bucket_sizes(max_rows: int) -> list[int]:
     while sizes[-1] < max_rows:
         sizes.append(sizes[-1] * 2)
     return sizes
-
-
-def remaining_s(per_bucket_s: float, elapsed_s: float, left: int) -> float:
-    """Seconds until `left` buckets (the current one, `elapsed_s` into it, included) are built at
-    `per_bucket_s` each — or, once the current one has taken longer, at the rate it shows (the machine is
-    busier than when the rate was measured): the estimate counts down, and grows only while it is exceeded."""
-    per = max(per_bucket_s, elapsed_s)
-    return max(per - elapsed_s, 0.0) + per * (left - 1)
 
 
 def argument_spans(kind: ProgramKind, rows: int) -> tuple[int, ...]:
@@ -85,7 +73,7 @@ class DecodeStep:
     """`step(tokens, slots, positions) -> DecodeOutputs`: a decode program over the pool's slots — eager, or
     a compiled bucket (a CUDA graph on CUDA).
 
-    Called on the engine thread only; the compile thread hands over buckets through `_ready`.
+    Called on the engine thread only; the compile thread (`builds`) hands over buckets through `install`.
     """
 
     def __init__(self, model: ServedModel, pool: StatePool, sampling: SlotSampling, device: torch.device,
@@ -118,74 +106,61 @@ class DecodeStep:
         self.cache_max_gb = cache_max_gb
         if self.cache_dir is not None:
             claim(self.cache_dir)  # (before any compile thread of this process prunes the cache)
-        self.status = "eager" if mode == "off" else "pending"  # → compiling → compiled | declined | failed
-        # compiled only where it is not slower
-        self.auto_cpu = mode == "auto" and device.type == "cpu" and after is None
-        self.verdict: Verdict | None = None  # auto on CPU: compiled or declined here, with its figures
-        self.verdicts = VerdictStore(self.cache_dir if self.auto_cpu else None)
-        self.measure = compile_verdict.measure  # (eager, compiled, args, hold) -> Measurement; tests inject one
-        self.recheck_s = compile_verdict.RECHECK_S
-        self.busy_share = compile_verdict.busy_share  # (wait, seconds) -> the machine's busy share; tests inject one
         self.calls = 0  # programs run by the engine (a re-check waits for it to be idle)
-        self._measured: tuple[int, object] | None = None  # the bucket a verdict is (re-)measured with
-        self._built = threading.Event()  # the first pass over the buckets is over (wait_compiled)
-        self.compile_seconds: dict[int, float] = {}
         self._ready: dict[int, Bucket] = {}
         self._spans: dict[int, tuple[int, ...]] = {}  # io rows → the bound program's argument spans (argument_spans)
-        self._unavailable: set[int] = set()  # not in the cache, and no compiler here
         self.demand: dict[int, int] = {}  # bucket → decode steps run eagerly for want of it (compile order)
-        self.on_demand = on_demand
-        self.wanted: set[int] = set()  # on demand: the buckets asked for so far
-        self._wants = threading.Event()  # set by want(): the compile thread has buckets to build
-        self.compiling: int | None = None  # the bucket being compiled now
-        self.built_seconds: list[float] = []  # buckets compiled here (not loaded): the measured rate of the ETA
-        self._bucket_started: float | None = None  # when the bucket being built now began
-        self._closed = threading.Event()
-        self._builder = None  # the compile thread's, while it runs (close() ends its child)
-        self._thread: threading.Thread | None = None
+        self.builds = BucketBuilds(self, on_demand)  # the compile thread (bucket_builds.py)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        if self.mode == "off" or self._thread is not None:
+        if self.mode == "off" or self.builds._thread is not None:
             return
         if self.device.type != "cpu":
             for size in self.sizes:  # graph speed at once: graphs of the eager program until compiled ones come
                 self._ready.setdefault(size, Bucket(size, self.eager_program, final=False))
             logger.info("%s: CUDA graphs of the eager program for batches %s (captured at first use); compiled "
                         "programs replace them as they are built", self.label, self.sizes)
-        self._thread = threading.Thread(target=self._compile_all, name="linserve-compile", daemon=True)
-        self._thread.start()
+        self.builds.start()
 
     def close(self, wait: bool = False) -> None:
         """Stop compiling (a compiler child is killed at once); eager and ready buckets keep working. With
         `wait`, return only once the compile thread has ended (a process about to exit: nothing of it runs on
         while the interpreter tears down the native libraries under it)."""
-        self._closed.set()
-        self._wants.set()  # (an on-demand compile thread waiting for wants wakes and ends)
-        builder = self._builder  # (the compile thread checks _closed after setting it: one of us sees the other)
-        if getattr(builder, "close", None) is not None:
-            builder.close(final=True)  # a build already past its check fails instead of starting a new child
-        if wait and self._thread is not None:
-            self._thread.join()
+        self.builds.close(wait)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until every bucket has been built, loaded or given up on (tests, benchmarks) — not for a
         provisional verdict's later re-checks. True if every bucket is ready."""
-        if self._thread is not None:
-            self._built.wait(timeout)
+        self.builds.wait(timeout)
         ready = self.ready_sizes
         return all(size in ready for size in self.sizes)  # (a test narrowing `sizes` may find more ready)
 
     def want(self, rows: int) -> None:
         """On demand: get the bucket that `rows` rows run in compiled (once; any thread)."""
-        size = self.bucket_size(rows) if self.on_demand else None
-        if size is None or size in self.wanted:
-            return
-        self.wanted.add(size)
-        logger.info("%s: batch %d pays; its bucket (%d) is compiled next", self.label, rows, size)
-        if size not in self.ready_sizes and self.status == "compiled":
-            self.status = "compiling"  # (/ready: not settled until it is built)
-        self._wants.set()
+        size = self.bucket_size(rows) if self.builds.on_demand else None
+        if size is not None and size not in self.builds.wanted:
+            logger.info("%s: batch %d pays; its bucket (%d) is compiled next", self.label, rows, size)
+            self.builds.want(size)
+
+    @property
+    def status(self) -> str:
+        """eager (compile off) | pending → compiling → compiled | declined | failed (bucket_builds.py)."""
+        return self.builds.status
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """compile=auto on CPU: compiled or declined, with its figures (once made)."""
+        return self.builds.verdict
+
+    @property
+    def compile_seconds(self) -> dict[int, float]:
+        """Each bucket built or loaded so far: the seconds it took."""
+        return self.builds.compile_seconds
+
+    @property
+    def eta_s(self) -> float | None:
+        return self.builds.eta_s
 
     @property
     def ready_sizes(self) -> list[int]:
@@ -204,9 +179,10 @@ class DecodeStep:
         eta = self.eta_s
         eta = None if eta is None else round(eta, 1)
         verdict = self.verdict.describe() if self.verdict is not None else None
-        wanted = {"wanted": sorted(self.wanted)} if self.on_demand else {}  # (the buckets asked for so far)
+        builds = self.builds
+        wanted = {"wanted": sorted(builds.wanted)} if builds.on_demand else {}  # (the buckets asked for so far)
         return {"compile": self.mode, "status": self.status, "buckets": self.sizes, "ready": self.ready_sizes,
-                "eager_graphs": self.graph_sizes, "compiling": self.compiling, "eta_s": eta, "verdict": verdict,
+                "eager_graphs": self.graph_sizes, "compiling": builds.compiling, "eta_s": eta, "verdict": verdict,
                 **wanted}
 
     # ------------------------------------------------------------------ engine thread
@@ -305,167 +281,16 @@ class DecodeStep:
             for buffer, copy in zip(self.buffers, saved):
                 buffer.copy_(copy)
 
-    # ------------------------------------------------------------------ compile thread
-    def _next_size(self) -> int | None:
-        """The bucket traffic needs most (decode steps that ran eagerly for want of it), else the smallest; on
-        demand, only among those wanted or already in the cache."""
-        cached = getattr(self._builder, "cached", lambda _: False)
-        waiting = [size for size in self.sizes if size not in self.ready_sizes and size not in self._unavailable
-                   and (not self.on_demand or size in self.wanted or cached(size))]
-        return max(waiting, key=lambda size: (self.demand.get(size, 0), -size)) if waiting else None
+    # ------------------------------------------------------------------ from the compile thread
+    def install(self, size: int, program) -> None:
+        """Serve bucket `size` with `program` from the next step on."""
+        self._ready[size] = self._bucket(size, program)
 
-    def _compile_all(self) -> None:
-        one_thread_here()  # (its torch ops are small; the engine's OpenMP team stays the only one)
-        build = None
-        if self.after is not None:  # verification compiles once the decode step has settled (and as it decided)
-            while not self.after._built.wait(1.0):
-                if self._closed.is_set():
-                    self._built.set()
-                    return
-            if self.after.status == "declined":
-                self.status = "declined"
-                self._built.set()
-                return
-        self.status = "compiling"
-        build = None
-        try:
-            build = self._builder = self._compiler()
-            if self._closed.is_set():
-                return  # closed while the builder was made: close() may not have seen it
-            if self.auto_cpu:
-                self.verdict = self.verdicts.load(self.threads)
-                if self.verdict is not None:
-                    logger.info("compile=auto: using this machine's stored verdict: %s (compiled step %.2fx eager "
-                                "at batch %d)", self.verdict.decision, self.verdict.measurement.gain,
-                                self.verdict.batch)
-            self._build_buckets(build)
-            self._built.set()
-            if getattr(build, "close", None) is not None:
-                build.close()  # no idle compiler child while a provisional verdict waits (a miss starts one)
-            while self.on_demand and not self._closed.is_set():  # the buckets speculation asks for, as it does
-                self._wants.wait()
-                self._wants.clear()
-                if not self._closed.is_set():
-                    self._build_buckets(build)
-                    build.close()
-            while self.verdict is not None and self.verdict.provisional and not self._closed.is_set():
-                if self._recheck() and self.verdict.decision == "compiled":
-                    self._build_buckets(build)
-        except Exception:  # noqa: BLE001 - eager keeps serving; the operator learns why from the log
-            if self._closed.is_set():
-                return  # closed mid-build: the child was ended on purpose
-            logger.exception("compiling the decode step failed; serving eagerly")
-            self.status = "failed"
-        finally:
-            self._built.set()
-            self.compiling, self._bucket_started = None, None
-            if getattr(build, "close", None) is not None:
-                build.close()
+    def uninstall_all(self) -> None:
+        """Serve eagerly from the next step on (compile=auto declined on a re-check)."""
+        self._ready.clear()
 
-    @property
-    def eta_s(self) -> float | None:
-        """Seconds until every bucket is built, from the rate measured here: the mean time of the buckets
-        compiled so far (loaded ones take milliseconds and do not count), scaled up while the current bucket
-        takes longer than that (a busy machine). None before one bucket has compiled, and when nothing is left."""
-        if self.compiling is None or self._bucket_started is None or not self.built_seconds:
-            return None
-        left = len(self.sizes) - len(self.ready_sizes) - len(self._unavailable)  # the current bucket included
-        return remaining_s(sum(self.built_seconds) / len(self.built_seconds),
-                           time.perf_counter() - self._bucket_started, left)
-
-    def _build_buckets(self, build) -> None:
-        """Build or load every bucket not ready yet, in traffic order; stop where the verdict declines."""
-        self.status = "compiling"
-        while (size := self._next_size()) is not None:
-            if self._closed.is_set():
-                return
-            if self.verdict is not None and self.verdict.decision == "declined":
-                break
-            cached = bool(getattr(build, "cached", lambda _: False)(size))
-            self.compiling, self._bucket_started = size, time.perf_counter()
-            eta = self.eta_s
-            if cached or getattr(build, "can_compile", True):  # (else: not in the cache, said once at the end)
-                logger.info("%s: %s bucket %d of %d (batch %d)%s", self.label, "loading" if cached else "compiling",
-                            len(self.ready_sizes) + 1, len(self.sizes), size,
-                            f", ~{eta:.0f} s left" if eta is not None and not cached else "")
-            started = self._bucket_started
-            program = build(size)
-            if self._closed.is_set():
-                return
-            if program is None:  # not in the cache, and nothing here can compile it
-                self._unavailable.add(size)
-                continue
-            self.compile_seconds[size] = time.perf_counter() - started
-            if not cached:
-                self.built_seconds.append(self.compile_seconds[size])
-            if self.auto_cpu and self._measured is None:
-                self._measured = size, program
-                if self.verdict is None:
-                    self._set_verdict(self._measure_verdict(size, program))
-                if self.verdict.decision == "declined":
-                    break
-            self._ready[size] = self._bucket(size, program)
-            logger.info("%s bucket %d %s in %.1f s", self.label, size, "loaded" if cached else "compiled",
-                        self.compile_seconds[size])
-        if self._unavailable:
-            logger.info("compile=auto: no C++ compiler here (Inductor needs one on CPU) and no compiled "
-                        "bucket for batch %s in the cache; those batches run eagerly", sorted(self._unavailable))
-        self.compiling, self._bucket_started = None, None
-        self.status = "compiled" if self.ready_sizes or self.on_demand else "declined"
-
-    def _measure_verdict(self, size: int, program) -> Verdict:
-        """Time `program` against eager at its bucket, each round holding the engine's step lock."""
-        calls = self.calls
-
-        def measure():  # on the engine's thread count, in a thread that ends with it (cpu_threads.py)
-            torch.set_num_threads(self.threads)
-            with torch.inference_mode():
-                return self.measure(self.eager_program, program, self._dummy(size), hold=lambda: STEP_LOCK)
-
-        measurement = in_passing_thread(measure)
-        return judge(measurement, size, self.threads, served_meanwhile=self.calls != calls)
-
-    def _set_verdict(self, verdict: Verdict) -> None:
-        self.verdicts.save(verdict)  # (a quiet one; stored before it is seen, so whoever sees it finds it stored)
-        self.verdict = verdict
-        m = verdict.measurement
-        logger.info("compile=auto: the compiled step is %.2fx eager here (batch %d, quartiles %.2f-%.2f, %d rounds, "
-                    "CPU contention %.0f%%): %s%s", m.gain, verdict.batch, m.low, m.high, m.rounds,
-                    100 * m.contention, "serving compiled" if verdict.decision == "compiled" else "serving eagerly",
-                    f"; provisional, measured again when quiet (every {self.recheck_s:.0f} s)"
-                    if verdict.provisional else "")
-
-    def _recheck(self) -> bool:
-        """Measure a provisional verdict again once the engine has been idle for `recheck_s` and the machine's
-        CPUs for the probe after it. True if measured."""
-        calls = self.calls
-        if self._closed.wait(self.recheck_s) or self.calls != calls or self._measured is None:
-            return False  # closing, or the engine served meanwhile: not a quiet moment
-        busy = self.busy_share(self._closed.wait, compile_verdict.QUIET_PROBE_S)
-        if (busy is not None and busy > compile_verdict.LOAD_LIMIT) or self.calls != calls or self._closed.is_set():
-            return False  # something else keeps the CPUs busy: measuring now would only add to it
-        size, program = self._measured
-        before, verdict = self.verdict.decision, self._measure_verdict(size, program)
-        if verdict.decision == "declined" and before == "compiled":
-            self._ready.clear()  # the engine serves eagerly from its next step
-            self.status = "declined"
-        elif verdict.decision == "compiled" and before == "declined":
-            self._ready[size] = self._bucket(size, program)  # the rest are built next (_compile_all)
-        self._set_verdict(verdict)
-        return True
-
-    def _compiler(self) -> ChildBuilder:
-        """`build(size) -> program` for this device, holding the compiler child while it runs."""
-        if self.cache_max_gb is not None and self.after is None:  # (once a start: the steps after it share it)
-            prune(os.path.dirname(self.cache_dir), int(self.cache_max_gb * 1e9))  # (never raises OSError)
-        can_compile = self.mode == "on" or cpp_compiler_available()  # (Triton's launchers need one too)
-        device = self.device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())  # the child compiles for this one
-        return ChildBuilder(self.cache_dir, self.model, self.pool.num_slots, can_compile, self.autotune,
-                            self.kind.name, device, self.threads)
-
-    def _dummy(self, size: int) -> tuple[torch.Tensor, ...]:
+    def dummy_inputs(self, size: int) -> tuple[torch.Tensor, ...]:
         """A bucket's arguments: rows 0 of the pool (zeroed copies: nothing real is read or written)."""
         io = torch.zeros(self.kind.io_rows, size, dtype=torch.long, device=self.device)  # (r, P)
         buffers = [torch.zeros_like(t) for t in (*self.buffers, *self.sampling.tensors(), *self.pending)]

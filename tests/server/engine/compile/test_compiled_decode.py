@@ -9,6 +9,7 @@ import torch
 
 from linserve.model import LinearGPT, kernels
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model
+from linserve.server.engine.compile.bucket_builds import BucketBuilds
 from linserve.server.engine.compile.compiled_decode import DecodeStep, argument_spans, bucket_sizes
 from linserve.server.engine.compile.cuda_graphs import STEP_LOCK, Bucket
 from linserve.server.engine.compile.verdict import Measurement, VerdictStore
@@ -111,16 +112,16 @@ def test_every_bucket_and_padded_batch_matches_eager(tiny_model, device, compile
 
 def test_buckets_are_compiled_in_the_order_traffic_needs_them(tiny_model, device):
     step = make_step(tiny_model, StatePool(tiny_model, 64, device), device, "off", max_rows=64)
-    assert step._next_size() == 1  # no traffic yet: the smallest first
+    assert step.builds._next_size() == 1  # no traffic yet: the smallest first
     with torch.inference_mode():
         for rows in (3, 3, 20, 20, 20, 1):  # eager steps that a bucket would have served: 4, 4, 32 ×3, 1
             step([1] * rows, list(range(rows)), [0] * rows)
     assert step.demand == {4: 2, 32: 3, 1: 1}
-    assert step._next_size() == 32
+    assert step.builds._next_size() == 32
     step._ready[32] = Bucket(32, None)
-    assert step._next_size() == 4
+    assert step.builds._next_size() == 4
     step._ready[4] = Bucket(4, None, final=False)  # a graph of the eager program (CUDA): still to be compiled
-    assert step._next_size() == 4
+    assert step.builds._next_size() == 4
 
 
 def test_on_cuda_every_bucket_serves_a_graph_of_the_eager_program_until_its_compiled_one_is_ready(
@@ -152,14 +153,14 @@ def test_on_cuda_every_bucket_serves_a_graph_of_the_eager_program_until_its_comp
 
     restarted = make_step(tiny_model, pool, device, "on", max_rows=2, cache_dir=compile_cache)
     restarted.start()  # a restart loads the child's artifacts from the cache: nothing is compiled again
-    assert restarted.wait_compiled(60) and restarted.ready_sizes == [1, 2] and restarted.built_seconds == []
+    assert restarted.wait_compiled(60) and restarted.ready_sizes == [1, 2] and restarted.builds.built_seconds == []
     step = restarted
     agree()
     restarted.close(wait=True)
 
 
 def test_the_eta_counts_down_at_the_measured_rate_and_follows_a_slower_machine():
-    from linserve.server.engine.compile.compiled_decode import remaining_s
+    from linserve.server.engine.compile.bucket_builds import remaining_s
 
     assert remaining_s(10.0, 0.0, 3) == 30.0  # three buckets at the measured 10 s
     assert remaining_s(10.0, 4.0, 3) == 26.0  # it counts down while the current one builds
@@ -186,16 +187,16 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
     monkeypatch.delenv("CXX", raising=False)
     step = make_step(tiny_model, StatePool(tiny_model, 8, cpu), cpu, "auto", max_rows=2, cache_dir=compile_cache)
     measured = []  # compile=auto's verdict is not this test's business (test_compile_verdict): a tie, injected,
-    step.measure = lambda *args, **kwargs: measured.append(1) or Measurement(1.0, 1.0, 1.0, 7, 0.0)
-    step.verdicts = VerdictStore(None)  # and neither stored nor read (a kept compile cache may hold one)
-    caplog.set_level("INFO", logger="linserve.server.engine.compile.compiled_decode")
+    step.builds.measure = lambda *args, **kwargs: measured.append(1) or Measurement(1.0, 1.0, 1.0, 7, 0.0)
+    step.builds.verdicts = VerdictStore(None)  # and neither stored nor read (a kept compile cache may hold one)
+    caplog.set_level("INFO", logger="linserve.server.engine.compile.bucket_builds")
     step.start()
     step.wait_compiled(BUILD_WAIT_S)
     assert step.status == "compiled" and step.ready_sizes == [1] and not started  # batch 2: eager, nothing compiled
-    said = [r.getMessage() for r in caplog.records if r.name.endswith("compiled_decode")]
+    said = [r.getMessage() for r in caplog.records if r.name.endswith("bucket_builds")]
     assert any("loading bucket 1" in line for line in said) and any("1 loaded in" in line for line in said)
     assert not any("compiling bucket" in line or "compiled in" in line for line in said)  # the right verb
-    assert step.built_seconds == []  # a load is no compile rate
+    assert step.builds.built_seconds == []  # a load is no compile rate
     assert step.verdict.decision == "compiled" and len(measured) == 1
     with torch.inference_mode():
         got, want = step([3], [2], [5]), make_step(tiny_model, step.pool, cpu, "off")([3], [2], [5])
@@ -204,13 +205,13 @@ def test_cached_artifacts_load_without_a_compiler_and_without_compiling(tiny_mod
 
 def test_engine_serves_eagerly_while_compiling_then_the_same_tokens_compiled(make_engine, compile_cache, monkeypatch):
     compiling = threading.Event()  # the compiler waits for it: the first request surely meets no bucket
-    original = DecodeStep._compiler
+    original = BucketBuilds._compiler
 
     def held_compiler(self):
         compiling.wait(60)
         return original(self)
 
-    monkeypatch.setattr(DecodeStep, "_compiler", held_compiler)
+    monkeypatch.setattr(BucketBuilds, "_compiler", held_compiler)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7], [9, 1], [300, 2, 44, 8], [17]]
     eager = make_engine(num_slots=4)
@@ -237,7 +238,7 @@ def test_a_failed_compile_leaves_the_engine_serving_eagerly(make_engine, monkeyp
     def broken(self):
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(DecodeStep, "_compiler", broken)
+    monkeypatch.setattr(BucketBuilds, "_compiler", broken)
     engine = make_engine(num_slots=4, compile="on")
     engine.decode_step.wait_compiled(BUILD_WAIT_S)
     assert engine.decode_step.status == "failed" and engine.decode_step.ready_sizes == []

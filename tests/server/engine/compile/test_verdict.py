@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from linserve.server.engine.compile import verdict as compile_verdict
+from linserve.server.engine.compile.bucket_builds import BucketBuilds
 from linserve.server.engine.compile.compiled_decode import DecodeStep
 from linserve.server.engine.compile.verdict import (
     CALLS_PER_ROUND,
@@ -61,9 +62,9 @@ def auto_step(model, cache_dir, measure_with: Injected, max_rows: int = 4) -> De
     step = DecodeStep(model, StatePool(model, 4, CPU), SlotSampling(4, model.config.vocab_size, CPU), CPU, "auto",
                       max_rows=max_rows, cache_dir=str(cache_dir))
     step.built = []
-    step._compiler = lambda: (lambda size: step.built.append(size) or step.eager_program)
-    step.measure = measure_with
-    step.busy_share = lambda wait, seconds: 0.0  # the machine's load is injected too (no test depends on it)
+    step.builds._compiler = lambda: (lambda size: step.built.append(size) or step.eager_program)
+    step.builds.measure = measure_with
+    step.builds.busy_share = lambda wait, seconds: 0.0  # the machine's load is injected too (no test depends on it)
     return step
 
 
@@ -83,7 +84,7 @@ def test_gains_around_the_old_line_all_serve_compiled(tiny_model, tmp_path, gain
     assert step.wait_compiled(600)
     assert step.status == "compiled" and step.ready_sizes == [1, 2, 4]
     assert step.verdict.decision == "compiled" and not step.verdict.provisional
-    assert step.measure.calls == 1  # measured once, at the first bucket
+    assert step.builds.measure.calls == 1  # measured once, at the first bucket
 
 
 def test_a_measurably_slower_compiled_step_is_declined_and_the_rest_never_built(tiny_model, tmp_path):
@@ -98,13 +99,13 @@ def test_a_quiet_verdict_is_stored_and_the_next_start_uses_it_without_measuring(
     first = auto_step(tiny_model, tmp_path, Injected(quiet(0.8)))
     first.start()
     first.wait_compiled(600)
-    stored = json.loads(open(first.verdicts.path(first.verdict.threads)).read())  # measured on the compile thread
+    stored = json.loads(open(first.builds.verdicts.path(first.verdict.threads)).read())  # (the compile thread)
     assert stored["decision"] == "declined" and stored["measurement"]["gain"] == 0.8
 
     again = auto_step(tiny_model, tmp_path, Injected(quiet(1.5)))  # would say compiled, were it asked
     again.start()
     again.wait_compiled(600)
-    assert again.measure.calls == 0 and again.built == []  # the stored verdict: nothing measured or built
+    assert again.builds.measure.calls == 0 and again.built == []  # the stored verdict: nothing measured or built
     assert again.status == "declined" and again.verdict.source == "stored" and again.verdict.measurement.gain == 0.8
 
 
@@ -124,10 +125,10 @@ def test_the_store_keeps_only_quiet_verdicts_per_thread_count(tmp_path):
 def test_a_verdict_made_under_load_is_provisional_and_measured_again_when_quiet(tiny_model, tmp_path, first, then,
                                                                                   final):
     step = auto_step(tiny_model, tmp_path, Injected(loaded(first), quiet(then)))
-    step.recheck_s = 0.05
+    step.builds.recheck_s = 0.05
     step.start()
     step.wait_compiled(600)
-    wait_for(lambda: step.measure.calls == 2 and not step.verdict.provisional and step.status == final)
+    wait_for(lambda: step.builds.measure.calls == 2 and not step.verdict.provisional and step.status == final)
     step.close()
     assert step.verdict.decision == final and step.status == final
     assert step.ready_sizes == ([1, 2, 4] if final == "compiled" else [])
@@ -136,33 +137,33 @@ def test_a_verdict_made_under_load_is_provisional_and_measured_again_when_quiet(
 
 def test_a_recheck_waits_for_an_idle_engine(tiny_model, tmp_path):
     step = auto_step(tiny_model, tmp_path, Injected(quiet(1.3)))
-    step.verdict = judge(loaded(1.3), 1, 2)  # made under load at start-up
-    step._measured = 1, step.eager_program
+    step.builds.verdict = judge(loaded(1.3), 1, 2)  # made under load at start-up
+    step.builds._measured = 1, step.eager_program
 
     class ServingMeanwhile:  # the engine runs a decode step while the re-check waits
         def wait(self, timeout):
             step.calls += 1
             return False
 
-    step._closed = ServingMeanwhile()
-    assert step._recheck() is False and step.measure.calls == 0 and step.verdict.provisional
-    step._closed = threading.Event()
-    step.recheck_s = 0
-    assert step._recheck() is True and step.measure.calls == 1 and not step.verdict.provisional
+    step.builds._closed = ServingMeanwhile()
+    assert step.builds._recheck() is False and step.builds.measure.calls == 0 and step.verdict.provisional
+    step.builds._closed = threading.Event()
+    step.builds.recheck_s = 0
+    assert step.builds._recheck() is True and step.builds.measure.calls == 1 and not step.verdict.provisional
 
 
 def test_a_recheck_waits_for_idle_cpus(tiny_model, tmp_path):
     """Another process busy on the CPUs (another server serving): no measurement — it would only add to the
     load and come out provisional again."""
     step = auto_step(tiny_model, tmp_path, Injected(quiet(1.3)))
-    step.verdict = judge(loaded(1.3), 1, 2)
-    step._measured = 1, step.eager_program
-    step.recheck_s = 0
+    step.builds.verdict = judge(loaded(1.3), 1, 2)
+    step.builds._measured = 1, step.eager_program
+    step.builds.recheck_s = 0
     probed = []
-    step.busy_share = lambda wait, seconds: probed.append(seconds) or 0.6
-    assert step._recheck() is False and step.measure.calls == 0 and step.verdict.provisional and probed
-    step.busy_share = lambda wait, seconds: None  # the machine's load cannot be read: measure as before
-    assert step._recheck() is True and step.measure.calls == 1
+    step.builds.busy_share = lambda wait, seconds: probed.append(seconds) or 0.6
+    assert step.builds._recheck() is False and step.builds.measure.calls == 0 and step.verdict.provisional and probed
+    step.builds.busy_share = lambda wait, seconds: None  # the machine's load cannot be read: measure as before
+    assert step.builds._recheck() is True and step.builds.measure.calls == 1
 
 
 def test_busy_share_reads_the_machines_cpu_times(tmp_path):
@@ -185,8 +186,8 @@ def test_measuring_while_the_engine_serves_is_provisional(tiny_model, tmp_path):
         step.calls += 1  # a served decode step between two rounds
         return quiet(1.3)
 
-    step.measure = measure_while_serving
-    assert step._measure_verdict(1, step.eager_program).provisional
+    step.builds.measure = measure_while_serving
+    assert step.builds._measure_verdict(1, step.eager_program).provisional
 
 
 class FakeClock:
@@ -247,7 +248,7 @@ def test_contention_reads_the_kernels_pressure_stall_counter(tmp_path):
 def test_the_verdict_is_shown_by_version_and_metrics(make_client, monkeypatch, tmp_path):
     """/version and /metrics carry the verdict with its figures; the text passes promtool."""
     monkeypatch.setattr(compile_verdict, "measure", Injected(loaded(1.23)))
-    monkeypatch.setattr(DecodeStep, "_compiler", lambda self: (lambda size: self.eager_program))
+    monkeypatch.setattr(BucketBuilds, "_compiler", lambda self: (lambda size: self.step.eager_program))
     client = make_client(compile="auto", device="cpu", compile_cache_dir=str(tmp_path / "compile"))
     step = client.app.state.engine.decode_step
     assert step.wait_compiled(600)

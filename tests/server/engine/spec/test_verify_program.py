@@ -156,5 +156,5 @@ def test_verification_buckets_are_built_once_speculation_pays_there_and_loaded_f
     restarted = on_demand()
     restarted.start()
     restarted.wait_compiled(600)
-    assert 1 in restarted.ready_sizes and restarted.built_seconds == []  # loaded, not asked for, not built
+    assert 1 in restarted.ready_sizes and restarted.builds.built_seconds == []  # loaded, not asked for, not built
     restarted.close(wait=True)
