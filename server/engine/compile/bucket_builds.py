@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,9 +21,6 @@ from . import verdict as compile_verdict
 from .cache import ChildBuilder, cpp_compiler_available, prune
 from .cuda_graphs import STEP_LOCK
 from .verdict import Verdict, VerdictStore, judge
-
-if TYPE_CHECKING:
-    from .compiled_decode import DecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +34,10 @@ def remaining_s(per_bucket_s: float, elapsed_s: float, left: int) -> float:
 
 
 class BucketBuilds:
-    """The buckets of `step` built (or loaded) in the background, in the order traffic needs them."""
+    """The buckets of `step` (the DecodeStep that owns this; not imported here: compiled_decode imports this module)
+    built or loaded in the background, in the order traffic needs them."""
 
-    def __init__(self, step: DecodeStep, on_demand: bool) -> None:
+    def __init__(self, step, on_demand: bool) -> None:
         self.step = step
         self.status = "eager" if step.mode == "off" else "pending"  # → compiling → compiled | declined | failed
         # compiled only where it is not slower
