@@ -87,16 +87,18 @@ def test_a_turn_that_did_not_land_is_applied_by_its_retry(replica):
     base, proxy = replica
     sid = httpx.post(f"{base}/v1/sessions", json={"prompt": "HAMLET."}).json()["id"]
     before = tokens(base, sid)
-    body = {**TURN, "stream": True}
+    # long enough that the pause surely comes before the turn's write (12 tokens once ended and wrote before a loaded
+    # suite's client had read the first line), short enough to end well inside the pause
+    body = {**TURN, "max_tokens": 150, "stream": True}
     with httpx.stream("POST", f"{base}/v1/sessions/{sid}/completions", json=body,
                       headers={"Idempotency-Key": "late-1"}, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))  # generating: the lease is taken
-        redis_client.Redis(port=proxy.redis_port).client_pause(1500, all=False)  # writes wait 1.5 s in Redis
+        redis_client.Redis(port=proxy.redis_port).client_pause(3000, all=False)  # writes wait 3 s in Redis
         paused = time.monotonic()
         events = [line for line in lines if line.startswith("data: ")]
     assert json.loads(events[-2][6:])["error"]["code"] == "outcome_unknown" and events[-1] == "data: [DONE]"
-    time.sleep(max(0.0, paused + 1.6 - time.monotonic()))  # the pause is over: Redis ran the late write (no-op)
+    time.sleep(max(0.0, paused + 3.1 - time.monotonic()))  # the pause is over: Redis ran the late write (no-op)
     wait_store(base, up=True)
     assert tokens(base, sid) == before  # it did not land
     with httpx.stream("POST", f"{base}/v1/sessions/{sid}/completions", json=body,
@@ -104,12 +106,12 @@ def test_a_turn_that_did_not_land_is_applied_by_its_retry(replica):
         assert retried.status_code == 200 and "idempotent-replayed" not in retried.headers
         text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in retried.iter_lines()
                        if line.startswith("data: {"))
-    assert tokens(base, sid) == before + 13
+    assert tokens(base, sid) == before + 151
     replay = httpx.post(f"{base}/v1/sessions/{sid}/completions", json=body, headers={"Idempotency-Key": "late-1"})
     assert replay.headers["idempotent-replayed"] == "true"  # now it has landed: a further retry is a replay
     replayed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in replay.text.splitlines()
                        if line.startswith("data: {"))
-    assert replayed == text and tokens(base, sid) == before + 13
+    assert replayed == text and tokens(base, sid) == before + 151
 
 
 def test_if_match_refuses_a_continue_on_a_moved_session(replica):
