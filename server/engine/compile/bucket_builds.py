@@ -61,9 +61,11 @@ class BucketBuilds:
         self._builder = None  # the compile thread's, while it runs (close() ends its child)
         self._thread: threading.Thread | None = None
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> None:
-        if self.step.mode == "off" or self._thread is not None:
-            return
         self._thread = threading.Thread(target=self._compile_all, name="linserve-compile", daemon=True)
         self._thread.start()
 
@@ -81,11 +83,12 @@ class BucketBuilds:
         if self._thread is not None:
             self._built.wait(timeout)
 
-    def want(self, size: int) -> None:
-        """On demand: build bucket `size` (once; any thread)."""
+    def want(self, size: int, rows: int) -> None:
+        """On demand: build bucket `size`, which `rows` rows run in (once; any thread)."""
         if size in self.wanted:
             return
         self.wanted.add(size)
+        logger.info("%s: batch %d pays; its bucket (%d) is compiled next", self.step.label, rows, size)
         if size not in self.step.ready_sizes and self.status == "compiled":
             self.status = "compiling"  # (/ready: not settled until it is built)
         self._wants.set()

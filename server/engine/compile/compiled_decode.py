@@ -114,7 +114,7 @@ class DecodeStep:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        if self.mode == "off" or self.builds._thread is not None:
+        if self.mode == "off" or self.builds.started:
             return
         if self.device.type != "cpu":
             for size in self.sizes:  # graph speed at once: graphs of the eager program until compiled ones come
@@ -139,9 +139,8 @@ class DecodeStep:
     def want(self, rows: int) -> None:
         """On demand: get the bucket that `rows` rows run in compiled (once; any thread)."""
         size = self.bucket_size(rows) if self.builds.on_demand else None
-        if size is not None and size not in self.builds.wanted:
-            logger.info("%s: batch %d pays; its bucket (%d) is compiled next", self.label, rows, size)
-            self.builds.want(size)
+        if size is not None:
+            self.builds.want(size, rows)
 
     @property
     def status(self) -> str:
