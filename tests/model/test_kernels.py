@@ -74,6 +74,45 @@ def test_the_lanes_form_computes_its_definition_in_avx512_and_in_scalar_code(M, 
                            lanes_reference(x, q.float().bfloat16(), scale, b))
 
 
+def test_every_int8_value_is_widened_to_its_own_bf16():
+    """Each of the 256 int8 values (-128 and 0 among them) in every position of a chunk, packed and (N, K), read out
+    one by one: x a one-hot row per k and scale 1 make each output the widened weight itself, exactly — however this
+    CPU's form widens (through fp32, or through AVX512-FP16 where `fp16_widening` holds: a rebias that must keep 0 at 0
+    and each sign); every row of the batch and each alone (the one-row passes), and a random x against the
+    definition."""
+    N, K = 32, 256
+    values = torch.arange(-128, 128, dtype=torch.int16)  # (256,)
+    generator = torch.Generator().manual_seed(5)
+    q = torch.stack([values[torch.randperm(K, generator=generator)] for _ in range(N)]).to(torch.int8)  # (N, K)
+    ones = torch.ones(N)  # (N,)
+    weights = [q, OP.pack_weight(q)] if kernels.form() in kernels.LANES_FORMS else [q]
+    for weight in weights:
+        assert torch.equal(OP.invariant_linear(torch.eye(K).bfloat16(), weight, ones, None, N), q.T.bfloat16())
+        for k in (0, 1, 31, 32, 100, 255):  # (K, N): row k is weight column k
+            one_hot = torch.zeros(1, K).bfloat16()
+            one_hot[0, k] = 1
+            assert torch.equal(OP.invariant_linear(one_hot, weight, ones, None, N), q[:, k : k + 1].T.bfloat16())
+        x = torch.randn(3, K, generator=generator).bfloat16()  # (3, K)
+        scale = torch.rand(N, generator=generator) / 20  # (N,)
+        want = lanes_reference(x, q.float().bfloat16(), scale)
+        assert torch.equal(OP.invariant_linear(x, weight, scale, None, N), want)
+
+
+@pytest.mark.parametrize(("flags", "isa", "asked", "widens"), [
+    ("avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_fp16 amx_tile amx_bf16", "amx", "", True),  # SPR
+    ("avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_fp16", "avx512bf16", "", True),  # an SPR VM without AMX
+    ("avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_fp16", "avx512bf16", "avx512bf16", False),  # a fleet's
+    ("avx2 fma avx512f avx512bw avx512vl avx512_bf16", "avx512bf16", "", False),  # Zen 4/5: no AVX512-FP16
+    ("avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_fp16", "avx512", "", False),  # (the plain lanes)
+])
+def test_int8_is_widened_through_fp16_only_in_the_cpus_own_bf16_form(tmp_path, monkeypatch, flags, isa, asked,
+                                                                      widens):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: fpu sse {flags}\n")
+    monkeypatch.setenv(kernels.ISA_VARIABLE, asked)
+    assert kernels.fp16_widening(isa, str(info)) == (widens and platform.machine() == "x86_64")
+
+
 def test_the_vector_lanes_round_edge_values_as_the_scalar_code_does():
     """Subnormal inputs (read as zero), products and sums below fp32's normal range (flushed), infinities, NaN, sums
     that overflow and outputs halfway between two bf16 values: the vector lanes (VDPBF16PS, or its arithmetic in
