@@ -155,8 +155,9 @@ def decode_step_vs_weights(directory: Path, bandwidth: dict, steps: int, compile
         times.append(median_step(lambda: step([1], [0], [0]), steps, device))  # (it writes slot 0's state itself)
     dram = statistics.median(beside)
     read_bytes = threads.weight_bytes
-    if quantization == "int8":  # the projections' weights at one byte each, the rest (embeddings, norms) as they are
-        read_bytes -= sum(w.numel() for w in projection.packed_weights())
+    if quantization == "int8":  # the projections' weights at one byte each, the rest (embeddings, norms) as they are —
+        own = {id(parameter) for parameter in model.parameters()}  # this model's: not an earlier family's still alive
+        read_bytes -= sum(w.numel() for w in projection.packed_weights() if id(w) in own)
     read_ms = read_bytes / (dram * 1e9) * 1e3
     state_bytes = model.config.state_bytes()  # read and written once a step besides the weights
     moved_ms = (read_bytes + 2 * state_bytes) / (dram * 1e9) * 1e3
