@@ -137,6 +137,9 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
         return set()
 
 
+FP16_FLAG = "-mavx512fp16"
+
+
 def fp16_widening(isa: str, cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether the bf16 lanes widen int8 weights through AVX512-FP16 (Sapphire Rapids on: one int8 row over cached
     weights 1.2-1.8x faster; the same bf16 values, so the same bits): where the kernel is built in the CPU's own
@@ -192,7 +195,7 @@ def build_command(cxx: str, source: str, output: str, isa: str) -> list[str]:
              "avx512bf16": [*avx512, "-DLINSERVE_AVX512BF16", "-mavx512bf16"]}
     flags["amx"] = [*flags["avx512bf16"], "-DLINSERVE_AMX", "-mamx-tile", "-mamx-bf16"]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    widening = ["-mavx512fp16"] if fp16_widening(isa) else []  # (linear_lanes.h: load_w of int8)
+    widening = [FP16_FLAG] if fp16_widening(isa) else []  # (linear_lanes.h: load_w of int8)
     return [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", abi, *flags[isa], *widening,
             *includes,
             f"-I{sysconfig.get_paths()['include']}", source, "-o", output, f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
@@ -230,7 +233,12 @@ def build(path: str, isa: str) -> None:
         with open(unit, "w") as sources:
             sources.writelines(f'#include "{source}"\n' for source in SOURCES)
         try:
-            result = subprocess.run(build_command(cxx, unit, temp, isa), capture_output=True, text=True)
+            command = build_command(cxx, unit, temp, isa)
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0 and FP16_FLAG in command:  # a compiler older than AVX512-FP16 (GCC < 12):
+                logger.warning("the kernel's build with %s failed; int8 widens through fp32 instead", FP16_FLAG)
+                result = subprocess.run([flag for flag in command if flag != FP16_FLAG], capture_output=True,
+                                        text=True)  # (the same bits, the slower widening)
         finally:
             os.unlink(unit)
         if result.returncode != 0:

@@ -75,11 +75,11 @@ def test_the_lanes_form_computes_its_definition_in_avx512_and_in_scalar_code(M, 
 
 
 def test_every_int8_value_is_widened_to_its_own_bf16():
-    """Each of the 256 int8 values (-128 and 0 among them) in every position of a chunk, packed and (N, K), read out
-    one by one: x a one-hot row per k and scale 1 make each output the widened weight itself, exactly — however this
-    CPU's form widens (through fp32, or through AVX512-FP16 where `fp16_widening` holds: a rebias that must keep 0 at 0
-    and each sign); every row of the batch and each alone (the one-row passes), and a random x against the
-    definition."""
+    """Each of the 256 int8 values (-128 and 0 among them) once in each of 32 rows, at 32 positions, packed and
+    (N, K), read out one by one: x a one-hot row per k and scale 1 make each output the widened weight itself,
+    exactly — however this CPU's form widens (through fp32, or through AVX512-FP16 where `fp16_widening` holds: a
+    rebias that must keep 0 at 0 and each sign); every row of the batch and each alone (the one-row passes), and a
+    random x against the definition."""
     N, K = 32, 256
     values = torch.arange(-128, 128, dtype=torch.int16)  # (256,)
     generator = torch.Generator().manual_seed(5)
@@ -111,6 +111,26 @@ def test_int8_is_widened_through_fp16_only_in_the_cpus_own_bf16_form(tmp_path, m
     info.write_text(f"processor\t: 0\nflags\t\t: fpu sse {flags}\n")
     monkeypatch.setenv(kernels.ISA_VARIABLE, asked)
     assert kernels.fp16_widening(isa, str(info)) == (widens and platform.machine() == "x86_64")
+
+
+@pytest.mark.slow
+def test_a_compiler_without_avx512_fp16_still_builds_the_kernel(tmp_path, monkeypatch, caplog):
+    """Where fp16 widening is asked for but the compiler refuses -mavx512fp16 (older than GCC 12), the build drops
+    the flag (int8 then widens through fp32: the same bits) instead of leaving the server without its kernel. A real
+    compiler behind a wrapper that refuses the flag, a real build."""
+    cxx = kernels.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    wrapper = tmp_path / "old-cxx"
+    refuse = f'for a in "$@"; do [ "$a" = {kernels.FP16_FLAG} ] && exit 1; done'
+    wrapper.write_text(f'#!/bin/sh\n{refuse}\nexec {cxx} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(kernels, "compiler", lambda: str(wrapper))
+    monkeypatch.setattr(kernels, "fp16_widening", lambda isa, cpuinfo="/proc/cpuinfo": isa != "scalar")
+    path = tmp_path / "kernels" / kernels.LIBRARY
+    kernels.build(str(path), kernels.kernel_isa())
+    assert path.exists()
+    assert ("int8 widens through fp32 instead" in caplog.text) == (kernels.kernel_isa() != "scalar")
 
 
 def test_the_vector_lanes_round_edge_values_as_the_scalar_code_does():
