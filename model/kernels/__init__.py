@@ -271,7 +271,7 @@ def load() -> bool:
             PACKS_TILES = form() != "scalar"  # AMX tiles or the vector lanes' groups
             _register_fake()
             logger.info("linserve kernels loaded from %s (%s%s)", path, form(),
-                        ", int8 widened through fp16" if fp16_widening(isa) else "")
+                        ", int8 widened through fp16" if library.linserve_int8_through_fp16() else "")
             return True
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             _state["error"] = str(error)

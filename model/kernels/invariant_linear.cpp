@@ -329,6 +329,14 @@ extern "C" int linserve_streamed_rows() {  // rows a call takes one at a time no
 
 extern "C" int64_t linserve_last_level_cache_bytes() { return last_level_cache_bytes(); }
 
+extern "C" int linserve_int8_through_fp16() {  // 1: load_w widens int8 through AVX512-FP16 (built with its flag)
+#ifdef __AVX512FP16__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 extern "C" int linserve_kernel_form() {  // 2: AMX tiles, 1: AVX512-BF16 lanes, 3: AVX512 lanes, 4: AVX2 lanes, 0: scalar
 #ifdef LINSERVE_AMX
   if (amx_path) return 2;
