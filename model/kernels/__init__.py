@@ -98,6 +98,11 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
                      "AtenTensorHandle seed, AtenTensorHandle bias, AtenTensorHandle counts, AtenTensorHandle seen, "
                      "AtenTensorHandle* ret0, AtenTensorHandle* ret1, AtenTensorHandle* ret2, "
                      "AtenTensorHandle* ret3, AtenTensorHandle* ret4)",
+    "verify_choose": "AOTITorchError aoti_torch_cpu_verify_choose(AtenTensorHandle logits, AtenTensorHandle ids, "
+                     "AtenTensorHandle limits, AtenTensorHandle slots, AtenTensorHandle positions, "
+                     "AtenTensorHandle floats, AtenTensorHandle seed, AtenTensorHandle bias, AtenTensorHandle counts, "
+                     "AtenTensorHandle seen, AtenTensorHandle* ret0, AtenTensorHandle* ret1, AtenTensorHandle* ret2, "
+                     "AtenTensorHandle* ret3, AtenTensorHandle* ret4, AtenTensorHandle* ret5)",
 }
 
 _lock = threading.Lock()
@@ -392,6 +397,12 @@ def _register_fake() -> None:
         rows = (logits.shape[0],)
         return (slots.new_empty(rows), slots.new_empty(rows, dtype=torch.bool), logits.new_empty(rows),
                 logits.new_empty(logits.shape), slots.new_empty(rows, dtype=torch.bool))
+
+    @torch.library.register_fake("linserve::verify_choose")
+    def verified_shapes(logits, ids, limits, slots, positions, floats, seed, bias, counts, seen):
+        rows, V = (logits.shape[0],), logits.shape[-1]
+        return (ids.new_empty(ids.shape), ids.new_empty(rows), ids.new_empty(rows, dtype=torch.bool),
+                logits.new_empty(rows), logits.new_empty((*rows, V)), logits.new_empty((*rows, V)))
 
     @torch.library.register_fake("linserve::pack_weight")
     def packed_shape(weight):

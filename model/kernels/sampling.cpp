@@ -366,17 +366,118 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> choose_to
   return std::make_tuple(tokens, finite, uniforms, processed, redraw);
 }
 
+
+// `accept_drafts` (server/engine/spec/verify_program.py), one row at a time: logits (P, T, V) fp32 of feeding
+// ids (P, T) = [pending, d1 … dk] →
+// (emitted (P, T) int64, kept (P,) int64, finite (P,) bool, uniforms (P,) fp32, processed (P, V), last (P, V)).
+// Position j is processed as a decode step after d1 … dj would be: the slot's counts and seen flags with d1 … dj
+// added (exact: small integers in fp32), the same penalties (`process_row`), the uniform of (seed, position + j) and
+// the unfiltered draw (`sample_plain`: draw_row with no window). The row stops at the first position whose choice
+// is not the next draft or past its limit: that choice is the next token (`kept` drafts accepted), and
+// `emitted`'s later positions are −1 (the torch form computes them; nothing reads them). A row whose logits
+// are not all finite reads zeros at every position, its `last` zeros, as the torch form.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_choose(
+    const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& limits, const at::Tensor& slots,
+    const at::Tensor& positions, const at::Tensor& floats, const at::Tensor& seed, const at::Tensor& bias,
+    const at::Tensor& counts, const at::Tensor& seen) {
+  TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == at::kFloat, "verify_choose: logits must be (P, T, V) fp32");
+  const int64_t P = logits.size(0), T = logits.size(1), V = logits.size(2);
+  TORCH_CHECK(V > 0 && T > 0, "verify_choose: an empty vocabulary or no position");
+  TORCH_CHECK(ids.sizes() == at::IntArrayRef({P, T}) && ids.scalar_type() == at::kLong,
+              "verify_choose: ids must be int64 (P, T)");
+  for (const at::Tensor* t : {&limits, &slots, &positions})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == P && t->scalar_type() == at::kLong,
+                "verify_choose: limits, slots and positions must be int64 (P,)");
+  TORCH_CHECK(floats.dim() == 2 && floats.size(0) == 6 && floats.scalar_type() == at::kFloat,
+              "verify_choose: floats must be fp32 (6, N)");
+  const int64_t N = floats.size(1);
+  TORCH_CHECK(seed.dim() == 1 && seed.size(0) == N && seed.scalar_type() == at::kLong,
+              "verify_choose: seed must be int64 (N,)");
+  TORCH_CHECK(bias.sizes() == at::IntArrayRef({N, V}) && bias.scalar_type() == at::kFloat &&
+                  counts.sizes() == at::IntArrayRef({N, V}) && counts.scalar_type() == at::kFloat &&
+                  seen.sizes() == at::IntArrayRef({N, V}) && seen.scalar_type() == at::kBool,
+              "verify_choose: bias and counts must be fp32 (N, V), seen bool (N, V)");
+  const auto x = logits.contiguous(), id = ids.contiguous(), li = limits.contiguous(), sl = slots.contiguous();
+  const auto ps = positions.contiguous(), fl = floats.contiguous(), sd = seed.contiguous();
+  const auto bi = bias.contiguous(), co = counts.contiguous(), se = seen.contiguous();
+  const int64_t *slot_of = sl.data_ptr<int64_t>(), *idp = id.data_ptr<int64_t>(), *lim = li.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(slot_of[p] >= 0 && slot_of[p] < N, "verify_choose: slot ", slot_of[p], " is outside the ", N,
+                " slots");
+    for (int64_t j = 1; j < T; ++j)
+      TORCH_CHECK(idp[p * T + j] >= 0 && idp[p * T + j] < V, "verify_choose: draft ", idp[p * T + j],
+                  " is outside the vocabulary");
+  }
+  auto emitted = at::detail::empty_cpu({P, T}, at::kLong, false, c10::nullopt);  // (P, T)
+  auto kept = at::detail::empty_cpu({P}, at::kLong, false, c10::nullopt);  // (P,)
+  auto finite = at::detail::empty_cpu({P}, at::kBool, false, c10::nullopt);  // (P,)
+  auto uniforms = at::detail::empty_cpu({P}, at::kFloat, false, c10::nullopt);  // (P,)
+  auto processed = at::detail::empty_cpu({P, V}, at::kFloat, false, c10::nullopt);  // (P, V)
+  auto last = at::detail::empty_cpu({P, V}, at::kFloat, false, c10::nullopt);  // (P, V)
+  const float *xp = x.data_ptr<float>(), *fp = fl.data_ptr<float>(), *bp = bi.data_ptr<float>();
+  const float* cp = co.data_ptr<float>();
+  const bool* seen_p = se.data_ptr<bool>();
+  const int64_t *pos = ps.data_ptr<int64_t>(), *seeds = sd.data_ptr<int64_t>();
+  int64_t *out = emitted.data_ptr<int64_t>(), *kp = kept.data_ptr<int64_t>();
+  bool* ok = finite.data_ptr<bool>();
+  float *up = uniforms.data_ptr<float>(), *pp = processed.data_ptr<float>(), *lp = last.data_ptr<float>();
+  linserve::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> row_counts;
+    thread_local std::vector<uint8_t> row_seen;
+    row_counts.resize(V);
+    row_seen.resize(V);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t slot = slot_of[p];
+      const float* row = xp + p * T * V;
+      const bool finite_row = all_finite(row, T * V);
+      std::copy(cp + slot * V, cp + (slot + 1) * V, row_counts.data());
+      std::copy(seen_p + slot * V, seen_p + (slot + 1) * V, reinterpret_cast<bool*>(row_seen.data()));
+      const float temperature = fp[slot];
+      float* processed_row = pp + p * V;
+      int64_t j = 0;
+      for (;; ++j) {
+        if (j > 0) {  // position j sees d1 … dj
+          const int64_t draft = idp[p * T + j];
+          row_counts[draft] += 1.0f;
+          row_seen[draft] = 1;
+        }
+        process_row(row + j * V, finite_row, bp + slot * V, row_counts.data(),
+                    reinterpret_cast<const bool*>(row_seen.data()), fp[3 * N + slot], fp[4 * N + slot],
+                    fp[5 * N + slot], processed_row, V);
+        const float uniform = counter_uniform(seeds[slot], pos[p] + j);
+        const int64_t chosen = draw_row(processed_row, V, temperature, 0, 0.0f, uniform);
+        out[p * T + j] = chosen;
+        if (j + 1 >= T || j >= lim[p] || chosen != idp[p * T + j + 1]) {
+          up[p] = uniform;
+          break;
+        }
+      }
+      for (int64_t rest = j + 1; rest < T; ++rest) out[p * T + rest] = -1;
+      kp[p] = j;
+      ok[p] = finite_row;
+      if (finite_row)
+        std::copy(row + j * V, row + (j + 1) * V, lp + p * V);
+      else
+        std::fill(lp + p * V, lp + (p + 1) * V, 0.0f);
+    }
+  });
+  return std::make_tuple(emitted, kept, finite, uniforms, processed, last);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("tempered_draw(Tensor logits, Tensor temperature, Tensor k, Tensor min_p, Tensor uniforms) -> Tensor");
   m.def("choose_tokens(Tensor logits, Tensor slots, Tensor positions, Tensor floats, Tensor top_k, Tensor seed, "
         "Tensor bias, Tensor counts, Tensor seen) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("verify_choose(Tensor logits, Tensor ids, Tensor limits, Tensor slots, Tensor positions, Tensor floats, "
+        "Tensor seed, Tensor bias, Tensor counts, Tensor seen) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("tempered_draw", &tempered_draw);
   m.impl("choose_tokens", &choose_tokens);
+  m.impl("verify_choose", &verify_choose);
 }
 
 extern "C" AOTITorchError aoti_torch_cpu_choose_tokens(AtenTensorHandle logits, AtenTensorHandle slots,
@@ -399,5 +500,30 @@ extern "C" AOTITorchError aoti_torch_cpu_choose_tokens(AtenTensorHandle logits, 
     *ret2 = torch::aot_inductor::new_tensor_handle(std::move(uniforms));
     *ret3 = torch::aot_inductor::new_tensor_handle(std::move(processed));
     *ret4 = torch::aot_inductor::new_tensor_handle(std::move(redraw));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_verify_choose(AtenTensorHandle logits, AtenTensorHandle ids,
+                                                        AtenTensorHandle limits, AtenTensorHandle slots,
+                                                        AtenTensorHandle positions, AtenTensorHandle floats,
+                                                        AtenTensorHandle seed, AtenTensorHandle bias,
+                                                        AtenTensorHandle counts, AtenTensorHandle seen,
+                                                        AtenTensorHandle* ret0, AtenTensorHandle* ret1,
+                                                        AtenTensorHandle* ret2, AtenTensorHandle* ret3,
+                                                        AtenTensorHandle* ret4, AtenTensorHandle* ret5) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+    auto [emitted, kept, finite, uniforms, processed, last] = verify_choose(
+        *tensor_handle_to_tensor_pointer(logits), *tensor_handle_to_tensor_pointer(ids),
+        *tensor_handle_to_tensor_pointer(limits), *tensor_handle_to_tensor_pointer(slots),
+        *tensor_handle_to_tensor_pointer(positions), *tensor_handle_to_tensor_pointer(floats),
+        *tensor_handle_to_tensor_pointer(seed), *tensor_handle_to_tensor_pointer(bias),
+        *tensor_handle_to_tensor_pointer(counts), *tensor_handle_to_tensor_pointer(seen));
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(emitted));
+    *ret1 = torch::aot_inductor::new_tensor_handle(std::move(kept));
+    *ret2 = torch::aot_inductor::new_tensor_handle(std::move(finite));
+    *ret3 = torch::aot_inductor::new_tensor_handle(std::move(uniforms));
+    *ret4 = torch::aot_inductor::new_tensor_handle(std::move(processed));
+    *ret5 = torch::aot_inductor::new_tensor_handle(std::move(last));
   });
 }

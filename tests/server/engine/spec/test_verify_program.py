@@ -158,3 +158,60 @@ def test_verification_buckets_are_built_once_speculation_pays_there_and_loaded_f
     restarted.wait_compiled(600)
     assert 1 in restarted.ready_sizes and restarted.builds.built_seconds == []  # loaded, not asked for, not built
     restarted.close(wait=True)
+
+
+def test_acceptance_is_the_same_with_and_without_linserves_kernel(monkeypatch):
+    """On a CPU `accept_drafts` runs through kernels/sampling.cpp's `verify_choose`, one pass a row that stops at
+    its first rejected draft; elsewhere through torch's ops over every position: the same accepted prefix, the same
+    tokens up to and at it, and the same uniform, processed and raw logits at it, to the bit — for greedy, sampled
+    and penalised rows (the drafts' own counts seen by later positions), with a logit bias, every limit from 0 to
+    k, drafts accepted to the end, stopped at each position or by the limit, a slot twice, a row not finite."""
+    from linserve.model import kernels
+    from linserve.server.engine.spec.verify_program import accept_drafts
+    from tests.helpers import require_kernel
+
+    require_kernel()
+    cpu = torch.device("cpu")
+    vocab, rows, k = 300, 40, 6
+    generator = torch.Generator().manual_seed(11)
+    logits = (torch.randn(rows, k + 1, vocab, generator=generator) * 8).round() / 4  # (P, T, V) ties
+    logits[9, 2, 4] = float("nan")
+    sampling = SlotSampling(rows + 4, vocab, cpu)
+    for slot in range(rows + 4):
+        penalties = {} if slot % 3 else {"repetition_penalty": 1.4, "presence_penalty": 0.5, "frequency_penalty": 0.75}
+        params = SamplingParams(temperature=[0.0, 0.8, 1.5][slot % 3 if slot % 6 else 0], top_k=[0, 5][slot % 2],
+                                logit_bias=((3, 4.0),) if slot % 7 == 0 else (), **penalties)
+        sampling.assign(slot, params, 31 * slot - 2**40, None, [1, 2, slot % vocab])
+    sampling.record(torch.arange(rows + 4).repeat(2), torch.randint(0, vocab, (2 * (rows + 4),), generator=generator))
+    slots = torch.cat([torch.randperm(rows + 4, generator=generator)[: rows - 1], torch.tensor([5])])  # (P,)
+    if int(slots[0]) != 5:
+        slots[0] = 5  # (slot 5 twice)
+    positions = torch.arange(rows) * 97 + 2**20  # (P,)
+    limits = torch.tensor([(k, k, k, 3, 0, 1)[p % 6] for p in range(rows)])  # (P,)
+    ids = torch.randint(0, vocab, (rows, k + 1), generator=generator)  # (P, T) [pending, d1 … dk]
+
+    def torch_form(ids):
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "load", lambda: False)
+            return accept_drafts(logits, ids, limits, slots, positions, *sampling.tensors())
+
+    # each row's drafts made what torch's form chooses up to a row's own stopping point (its p % (k + 1)): the
+    # choice at j depends on d1 … dj only, so position by position
+    stop = torch.tensor([p % (k + 1) if p % 5 else k for p in range(rows)])  # (P,) drafts made to agree
+    for j in range(k):
+        chosen = torch_form(ids)[0]  # (P, T)
+        agree = j < stop
+        ids[agree, j + 1] = chosen[agree, j]
+    want = torch_form(ids)
+    got = accept_drafts(logits, ids, limits, slots, positions, *sampling.tensors())
+    kept = want[1]
+    assert got[1].equal(kept) and got[2].equal(want[2])
+    for p in range(rows):
+        n = int(kept[p])
+        assert got[0][p, : n + 1].equal(want[0][p, : n + 1]), p
+        assert (got[0][p, n + 1 :] == -1).all()
+    for a, b in zip(got[3:], want[3:]):
+        assert a.dtype == b.dtype and a.equal(b)
+    assert not got[2][9] and int(got[2].sum()) == rows - 1
+    assert {int(n) for n in kept} >= {0, 1, 3, k}  # (stopped by a draft, by the limit, and accepted to the end)
+    assert (kept == torch.minimum(stop, limits))[[p for p in range(rows) if p != 9]].all()
