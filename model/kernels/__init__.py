@@ -11,8 +11,9 @@ the next one; `pending_settle` writes the pending updates of listed slots, every
 `sampling.cpp` holds the decode program's sampling (`torch.ops.linserve.choose_tokens`: one pass a row for its
 penalties, its counter-based uniform and its draw — server/engine/sampling.py's `choose_tokens`, to the bit; the
 draw alone, `tempered_draw`, in what torch did in a division, exponentials over the whole vocabulary, two `topk`
-calls, a tie mask and a window). `invariant_linear.cpp` holds the
-batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
+calls, a tie mask and a window) and the verification program's acceptance (`verify_choose`: each position of a row
+chosen as a decode step would choose it, its drafts' counts added as it goes, stopping at the first refused draft).
+`invariant_linear.cpp` holds the batch-invariant projection (`torch.ops.linserve.invariant_linear`, and
 `invariant_linear_cat` for up to four weights over one input in one parallel region): each output a fixed sequence
 of roundings whatever the number of rows, bf16 or int8 weights packed once (on memory advised as huge pages) or in
 the checkpoint's own (N, K) layout: AMX tiles or AVX512-BF16 lanes where the CPU has them, the same lanes'

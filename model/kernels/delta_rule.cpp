@@ -29,7 +29,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
-#include <xmmintrin.h>
+#include <immintrin.h>
 
 #include "recurrence_blocks.h"
 
@@ -99,9 +99,27 @@ inline void linear_block(const float* q, const float* k, const float* v, const f
   std::copy(buf, buf + w, o);
 }
 
+// n floats, inline: a scan keeps the state after every prefix with dk short copies a token and head (32 floats
+// each for the shipped model), and std::copy called memmove for each (~13,800 calls in a verification of 8 drafts,
+// 5-7% of its program's time)
+inline void copy_floats(const float* from, float* to, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(to + j, _mm512_loadu_ps(from + j));
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm512_mask_storeu_ps(to + j, tail, _mm512_maskz_loadu_ps(tail, from + j));
+  }
+  return;
+#elif defined(__AVX2__)
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(to + j, _mm256_loadu_ps(from + j));
+#endif
+  for (; j < n; ++j) to[j] = from[j];
+}
+
 // w columns of dk rows from `from` (rows `fs` apart) to `to` (rows `ts` apart)
 inline void copy_rows(const float* from, int64_t fs, float* to, int64_t ts, int64_t dk, int64_t w) {
-  for (int64_t i = 0; i < dk; ++i) std::copy(from + i * fs, from + i * fs + w, to + i * ts);
+  for (int64_t i = 0; i < dk; ++i) copy_floats(from + i * fs, to + i * ts, w);
 }
 
 // linear_scan: q, k (B, H, T, dk), v (B, H, T, dv), alpha (B, H, T, dk) or none, S
