@@ -109,8 +109,8 @@ inline void copy_floats(const float* from, float* to, int64_t n) {
   if (j < n) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
     _mm512_mask_storeu_ps(to + j, tail, _mm512_maskz_loadu_ps(tail, from + j));
+    j = n;
   }
-  return;
 #elif defined(__AVX2__)
   for (; j + 8 <= n; j += 8) _mm256_storeu_ps(to + j, _mm256_loadu_ps(from + j));
 #endif

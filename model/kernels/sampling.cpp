@@ -306,6 +306,27 @@ void process_row(const float* logits, bool finite, const float* bias, const floa
   }
 }
 
+// the SlotSampling tensors both ops read (floats (6, N), seed (N,), bias and counts fp32 (N, V), seen bool (N, V)):
+// checked, N returned
+int64_t check_slot_sampling(const char* op, const at::Tensor& floats, const at::Tensor& seed, const at::Tensor& bias,
+                            const at::Tensor& counts, const at::Tensor& seen, int64_t V) {
+  TORCH_CHECK(floats.dim() == 2 && floats.size(0) == 6 && floats.scalar_type() == at::kFloat, op,
+              ": floats must be fp32 (6, N)");
+  const int64_t N = floats.size(1);
+  TORCH_CHECK(seed.dim() == 1 && seed.size(0) == N && seed.scalar_type() == at::kLong, op, ": seed must be int64 (N,)");
+  TORCH_CHECK(bias.sizes() == at::IntArrayRef({N, V}) && bias.scalar_type() == at::kFloat &&
+                  counts.sizes() == at::IntArrayRef({N, V}) && counts.scalar_type() == at::kFloat &&
+                  seen.sizes() == at::IntArrayRef({N, V}) && seen.scalar_type() == at::kBool,
+              op, ": bias and counts must be fp32 (N, V), seen bool (N, V)");
+  return N;
+}
+
+// every row's slot within the N slots
+void check_slots(const char* op, const int64_t* slot_of, int64_t rows, int64_t N) {
+  for (int64_t b = 0; b < rows; ++b)
+    TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < N, op, ": slot ", slot_of[b], " is outside the ", N, " slots");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> choose_tokens(
     const at::Tensor& logits, const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& floats,
     const at::Tensor& top_k, const at::Tensor& seed, const at::Tensor& bias, const at::Tensor& counts,
@@ -316,22 +337,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> choose_to
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong && positions.dim() == 1 &&
                   positions.size(0) == B && positions.scalar_type() == at::kLong,
               "choose_tokens: slots and positions must be int64 (B,)");
-  TORCH_CHECK(floats.dim() == 2 && floats.size(0) == 6 && floats.scalar_type() == at::kFloat,
-              "choose_tokens: floats must be fp32 (6, N)");
-  const int64_t N = floats.size(1);
-  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == N && top_k.scalar_type() == at::kLong && seed.dim() == 1 &&
-                  seed.size(0) == N && seed.scalar_type() == at::kLong,
-              "choose_tokens: top_k and seed must be int64 (N,)");
-  TORCH_CHECK(bias.sizes() == at::IntArrayRef({N, V}) && bias.scalar_type() == at::kFloat &&
-                  counts.sizes() == at::IntArrayRef({N, V}) && counts.scalar_type() == at::kFloat &&
-                  seen.sizes() == at::IntArrayRef({N, V}) && seen.scalar_type() == at::kBool,
-              "choose_tokens: bias and counts must be fp32 (N, V), seen bool (N, V)");
+  const int64_t N = check_slot_sampling("choose_tokens", floats, seed, bias, counts, seen, V);
+  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == N && top_k.scalar_type() == at::kLong,
+              "choose_tokens: top_k must be int64 (N,)");
   const auto x = logits.contiguous(), sl = slots.contiguous(), ps = positions.contiguous();
   const auto fl = floats.contiguous(), ks = top_k.contiguous(), sd = seed.contiguous();
   const auto bi = bias.contiguous(), co = counts.contiguous(), se = seen.contiguous();
   const int64_t* slot_of = sl.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < N, "choose_tokens: slot ", slot_of[b], " is outside the ", N, " slots");
+  check_slots("choose_tokens", slot_of, B, N);
   auto tokens = at::detail::empty_cpu({B}, at::kLong, false, c10::nullopt);  // (B,)
   auto finite = at::detail::empty_cpu({B}, at::kBool, false, c10::nullopt);  // (B,)
   auto uniforms = at::detail::empty_cpu({B}, at::kFloat, false, c10::nullopt);  // (B,)
@@ -366,7 +379,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> choose_to
   return std::make_tuple(tokens, finite, uniforms, processed, redraw);
 }
 
-
 // `accept_drafts` (server/engine/spec/verify_program.py), one row at a time: logits (P, T, V) fp32 of feeding
 // ids (P, T) = [pending, d1 … dk] →
 // (emitted (P, T) int64, kept (P,) int64, finite (P,) bool, uniforms (P,) fp32, processed (P, V), last (P, V)).
@@ -388,26 +400,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   for (const at::Tensor* t : {&limits, &slots, &positions})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == P && t->scalar_type() == at::kLong,
                 "verify_choose: limits, slots and positions must be int64 (P,)");
-  TORCH_CHECK(floats.dim() == 2 && floats.size(0) == 6 && floats.scalar_type() == at::kFloat,
-              "verify_choose: floats must be fp32 (6, N)");
-  const int64_t N = floats.size(1);
-  TORCH_CHECK(seed.dim() == 1 && seed.size(0) == N && seed.scalar_type() == at::kLong,
-              "verify_choose: seed must be int64 (N,)");
-  TORCH_CHECK(bias.sizes() == at::IntArrayRef({N, V}) && bias.scalar_type() == at::kFloat &&
-                  counts.sizes() == at::IntArrayRef({N, V}) && counts.scalar_type() == at::kFloat &&
-                  seen.sizes() == at::IntArrayRef({N, V}) && seen.scalar_type() == at::kBool,
-              "verify_choose: bias and counts must be fp32 (N, V), seen bool (N, V)");
+  const int64_t N = check_slot_sampling("verify_choose", floats, seed, bias, counts, seen, V);
   const auto x = logits.contiguous(), id = ids.contiguous(), li = limits.contiguous(), sl = slots.contiguous();
   const auto ps = positions.contiguous(), fl = floats.contiguous(), sd = seed.contiguous();
   const auto bi = bias.contiguous(), co = counts.contiguous(), se = seen.contiguous();
   const int64_t *slot_of = sl.data_ptr<int64_t>(), *idp = id.data_ptr<int64_t>(), *lim = li.data_ptr<int64_t>();
-  for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(slot_of[p] >= 0 && slot_of[p] < N, "verify_choose: slot ", slot_of[p], " is outside the ", N,
-                " slots");
+  check_slots("verify_choose", slot_of, P, N);
+  for (int64_t p = 0; p < P; ++p)
     for (int64_t j = 1; j < T; ++j)
       TORCH_CHECK(idp[p * T + j] >= 0 && idp[p * T + j] < V, "verify_choose: draft ", idp[p * T + j],
                   " is outside the vocabulary");
-  }
   auto emitted = at::detail::empty_cpu({P, T}, at::kLong, false, c10::nullopt);  // (P, T)
   auto kept = at::detail::empty_cpu({P}, at::kLong, false, c10::nullopt);  // (P,)
   auto finite = at::detail::empty_cpu({P}, at::kBool, false, c10::nullopt);  // (P,)

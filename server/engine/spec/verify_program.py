@@ -59,9 +59,9 @@ def accept_drafts(logits: torch.Tensor, ids: torch.Tensor, limits: torch.Tensor,
     `top_k` is not read: drafts are checked against the unfiltered choice, and the host redraws the next token of
     a row with filters (StepRunner._sampled). On a CPU one pass a row (kernels/sampling.cpp's `verify_choose`: the
     same tokens to the bit), which stops at the row's first rejected draft — `emitted` is −1 after `kept` there."""
-    if logits.device.type == "cpu" and kernels.load():  # one pass a row, stopping at its first rejected draft
-        return tuple(torch.ops.linserve.verify_choose(logits.float(), ids, limits, slots, positions, floats, seed,
-                                                      bias, counts, seen))
+    if logits.device.type == "cpu" and kernels.load():
+        return tuple(torch.ops.linserve.verify_choose(logits, ids, limits, slots, positions, floats, seed, bias, counts,
+                                                      seen))
     P, T, V = logits.shape
     k = T - 1
     rows = torch.arange(P, device=logits.device)  # (P,)
