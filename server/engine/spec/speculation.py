@@ -9,8 +9,10 @@ it is weighed (its first call pays for one-off set-up). A row's expected tokens 
 1 + a + a² + … + a^d for d drafts. A large batch makes verification cost more than it saves, so it backs off
 to plain decode steps by itself; it times verification again after `REPROBE_STEPS` refusals, and after twice
 as many each time that finds it still does not pay (up to `REPROBE_MAX`): a batch that stays too large for
-speculation spends ever less on asking. Verification chosen on its merits starts the count over. The counts are
-kept per batch bucket: that verification pays for 2 rows says nothing of 32.
+speculation spends ever less on asking. Only widths whose program runs as the decode step does are timed again
+(an eager verification beside a compiled decode step costs 10-40 of its steps: its one eager timing stands).
+Verification chosen on its merits starts the count over. The counts are kept per batch bucket: that
+verification pays for 2 rows says nothing of 32.
 
 Rows that verify no drafts (limit 0) still ride in a verification step and get exactly a decode step's token:
 rows with logprobs, top-k/top-p/min-p filters on sampled rows, structured output (their mask changes per
@@ -63,8 +65,8 @@ class RowSpeculation:
 
     def expected(self, drafts: int) -> float:
         """Tokens a verification step is expected to emit for this row with `drafts` drafts."""
-        rate = self.rate
-        return sum(rate**i for i in range(drafts + 1))
+        rate = self.rate  # 1 + rate + … + rate^drafts (rate < 1: the prior's refusal never decays to nothing)
+        return drafts + 1.0 if rate >= 1.0 else (1.0 - rate ** (drafts + 1)) / (1.0 - rate)
 
     def observe(self, limit: int, kept: int) -> None:
         self.accepted = ACCEPT_DECAY * self.accepted + kept
@@ -152,8 +154,10 @@ class SpeculationPolicy:
         limits = [min(limit, width) for limit in limits]
         drafts = [[0] * limit if b in modelled else spec.drafter.propose(limit) if limit else []
                   for b, (spec, limit) in enumerate(zip(specs, limits))]  # (draft-model rows: drafted below)
-        if not any(drafts) or not (probing or self._worth(len(rows), bucket, width,
-                                                          self._expected(specs, map(len, drafts)), suffix)):
+        if not any(drafts):  # nothing to verify; a probe waits for the next weighed step, not the next step
+            self.since_verify[bucket] += probing and not self.always  # (rows that found no drafts looked them
+            return None  # up every step, forever, once refused REPROBE_MAX steps)
+        if not (probing or self._worth(len(rows), bucket, width, self._expected(specs, map(len, drafts)), suffix)):
             return None
         plan = Plan(drafts, width, modelled)
         if not probing:
@@ -188,9 +192,12 @@ class SpeculationPolicy:
             return unmeasured[-1], True
         after = self.reprobe_after.get(bucket, REPROBE_STEPS)
         if self.since_verify[bucket] >= after:
-            self.reprobes += 1
             self.reprobe_after[bucket] = min(2 * after, REPROBE_MAX)  # (reset if it turns out to pay)
-            return self.widths[self.reprobes % len(self.widths)], True
+            alike = self._alike(rows)
+            if alike:
+                self.reprobes += 1
+                return alike[self.reprobes % len(alike)], True
+            self.since_verify[bucket] = 0  # (nothing worth timing again: weighed as they are)
         best = max(self.widths, key=lambda w: bounds[w] / self._cost(f"verify{w}{suffix}", rows))
         if bounds[best] / self._cost(f"verify{best}{suffix}", rows) > rows / decode_cost:
             self.reprobe_after.pop(bucket, None)
@@ -199,6 +206,14 @@ class SpeculationPolicy:
         if not suffix:
             self._want_compiled(rows, bounds, decode_cost)
         return None, False
+
+    def _alike(self, rows: int) -> list[int]:
+        """The widths worth timing again at this batch size: those whose program runs as the decode step does
+        (compiled where it is compiled). A width run eagerly beside a compiled decode step is not: its eager cost,
+        timed once, is all that is weighed (and what `_want_compiled` goes by) — timing it again cost a P15 load of
+        8 streams 10-40 decode steps each time (an 8-draft verification eagerly 31-80 ms against a 2 ms step)."""
+        decode_compiled = self.bucket_of("decode", rows)[1]
+        return [w for w in self.widths if self.bucket_of(f"verify{w}", rows)[1] or not decode_compiled]
 
     def _want_compiled(self, rows: int, bounds: dict[int, float], decode_cost: float) -> None:
         """Verification refused because its program runs eagerly at this batch size while the decode step runs

@@ -352,6 +352,79 @@ def test_an_eager_verification_that_would_pay_compiled_gets_its_bucket_compiled(
     assert asked(11.0, {"decode": False, "verify2": False, "verify4": False}) == []  # both eager: weighed as they are
 
 
+def test_verification_is_timed_again_only_where_it_runs_as_the_decode_step_does():
+    """After REPROBE_STEPS refusals a width is timed again — only one whose program runs as the decode step does:
+    beside a compiled decode step, an eager verification (its bucket not built) keeps its one eager timing (timing
+    it again cost a P15 load of 8 streams 10-40 decode steps each time); with no width compiled, nothing is timed
+    again and the count starts over; with the decode step eager too, every width is timed again in turn."""
+    from types import SimpleNamespace
+
+    from linserve.server.engine.spec.drafting import NgramDrafter
+    from linserve.server.engine.spec.speculation import REPROBE_STEPS, RowSpeculation, SpeculationPolicy
+
+    def row(slot):
+        params = SamplingParams(max_tokens=1000, temperature=0, speculative=NGRAM)
+        spec = RowSpeculation(NgramDrafter([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]), 4)
+        return SimpleNamespace(live=SimpleNamespace(request=SimpleNamespace(params=params), session=None),
+                               constraint=None, num_generated=1, slot=slot, next_token=2, speculation=spec)
+
+    def reprobed(compiled: dict[str, bool]) -> list[int]:
+        """The widths timed again over 6 x REPROBE_STEPS refused steps, neither width paying."""
+        policy = SpeculationPolicy("off", 4, frozenset({0}), lambda kind, rows: (rows, compiled[kind]),
+                                   widths=[2, 4])
+        rows = [row(s) for s in range(4)]
+        policy.observe("decode", 4, 0.010)
+        timed(policy, "verify4", 0.100)
+        timed(policy, "verify2", 0.080)
+        widths = []
+        for _ in range(6 * REPROBE_STEPS):
+            plan = policy.plan(rows)
+            if plan is not None:
+                widths.append(plan.width)
+                policy.observe(f"verify{plan.width}", 4, 0.100)  # (still does not pay)
+        return widths
+
+    assert reprobed({"decode": True, "verify2": True, "verify4": False}) == [2, 2]  # at 64, then 128 more
+    assert reprobed({"decode": True, "verify2": False, "verify4": False}) == []
+    assert sorted(reprobed({"decode": False, "verify2": False, "verify4": False})) == [2, 4]
+
+
+def test_a_backed_off_batch_whose_rows_find_no_drafts_looks_them_up_only_when_it_weighs():
+    """Verification does not pay and the rows' text never repeats (no drafts): drafts are looked up only on the
+    steps that weigh verification (one in QUIET_STEPS) — a probe that finds nothing to verify waits for the next
+    of those. (It waited for the next step: once refused REPROBE_MAX steps every step probed, looking up every
+    row's drafts — 200+ µs a step at 8 rows, a tenth of a compiled decode step.)"""
+    from types import SimpleNamespace
+
+    from linserve.server.engine.spec.drafting import NgramDrafter
+    from linserve.server.engine.spec.speculation import QUIET_STEPS, RowSpeculation, SpeculationPolicy
+
+    lookups = []
+
+    class CountingDrafter(NgramDrafter):
+        def propose(self, k):
+            lookups.append(k)
+            return super().propose(k)
+
+    def row(slot):
+        params = SamplingParams(max_tokens=100_000, temperature=0, speculative=NGRAM)
+        spec = RowSpeculation(CountingDrafter(list(range(100 * slot, 100 * slot + 50))), 4)  # no repeats
+        return SimpleNamespace(live=SimpleNamespace(request=SimpleNamespace(params=params), session=None),
+                               constraint=None, num_generated=1, slot=slot, next_token=2, speculation=spec)
+
+    policy = SpeculationPolicy("off", 4, frozenset({0}), lambda kind, rows: (rows, True), widths=[2, 4])
+    rows = [row(s) for s in range(1, 5)]
+    policy.observe("decode", 4, 0.010)
+    timed(policy, "verify4", 0.100)
+    timed(policy, "verify2", 0.080)
+    steps = 3000
+    for step in range(steps):
+        assert policy.plan(rows) is None
+        for r in rows:
+            r.speculation.drafter.push(10_000 + step)  # (never seen before)
+    assert 0 < len(lookups) <= len(rows) * (steps // QUIET_STEPS), len(lookups)
+
+
 def timed(policy, kind: str, seconds: float) -> None:
     """A program that now takes `seconds` every time (its whole window of recent timings)."""
     for _ in range(8):
