@@ -138,8 +138,9 @@ class StepRunner:
             row.consumed_pending(out.logits[b], bool(out.finite[b]))
 
     def verify(self, rows: list[Row], plan: Plan, step_started: float) -> Delivery:
-        """Speculative decoding: every row's drafts verified in one program (verify_program.py); each row gets
-        its accepted drafts and the next token, its state rolled back to the last token it consumed."""
+        """Speculative decoding: every row's drafts verified in one program (verify_program.py), which writes each
+        row's state after its accepted drafts and their counts; each row gets its accepted drafts and the next
+        token. If delivering fails, the rows' states and counts are put back as they were (`_undo_verification`)."""
         k, drafts = plan.width, plan.drafts
         limits = [len(draft) for draft in drafts]
         ids = [[row.next_token, *draft] + [row.next_token] * (k - len(draft)) for row, draft in zip(rows, drafts)]
@@ -151,22 +152,35 @@ class StepRunner:
         started = time.perf_counter()
         raw = self.verify_steps[k].run([*map(list, zip(*ids)), limits, slots, [row.position for row in rows]])
         program_s = time.perf_counter() - started
-        out = VerifyOutputs(*raw[:6], state=raw[6:])
-        index = torch.tensor(slots, device=self.device)  # (B,)
-        nexts = out.emitted.gather(1, out.kept[:, None])[:, 0]  # (B,) the token after the accepted drafts
-        sampled = self._sampled(rows, DecodeOutputs(nexts, out.finite, out.uniforms, out.processed, out.logits,
-                                                    None), slots, wanted_logprobs(rows), index)
-        table = torch.cat([out.emitted, out.kept[:, None]], dim=1).tolist()  # (B, k+2): one transfer
-        kept = [line[-1] for line in table]
-        accepted = [line[:n] for line, n in zip(table, kept)]
-        taken = torch.arange(k, device=self.device)[None, :] < out.kept[:, None]  # (B, k)
-        self.sampling.record(index[:, None].expand(-1, k)[taken], out.emitted[:, :k][taken])  # the drafts' counts
-        self.pool.scatter_tensors(index, out.state)  # the step succeeded: the state after the accepted prefix
-        delivery = self.deliver(rows, sampled, accepted)
+        out = VerifyOutputs(*raw[:9], before=raw[9:])
+        self._host_counted = None
+        try:
+            sampled = self._sampled(rows, DecodeOutputs(out.next, out.finite, out.uniforms, out.processed, out.logits,
+                                                        out.redraw, out.table[:, k + 2 :]), slots,
+                                    wanted_logprobs(rows), counted=True)  # (the program counted the rest)
+            table = out.table.tolist()  # (B, k+5): one transfer
+            kept = [line[k + 1] for line in table]
+            delivery = self.deliver(rows, sampled, [line[:n] for line, n in zip(table, kept)])
+        except BaseException:
+            self._undo_verification(out, torch.tensor(slots, device=self.device))
+            raise
         delivery.program_s, delivery.drafted, delivery.accepted = program_s, sum(limits), sum(kept)
         delivery.tokens = len(rows) + sum(kept)
         self.speculation.verified(rows, plan, limits, kept, time.perf_counter() - step_started)
         return delivery
+
+    def _undo_verification(self, out: VerifyOutputs, index: torch.Tensor) -> None:
+        """After a verification program, something raised: its tokens are never delivered, so the rows' states go
+        back to what the program read (their next tokens still pending) and its counts — and the host's redraws',
+        if it got that far — are taken back."""
+        self.pool.scatter_tensors(index, out.before)
+        P, width = out.emitted.shape  # (k + 1 positions)
+        position = torch.arange(width, device=self.device)[None, :]  # (1, k+1)
+        counted = out.finite[:, None] & ((position < out.kept[:, None])
+                                         | ((position == out.kept[:, None]) & ~out.redraw[:, None]))  # (P, k+1)
+        self.sampling.unrecord(index[:, None].expand(P, width)[counted], out.emitted[counted])
+        if self._host_counted is not None:
+            self.sampling.unrecord(*self._host_counted)
 
     def prefill(self, work: list[tuple[LiveRequest, int, int]]) -> None:
         """This step's prefill chunks (request, start, length) — through the compiled prefill program those that

@@ -21,6 +21,11 @@ without d — so every emitted token is distributed as p, and reproducible under
 
 Penalties see the drafts: position j's counts include d1 … dj, exactly as j decode steps would have
 recorded them. Logit bias is the row's (constrained rows verify no drafts: their mask changes per token).
+
+Like the decode program, it writes what the step decided: each row's state after pending + its accepted drafts
+into its slot (a row whose logits were not finite keeps its state: its request fails), and the counts of the
+accepted drafts and the next token (not a row the host redraws — a sampled row with filters: the host counts its
+redraw). The state it read comes back too, so the host can put the rows back as they were if delivering fails.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from linserve.model import kernels
 from linserve.model.decode_step import flat_verify_step, state_names
 from linserve.model.interface import ServedModel
 
-from ..sampling import counter_uniforms, process_logits, sample_plain
+from ..sampling import SlotSampling, counter_uniforms, process_logits, sample_plain
+
+COUNTS = SlotSampling.TENSORS.index("counts")  # where the counts come among the SlotSampling tensors
 
 
 @dataclass
@@ -47,7 +54,10 @@ class VerifyOutputs:
     uniforms: torch.Tensor  # (P,) the next token's uniform (a filtered redraw of a limit-0 row reuses it)
     processed: torch.Tensor  # (P, V) processed logits at the next token's position
     logits: torch.Tensor  # (P, V) the model's logits there
-    state: list[torch.Tensor]  # the state after pending + the accepted drafts, in `state_names` order
+    next: torch.Tensor  # (P,) int64 the token after the accepted drafts (emitted at `kept`)
+    redraw: torch.Tensor  # (P,) bool: sampled rows with filters — the host redraws (and counts) their next token
+    table: torch.Tensor  # (P, k+5) int64: emitted, kept, next, finite, redraw — what the host reads, in one transfer
+    before: list[torch.Tensor]  # the rows' state as the program read it (written back if delivering fails)
 
 
 def accept_drafts(logits: torch.Tensor, ids: torch.Tensor, limits: torch.Tensor, slots: torch.Tensor,
@@ -96,9 +106,12 @@ def verify_program(model: ServedModel, k: int):
     """The verification step as one function of tensors — what gets compiled per bucket:
 
         program(ids (k+1, P), limits (P,), slots (P,), positions (P,), *pool buffers, *SlotSampling tensors)
-            -> (emitted (P, k+1), kept, finite, uniforms, processed, logits, *state at the accepted prefix)
+            -> (emitted (P, k+1), kept, finite, uniforms, processed, logits, next, redraw, table, *state read)
 
-    Nothing is written: the caller scatters the state back once the step has succeeded."""
+    It writes each finite row's state after its accepted prefix into its slot, and counts the accepted drafts and
+    the next token (not a redrawn row's) — as the decode program writes its step (the caller settles the slots'
+    pending updates first: the program reads the buffers as they are). Rows padded to a bucket repeat the first
+    row (same slot, same values): their writes are the same bits."""
     if k < 1:
         raise ValueError(f"a verification step checks at least one draft, got k={k}")
     step = flat_verify_step(model)
@@ -113,6 +126,20 @@ def verify_program(model: ServedModel, k: int):
         emitted, kept, finite, uniforms, processed, last = accept_drafts(logits, rows_ids, limits, slots, positions,
                                                                          *sampling)
         rows = torch.arange(kept.shape[0], device=kept.device)  # (P,)
-        return (emitted, kept, finite, uniforms, processed, last, *[t[rows, kept] for t in prefixes])
+        nexts = emitted[rows, kept]  # (P,) the token after the accepted drafts
+        floats, top_k = sampling[0].index_select(1, slots), sampling[1].index_select(0, slots)  # (6, P), (P,)
+        redraw = (floats[0] > 0) & ((top_k > 0) | (floats[1] < 1) | (floats[2] > 0))  # (P,) SamplingParams.uses_filters
+        counts = sampling[COUNTS]  # (N, V)
+        for j in range(k + 1):  # the accepted drafts, then the next token: one position at a time (a row's tokens
+            token = emitted[:, j].clamp(min=0)  # may repeat; −1 after `kept` where the kernel stopped)  (P,)
+            counted = finite & ((j < kept) | ((j == kept) & ~redraw))  # (P,)
+            current = counts[slots, token]  # (P,)
+            counts.index_put_((slots, token), torch.where(counted, current + 1, current))  # (a padded row: same)
+        for buffer, old, prefix in zip(pool, state, prefixes):
+            new = prefix[rows, kept]  # (P, …) the state after pending + the accepted drafts
+            keep = finite.view(-1, *([1] * (new.dim() - 1)))  # (P, 1, …)
+            buffer.index_copy_(0, slots, torch.where(keep, new.to(buffer.dtype), old))
+        table = torch.cat([emitted, torch.stack([kept, nexts, finite.long(), redraw.long()], dim=1)], dim=1)
+        return (emitted, kept, finite, uniforms, processed, last, nexts, redraw, table, *state)  # (P, k+5) table
 
     return program

@@ -250,6 +250,42 @@ def test_fork_rewind_export_and_import_with_speculation_on(make_engine, monkeypa
     assert drafted(fast)[0] > 0
 
 
+def test_a_verification_step_that_fails_leaves_the_session_consistent(make_engine, monkeypatch):
+    """The step fails after the verification program wrote the rows' states and counts (delivering raises, on a
+    step that accepted drafts): the rows go back to the state the program read, their next tokens still pending
+    — the turn fails, and continuing the session equals the transcript that was emitted."""
+    from linserve.server.engine.step_runner import StepRunner
+    from linserve.server.engine.types import EngineRequest, FinishReason
+    from tests.helpers import Collector
+
+    engine = make_engine(speculative="ngram")
+    engine.speculation.always = True
+    real, fired = StepRunner.deliver, []
+
+    def deliver(self, rows, sampled, accepted=None):
+        if accepted is not None and not fired and any(accepted) and \
+                any(row.live.request.request_id == "s1" and row.num_generated >= 4 for row in rows):
+            fired.append(sum(map(len, accepted)))
+            raise RuntimeError("injected delivery fault")
+        return real(self, rows, sampled, accepted)
+
+    monkeypatch.setattr(StepRunner, "deliver", deliver)
+    session = engine.sessions.create(None).result(10)
+    head = looping_prompt(24, 6, seed=1)
+    run(engine, head, SamplingParams(max_tokens=0), "s0", session_id=session.id)
+    sink = Collector()
+    turn = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    engine.submit(EngineRequest("s1", [7, 8], turn, session_id=session.id), sink).result(10)
+    outputs = sink.wait()
+    assert fired and fired[0] > 0 and outputs[-1].finish_reason is FinishReason.ERROR
+    emitted = tokens_of(outputs)
+    assert 4 <= len(emitted) < 60
+    assert engine.sessions.info(session.id, None).result(10).tokens == len(head) + 2 + len(emitted)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True, repetition_penalty=3.0)
+    continued = tokens_of(run(engine, [5], sampled, "s2", session_id=session.id))
+    assert continued == tokens_of(run(engine, head + [7, 8] + emitted + [5], sampled, "reference"))
+
+
 def test_the_policy_verifies_only_while_it_pays():
     """Measured costs decide (injected here: the decision, not a timing, is under test): each width is timed
     once, the one with the best expected tokens per second is chosen while it beats decoding, a smaller width

@@ -35,41 +35,56 @@ def steps(model, device, mode="off", max_rows=4, cache_dir=None, slots=8):
 
 
 def plain_decoding(decode, pool, sampling, slot, pending, position, n):
-    """n plain decode steps from a slot (the program writes each back, as in the engine): the tokens and each
-    state."""
-    tokens, states = [], []
+    """n plain decode steps from a slot (the program writes each back, as in the engine): the tokens, each
+    state and the slot's counts after each."""
+    tokens, states, counts = [], [], []
     for i in range(n):
         out = decode([pending], [slot], [position + i])  # (the program writes the slot's state and counts)
         pending = int(out.tokens[0])
         tokens.append(pending)
         pool.settle([slot])  # (the commit it left pending for the next read, written: the pool as the state)
         states.append([buffer[slot : slot + 1].clone() for buffer in pool.buffers.values()])
-    return tokens, states
+        counts.append(sampling.counts[slot].clone())
+    return tokens, states, counts
+
+
+def slot_state(pool, slot):
+    return [buffer[slot : slot + 1].clone() for buffer in pool.buffers.values()]
 
 
 @torch.inference_mode()
 def test_drafts_are_accepted_exactly_as_far_as_plain_decoding_agrees(tiny_model, device):
     """For greedy, sampled and penalised rows: drafts equal to what plain decoding emits are all accepted,
-    a wrong draft at j stops acceptance at j and the token there is plain decoding's; the state returned is
-    the one plain decoding reaches after the same tokens (the rollback), within fp tolerance."""
+    a wrong draft at j stops acceptance at j and the token there is plain decoding's; the state the program writes
+    into the slot is the one plain decoding reaches after the same tokens (the rollback), within fp tolerance, and
+    the slot's counts are plain decoding's after those tokens and the next (it counts them as decode steps do);
+    the state it read comes back as it was."""
     for slot in (0, 1, 3, 5):
         for wrong_at in (None, 0, 2):
             pool, sampling, verify, decode = steps(tiny_model, device)
             start_state = pool.export(slot, device)
             start_sampling = sampling.export(slot)
-            truth, states = plain_decoding(decode, pool, sampling, slot, 17, 50, K + 1)
+            before = slot_state(pool, slot)
+            truth, states, counts = plain_decoding(decode, pool, sampling, slot, 17, 50, K + 1)
             pool.load(slot, start_state)
             sampling.load(slot, start_sampling)
             drafts = truth[:K]
             if wrong_at is not None:
                 drafts[wrong_at] = (drafts[wrong_at] + 1) % tiny_model.config.vocab_size
-            raw = verify.run([[17], *[[d] for d in drafts], [K], [slot], [50]])
-            out = VerifyOutputs(*raw[:6], state=raw[6:])
+            out = VerifyOutputs(*(raw := verify.run([[17], *[[d] for d in drafts], [K], [slot], [50]]))[:9],
+                                before=raw[9:])
             kept = int(out.kept[0])
             assert kept == (K if wrong_at is None else wrong_at), (slot, wrong_at, kept)
             assert out.emitted[0, : kept + 1].tolist() == truth[: kept + 1]
-            for got, want in zip(out.state, states[kept]):
+            assert int(out.next[0]) == truth[kept] and not bool(out.redraw[0])
+            assert out.table[0].tolist()[K + 1 :] == [kept, truth[kept], 1, 0]
+            for got, want in zip(slot_state(pool, slot), states[kept]):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(sampling.counts[slot], counts[kept])
+            for got, want in zip(out.before, before):
+                assert torch.equal(got, want)
+            pool.load(slot, start_state)
+            sampling.load(slot, start_sampling)
             limited = verify.run([[17], *[[d] for d in truth[:K]], [1], [slot], [50]])  # limit 1: at most 1
             assert int(limited[1][0]) == 1 and int(limited[0][0, 1]) == truth[1]
 
@@ -78,15 +93,22 @@ def test_drafts_are_accepted_exactly_as_far_as_plain_decoding_agrees(tiny_model,
 def test_a_row_with_limit_zero_gets_a_plain_decode_steps_token(tiny_model, device):
     pool, sampling, verify, decode = steps(tiny_model, device)
     slots = [0, 1, 3, 5]
-    raw = verify.run([[9, 9, 9, 9], *[[4, 4, 4, 4]] * K, [0] * 4, slots, [30] * 4])  # (nothing written)
+    start = ({s: pool.export(s, device) for s in slots}, {s: sampling.export(s) for s in slots})
+    raw = verify.run([[9, 9, 9, 9], *[[4, 4, 4, 4]] * K, [0] * 4, slots, [30] * 4])  # (the rows' states written)
+    verified = [buffer[slots].clone() for buffer in pool.buffers.values()]
+    verified_counts = sampling.counts[slots].clone()
+    for s in slots:
+        pool.load(s, start[0][s])
+        sampling.load(s, start[1][s])
     plain = decode([9] * 4, slots, [30] * 4)  # (the rows' states written into the pool)
     pool.settle(slots)  # (the commits left pending for the next read, written)
     assert raw[1].tolist() == [0, 0, 0, 0]
-    assert raw[0][:, 0].tolist() == plain.tokens.tolist()
+    assert raw[0][:, 0].tolist() == plain.tokens.tolist() == raw[6].tolist()
     torch.testing.assert_close(raw[5], plain.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(raw[3], plain.uniforms)
-    for got, buffer in zip(raw[6:], pool.buffers.values()):
+    for got, buffer in zip(verified, pool.buffers.values()):
         torch.testing.assert_close(got, buffer[slots], rtol=1e-4, atol=1e-4)
+    assert torch.equal(verified_counts, sampling.counts[slots])
 
 
 def test_program_kinds_name_their_io():
@@ -108,9 +130,14 @@ def test_the_compiled_verification_program_matches_eager(tiny_model, device, com
         for slots in ([5], [2, 7], [0, 3, 6], [1, 2, 3, 4], [4, 1, 0, 2, 7]):
             ids = [[(11 * s + 3 + j) % 1024 for s in slots] for j in range(K + 1)]
             io = [*ids, [min(s, K) for s in slots], slots, [40 + s for s in slots]]
-            got, want = compiled.run(io), eager.run(io)
+            start = pool.gather(slots), sampling.counts.clone()
+            got, written = compiled.run(io), (pool.gather(slots), sampling.counts.clone())
+            pool.scatter(slots, start[0])
+            sampling.counts.copy_(start[1])
+            want = eager.run(io)
             assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
-            for a, b in zip(got[3:], want[3:]):
+            for a, b in zip([*got[3:], *written[0].tensors().values(), written[1]],
+                            [*want[3:], *pool.gather(slots).tensors().values(), sampling.counts]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
