@@ -3,12 +3,12 @@ sample — and hand back what to deliver. It holds the model, the state pool, th
 inputs and the prefix cache; it never ends a request or talks to a client (the engine core does, with what
 each phase returns).
 
-A phase leaves every slot consistent with its request (and its session) whatever raises: prefill and
-verification scatter their state back only after their work has succeeded; the decode program commits its
-rows' state and its draws' penalty counts itself (in place, the finite rows only) — if what follows it raises,
-the counts are taken back and each row records that its pending token was consumed, the program's logits its
-next distribution. The core fails the step's
-requests and goes on.
+A phase leaves every slot consistent with its request (and its session) whatever raises: prefill scatters its
+state back only after its work has succeeded; the decode program commits its rows' state and its draws' penalty
+counts itself (in place, the finite rows only) — if what follows it raises, the counts are taken back and each row
+records that its pending token was consumed, the program's logits its next distribution; the verification program
+commits too, and if what follows it raises, the state it read is written back and its counts taken back (the rows'
+next tokens stay pending). The core fails the step's requests and goes on.
 """
 
 from __future__ import annotations
