@@ -17,7 +17,7 @@ from linserve.model.decode_step import flat_decode_step, state_names
 from linserve.model.interface import ServedModel, folded_state_names, pooled_state_names
 from linserve.model.pooled_state import PendingBuffers, PendingUpdate, PooledState, gathered
 
-from .sampling import SlotSampling, choose_tokens
+from .sampling import SlotSampling, choose_tokens, count_tokens
 
 COUNTS = SlotSampling.TENSORS.index("counts")  # where the counts come among the SlotSampling tensors
 
@@ -130,9 +130,7 @@ def decode_program(model: ServedModel):
         logits, *new_state = step(tokens[:, None], *state)  # (P, V) fp32
         tokens, finite, uniforms, processed, redraw = choose_tokens(logits, slots, positions, *sampling)
         counts = sampling[COUNTS]  # (N, V)
-        drawn = finite & ~redraw  # (P,) the token is the row's (a redrawn row is counted by the host's redraw)
-        current = counts[slots, tokens]  # (P,)
-        counts.index_put_((slots, tokens), torch.where(drawn, current + 1, current))  # (a padded row: same value)
+        count_tokens(counts, slots, tokens, finite & ~redraw)  # (a redrawn row is counted by the host's redraw)
         for buffer, old, new in zip(pool, state, new_state):
             if isinstance(new, PendingUpdate):
                 finite = new.commit(finite)  # (P,) the same flags: the commits chained, in order

@@ -238,6 +238,18 @@ def _draw_in_program(processed: torch.Tensor, temperature: torch.Tensor, window:
     return torch.where(temperature > 0, drawn, greedy)  # (B,)
 
 
+def uses_filters(top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: rows with top-k, top-p or min-p — SamplingParams.uses_filters for a sampled row."""
+    return (top_k > 0) | (top_p < 1) | (min_p > 0)
+
+
+def count_tokens(counts: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor, counted: torch.Tensor) -> None:
+    """One more of each row's token in its slot's counts (N, V), for the rows `counted` (B,) bool — in place, one
+    write a row (not an accumulation): rows padded to a bucket repeat the first row and write the same value."""
+    current = counts[slots, tokens]  # (B,)
+    counts.index_put_((slots, tokens), torch.where(counted, current + 1, current))
+
+
 def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, floats: torch.Tensor,
                   top_k: torch.Tensor, seed: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,
                   seen: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -261,7 +273,7 @@ def choose_tokens(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Te
     uniforms = counter_uniforms(seed.index_select(0, slots), positions)  # (B,)
     temperature, top_p, min_p = row_floats[0], row_floats[1], row_floats[2]  # (B,) each
     k = top_k.index_select(0, slots)  # (B,)
-    filters = (k > 0) | (top_p < 1) | (min_p > 0)  # (B,) as SamplingParams.uses_filters
+    filters = uses_filters(k, top_p, min_p)  # (B,)
     window = torch.where(filters, k.clamp(min=1, max=TOP_K_IN_PROGRAM), torch.zeros_like(k))  # (B,) 0: whole row
     tokens = _draw_in_program(processed, temperature, window, min_p, uniforms)  # (B,)
     cannot = (k <= 0) | (k > TOP_K_IN_PROGRAM) | (top_p < 1)  # (B,) top-p, a larger k, min-p alone

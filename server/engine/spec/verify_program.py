@@ -39,7 +39,7 @@ from linserve.model import kernels
 from linserve.model.decode_step import flat_verify_step, state_names
 from linserve.model.interface import ServedModel
 
-from ..sampling import SlotSampling, counter_uniforms, process_logits, sample_plain
+from ..sampling import SlotSampling, count_tokens, counter_uniforms, process_logits, sample_plain, uses_filters
 
 COUNTS = SlotSampling.TENSORS.index("counts")  # where the counts come among the SlotSampling tensors
 
@@ -128,13 +128,11 @@ def verify_program(model: ServedModel, k: int):
         rows = torch.arange(kept.shape[0], device=kept.device)  # (P,)
         nexts = emitted[rows, kept]  # (P,) the token after the accepted drafts
         floats, top_k = sampling[0].index_select(1, slots), sampling[1].index_select(0, slots)  # (6, P), (P,)
-        redraw = (floats[0] > 0) & ((top_k > 0) | (floats[1] < 1) | (floats[2] > 0))  # (P,) SamplingParams.uses_filters
-        counts = sampling[COUNTS]  # (N, V)
+        redraw = (floats[0] > 0) & uses_filters(top_k, floats[1], floats[2])  # (P,) sampled rows with filters
         for j in range(k + 1):  # the accepted drafts, then the next token: one position at a time (a row's tokens
-            token = emitted[:, j].clamp(min=0)  # may repeat; −1 after `kept` where the kernel stopped)  (P,)
-            counted = finite & ((j < kept) | ((j == kept) & ~redraw))  # (P,)
-            current = counts[slots, token]  # (P,)
-            counts.index_put_((slots, token), torch.where(counted, current + 1, current))  # (a padded row: same)
+            # may repeat; emitted is −1 after `kept` where the kernel stopped)
+            count_tokens(sampling[COUNTS], slots, emitted[:, j].clamp(min=0),
+                         finite & ((j < kept) | ((j == kept) & ~redraw)))
         for buffer, old, prefix in zip(pool, state, prefixes):
             new = prefix[rows, kept]  # (P, …) the state after pending + the accepted drafts
             keep = finite.view(-1, *([1] * (new.dim() - 1)))  # (P, 1, …)
