@@ -230,6 +230,8 @@ class Engine:
             failures = 0
             while not self.commands.stopping.is_set():
                 idle = not self.live
+                if idle and self.runner.threads is not None:  # (what other processes do meanwhile: no measure)
+                    self.runner.threads.waiting()
                 if self.commands.drain(block=idle) or idle:  # idle: once a second, so gauges follow expiry
                     self._emit_pool_stats()                  # and the store's sweep with no request at all
                 self.registry.expire()

@@ -18,14 +18,17 @@ default and runs each phase on the CPUs that are free *now*:
 - free = min(CPUs of the mask − others on them, quota − others in the cgroup); the phase's count is its planned
   count capped at free rounded to the nearest CPU (a CPU counts as held once others use more than half of it),
   at least 1;
-- a window in which the engine sat idle (no step asked for longer than a window, and this process used less than
-  `IDLE_SHARE` of a CPU since the last one did) is not a measurement: what others did while it waited — a load
+- a window in which the engine sat idle is not a measurement: what others did while it waited — a load
   generator starting up, a peer's benchmark, a batch job that has ended — says little about what they do beside
   its next steps. The counts of the last window the engine worked through stand (a neighbour that was busy then
   is still assumed), and the next window is `FIRST_WINDOW_S` long, so one that started while the engine waited is
-  seen within a tenth of a second. (Measured: a one-stream request arriving after the load generator's own
-  start-up ran all of its 512 tokens on one thread, 0.6 of a CPU "held" by a process that had finished; "A window
-  the engine sat out" in docs/benchmarks.md.)
+  seen within a tenth of a second. Idle is what the engine says (`waiting`: it blocked with nothing to step, for
+  `IDLE_GAP_S` or longer, however short against the window) or, where it did not say, no step asked for longer
+  than a window while this process used less than `IDLE_SHARE` of a CPU. (Measured: a one-stream request
+  arriving after the load generator's own start-up ran all of its 512 tokens on one thread, 0.6 of a CPU "held"
+  by a process that had finished; "A window the engine sat out" in docs/benchmarks.md. And a pause shorter than
+  the window — 0.3 s while another process ran a burst on both CPUs — ended a window that counted the burst, and
+  the next request's first half second ran on one thread: "A pause shorter than the window".)
 
 The frontend process (`api_servers: 1`) and a load tester on the same host count as others: they compete for the
 same cores, as a neighbour does.
@@ -52,6 +55,7 @@ logger = logging.getLogger("linserve.engine")
 WINDOW_S = 0.5  # counters are read at most this often; between reads a phase reuses the last count
 FIRST_WINDOW_S = 0.1  # the window after one the engine sat idle through (/proc/stat counts 10 ms ticks)
 IDLE_SHARE = 0.25  # a window without a step asking in it, where this process used less of a CPU: idle
+IDLE_GAP_S = 0.05  # the engine blocked with nothing to step at least this long: the window it ends is no measurement
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class CpuContention:
         self.others = 0.0  # CPUs others used in the last window (0 until a window has passed)
         self.asked = (self.last.at, cpu_clock())  # the clock and this process's CPU seconds at the last `update`
         self.due_s = window_s  # the length of the window now running
+        self.waiting_since: float | None = None  # the clock when the engine blocked with nothing to step
 
     @classmethod
     def here(cls, window_s: float = WINDOW_S) -> CpuContention | None:
@@ -107,10 +112,23 @@ class CpuContention:
         usage = cgroup_usage_seconds(self.quota[1], self.cgroup_root) if self.quota else None
         return Counters(self.clock(), cpus_busy_seconds(stat, self.cpus), process_seconds(own), usage)
 
+    def waiting(self) -> None:
+        """The engine blocks with nothing to step (called each time it does; the first call of a wait counts)."""
+        if self.waiting_since is None:
+            self.waiting_since = self.clock()
+
     def update(self) -> bool:
         """Read the counters if a window has passed since the last read; whether a new figure came of it (not from
         a window the engine sat out). Called before each step."""
         (asked_at, asked_cpu), self.asked = self.asked, (self.clock(), self.cpu_clock())
+        waited, self.waiting_since = self.waiting_since, None
+        if waited is not None and self.asked[0] - waited >= IDLE_GAP_S:  # it waited: a window starts at this step
+            try:
+                self.last = self.read()
+            except (OSError, ValueError, IndexError):  # (the window runs on from the last read)
+                return False
+            self.due_s = min(FIRST_WINDOW_S, self.window_s)
+            return False
         if self.asked[0] - self.last.at < self.due_s:
             return False
         try:
@@ -191,6 +209,11 @@ class ThreadCounts:
         if self._pool is not None and on != self._pooled:
             self._pool(on)
             self._pooled = on
+
+    def waiting(self) -> None:
+        """The engine blocks with nothing to step: what others do until its next step is no measurement."""
+        if self.contention is not None:
+            self.contention.waiting()
 
     def interrupt(self) -> None:
         """Before a step whose rows differ from the last one's: its interval is no step's cadence."""

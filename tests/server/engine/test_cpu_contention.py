@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from linserve.server.engine.cpu_contention import CpuContention, ThreadCounts
+from linserve.server.engine.cpu_contention import FIRST_WINDOW_S, IDLE_GAP_S, CpuContention, ThreadCounts
 from linserve.server.engine.cpu_threads import ThreadPlan, affinity_set
 from linserve.server.engine.proc_stat import TICKS_PER_S, cpus_busy_seconds, process_seconds
 from linserve.server.engine.types import SamplingParams
@@ -147,6 +147,56 @@ def test_a_pause_after_steps_is_idle_though_the_window_began_while_they_ran(tmp_
     clock.now += 0.1
     host.advance(busy0=10, busy1=0, own=10)  # the neighbour gone: what is busy is this process's
     assert contention.update() and contention.others == pytest.approx(0, abs=1e-9) and contention.cap(2) == 2
+
+
+def test_a_wait_the_engine_says_ends_the_window_however_short_against_it(tmp_path):
+    """A pause shorter than the window (the engine blocked 0.3 s between two requests while another process ran a
+    burst on both CPUs) ended a window that counted the burst, and the next request's first half second ran on one
+    thread. A wait the engine says is no measurement: the busy window's figure stands, and a window starts at the
+    next step. A wait shorter than IDLE_GAP_S (the next request of a closed loop) does not end the window."""
+    host, clock = Host(tmp_path), Clock()
+    contention = CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                               cpu_clock=host.own_seconds)
+    clock.now += 0.5
+    host.advance(busy0=40, busy1=40, own=70)  # steps on both CPUs, the frontend a little beside them
+    assert contention.update() and contention.cap(2) == 2
+    clock.now += 0.2
+    host.advance(busy0=20, busy1=20, own=40)
+    assert not contention.update()  # (a fifth of a second into the next window)
+    contention.waiting()
+    contention.waiting()  # (the engine's loop says it on each pass while it blocks: the first counts)
+    clock.now += 0.3
+    host.advance(busy0=30, busy1=30, own=0)  # the burst, both CPUs, while the engine waited
+    assert not contention.update() and contention.cap(2) == 2  # the window was 0.5 s with the burst in it
+    clock.now += 0.1
+    host.advance(busy0=9, busy1=9, own=16)  # the next request beside the frontend: 0.2 of a CPU
+    assert contention.update() and contention.others == pytest.approx(0.2) and contention.cap(2) == 2
+    clock.now += 0.49
+    host.advance(busy0=40, busy1=40, own=50)  # a neighbour busy beside the steps now
+    contention.waiting()
+    clock.now += 0.01  # a closed loop's next request: the wait too short to end the window
+    host.advance(busy0=1, busy1=1, own=0)
+    assert contention.update() and contention.others == pytest.approx(32 / TICKS_PER_S / 0.5)
+    assert contention.cap(2) == 1
+
+
+def test_the_engine_says_when_it_waits_with_nothing_to_step(make_engine, device):
+    """The engine's loop says it blocks with nothing live; its next step starts a short window there."""
+    if device.type != "cpu":
+        pytest.skip("the CPU threads' contention is a CPU engine's")
+    engine = make_engine(threads=1, prefill_threads=2, num_slots=4)
+    contention = engine.runner.threads.contention
+    assert contention is not None
+    run(engine, prompt(12, 40), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "w0")
+    deadline = time.monotonic() + 10
+    while contention.waiting_since is None:  # (the loop goes back to block once the request has ended)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    waited = contention.waiting_since
+    time.sleep(2 * IDLE_GAP_S)  # (a wait far shorter than the window)
+    run(engine, prompt(12, 41), SamplingParams(max_tokens=1, temperature=0.0), "w1")
+    started, due = engine.commands.call(lambda: (contention.last.at, contention.due_s)).result(10)
+    assert started >= waited + IDLE_GAP_S and due == FIRST_WINDOW_S
 
 
 def test_a_busy_window_counts_however_rarely_steps_ask_or_however_little_cpu_this_process_gets(tmp_path):
