@@ -201,14 +201,17 @@ class Engine:
     def describe_decode_step(self) -> dict | None:
         """The decode step's compile status (None: the softmax baseline has none), for /ready, /version, /metrics;
         under "prefill", the prefill program's when there is one (prefill_program.py); under "threads", the count
-        each compiled program's bucket runs on, as its steps' timing chose it (thread_trial.py)."""
+        each compiled program's bucket runs on, as its steps' timing chose it (thread_trial.py); under
+        "cpu_contention", the counts in force and the CPUs other processes held (cpu_contention.py)."""
         if self.decode_step is None:
             return None
         prefill = self.parts.prefill_step
         counts = getattr(self.runner, "threads", None)
         trials = counts.trials if counts is not None else None
+        contention = counts.describe() if counts is not None else None
         return {**self.decode_step.describe(), **({"prefill": prefill.describe()} if prefill is not None else {}),
-                **({"threads": trials.describe()} if trials is not None else {})}
+                **({"threads": trials.describe()} if trials is not None else {}),
+                **({"cpu_contention": contention} if contention is not None else {})}
 
     def _prefill_call(self) -> tuple[int, int]:
         """(T, rows) of one compiled prefill program call while its largest bucket is ready (the scheduler prices

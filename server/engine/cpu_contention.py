@@ -210,6 +210,15 @@ class ThreadCounts:
             self._pool(on)
             self._pooled = on
 
+    def describe(self) -> dict[str, float] | None:
+        """The counts in force now (`decode`, `compiled` — a compiled program's own kernels — and `prefill`) and the
+        CPUs other processes held in the last window measured; None when the plan does not adapt. Asked from other
+        threads too (plain numbers read once each)."""
+        if self.contention is None:
+            return None
+        return {"decode": self.decode, "compiled": self.kernel, "prefill": self.prefill,
+                "others_held": round(self.contention.others, 3)}
+
     def waiting(self) -> None:
         """The engine blocks with nothing to step: what others do until its next step is no measurement."""
         if self.contention is not None:

@@ -161,6 +161,9 @@ def test_per_step_stats_reach_the_frontends_metrics_and_a_client_that_leaves_fre
     assert len(chunks) == 30
     after = metric(split.base, 'linserve_inter_token_latency_seconds_count{context="0-1k"}')
     assert after - before >= 29  # every token's gap, observed in the core, counted by the frontend
+    # the core's thread counts in force and what other processes held, asked across the channel at scrape time
+    assert metric(split.base, 'linserve_intra_op_threads{phase="decode"}') >= 1
+    assert 0 <= metric(split.base, "linserve_cpu_others_held") <= os.cpu_count()
     body = json.dumps({"prompt": "ROMEO.", "max_tokens": 100_000, "ignore_eos": True, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", split.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

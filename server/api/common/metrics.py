@@ -240,7 +240,8 @@ class ProcessTree:
 
 
 class DecodeStepCollector:
-    """`linserve_decode_step_info{compile,status,verdict}` 1, `linserve_decode_buckets_ready`, and once
+    """`linserve_decode_step_info{compile,status,verdict}` 1, `linserve_decode_buckets_ready`, each compiled bucket's
+    thread count, the intra-op counts in force and the CPUs others held (adapt_threads), and once
     compile=auto has measured (CPU): the compiled step's gain over eager, the CPU contention during that
     measurement, whether the verdict is provisional (made under load: measured again when quiet) and when it
     was measured (see server/engine/compile/verdict.py)."""
@@ -267,6 +268,17 @@ class DecodeStepCollector:
             for key, count in step["threads"].items():
                 threads.add_metric(key.split("/", 1), count)
             yield threads
+        contention = step.get("cpu_contention")
+        if contention:
+            counts = GaugeMetricFamily("linserve_intra_op_threads", "The engine's intra-op CPU threads in force now "
+                                       "per phase (decode, compiled, prefill): the ceilings, capped while other "
+                                       "processes hold the CPUs (adapt_threads).", labels=["phase"])
+            for phase in ("decode", "compiled", "prefill"):
+                counts.add_metric([phase], contention[phase])
+            yield counts
+            yield GaugeMetricFamily("linserve_cpu_others_held", "CPUs of the engine's affinity mask (or quota) that "
+                                    "other processes used in the last window it measured while stepping.",
+                                    value=contention["others_held"])
         if verdict is None:
             return
         yield GaugeMetricFamily("linserve_decode_compile_gain", "compile=auto: eager time / compiled time of one "

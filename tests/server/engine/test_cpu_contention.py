@@ -330,7 +330,34 @@ def test_a_compiled_step_narrower_than_the_plan_s_rows_runs_on_the_decode_count(
 
 def test_a_plan_that_does_not_adapt_keeps_its_counts():
     plan = ThreadPlan(threads=1, usable_cpus=2, source="setting", omp_wait_policy="default", prefill_threads=2)
-    assert ThreadCounts(plan).contention is None
+    assert ThreadCounts(plan).contention is None and ThreadCounts(plan).describe() is None
+
+
+def test_the_counts_in_force_are_described_as_the_contention_caps_them(tmp_path):
+    host, clock = Host(tmp_path), Clock()
+    plan = ThreadPlan(threads=1, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
+                      kernel_threads=2, adaptive=True)
+    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                                              cpu_clock=host.own_seconds))
+    assert counts.describe() == {"decode": 1, "compiled": 2, "prefill": 2, "others_held": 0.0}
+    before = torch.get_num_threads()
+    try:
+        clock.now += 1.0
+        host.advance(busy0=TICKS_PER_S // 2, busy1=TICKS_PER_S * 9 // 10, own=TICKS_PER_S // 2)
+        counts.decoding(compiled=True)  # a neighbour holds 0.9 of a CPU
+    finally:
+        torch.set_num_threads(before)
+    assert counts.describe() == {"decode": 1, "compiled": 1, "prefill": 1, "others_held": 0.9}
+
+
+def test_an_adapting_engine_shows_its_counts_with_its_decode_step(make_engine, device):
+    if device.type != "cpu":
+        pytest.skip("the CPU threads' contention is a CPU engine's")
+    engine = make_engine(threads=1, prefill_threads=2, num_slots=4)
+    shown = engine.describe_decode_step()["cpu_contention"]
+    assert shown == engine.runner.threads.describe() and set(shown) == {"decode", "compiled", "prefill", "others_held"}
+    pinned = make_engine(threads=1, prefill_threads=2, adapt_threads=False, num_slots=4)
+    assert "cpu_contention" not in pinned.describe_decode_step()
 
 
 def test_the_engine_prefills_on_fewer_threads_beside_a_busy_process_with_the_same_tokens(make_engine, busy_loop,

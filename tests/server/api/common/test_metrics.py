@@ -90,3 +90,16 @@ def test_each_compiled_bucket_s_thread_count_is_a_labelled_gauge():
         (("bucket", "1"), ("program", "verify8")): 2}
     step["threads"] = {}  # (none tried yet, or `kernel_threads` set): no such series
     assert not any(name == "linserve_compiled_step_threads" for name, _ in samples(metrics))
+
+
+def test_the_counts_in_force_and_the_cpus_others_held_are_gauges():
+    metrics = Metrics()
+    step = {"compile": "on", "status": "compiled", "ready": [1], "verdict": None,
+            "cpu_contention": {"decode": 1, "compiled": 2, "prefill": 1, "others_held": 0.87}}
+    metrics.watch_decode_step(lambda: step)
+    got = samples(metrics)
+    assert {labels: value for (name, labels), value in got.items() if name == "linserve_intra_op_threads"} == {
+        (("phase", "decode"),): 1, (("phase", "compiled"),): 2, (("phase", "prefill"),): 1}
+    assert got[("linserve_cpu_others_held", ())] == 0.87
+    del step["cpu_contention"]  # (a plan that does not adapt: counts fixed, nothing measured)
+    assert not any(name in ("linserve_intra_op_threads", "linserve_cpu_others_held") for name, _ in samples(metrics))

@@ -264,6 +264,7 @@ def test_the_verdict_is_shown_by_version_and_metrics(make_client, monkeypatch, t
     assert "linserve_decode_compile_verdict_provisional 1.0" in text
     assert "linserve_decode_compile_contention_ratio 0.6" in text
     assert f"linserve_decode_buckets_ready {len(step.sizes)}.0" in text
+    assert 'linserve_intra_op_threads{phase="prefill"}' in text and "linserve_cpu_others_held " in text
     promtool = require_program("promtool", "prometheus")
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
