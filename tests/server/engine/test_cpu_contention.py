@@ -264,12 +264,17 @@ def test_a_real_busy_process_is_seen_holding_a_cpu(busy_loop):
     assert contention.cap(cpus) <= cpus - 1 if cpus > 1 else contention.cap(1) == 1
 
 
+def adapting_counts(host: Host, clock: Clock, threads: int, kernel_threads: int = 1) -> ThreadCounts:
+    """An adapting plan's counts (two prefill threads) over the test's /proc and clock."""
+    plan = ThreadPlan(threads=threads, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
+                      kernel_threads=kernel_threads, adaptive=True)
+    return ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
+                                            cpu_clock=host.own_seconds))
+
+
 def test_each_phase_runs_on_its_capped_count_and_decode_comes_back(tmp_path):
     host, clock = Host(tmp_path), Clock()
-    plan = ThreadPlan(threads=2, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
-                      adaptive=True)
-    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
-                      cpu_clock=host.own_seconds))
+    counts = adapting_counts(host, clock, threads=2)
     before = torch.get_num_threads()
     try:
         counts.decoding()
@@ -289,10 +294,7 @@ def test_each_phase_runs_on_its_capped_count_and_decode_comes_back(tmp_path):
 
 def test_a_compiled_step_runs_on_the_kernel_count_an_eager_one_on_the_decode_count(tmp_path):
     host, clock = Host(tmp_path), Clock()
-    plan = ThreadPlan(threads=1, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
-                      kernel_threads=2, adaptive=True)
-    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
-                      cpu_clock=host.own_seconds))
+    counts = adapting_counts(host, clock, threads=1, kernel_threads=2)
     before = torch.get_num_threads()
     try:
         counts.decoding(compiled=True)
@@ -335,10 +337,7 @@ def test_a_plan_that_does_not_adapt_keeps_its_counts():
 
 def test_the_counts_in_force_are_described_as_the_contention_caps_them(tmp_path):
     host, clock = Host(tmp_path), Clock()
-    plan = ThreadPlan(threads=1, usable_cpus=2, source="default", omp_wait_policy="default", prefill_threads=2,
-                      kernel_threads=2, adaptive=True)
-    counts = ThreadCounts(plan, CpuContention(frozenset({0, 1}), proc=host.proc, window_s=0.5, clock=clock,
-                                              cpu_clock=host.own_seconds))
+    counts = adapting_counts(host, clock, threads=1, kernel_threads=2)
     assert counts.describe() == {"decode": 1, "compiled": 2, "prefill": 2, "others_held": 0.0}
     before = torch.get_num_threads()
     try:
