@@ -108,6 +108,23 @@ def http_rate(port: int, streams: int, tokens: int, server: int | None = None) -
     return generated / run.wall_s, cpu
 
 
+def served_threads(port: int) -> dict | None:
+    """The server's intra-op counts in force and the CPUs it saw other processes hold (its last measured window), read
+    from /metrics right after a load; None where it shows none (a GPU, or `adapt_threads` off). A load the engine ran
+    on capped counts — a neighbour's burst counted in its window — says so here."""
+    from urllib.request import urlopen
+
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    shown = {}
+    for line in text.splitlines():
+        if line.startswith("linserve_intra_op_threads{phase=\""):
+            shown[line.split('"')[1]] = float(line.split()[-1])
+        elif line.startswith("linserve_cpu_others_held "):
+            shown["others_held"] = float(line.split()[-1])
+    return shown or None
+
+
 def cpu_shares(engine: list[dict], http: list[dict]) -> dict:
     """Where the host's CPU went a token, medians over the repetitions: in-engine (`engine_us`: this process, the
     engine alone) and served (the core, the frontends, the load generator). When the CPUs are busy throughout both
@@ -180,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     python_us = {n: [] for n in sizes}
     step_ms = {n: [] for n in sizes}  # (program, engine step) per decode step
     cpu = {key: [] for key in rates}  # each run's CPU a token, by process (cpu_shares)
+    threads_shown = {key: [] for key in rates if key[0] != "engine"}  # each served run's counts (served_threads)
     try:
         for a in placements.values():
             http_rate(args.port + a, 1, 4)  # warm-up
@@ -196,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                     rate, shares = http_rate(args.port + a, n, args.tokens, servers[where].pid)
                     rates[(where, n)].append(rate)
                     cpu[(where, n)].append(shares)
+                    threads_shown[(where, n)].append(served_threads(args.port + a))
     finally:
         engine.stop()
         for server in servers.values():
@@ -219,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                 "engine_spread": [min(rates[("engine", n)]), max(rates[("engine", n)])],
                 "http_spread": [min(rates[(where, n)]), max(rates[(where, n)])],
                 "cpu_us_per_token": cpu_shares(cpu[("engine", n)], cpu[(where, n)]),
+                "served_threads": threads_shown[(where, n)],  # after each repetition (None: none shown)
             }
         result.setdefault("per_token_1_stream", {})[where] = breakdown(rates, step_ms, where)
     emit(result, args.out)

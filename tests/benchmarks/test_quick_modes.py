@@ -117,6 +117,10 @@ def test_serving_overhead(tmp_path):
         parts = data["per_token_1_stream"][where]  # a token's time, part by part (docs/engine.md)
         assert parts["program_ms"] > 0 and parts["engine_token_ms"] > parts["program_ms"]
         assert parts["in_engine"]["ratio"] > 1 and parts["over_http"]["ratio"] > 0
+        for load in (p5["streams_1"], p5["streams_32"]):  # the server's counts after each load, as /metrics showed
+            assert len(load["served_threads"]) == 1  # (a CPU server adapts its counts by default: it shows them)
+            assert all({"decode", "compiled", "prefill", "others_held"} <= set(shown) if data["device"] == "cpu"
+                       else shown is None for shown in load["served_threads"])
         for load in (p5["streams_1"], p5["streams_32"]):  # the CPU each side spent a token, and what it predicts
             cpu = load["cpu_us_per_token"]  # (a server's counters tick every 10 ms: a quick load may read 0)
             assert cpu["engine_us"] > 0 and cpu["client_us"] > 0 and cpu["host_busy_cpus"] >= 0
