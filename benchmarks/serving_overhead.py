@@ -15,6 +15,7 @@ ratio must be where the CPUs are busy through both runs (`cpu_shares`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -109,20 +110,14 @@ def http_rate(port: int, streams: int, tokens: int, server: int | None = None) -
 
 
 def served_threads(port: int) -> dict | None:
-    """The server's intra-op counts in force and the CPUs it saw other processes hold (its last measured window), read
-    from /metrics right after a load; None where it shows none (a GPU, or `adapt_threads` off). A load the engine ran
-    on capped counts — a neighbour's burst counted in its window — says so here."""
+    """The server's intra-op counts in force and the CPUs it saw other processes hold (its last measured window), as
+    /version's `decode_step` shows them right after a load; None where it shows none (a GPU, or `adapt_threads`
+    off). A load the engine ran on capped counts — a neighbour's burst counted in its window — says so here."""
     from urllib.request import urlopen
 
-    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    shown = {}
-    for line in text.splitlines():
-        if line.startswith("linserve_intra_op_threads{phase=\""):
-            shown[line.split('"')[1]] = float(line.split()[-1])
-        elif line.startswith("linserve_cpu_others_held "):
-            shown["others_held"] = float(line.split()[-1])
-    return shown or None
+    with urlopen(f"http://127.0.0.1:{port}/version", timeout=10) as response:
+        step = json.load(response).get("decode_step") or {}
+    return step.get("cpu_contention")
 
 
 def cpu_shares(engine: list[dict], http: list[dict]) -> dict:
