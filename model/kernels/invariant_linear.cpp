@@ -70,10 +70,12 @@ void run(const uint16_t* x, const float* xs, const Parts<W>& parts, uint16_t* y,
     uint16_t* yp = y + part.column;
 #ifdef LINSERVE_LANES
     if (lanes_packed) {
+      // the next task's group, which this thread most likely runs next (its share is taken from the front)
+      const W* after = g + 1 < groups ? part.w + packed_group(n0 + GROUP, K) : nullptr;
       if (fused)
-        rows_avx512<W, Packed, true>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
+        rows_avx512<W, Packed, true>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys, after);
       else
-        rows_avx512<W, Packed>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys);
+        rows_avx512<W, Packed>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys, after);
       return;
     }
     if (lanes_path && !force_scalar) {

@@ -149,10 +149,24 @@ struct Packed {
   static constexpr int quads() { return R == 1 ? 4 : (R == 2 ? 2 : 1); }  // as many outputs as registers allow
 };
 
+// A later pass's share of the packed group read next: every `shares`-th line of its block of each chunk, from line
+// `share`, brought into L2 as the pass goes — so that group's memory is read while this one's later rows compute from
+// the cache (group: null where there is none to read)
+template <typename W>
+struct NextGroup {
+  const W* group = nullptr;
+  int share = 0, shares = 1;
+  inline void fetch(int64_t c) const {
+    const char* lines = reinterpret_cast<const char*>(group + packed_at(0, c));
+    for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64 * shares)
+      _mm_prefetch(lines + line, _MM_HINT_T1);
+  }
+};
+
 // one 32-wide chunk at k = c (`left` of K from there: the tail reads zeros past it) into R rows × O outputs
 template <int R, int O, typename W, typename L, bool F>
 __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
-                                                      int64_t c, int64_t left, bool fetch) {
+                                                      int64_t c, int64_t left, bool fetch, const NextGroup<W>& next) {
   __m512i a[R];
   for (int r = 0; r < R; ++r) a[r] = load_x(x + r * K + c, left);
   if (STREAM_PREFETCH && std::is_same<L, Packed>::value && O == GROUP && R == 1 && fetch) {
@@ -170,6 +184,7 @@ __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const
     for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
       _mm_prefetch(ahead + line, _MM_HINT_T0);
   }
+  if (next.group != nullptr) next.fetch(c);
   for (int o = 0; o < O; ++o) {
     const WeightChunk b = load_w(w + L::at(o, c, K), left);
     for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk<F>(acc[r][o], a[r], b);
@@ -180,19 +195,20 @@ __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const
 // the accumulators stay in registers)
 template <int R, int O, typename W, typename L, bool F = false>
 __attribute__((always_inline)) inline void dot_rows(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
-                                                    bool fetch = false) {
+                                                    bool fetch = false, const NextGroup<W>& next = NextGroup<W>{}) {
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
   const int64_t full = K - K % CHUNK;
-  for (int64_t c = 0; c < full; c += CHUNK) dot_chunks<R, O, W, L, F>(acc, x, w, K, c, CHUNK, fetch);
-  if (full < K) dot_chunks<R, O, W, L, F>(acc, x, w, K, full, K - full, false);
+  for (int64_t c = 0; c < full; c += CHUNK) dot_chunks<R, O, W, L, F>(acc, x, w, K, c, CHUNK, fetch, next);
+  if (full < K) dot_chunks<R, O, W, L, F>(acc, x, w, K, full, K - full, false, next);
 }
 
 // R rows × 4Q outputs: each row's quads of lanes reduced by the tree's first two levels into u[r][q0 + q]
 template <int R, int Q, typename W, typename L, bool F>
-void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0, bool fetch) {
+void block_quads(const Tree& tree, const uint16_t* x, const W* w, int64_t K, __m512 (*u)[4], int q0, bool fetch,
+                 const NextGroup<W>& next) {
   __m512 acc[R][4 * Q];
-  dot_rows<R, 4 * Q, W, L, F>(acc, x, w, K, fetch);
+  dot_rows<R, 4 * Q, W, L, F>(acc, x, w, K, fetch, next);
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < Q; ++q)
       u[r][q0 + q] = tree.quad(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
@@ -214,13 +230,14 @@ void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, i
 
 template <int R, typename W, typename L, bool F>
 inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_t K, int64_t outputs, __m512 (*u)[4],
-                        bool fetch) {
+                        bool fetch, const NextGroup<W>& next = NextGroup<W>{}) {  // next: read by the group's first block
   constexpr int Q = L::template quads<R>();
   const int quads = static_cast<int>(outputs / 4);
   int q = 0;
   for (; q + Q <= quads; q += Q)
-    block_quads<R, Q, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
-  for (; q < quads; ++q) block_quads<R, 1, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0);
+    block_quads<R, Q, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0, q == 0 ? next : NextGroup<W>{});
+  for (; q < quads; ++q)
+    block_quads<R, 1, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0, q == 0 ? next : NextGroup<W>{});
   if (outputs % 4) {
     block_partial<R, W>(tree, x, wg + 4 * q * K, K, static_cast<int>(outputs % 4), u, q);
     ++q;
@@ -231,7 +248,8 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
 
 template <typename W, typename L, bool F = false>
 void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
-                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys) {  // ys: y's row stride
+                 int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys,  // ys: y's row stride
+                 const W* after = nullptr) {  // after: the group this thread likely reads next (null: none known)
   constexpr bool packed = std::is_same<L, Packed>::value;
   // packed bf16: rows two at a time over 8 outputs a pass while those outputs' chunks stay in L1 (faster than 6
   // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
@@ -247,6 +265,9 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
     const int64_t outputs = std::min(GROUP, n1 - g);
     const int64_t computed = packed ? GROUP : outputs;  // packed: a short group's missing rows are zeros
     const W* wg = w + L::group(g, K);
+    // singles: the rows after the first read the group from the cache, the memory otherwise idle — each brings a
+    // share of the group read next (this call's, else the next task's) into L2 meanwhile
+    const W* following = g + GROUP < n1 ? w + L::group(g + GROUP, K) : after;
     const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
     const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
@@ -260,7 +281,11 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
         case 6: group_quads<6, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
         case 4: group_quads<4, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
         case 2: group_quads<2, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
-        default: group_quads<1, W, L, F>(tree, xm, wg, K, computed, u, m == m0);
+        default:
+          group_quads<1, W, L, F>(tree, xm, wg, K, computed, u, m == m0,
+                                  singles && m > m0 && following != nullptr
+                                      ? NextGroup<W>{following, static_cast<int>(m - m0 - 1), static_cast<int>(m1 - m0 - 1)}
+                                      : NextGroup<W>{});
       }
       for (int64_t r = 0; r < rows; ++r) {
         __m512 s = tree.last(u[r]);
