@@ -12,6 +12,11 @@ run (P6's floor: a buffer 4× the last-level cache).
 `--layouts`: where the kernel packs weights (AVX512-BF16 lanes, AMX tiles), the same kernel over a weight as it
 is (N, K) against its packed form — bf16 and int8, each weight cold (as many copies as fill `--cold-mb`, called
 in turn), interleaved — the measurement behind the lanes form's packing (docs/benchmarks.md).
+
+`--step`: a decode step's projections at fla's 340M shapes — 24 layers of q/k/v/o (1,024 × 1,024), gate+up
+(5,632 × 1,024) and down (1,024 × 2,816), 617 MB of packed bf16, past the cache as in the engine — at `--rows`
+(default 1 2 4 8): ms a step, GB/s of weights read, G multiply-adds a second (median of `--reps`, on the largest of
+`--threads`). Two trees side by side: each one's python on this script in turn.
 """
 
 from __future__ import annotations
@@ -36,6 +41,34 @@ SHAPES = {  # (N, K): what the projection reads
     "shipped head": (4096, 256), "340M q/k/v/o": (1024, 1024), "340M mlp gate+up": (5632, 1024),
     "340M mlp down": (1024, 2816), "340M head (4,096 vocab)": (4096, 1024),
 }
+
+
+STEP_LAYERS = 24
+STEP_SHAPES = [(1024, 1024)] * 4 + [(5632, 1024), (1024, 2816)]  # one 340M layer's projections: (N, K) each
+
+
+def step_projections(args, result: dict) -> None:
+    """A decode step's projections over 340M's shapes, packed once and streamed from memory, at each row count."""
+    op = torch.ops.linserve
+    generator = torch.Generator().manual_seed(0)
+    torch.set_num_threads(max(args.threads))
+    weights = [(op.pack_weight(torch.randn(N, K, generator=generator).bfloat16()), N, K)  # (N/16, K/32, 16, 32)
+               for _ in range(STEP_LAYERS) for N, K in STEP_SHAPES]
+    total = sum(N * K for _, N, K in weights)
+    result["step"] = {"weight_bytes": 2 * total, "threads": max(args.threads), "streamed_rows": kernels.streamed_rows()}
+    for M in args.rows:
+        inputs = {K: torch.randn(M, K, generator=generator).bfloat16() for K in {K for _, _, K in weights}}  # (M, K)
+        times = []
+        for _ in range(args.reps):
+            started = time.perf_counter()
+            for weight, N, K in weights:
+                op.invariant_linear(inputs[K], weight, None, None, N)
+            times.append(time.perf_counter() - started)
+        seconds = statistics.median(times)
+        row = {"ms": round(seconds * 1e3, 2), "weights_gb_s": round(2 * total / seconds / 1e9, 1),
+               "g_mac_s": round(total * M / seconds / 1e9, 1)}
+        result["step"][f"M={M}"] = row
+        print(f"a step's 340M projections, M={M}: {row}", file=sys.stderr)
 
 
 def per_call_us(call, calls: int) -> float:
@@ -85,17 +118,23 @@ def layouts(args, result: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
+    parser.add_argument("--rows", type=int, nargs="+", help="default 1 8 512 (--step: 1 2 4 8)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--layouts", action="store_true", help="(N, K) weights against packed ones, cold")
     parser.add_argument("--cold-mb", type=float, default=400, help="--layouts: copies of each weight to fill this")
+    parser.add_argument("--step", action="store_true", help="a decode step's 340M projections, streamed")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    args.rows = args.rows or ([1, 2, 4, 8] if args.step else [1, 8, 512])
     if not kernels.load():
         sys.exit(f"the kernel is unavailable: {kernels.load_error()}")
     device = torch.device("cpu")
     result = {"machine": describe(device), "kernel_form": kernels.form(),
               "floor": bandwidths(device, 64 * 2**20, quick=False), "calls": {}, "layouts": {}}
+    if args.step:
+        step_projections(args, result)
+        emit(result, args.out)
+        return
     if args.layouts:
         if not kernels.PACKS_TILES:
             sys.exit(f"the kernel's {kernels.form()} form reads weights as they are: nothing to compare")
