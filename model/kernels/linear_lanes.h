@@ -163,6 +163,9 @@ struct NextGroup {
   }
 };
 
+template <typename W>
+inline NextGroup<W> no_group() { return {}; }
+
 // one 32-wide chunk at k = c (`left` of K from there: the tail reads zeros past it) into R rows × O outputs
 template <int R, int O, typename W, typename L, bool F>
 __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const uint16_t* x, const W* w, int64_t K,
@@ -230,14 +233,16 @@ void block_partial(const Tree& tree, const uint16_t* x, const W* w, int64_t K, i
 
 template <int R, typename W, typename L, bool F>
 inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_t K, int64_t outputs, __m512 (*u)[4],
-                        bool fetch, const NextGroup<W>& next = NextGroup<W>{}) {  // next: read by the group's first block
+                        bool fetch, const NextGroup<W>& next = NextGroup<W>{}) {  // next: the first block reads it
   constexpr int Q = L::template quads<R>();
   const int quads = static_cast<int>(outputs / 4);
   int q = 0;
   for (; q + Q <= quads; q += Q)
-    block_quads<R, Q, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0, q == 0 ? next : NextGroup<W>{});
+    block_quads<R, Q, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0,
+                               q == 0 ? next : no_group<W>());
   for (; q < quads; ++q)
-    block_quads<R, 1, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0, q == 0 ? next : NextGroup<W>{});
+    block_quads<R, 1, W, L, F>(tree, x, wg + L::at(4 * q, 0, K), K, u, q, fetch && q == 0,
+                               q == 0 ? next : no_group<W>());
   if (outputs % 4) {
     block_partial<R, W>(tree, x, wg + 4 * q * K, K, static_cast<int>(outputs % 4), u, q);
     ++q;
@@ -281,11 +286,12 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
         case 6: group_quads<6, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
         case 4: group_quads<4, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
         case 2: group_quads<2, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
-        default:
+        default: {
+          const int later = static_cast<int>(m - m0 - 1), passes = static_cast<int>(m1 - m0 - 1);  // (singles' passes)
+          const bool share = singles && m > m0 && following != nullptr;
           group_quads<1, W, L, F>(tree, xm, wg, K, computed, u, m == m0,
-                                  singles && m > m0 && following != nullptr
-                                      ? NextGroup<W>{following, static_cast<int>(m - m0 - 1), static_cast<int>(m1 - m0 - 1)}
-                                      : NextGroup<W>{});
+                                  share ? NextGroup<W>{following, later, passes} : no_group<W>());
+        }
       }
       for (int64_t r = 0; r < rows; ++r) {
         __m512 s = tree.last(u[r]);
