@@ -129,15 +129,6 @@ inline void fetch_ahead(const W* wg, int64_t c, int64_t chunks = FETCH_AHEAD) {
     _mm_prefetch(ahead + line, _MM_HINT_T0);
 }
 
-// a later pass's share of the group read next: every `shares`-th line of its block of the chunk at k = c, from line
-// `share`, brought into L2 — so the next group's memory is read while the passes over this one compute from the cache
-template <typename W>
-inline void fetch_share(const W* next, int64_t c, int share, int shares) {
-  const char* lines = reinterpret_cast<const char*>(next + packed_at(0, c));
-  for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64 * shares)
-    _mm_prefetch(lines + line, _MM_HINT_T1);
-}
-
 // One row (split: xs) × O outputs of a packed group from output o0, over all of K → v[0][o0 + o] (level 1 of the tree
 // done: lanes 0-7 + lanes 8-15). Each accumulator takes two dependent steps a chunk, so the block keeps 2 · O of them
 // going (8: a fused multiply-add's latency times the two a cycle). fetch: the group's first pass brings the whole

@@ -149,18 +149,12 @@ struct Packed {
   static constexpr int quads() { return R == 1 ? 4 : (R == 2 ? 2 : 1); }  // as many outputs as registers allow
 };
 
-// A later pass's share of the packed group read next: every `shares`-th line of its block of each chunk, from line
-// `share`, brought into L2 as the pass goes — so that group's memory is read while this one's later rows compute from
-// the cache (group: null where there is none to read)
+// A later pass's share of the packed group read next, fetched chunk by chunk as the pass goes (fetch_share; group:
+// null where there is none to read)
 template <typename W>
 struct NextGroup {
   const W* group = nullptr;
   int share = 0, shares = 1;
-  inline void fetch(int64_t c) const {
-    const char* lines = reinterpret_cast<const char*>(group + packed_at(0, c));
-    for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64 * shares)
-      _mm_prefetch(lines + line, _MM_HINT_T1);
-  }
 };
 
 template <typename W>
@@ -187,7 +181,7 @@ __attribute__((always_inline)) inline void dot_chunks(__m512 (&acc)[R][O], const
     for (int64_t line = 0; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64)
       _mm_prefetch(ahead + line, _MM_HINT_T0);
   }
-  if (next.group != nullptr) next.fetch(c);
+  if (next.group != nullptr) fetch_share(next.group, c, next.share, next.shares);
   for (int o = 0; o < O; ++o) {
     const WeightChunk b = load_w(w + L::at(o, c, K), left);
     for (int r = 0; r < R; ++r) acc[r][o] = dot_chunk<F>(acc[r][o], a[r], b);

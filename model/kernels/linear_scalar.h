@@ -71,6 +71,16 @@ struct Parts {
 inline int64_t packed_at(int o, int64_t c) { return o * CHUNK + c * GROUP; }
 inline int64_t packed_group(int64_t g, int64_t K) { return g * ((K + CHUNK - 1) / CHUNK) * CHUNK; }
 
+// a later pass's share of the packed group read next: every `shares`-th line of its block of the chunk at k = c, from
+// line `share`, brought into L2 (locality 2: PREFETCHT1 on x86) — so the next group's memory is read while the passes
+// over this one compute from the cache (the AVX2 and AVX512 lanes forms' several rows)
+template <typename W>
+inline void fetch_share(const W* next, int64_t c, int share, int shares) {
+  const char* lines = reinterpret_cast<const char*>(next + packed_at(0, c));
+  for (int64_t line = 64 * share; line < GROUP * CHUNK * static_cast<int64_t>(sizeof(W)); line += 64 * shares)
+    __builtin_prefetch(lines + line, 0, 2);
+}
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
