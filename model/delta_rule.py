@@ -78,23 +78,18 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, 
     (B, T, H, dk, dv)."""
     B, H, T, dk = q.shape
     alpha = None if g is None else numerics.exp(g.float())  # (B, H, T)
+    if S.device.type == "cpu" and kernels.load():  # the T tokens in one call, the state in the cache (delta_rule.cpp)
+        return torch.ops.linserve.delta_scan(q.float(), k.float(), v.float(), beta.float(), alpha, S.float(),
+                                             prefixes)  # (B, H, T, dv), state
     outs, states = [], []
-    on_kernel = S.device.type == "cpu" and kernels.load()  # one pass over the state a token (kernels/delta_rule.cpp)
-    if on_kernel:
-        q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
     for t in range(T):
-        if on_kernel:
-            o, S = torch.ops.linserve.delta_step(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t],
-                                                 None if alpha is None else alpha[:, :, t], S)  # (B, H, dv), state
-            outs.append(o)
-        else:
-            kt = k[:, :, t, :, None].float()  # (B, H, dk, 1)
-            if alpha is not None:
-                S = S * alpha[:, :, t, None, None]  # (B, H, dk, dv)
-            predicted = numerics.tree_sum(kt * S, -2)  # (B, H, dv): S_{t-1}ᵀ k_t, decayed
-            u = beta[:, :, t, None].float() * (v[:, :, t].float() - predicted)  # (B, H, dv)
-            S = S + kt * u[:, :, None, :]  # (B, H, dk, dv)
-            outs.append(numerics.tree_sum(q[:, :, t, :, None].float() * S, -2))  # (B, H, dv)
+        kt = k[:, :, t, :, None].float()  # (B, H, dk, 1)
+        if alpha is not None:
+            S = S * alpha[:, :, t, None, None]  # (B, H, dk, dv)
+        predicted = numerics.tree_sum(kt * S, -2)  # (B, H, dv): S_{t-1}ᵀ k_t, decayed
+        u = beta[:, :, t, None].float() * (v[:, :, t].float() - predicted)  # (B, H, dv)
+        S = S + kt * u[:, :, None, :]  # (B, H, dk, dv)
+        outs.append(numerics.tree_sum(q[:, :, t, :, None].float() * S, -2))  # (B, H, dv)
         if prefixes:
             states.append(S)
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, v.shape[-1], dtype=torch.float32)
@@ -103,7 +98,7 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, 
 
 def read_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
                 S: PooledState) -> tuple[torch.Tensor, PendingUpdate]:
-    """One token from the rows' slots in the pool (`linserve::delta_read`: delta_step's bits, the state not
+    """One token from the rows' slots in the pool (`linserve::delta_read`: the scan's bits, the state not
     written) and the update S ← S·α + k ⊗ u the decode program commits. Shapes as `scan`, T = 1."""
     alpha = None if g is None else numerics.exp(g[:, :, 0].float()).contiguous()  # (B, H)
     q, k, v = q[:, :, 0].float().contiguous(), k[:, :, 0].float().contiguous(), v[:, :, 0].float().contiguous()

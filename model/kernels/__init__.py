@@ -1,9 +1,10 @@
 """linserve's own CPU kernels, built from source on first use and cached (like the compiled programs).
 
-`delta_rule.cpp` holds one token of the (gated) delta rule, of the gated linear recurrence and of RWKV-7's
-generalised delta rule for every row and head in one pass over the state (`torch.ops.linserve.delta_step` /
-`dplr_step`, their scans' arithmetic exactly), and T tokens of the gated linear recurrence in one call
-(`linear_scan`: the shipped model's and the gated linear families' prefill, decoding and verification).
+`delta_rule.cpp` holds T tokens of the (gated) delta rule and of the gated linear recurrence in one call, each
+(row, head)'s state carried across the tokens in the cache (`torch.ops.linserve.delta_scan`: DeltaNet's and Gated
+DeltaNet's prefill and verification; `linear_scan`: the shipped model's and the gated linear families' prefill,
+decoding and verification), and one token of RWKV-7's generalised delta rule for every row and head in one pass
+over the state (`dplr_step`) — their scans' arithmetic exactly.
 `pooled_state.cpp` holds the decode step's recurrences on the state pool itself, in two passes (`linear_read` /
 `delta_read` from each row's slot, then `state_commit` in place once the step's rows are known good; the delta rule's
 `linear_read_folded` and `delta_read_folded` apply the slot's pending update as they read, and `pending_record` notes
@@ -68,9 +69,9 @@ C_SHIMS = {  # op → the C function a compiled program calls (defined in the so
     "linear_scan": "AOTITorchError aoti_torch_cpu_linear_scan(AtenTensorHandle q, AtenTensorHandle k, "
                    "AtenTensorHandle v, AtenTensorHandle* alpha, AtenTensorHandle S, int32_t prefixes, "
                    "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
-    "delta_step": "AOTITorchError aoti_torch_cpu_delta_step(AtenTensorHandle q, AtenTensorHandle k, "
+    "delta_scan": "AOTITorchError aoti_torch_cpu_delta_scan(AtenTensorHandle q, AtenTensorHandle k, "
                   "AtenTensorHandle v, AtenTensorHandle beta, AtenTensorHandle* alpha, AtenTensorHandle S, "
-                  "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+                  "int32_t prefixes, AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
     "dplr_step": "AOTITorchError aoti_torch_cpu_dplr_step(AtenTensorHandle r, AtenTensorHandle d, AtenTensorHandle k, "
                  "AtenTensorHandle v, AtenTensorHandle a, AtenTensorHandle b, AtenTensorHandle S, "
                  "AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
@@ -356,9 +357,10 @@ def _register_fake() -> None:
     def cat_shape(x, w0, w1, w2, w3, s0, s1, s2, s3, n0, n1, n2, n3):
         return x.new_empty((*x.shape[:-1], n0 + n1 + n2 + n3))
 
-    @torch.library.register_fake("linserve::delta_step")
-    def delta_shapes(q, k, v, beta, alpha, S):
-        return v.new_empty(v.shape), S.new_empty(S.shape)
+    @torch.library.register_fake("linserve::delta_scan")
+    def delta_shapes(q, k, v, beta, alpha, S, prefixes):
+        B, H, T, _ = q.shape
+        return v.new_empty(v.shape), S.new_empty((B, T, H, *S.shape[2:]) if prefixes else S.shape)
 
     @torch.library.register_fake("linserve::linear_scan")
     def scan_shapes(q, k, v, alpha, S, prefixes):

@@ -1,7 +1,8 @@
 // pooled_state.cpp's row arithmetic: one key row's read (q ⊙ (S·α + k ⊗ v)), the reads that fold the tree of
 // halves' first one or three levels into making the rows (read_rows_halved, read_rows_eighthed), the same with a
-// slot's pending update applied as it is read (read_rows_pending), and the commit's update of one column block
-// (update_block). The ops, their checks and the passes over rows and blocks stay in pooled_state.cpp.
+// slot's pending update applied as it is read (read_rows_pending) or with the new state stored (stored_rows_eighthed:
+// the delta rule's scan), and the commit's update of one column block (update_block). The ops, their checks and the
+// passes over rows and blocks stay in pooled_state.cpp (the scan's in delta_rule.cpp).
 #pragma once
 
 #include "recurrence_blocks.h"
@@ -115,6 +116,44 @@ inline int64_t read_rows_eighthed(const float* q, const float* k, const float* v
         const float x4 = r4.qi * (r4.s[c] + r4.ki * v[c]), x5 = r5.qi * (r5.s[c] + r5.ki * v[c]);
         const float x6 = r6.qi * (r6.s[c] + r6.ki * v[c]), x7 = r7.qi * (r7.s[c] + r7.ki * v[c]);
         row[c] = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7));
+      }
+    }
+  }
+  return dk / 8;
+}
+
+// S ← S·α + k ⊗ u, stored, and q ⊙ S for one column block (α one per head, or none), the tree's first three levels
+// done as the rows are made (d_k that 8 divides): the scan's second half — read_rows_eighthed's arithmetic with the
+// new state written back, so the bits are the delta rule's (delta_rule.cpp, block_step)
+inline int64_t stored_rows_eighthed(const float* q, const float* k, const float* u, const float* alpha, float* S,
+                                    int64_t dk, int64_t dv, int64_t w, float* buf) {
+  const float a = alpha ? *alpha : 1.0f;
+  for (int64_t i = 0; i < dk / 8; ++i) {
+    int64_t j[8];
+    eight_rows(i, dk, j);
+    EIGHT_STATE_ROWS(float, S, j, dv);
+    const float q0 = q[j[0]], q1 = q[j[1]], q2 = q[j[2]], q3 = q[j[3]], q4 = q[j[4]], q5 = q[j[5]], q6 = q[j[6]];
+    const float q7 = q[j[7]], k0 = k[j[0]], k1 = k[j[1]], k2 = k[j[2]], k3 = k[j[3]], k4 = k[j[4]], k5 = k[j[5]];
+    const float k6 = k[j[6]], k7 = k[j[7]];
+    float* __restrict row = buf + i * w;
+    if (alpha) {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float uc = u[c];
+        const float t0 = s0[c] * a + k0 * uc, t1 = s1[c] * a + k1 * uc, t2 = s2[c] * a + k2 * uc;
+        const float t3 = s3[c] * a + k3 * uc, t4 = s4[c] * a + k4 * uc, t5 = s5[c] * a + k5 * uc;
+        const float t6 = s6[c] * a + k6 * uc, t7 = s7[c] * a + k7 * uc;
+        s0[c] = t0, s1[c] = t1, s2[c] = t2, s3[c] = t3, s4[c] = t4, s5[c] = t5, s6[c] = t6, s7[c] = t7;
+        row[c] = ((q0 * t0 + q1 * t1) + (q2 * t2 + q3 * t3)) + ((q4 * t4 + q5 * t5) + (q6 * t6 + q7 * t7));
+      }
+    } else {
+#pragma GCC ivdep
+      for (int64_t c = 0; c < w; ++c) {
+        const float uc = u[c];
+        const float t0 = s0[c] + k0 * uc, t1 = s1[c] + k1 * uc, t2 = s2[c] + k2 * uc, t3 = s3[c] + k3 * uc;
+        const float t4 = s4[c] + k4 * uc, t5 = s5[c] + k5 * uc, t6 = s6[c] + k6 * uc, t7 = s7[c] + k7 * uc;
+        s0[c] = t0, s1[c] = t1, s2[c] = t2, s3[c] = t3, s4[c] = t4, s5[c] = t5, s6[c] = t6, s7[c] = t7;
+        row[c] = ((q0 * t0 + q1 * t1) + (q2 * t2 + q3 * t3)) + ((q4 * t4 + q5 * t5) + (q6 * t6 + q7 * t7));
       }
     }
   }

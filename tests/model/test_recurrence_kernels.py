@@ -17,7 +17,7 @@ def kernel_built():
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 @pytest.mark.parametrize("dk,dv", [(37, 40), (64, 16), (16, 33), (5, 1030)])
-def test_the_delta_step_is_torchs_scan_to_the_bit_in_any_batch(gated, dk, dv, monkeypatch):
+def test_the_delta_scan_is_torchs_scan_to_the_bit_in_any_batch(gated, dk, dv, monkeypatch):
     """kernels/delta_rule.cpp computes `delta_rule.scan`'s operations in its order: the same bits as torch's form
     (the kernel turned off), a row alone the same as among others, every prefix's state too."""
     from linserve.model import delta_rule
@@ -228,10 +228,14 @@ def test_the_pooled_ops_refuse_what_they_cannot_compute_with_a_message():
         OP.delta_read(q, q, torch.zeros(2, 1, 4), torch.zeros(2), None, pool, torch.tensor([0, 1]))
 
 
-def test_the_delta_step_refuses_mismatched_shapes_with_a_message():
+def test_the_delta_scan_refuses_mismatched_shapes_with_a_message():
     S = torch.zeros(2, 1, 8, 4)
-    with pytest.raises(RuntimeError, match="q, k must be \\(B, H, dk\\)"):
-        OP.delta_step(torch.zeros(2, 1, 7), torch.zeros(2, 1, 7), torch.zeros(2, 1, 4), torch.zeros(2, 1), None, S)
+    with pytest.raises(RuntimeError, match="q, k must be \\(B, H, T, dk\\)"):
+        OP.delta_scan(torch.zeros(2, 1, 3, 7), torch.zeros(2, 1, 3, 7), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3),
+                      None, S, False)
+    with pytest.raises(RuntimeError, match="beta must be \\(B, H, T\\)"):
+        OP.delta_scan(torch.zeros(2, 1, 3, 8), torch.zeros(2, 1, 3, 8), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1),
+                      None, S, False)
     with pytest.raises(RuntimeError, match="fp32"):
-        OP.delta_step(*(t.double() for t in (torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 4),
-                                              torch.zeros(2, 1))), None, S)
+        OP.delta_scan(*(t.double() for t in (torch.zeros(2, 1, 3, 8), torch.zeros(2, 1, 3, 8), torch.zeros(2, 1, 3, 4),
+                                              torch.zeros(2, 1, 3))), None, S, False)
