@@ -23,7 +23,7 @@ from tests.helpers import require_kernel, require_program
 
 pytestmark = pytest.mark.slow
 ON_ANY_DEVICE = {"decode_vs_context.py", "engine_inprocess.py", "serving_overhead.py", "served_flatness.py",
-                 "served_load.py", "serve_startup.py"}
+                 "served_load.py", "serve_startup.py", "served_phases.py"}
 
 
 COMPILING_S = 1500  # a script that builds buckets: two on 2 cores beside another worker's build took > 300 s in CI
@@ -185,6 +185,18 @@ def test_served_flatness(tmp_path):
     data = json.loads((tmp_path / "p2_served_flatness.json").read_text())
     assert set(data["bench"]) == {"linear", "softmax"} and data["summary"]["P2"]["ratio"] > 0
     assert (tmp_path / "p2_served_flatness.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_served_phases(tmp_path):
+    """A stream alone is one prefill step, then a decode step a token; the steps' time is within the load's."""
+    run("served_phases.py", "--out", str(tmp_path / "phases.json"))
+    alone, two = json.loads((tmp_path / "phases.json").read_text())["loads"]
+    assert alone["load"] == "1x8" and two["load"] == "2x8"
+    assert alone["steps"]["prefill"]["steps"] == 1 and alone["steps"]["decode"]["steps"] == 7
+    assert alone["steps"].get("mixed", {}).get("steps", 0) == 0
+    for load in (alone, two):
+        assert 0 < sum(phase["total_s"] for phase in load["steps"].values()) <= load["wall_s"]
+        assert load["tokens_per_s"] > 0 and load["first_token_ms"]["p50"] <= load["first_token_ms"]["max"]
 
 
 def test_first_start(tmp_path):
