@@ -231,10 +231,10 @@ std::tuple<at::Tensor, at::Tensor> dplr_step(const at::Tensor& r, const at::Tens
 // o (B, H, T, dv) and the state after the T tokens — or, with `prefixes`, after every prefix (B, T, H, dk, dv).
 // Token by token each element gets block_step's roundings, so the bits are those of T single-token scans whatever
 // T is. A (row, head)'s column block is carried across the tokens in the thread's aligned scratch, where it stays
-// in the cache (3 MiB a token and layer moved through memory, and a fresh state allocated, made 340M Gated
-// DeltaNet's prefill a token-at-a-time scan: 54% of a 32-token prompt's time); for a d_k that 8 divides the two
-// passes a token fold the trees' first three levels (predicted_rows, stored_rows_eighthed), else block_step
-// alternates between two copies of the block.
+// in the cache (the one-token op this replaced — a fresh state a token and layer, 3 MiB through memory at 340M Gated
+// DeltaNet's shape — was 54% of a 32-token prompt's time); for a d_k that 8 divides the two passes a token fold the
+// trees' first three levels (predicted_rows, stored_rows_eighthed), else block_step alternates between two copies
+// of the block.
 std::tuple<at::Tensor, at::Tensor> delta_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& beta, const c10::optional<at::Tensor>& alpha,
                                               const at::Tensor& S, bool prefixes) {
