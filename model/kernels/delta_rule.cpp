@@ -153,7 +153,8 @@ std::tuple<at::Tensor, at::Tensor> linear_scan(const at::Tensor& q, const at::Te
   const float *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
   float *outp = out.data_ptr<float>(), *op = o.data_ptr<float>();
   const int64_t square = dk * dv;
-  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float*) {
+  const bool eighthed = dk % 8 == 0 && dk >= 8;
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* rows) {
     const int64_t b = bh / H, h = bh % H, stride = aligned_stride(w);
     float* state = aligned_scratch(static_cast<size_t>(2 * dk * stride + 16));  // (dk, stride): the block's state
     // (dk, stride): the read-out's tree, one cache line past the state's end — right after it, a 32 × 32 block put
@@ -162,8 +163,14 @@ std::tuple<at::Tensor, at::Tensor> linear_scan(const at::Tensor& q, const at::Te
     copy_rows(sp + bh * square + c0, dv, state, stride, dk, w);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t token = bh * T + t;
-      linear_block(qp + token * dk, kp + token * dk, vp + token * dv + c0, ap ? ap + token * dk : nullptr, state,
-                   op + token * dv + c0, dk, w, buf, stride);
+      const float *qt = qp + token * dk, *kt = kp + token * dk, *vt = vp + token * dv + c0;
+      const float* gate = ap ? ap + token * dk : nullptr;
+      if (eighthed) {  // (the trees' first three levels made with the rows: an eighth of them written and read back)
+        tree(rows, stored_rows_eighthed(qt, kt, vt, gate, false, state, dk, stride, w, rows), w);
+        copy_floats(rows, op + token * dv + c0, w);
+      } else {
+        linear_block(qt, kt, vt, gate, state, op + token * dv + c0, dk, w, buf, stride);
+      }
       if (prefixes) copy_rows(state, stride, outp + ((b * T + t) * H + h) * square + c0, dv, dk, w);
     }
     if (!prefixes) copy_rows(state, stride, outp + bh * square + c0, dv, dk, w);
@@ -275,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> delta_scan(const at::Tensor& q, const at::Ten
       if (eighthed) {
         tree(buf, predicted_rows(kt, gate, state, dk, stride, w, buf), w);  // p = S_{t-1}ᵀk, decayed
         for (int64_t c = 0; c < w; ++c) u[c] = bp[token] * (vt[c] - buf[c]);
-        tree(buf, stored_rows_eighthed(qt, kt, u, gate, state, dk, stride, w, buf), w);  // S ← S·α + k ⊗ u; q ⊙ S
+        tree(buf, stored_rows_eighthed(qt, kt, u, gate, true, state, dk, stride, w, buf), w);  // S ← S·α + k ⊗ u; q ⊙ S
         copy_floats(buf, op + token * dv + c0, w);
       } else {
         block_step(qt, kt, vt, bp[token], gate, state, other, op + token * dv + c0, dk, stride, w, buf);

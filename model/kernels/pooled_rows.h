@@ -1,7 +1,7 @@
 // pooled_state.cpp's row arithmetic: one key row's read (q ⊙ (S·α + k ⊗ v)), the reads that fold the tree of
 // halves' first one or three levels into making the rows (read_rows_halved, read_rows_eighthed), the same with a
 // slot's pending update applied as it is read (read_rows_pending) or with the new state stored (stored_rows_eighthed:
-// the delta rule's scan), and the commit's update of one column block (update_block). The ops, their checks and the
+// the scans), and the commit's update of one column block (update_block). The ops, their checks and the
 // passes over rows and blocks stay in pooled_state.cpp (the scan's in delta_rule.cpp).
 #pragma once
 
@@ -122,36 +122,41 @@ inline int64_t read_rows_eighthed(const float* q, const float* k, const float* v
   return dk / 8;
 }
 
-// S ← S·α + k ⊗ u, stored, and q ⊙ S for one column block (α one per head, or none), the tree's first three levels
-// done as the rows are made (d_k that 8 divides): the scan's second half — read_rows_eighthed's arithmetic with the
-// new state written back, so the bits are the delta rule's (delta_rule.cpp, block_step)
-inline int64_t stored_rows_eighthed(const float* q, const float* k, const float* u, const float* alpha, float* S,
-                                    int64_t dk, int64_t dv, int64_t w, float* buf) {
-  const float a = alpha ? *alpha : 1.0f;
+// S ← S·α + k ⊗ v, stored, and q ⊙ S for one column block (α per key dimension, one per head with `per_head`, or
+// none), the tree's first three levels done as the rows are made (d_k that 8 divides): a scan's token —
+// read_rows_eighthed's arithmetic with the new state written back, so the bits are the scans' (delta_rule.cpp:
+// block_step's second half with v = u, linear_block)
+inline int64_t stored_rows_eighthed(const float* q, const float* k, const float* v, const float* alpha, bool per_head,
+                                    float* S, int64_t dk, int64_t dv, int64_t w, float* buf) {
   for (int64_t i = 0; i < dk / 8; ++i) {
     int64_t j[8];
     eight_rows(i, dk, j);
     EIGHT_STATE_ROWS(float, S, j, dv);
-    const float q0 = q[j[0]], q1 = q[j[1]], q2 = q[j[2]], q3 = q[j[3]], q4 = q[j[4]], q5 = q[j[5]], q6 = q[j[6]];
-    const float q7 = q[j[7]], k0 = k[j[0]], k1 = k[j[1]], k2 = k[j[2]], k3 = k[j[3]], k4 = k[j[4]], k5 = k[j[5]];
-    const float k6 = k[j[6]], k7 = k[j[7]];
+    float qr[8], kr[8], ar[8];
+    for (int r = 0; r < 8; ++r) {
+      const float* f = factor(alpha, per_head, j[r]);
+      qr[r] = q[j[r]], kr[r] = k[j[r]], ar[r] = f ? *f : 1.0f;
+    }
+    const float q0 = qr[0], q1 = qr[1], q2 = qr[2], q3 = qr[3], q4 = qr[4], q5 = qr[5], q6 = qr[6], q7 = qr[7];
+    const float k0 = kr[0], k1 = kr[1], k2 = kr[2], k3 = kr[3], k4 = kr[4], k5 = kr[5], k6 = kr[6], k7 = kr[7];
+    const float a0 = ar[0], a1 = ar[1], a2 = ar[2], a3 = ar[3], a4 = ar[4], a5 = ar[5], a6 = ar[6], a7 = ar[7];
     float* __restrict row = buf + i * w;
     if (alpha) {
 #pragma GCC ivdep
       for (int64_t c = 0; c < w; ++c) {
-        const float uc = u[c];
-        const float t0 = s0[c] * a + k0 * uc, t1 = s1[c] * a + k1 * uc, t2 = s2[c] * a + k2 * uc;
-        const float t3 = s3[c] * a + k3 * uc, t4 = s4[c] * a + k4 * uc, t5 = s5[c] * a + k5 * uc;
-        const float t6 = s6[c] * a + k6 * uc, t7 = s7[c] * a + k7 * uc;
+        const float vc = v[c];
+        const float t0 = s0[c] * a0 + k0 * vc, t1 = s1[c] * a1 + k1 * vc, t2 = s2[c] * a2 + k2 * vc;
+        const float t3 = s3[c] * a3 + k3 * vc, t4 = s4[c] * a4 + k4 * vc, t5 = s5[c] * a5 + k5 * vc;
+        const float t6 = s6[c] * a6 + k6 * vc, t7 = s7[c] * a7 + k7 * vc;
         s0[c] = t0, s1[c] = t1, s2[c] = t2, s3[c] = t3, s4[c] = t4, s5[c] = t5, s6[c] = t6, s7[c] = t7;
         row[c] = ((q0 * t0 + q1 * t1) + (q2 * t2 + q3 * t3)) + ((q4 * t4 + q5 * t5) + (q6 * t6 + q7 * t7));
       }
     } else {
 #pragma GCC ivdep
       for (int64_t c = 0; c < w; ++c) {
-        const float uc = u[c];
-        const float t0 = s0[c] + k0 * uc, t1 = s1[c] + k1 * uc, t2 = s2[c] + k2 * uc, t3 = s3[c] + k3 * uc;
-        const float t4 = s4[c] + k4 * uc, t5 = s5[c] + k5 * uc, t6 = s6[c] + k6 * uc, t7 = s7[c] + k7 * uc;
+        const float vc = v[c];
+        const float t0 = s0[c] + k0 * vc, t1 = s1[c] + k1 * vc, t2 = s2[c] + k2 * vc, t3 = s3[c] + k3 * vc;
+        const float t4 = s4[c] + k4 * vc, t5 = s5[c] + k5 * vc, t6 = s6[c] + k6 * vc, t7 = s7[c] + k7 * vc;
         s0[c] = t0, s1[c] = t1, s2[c] = t2, s3[c] = t3, s4[c] = t4, s5[c] = t5, s6[c] = t6, s7[c] = t7;
         row[c] = ((q0 * t0 + q1 * t1) + (q2 * t2 + q3 * t3)) + ((q4 * t4 + q5 * t5) + (q6 * t6 + q7 * t7));
       }

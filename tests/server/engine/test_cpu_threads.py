@@ -159,9 +159,9 @@ class ThreadsSeen:
     def __init__(self, model) -> None:
         self.model, self.seen = model, []
 
-    def __call__(self, ids, state):
+    def __call__(self, ids, state, **options):
         self.seen.append((ids.shape[1], torch.get_num_threads()))
-        return self.model(ids, state)
+        return self.model(ids, state, **options)
 
 
 def test_prefill_runs_on_the_prefill_count_and_decode_on_the_decode_count(make_engine, restore_threads, device):

@@ -69,9 +69,9 @@ class RowsPerCall:
     def __init__(self, model) -> None:
         self.model, self.rows = model, []
 
-    def __call__(self, ids, state):
+    def __call__(self, ids, state, **options):
         self.rows.append(ids.shape[0])
-        return self.model(ids, state)
+        return self.model(ids, state, **options)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
