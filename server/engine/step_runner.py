@@ -217,15 +217,18 @@ class StepRunner:
             for first in range(0, len(members), per_call):
                 group, group_slots = members[first : first + per_call], slots[first : first + per_call]
                 ids = torch.tensor([live.feed[start : start + length] for live, start in group], device=self.device)
+                # the head at the chunk's last token only, unless prompt logprobs score every position (the same
+                # bits: the head's rows are row by row)
                 scored = any(live.request.params.prompt_logprobs is not None for live, _ in group)
                 at = None if scored else torch.full((len(group),), length - 1, device=self.device)
                 logits, state = self.model(ids, self.pool.gather(group_slots), logits_at=at)  # (g, t, V) or (g, V)
                 self.pool.scatter(group_slots, state)
                 del state  # (freed before the next group's is made)
-                last = logits[:, -1] if scored else logits  # (g, V): the head at the chunk's last token only, unless
-                # prompt logprobs score every position (the same bits: the head's rows are row by row)
-                self._consumed([(live, start, length) for live, start in group], logits if scored else None,
-                               last.float())
+                chunks = [(live, start, length) for live, start in group]
+                if scored:
+                    self._consumed(chunks, logits, logits[:, -1].float())
+                else:
+                    self._consumed(chunks, None, logits.float())
 
     def _consumed(self, members: list[tuple[LiveRequest, int, int]], logits: torch.Tensor | None,
                   last: torch.Tensor) -> None:
