@@ -124,6 +124,29 @@ inline void copy_rows(const float* from, int64_t fs, float* to, int64_t ts, int6
   for (int64_t i = 0; i < dk; ++i) copy_floats(from + i * fs, to + i * ts, w);
 }
 
+// fn(token, c0, w, stride, state, spare, rows) for every token of every (row, head) and column block [c0, c0 + w) of
+// d_v, in token order — the scans' common frame: the block carried across the tokens in the thread's aligned scratch (`state`, rows `stride` =
+// aligned_stride(w) floats apart; `spare` a second such block one cache line past it — right after it, a 32 × 32
+// block put each state row 4 KiB from its tree row, and the loads of one waited on the stores to the other (4K
+// aliasing); `rows` for_each_block's scratch), copied out to `out` after every token with `prefixes` (B, T, H, dk,
+// dv), else once at the end (B, H, dk, dv). fn may swap state and spare (a step that writes the other copy).
+template <class Fn>
+void carried_blocks(int64_t B, int64_t H, int64_t T, int64_t dk, int64_t dv, const float* S, float* out, bool prefixes,
+                    const Fn& fn) {
+  const int64_t square = dk * dv;
+  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* rows) {
+    const int64_t b = bh / H, h = bh % H, stride = aligned_stride(w);
+    float* state = aligned_scratch(static_cast<size_t>(2 * dk * stride + 16));
+    float* spare = state + dk * stride + 16;
+    copy_rows(S + bh * square + c0, dv, state, stride, dk, w);
+    for (int64_t t = 0; t < T; ++t) {
+      fn(bh * T + t, c0, w, stride, state, spare, rows);
+      if (prefixes) copy_rows(state, stride, out + ((b * T + t) * H + h) * square + c0, dv, dk, w);
+    }
+    if (!prefixes) copy_rows(state, stride, out + bh * square + c0, dv, dk, w);
+  });
+}
+
 // linear_scan: q, k (B, H, T, dk), v (B, H, T, dv), alpha (B, H, T, dk) or none, S
 // (B, H, dk, dv) → o (B, H, T, dv) and the state after the T tokens — or, with `prefixes`, after every prefix
 // (B, T, H, dk, dv). Token by token each element gets the roundings above, so the bits are those of T single-token
@@ -152,28 +175,17 @@ std::tuple<at::Tensor, at::Tensor> linear_scan(const at::Tensor& q, const at::Te
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const float *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
   float *outp = out.data_ptr<float>(), *op = o.data_ptr<float>();
-  const int64_t square = dk * dv;
   const bool eighthed = dk % 8 == 0 && dk >= 8;
-  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* rows) {
-    const int64_t b = bh / H, h = bh % H, stride = aligned_stride(w);
-    float* state = aligned_scratch(static_cast<size_t>(2 * dk * stride + 16));  // (dk, stride): the block's state
-    // (dk, stride): the read-out's tree, one cache line past the state's end — right after it, a 32 × 32 block put
-    // each state row 4 KiB from its tree row, and the loads of one waited on the stores to the other (4K aliasing)
-    float* buf = state + dk * stride + 16;
-    copy_rows(sp + bh * square + c0, dv, state, stride, dk, w);
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t token = bh * T + t;
-      const float *qt = qp + token * dk, *kt = kp + token * dk, *vt = vp + token * dv + c0;
-      const float* gate = ap ? ap + token * dk : nullptr;
-      if (eighthed) {  // (the trees' first three levels made with the rows: an eighth of them written and read back)
-        tree(rows, stored_rows_eighthed(qt, kt, vt, gate, false, state, dk, stride, w, rows), w);
-        copy_floats(rows, op + token * dv + c0, w);
-      } else {
-        linear_block(qt, kt, vt, gate, state, op + token * dv + c0, dk, w, buf, stride);
-      }
-      if (prefixes) copy_rows(state, stride, outp + ((b * T + t) * H + h) * square + c0, dv, dk, w);
+  carried_blocks(B, H, T, dk, dv, sp, outp, prefixes, [&](int64_t token, int64_t c0, int64_t w, int64_t stride,
+                                                          float*& state, float*& spare, float* rows) {
+    const float *qt = qp + token * dk, *kt = kp + token * dk, *vt = vp + token * dv + c0;
+    const float* gate = ap ? ap + token * dk : nullptr;
+    if (eighthed) {  // (the trees' first three levels made with the rows: an eighth of them written and read back)
+      tree(rows, stored_rows_eighthed(qt, kt, vt, gate, false, state, dk, stride, w, rows), w);
+      copy_floats(rows, op + token * dv + c0, w);
+    } else {
+      linear_block(qt, kt, vt, gate, state, op + token * dv + c0, dk, w, spare, stride);  // (spare: its tree)
     }
-    if (!prefixes) copy_rows(state, stride, outp + bh * square + c0, dv, dk, w);
   });
   return {o, out};
 }
@@ -267,30 +279,21 @@ std::tuple<at::Tensor, at::Tensor> delta_scan(const at::Tensor& q, const at::Ten
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const float *bp = bc.data_ptr<float>(), *ap = gated ? a.data_ptr<float>() : nullptr, *sp = Sc.data_ptr<float>();
   float *outp = out.data_ptr<float>(), *op = o.data_ptr<float>();
-  const int64_t square = dk * dv;
   const bool eighthed = dk % 8 == 0 && dk >= 8;
-  for_each_block(B * H, dk, dv, [&](int64_t bh, int64_t c0, int64_t w, float* buf) {
-    const int64_t b = bh / H, h = bh % H, stride = aligned_stride(w);
-    float* state = aligned_scratch(static_cast<size_t>(2 * dk * stride));  // (dk, stride), and block_step's other
-    float* other = state + dk * stride;
-    copy_rows(sp + bh * square + c0, dv, state, stride, dk, w);
-    float u[MAX_COLUMNS];
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t token = bh * T + t;
-      const float *qt = qp + token * dk, *kt = kp + token * dk, *vt = vp + token * dv + c0;
-      const float* gate = ap ? ap + token : nullptr;
-      if (eighthed) {
-        tree(buf, predicted_rows(kt, gate, state, dk, stride, w, buf), w);  // p = S_{t-1}ᵀk, decayed
-        for (int64_t c = 0; c < w; ++c) u[c] = bp[token] * (vt[c] - buf[c]);
-        tree(buf, stored_rows_eighthed(qt, kt, u, gate, true, state, dk, stride, w, buf), w);  // S ← S·α + k ⊗ u; q ⊙ S
-        copy_floats(buf, op + token * dv + c0, w);
-      } else {
-        block_step(qt, kt, vt, bp[token], gate, state, other, op + token * dv + c0, dk, stride, w, buf);
-        std::swap(state, other);
-      }
-      if (prefixes) copy_rows(state, stride, outp + ((b * T + t) * H + h) * square + c0, dv, dk, w);
+  carried_blocks(B, H, T, dk, dv, sp, outp, prefixes, [&](int64_t token, int64_t c0, int64_t w, int64_t stride,
+                                                          float*& state, float*& spare, float* buf) {
+    const float *qt = qp + token * dk, *kt = kp + token * dk, *vt = vp + token * dv + c0;
+    const float* gate = ap ? ap + token : nullptr;
+    if (eighthed) {
+      float u[MAX_COLUMNS];
+      tree(buf, predicted_rows(kt, gate, state, dk, stride, w, buf), w);  // p = S_{t-1}ᵀk, decayed
+      for (int64_t c = 0; c < w; ++c) u[c] = bp[token] * (vt[c] - buf[c]);
+      tree(buf, stored_rows_eighthed(qt, kt, u, gate, true, state, dk, stride, w, buf), w);  // S ← S·α + k ⊗ u; q ⊙ S
+      copy_floats(buf, op + token * dv + c0, w);
+    } else {
+      block_step(qt, kt, vt, bp[token], gate, state, spare, op + token * dv + c0, dk, stride, w, buf);
+      std::swap(state, spare);
     }
-    if (!prefixes) copy_rows(state, stride, outp + bh * square + c0, dv, dk, w);
   });
   return {o, out};
 }
