@@ -277,8 +277,9 @@ def load() -> bool:
             global PACKS_TILES
             PACKS_TILES = form() != "scalar"  # AMX tiles or the vector lanes' groups
             _register_fake()
-            logger.info("linserve kernels loaded from %s (%s%s)", path, form(),
-                        ", int8 widened through fp16" if library.linserve_int8_through_fp16() else "")
+            logger.info("linserve kernels loaded from %s (%s%s%s)", path, form(),
+                        ", int8 widened through fp16" if library.linserve_int8_through_fp16() else "",
+                        ", rows fused" if library.linserve_fused_rows() else "")
             return True
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             _state["error"] = str(error)
@@ -339,6 +340,21 @@ def streamed_rows() -> int:
     `avx2_row_streamed`; several rows blocked alike). Which way a call goes changes no bit of its outputs."""
     library = _state.get("library")
     return library.linserve_streamed_rows() if library else 0
+
+
+def fused_rows() -> bool:
+    """Whether calls of several rows over packed bf16 weights run as fused multiply-adds rather than VDPBF16PS
+    (the AVX512-BF16 form, where that measured faster at load or LINSERVE_FUSED_ROWS=on; linear_lanes.h,
+    `fused_quad`): the same bits either way (every product in range, checked per call)."""
+    library = _state.get("library")
+    return bool(library.linserve_fused_rows()) if library else False
+
+
+def set_fused_rows(on: bool) -> bool:
+    """Turn the fused rows on or off in this process (tests, A/B runs); what it was. Only the AVX512-BF16 form has
+    them: elsewhere nothing changes (False)."""
+    library = _state.get("library")
+    return bool(library.linserve_set_fused_rows(int(on))) if library else False
 
 
 def last_level_cache_bytes() -> int:

@@ -32,7 +32,10 @@
 #include "packed_weights.h"
 #include "task_shares.h"
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -49,9 +52,15 @@ namespace {
 // its calls ran on one thread; 1,024-4,096 alike (docs/benchmarks.md, "One row's projections over two threads")
 constexpr int64_t GRAIN_K_ROWS = 2048;
 
+#ifdef LINSERVE_AVX512BF16
+std::atomic<bool> fused_rows{false};  // set at load (Init): multi-row calls fused where that is faster here
+constexpr size_t SPLIT_KEPT_BYTES = 8u << 20;  // a call's split x kept for the next up to this (64 rows × 2,816 × 8 B
+// is 1.4 MB; a 2,048-token prompt's 46 MB is freed)
+#endif
+
 template <typename W>
 void run(const uint16_t* x, const float* xs, const Parts<W>& parts, uint16_t* y, int64_t ys, int64_t M, int64_t K,
-         bool force_scalar, bool lanes_packed, bool fused) {  // xs: x split (the AVX2 form's, else null)
+         bool force_scalar, bool lanes_packed, bool fused) {  // xs: x split (AVX2; AVX512-BF16 fused), else null
   // tasks: each part's groups of outputs × blocks of rows, the parts' tasks in one range (one parallel region a
   // call); every output's arithmetic is the same whichever task holds it
   const int64_t row_block = M <= 64 ? M : 64;
@@ -72,8 +81,8 @@ void run(const uint16_t* x, const float* xs, const Parts<W>& parts, uint16_t* y,
     if (lanes_packed) {
       // the next task's group, which this thread most likely runs next (its share is taken from the front)
       const W* after = g + 1 < groups ? part.w + packed_group(n0 + GROUP, K) : nullptr;
-      if (fused)
-        rows_avx512<W, Packed, true>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys, after);
+      if (fused)  // (AVX512-BF16: xs, the rows four at a time fused; plain AVX512: every step fused)
+        rows_avx512<W, Packed, true>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys, after, xs);
       else
         rows_avx512<W, Packed>(x, part.w, part.scale, part.bias, yp, m0, m1, n0, n1, K, ys, after);
       return;
@@ -143,7 +152,13 @@ void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::
   TORCH_CHECK(!tiles || lanes_path, "invariant_linear: packed weights on a CPU without the lanes form's instructions");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
 #ifdef LINSERVE_AVX512BF16
-  const bool fused = false;  // (VDPBF16PS is the step already)
+  // rows four at a time in fused multiply-adds where this CPU runs them faster than VDPBF16PS (`fused_rows`): packed
+  // bf16 weights, at least FUSED_ROWS rows (not a streamed decode batch's few: those read memory, not arithmetic),
+  // every product in range — the same bits either way
+  bool fused = tiles && std::is_same<W, uint16_t>::value && M >= FUSED_ROWS &&
+               fused_rows.load(std::memory_order_relaxed) && !(M <= SINGLE_ROWS && weights_streamed());
+  for (int j = 0; fused && j < parts.count; ++j) fused = packed_in_fused_range(weights[j].data_ptr());
+  fused = fused && in_fused_range(xp, M * K);
 #else
   // packed weights, every product in range: fused at one row too (bound by arithmetic where the weights stay cached:
   // the shipped model's head 110 -> 64 µs a call on the 2-vCPU AVX512 Xeon, its x checked in ~0.03 µs)
@@ -164,7 +179,20 @@ void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::
     xs = aligned;
   }
 #endif
+#ifdef LINSERVE_AVX512BF16
+  // (the calling thread's, grown to the largest call's and kept up to SPLIT_KEPT_BYTES: a long prompt's is freed)
+  thread_local std::vector<float> split;
+  if (fused) {
+    split.resize(static_cast<size_t>(M * split_stride512(K) + 16));
+    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(split.data()) + 63) & ~uintptr_t{63});
+    split_rows512(xp, M, K, aligned);
+    xs = aligned;
+  }
+#endif
   run<W>(xp, xs, parts, yp, ys, M, K, force_scalar, tiles, fused);
+#ifdef LINSERVE_AVX512BF16
+  if (split.capacity() * sizeof(float) > SPLIT_KEPT_BYTES) std::vector<float>().swap(split);
+#endif
 }
 
 at::Tensor as_float(const at::Tensor& t) {  // (a scale or a bias: fp32 and contiguous already, without a dispatch)
@@ -269,6 +297,12 @@ struct Init {
 #ifdef LINSERVE_AMX
     amx_path = lanes_path && has_amx();
 #endif
+#ifdef LINSERVE_AVX512BF16
+    // LINSERVE_FUSED_ROWS=on|off decides for an A/B run; else timed (fused_rows_pay)
+    const char* asked = std::getenv("LINSERVE_FUSED_ROWS");
+    const std::string choice = asked ? asked : "auto";
+    fused_rows = lanes_path && (choice == "on" || (choice != "off" && fused_rows_pay()));
+#endif
   }
 } init;
 
@@ -326,6 +360,23 @@ extern "C" int linserve_streamed_rows() {  // rows a call takes one at a time no
   return weights_streamed() ? 1 : 0;  // (rows_avx2: one row's streamed pass; several rows blocked, reading the next)
 #else
   return lanes_path && weights_streamed() ? static_cast<int>(SINGLE_ROWS) : 0;
+#endif
+}
+
+extern "C" int linserve_fused_rows() {  // 1: multi-row calls run as fused multiply-adds (AVX512-BF16; see run_parts)
+#ifdef LINSERVE_AVX512BF16
+  return fused_rows.load() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+extern "C" int linserve_set_fused_rows(int on) {  // tests' and benchmarks' switch; returns what it was
+#ifdef LINSERVE_AVX512BF16
+  return fused_rows.exchange(on != 0 && lanes_path) ? 1 : 0;
+#else
+  (void)on;
+  return 0;
 #endif
 }
 

@@ -4,6 +4,9 @@
 
 #include "linear_scalar.h"
 
+#include <algorithm>
+#include <chrono>
+
 #ifdef LINSERVE_LANES
 #include <immintrin.h>
 #endif
@@ -21,6 +24,12 @@ inline __m256i load_bytes(const int8_t* p, int64_t left) {  // 32 int8, zeros pa
   return left >= CHUNK ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                        : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << left) - 1), p);
 }
+
+inline __m512 odd_of(__m512i pairs) {  // each 32-bit lane's high bf16 as fp32 (exact)
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline __m512 even_of(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }  // the low one
 
 #ifdef LINSERVE_AVX512BF16
 using WeightChunk = __m512i;  // 32 bf16, as VDPBF16PS takes them
@@ -73,12 +82,6 @@ inline __m256i to_bf16(__m512 s) {  // float_to_bf16 on 16 lanes: RNE, an input 
 struct WeightChunk {
   __m512 odd, even;
 };
-
-inline __m512 odd_of(__m512i pairs) {  // each 32-bit lane's high bf16 as fp32 (exact)
-  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
-inline __m512 even_of(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }  // the low one
 
 inline WeightChunk load_w(const uint16_t* p, int64_t left) {
   const __m512i pairs = load_x(p, left);
@@ -245,10 +248,69 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
     for (int r = 0; r < R; ++r) u[r][q] = _mm512_setzero_ps();
 }
 
+#ifdef LINSERVE_AVX512BF16
+// ------------------------------------------------------------------------------------------ fused rows (AVX512-BF16)
+// Where VDPBF16PS issues at a fraction of the FMA's rate (the Intel Xeons without AMX measured here: 0.5 a cycle
+// against 2), several rows over packed bf16 weights go faster as the plain form's fused steps: each chunk's bf16
+// pairs split into fp32 once (x once a call, `split_rows512`; a weight chunk once for the block's four rows), then a
+// fused multiply-add for the odd and the even pair — VDPBF16PS's bits wherever every product is exact and normal
+// (`in_fused_range`, checked per call; packed_weights.h), the same lanes and the same tree. Four rows × four outputs
+// a pass: 16 sums, 8 of x and 2 of the weight chunk in registers (60 against 43 G multiply-adds a second on one core
+// of the 2-vCPU Xeon, weights cached; 6 × 4 and 8 × 2, with x read from memory, were slower). `fused_rows_pay`
+// times both at load.
+constexpr int64_t FUSED_ROWS = 4;
+
+inline int64_t split_stride512(int64_t K) { return (K + CHUNK - 1) / CHUNK * 2 * CHUNK; }  // floats a row
+
+// x split once a call: each row's 32-wide chunks as fp32 [odd 16 | even 16] (lane j: element 2j + 1, element 2j;
+// zeros past K, as the packed weights' tail)
+inline void split_rows512(const uint16_t* x, int64_t M, int64_t K, float* xs) {
+  const int64_t stride = split_stride512(K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K; c += CHUNK) {
+      const __m512i pairs = load_x(x + m * K + c, K - c);
+      _mm512_store_ps(xs + m * stride + 2 * c, odd_of(pairs));
+      _mm512_store_ps(xs + m * stride + 2 * c + 16, even_of(pairs));
+    }
+}
+
+inline void in_registers(__m512& a, __m512& b) { asm volatile("" : "+v"(a), "+v"(b)); }  // (not folded into loads)
+
+// FUSED_ROWS rows (split: xs, `stride` floats a row) × the quad q of a packed bf16 group, over all of K → u[r][q]
+// (the tree's first two levels). fetch: the group's first pass brings each chunk's whole block into L1 ahead
+__attribute__((always_inline)) inline void fused_quad(const Tree& tree, const float* xs, int64_t stride,
+                                                      const uint16_t* wg, int64_t K, int q, __m512 (*u)[4],
+                                                      bool fetch) {
+  __m512 acc[FUSED_ROWS][4];
+  for (int r = 0; r < FUSED_ROWS; ++r)
+    for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K; c += CHUNK) {  // (the last chunk's tail: zeros in both)
+    if (fetch) {
+      const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
+      for (int64_t line = 0; line < GROUP * CHUNK * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    __m512 odd[FUSED_ROWS], even[FUSED_ROWS];
+    for (int r = 0; r < FUSED_ROWS; ++r) {
+      odd[r] = _mm512_load_ps(xs + r * stride + 2 * c);
+      even[r] = _mm512_load_ps(xs + r * stride + 2 * c + 16);
+      in_registers(odd[r], even[r]);
+    }
+    for (int o = 0; o < 4; ++o) {
+      const __m512i pairs = _mm512_loadu_si512(wg + packed_at(4 * q + o, c));
+      const __m512 w_odd = odd_of(pairs), w_even = even_of(pairs);
+      for (int r = 0; r < FUSED_ROWS; ++r)  // VDPBF16PS's order: the odd pair's product, then the even one's
+        acc[r][o] = _mm512_fmadd_ps(even[r], w_even, _mm512_fmadd_ps(odd[r], w_odd, acc[r][o]));
+    }
+  }
+  for (int r = 0; r < FUSED_ROWS; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+#endif
+
 template <typename W, typename L, bool F = false>
 void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
                  int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys,  // ys: y's row stride
-                 const W* after = nullptr) {  // after: the group this thread likely reads next (null: none known)
+                 const W* after = nullptr,  // after: the group this thread likely reads next (null: none known)
+                 const float* xs = nullptr) {  // x split (AVX512-BF16, F: rows FUSED_ROWS at a time fused), else null
   constexpr bool packed = std::is_same<L, Packed>::value;
   // packed bf16: rows two at a time over 8 outputs a pass while those outputs' chunks stay in L1 (faster than 6
   // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
@@ -258,6 +320,11 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
   // — the weights one contiguous stream, as at one row, the other rows reading the group from L1/L2 (2-8 rows of
   // 340M's projections on Zen 4: 0.62-0.92x the blocked forms' time; slower from 12 rows, for cached weights, int8)
   const bool singles = packed && sizeof(W) == 2 && m1 - m0 <= SINGLE_ROWS && weights_streamed();
+#ifdef LINSERVE_AVX512BF16
+  const bool fused_rows = F && packed && sizeof(W) == 2 && xs != nullptr && !singles;
+#else
+  constexpr bool fused_rows = false;
+#endif
   const Tree tree;
   __m512 u[6][4];
   for (int64_t g = n0; g < n1; g += GROUP) {
@@ -272,11 +339,24 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
     for (int64_t m = m0; m < m1;) {
       const int64_t left = m1 - m;
-      const int64_t rows = singles ? 1
+      const int64_t rows = fused_rows && left >= 4 ? 4  // (FUSED_ROWS)
+                           : singles ? 1
                            : pairs ? (left >= 2 ? 2 : 1)
                                    : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
       const uint16_t* xm = x + m * K;
-      switch (rows) {
+      bool blocked = false;  // (the fused rows' block computed u)
+#ifdef LINSERVE_AVX512BF16
+      if constexpr (sizeof(W) == 2) {
+        if (fused_rows && rows == FUSED_ROWS) {
+          const int64_t stride = split_stride512(K);
+          for (int q = 0; q < 4; ++q)
+            fused_quad(tree, xs + m * stride, stride, reinterpret_cast<const uint16_t*>(wg), K, q, u,
+                       m == m0 && q == 0);
+          blocked = true;
+        }
+      }
+#endif
+      if (!blocked) switch (rows) {
         case 6: group_quads<6, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
         case 4: group_quads<4, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
         case 2: group_quads<2, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
@@ -296,6 +376,33 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
       m += rows;
     }
   }
+}
+#endif
+
+#ifdef LINSERVE_AVX512BF16
+// Whether the fused rows beat VDPBF16PS on this CPU: four rows × one group over K = 512 (weights and x in L1),
+// each way 40 times, the fastest of each compared (~0.1 ms once, at load). Which way a call goes changes no bit.
+inline bool fused_rows_pay() {
+  constexpr int64_t K = 512;
+  alignas(64) static uint16_t x[FUSED_ROWS * K], w[GROUP * K], y[FUSED_ROWS * GROUP];
+  alignas(64) static float xs[FUSED_ROWS * 2 * K];
+  for (int64_t i = 0; i < FUSED_ROWS * K; ++i) x[i] = static_cast<uint16_t>(0x3f80 + (i * 37) % 127);
+  for (int64_t i = 0; i < GROUP * K; ++i) w[i] = static_cast<uint16_t>(0x3c00 + (i * 53) % 255);
+  split_rows512(x, FUSED_ROWS, K, xs);
+  auto fastest = [&](bool fused) {
+    double best = 1e30;
+    for (int rep = 0; rep < 40; ++rep) {
+      const auto start = std::chrono::steady_clock::now();
+      if (fused)
+        rows_avx512<uint16_t, Packed, true>(x, w, nullptr, nullptr, y, 0, FUSED_ROWS, 0, GROUP, K, GROUP, nullptr, xs);
+      else
+        rows_avx512<uint16_t, Packed>(x, w, nullptr, nullptr, y, 0, FUSED_ROWS, 0, GROUP, K, GROUP);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return best;
+  };
+  fastest(true), fastest(false);  // (warm)
+  return fastest(true) * 1.1 < fastest(false);
 }
 #endif
 

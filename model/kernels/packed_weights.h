@@ -1,5 +1,5 @@
 // invariant_linear.cpp's weights packed once at load: on huge pages, in the form the CPU's kernel reads,
-// and (plain AVX512, AVX2) whether every product of a call is exact and normal, so that a fused multiply-add keeps the bits.
+// and (the lanes forms) whether every product of a call is exact and normal, so that a fused multiply-add keeps the bits.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,7 +18,8 @@ namespace {
 
 bool lanes_path = false;  // set at load when the CPU has the lanes form's instructions (the library was built for it)
 
-// The plain lanes forms' fused step (AVX512's dot_chunk<true>, AVX2's dot_half<true>) gives the unfused step's bits when every product is
+// The lanes forms' fused step (AVX512's dot_chunk<true>, AVX2's dot_half<true>, AVX512-BF16's fused rows: fused_quad)
+// gives the unfused step's (VDPBF16PS's) bits when every product is
 // exact and normal: bf16 × bf16 (or int8 × bf16) significands always fit fp32's, so what remains is the exponents —
 // every nonzero input in [2^-63, 2^64) keeps each product in [2^-126, FLT_MAX), neither flushed nor overflowed,
 // and the multiply-add then rounds the same exact sum once, as the add does. A zero or subnormal input (read as
@@ -151,9 +152,6 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   else
 #endif
     packed.copy_(padded.view({Nb, 16, Kb, 32}).permute({0, 2, 1, 3}));
-#ifdef LINSERVE_AVX512BF16
-  return packed;  // (VDPBF16PS is the step: nothing fused to choose, no weight to know)
-#else
   if (weight.scalar_type() != at::kBFloat16 ||
       !in_fused_range(reinterpret_cast<const uint16_t*>(padded.data_ptr()), padded.numel()))
     return packed;
@@ -167,7 +165,6 @@ at::Tensor pack_weight(const at::Tensor& weight) {
     std::lock_guard<std::mutex> lock(fused_mutex);
     fused_weights.erase(data);
   }, packed.options());
-#endif
 }
 
 }  // namespace

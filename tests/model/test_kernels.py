@@ -117,7 +117,30 @@ def test_the_vector_lanes_round_edge_values_as_the_scalar_code_does():
     assert torch.equal(OP.invariant_linear(x, w, None, bias, N).view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("M", [1, 2])
+@contextmanager
+def fused_rows(on: bool):
+    """The AVX512-BF16 form's fused rows on or off for the block (elsewhere nothing changes)."""
+    was = kernels.set_fused_rows(on)
+    try:
+        yield
+    finally:
+        kernels.set_fused_rows(was)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("M,N,K", [(4, 48, 1024), (9, 40, 1100), (70, 33, 300), (6, 16, 31), (13, 768, 256)])
+def test_rows_fused_or_through_vdpbf16ps_compute_the_definition(M, N, K, fused):
+    """The AVX512-BF16 form runs calls of four rows or more over packed bf16 weights as fused multiply-adds where
+    this CPU issues those faster than VDPBF16PS (`kernels.fused_rows`, timed at load): four rows at a time, the rest
+    through VDPBF16PS. Either way every output is the lanes' definition to the bit (rows 4-69 of one block, K a
+    multiple of 32 or not; the other forms run their own steps whatever the switch says)."""
+    x, w, b = operands(M, N, K)
+    with fused_rows(fused):
+        got = OP.invariant_linear(x, OP.pack_weight(w), None, b, N)
+    assert torch.equal(got.view(torch.int16), lanes_reference(x, w, bias=b).view(torch.int16))
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 6])
 def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits(M):
     """The plain-AVX512 and AVX2 lanes fuse each multiply and add on calls over packed weights (one row or several),
     which gives the same bits only while every product is exact and normal: one below fp32's normal range is flushed
@@ -125,9 +148,20 @@ def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits(M):
     2^64) keeps the call unfused, so these outputs are the scalar code's (with the checks removed, both differ: lane 0
     sums 2^-126 and 63 products of 2^-133 that the unfused step flushes). The AVX512-BF16 form has no step to choose
     (VDPBF16PS is it) — and AMD's VDPBF16PS (Zen 4) adds such a product to a normal sum unflushed, as a fused
-    multiply-add does, where Intel's and the scalar form flush it: these inputs tell the two vendors apart."""
-    if kernels.form() not in ("avx512", "avx2"):
-        pytest.skip(f"not a plain lanes form (AVX512 or AVX2) on this CPU ({kernels.form()})")
+    multiply-add does, where Intel's and the scalar form flush it: these inputs tell the two vendors apart. Its fused
+    rows (four or more, where they pay: forced on here) give VDPBF16PS's own bits, on either vendor."""
+    if kernels.form() not in ("avx512", "avx2", "avx512bf16") or (kernels.form() == "avx512bf16" and M < 4):
+        pytest.skip(f"no fused step for {M} rows on this CPU ({kernels.form()})")
+    with fused_rows(True):
+        check_fused_step_range(M)
+
+
+def check_fused_step_range(M):
+    reference = OP.invariant_linear_scalar
+    if kernels.form() == "avx512bf16":  # (VDPBF16PS's own bits: the same call with the rows not fused)
+        def reference(x, w, scale, bias, N):
+            with fused_rows(False):
+                return OP.invariant_linear(x, OP.pack_weight(w), scale, bias, N)
     N, K = 16, 1024
     small, tiny = 2.0 ** -63, 2.0 ** -70  # 2^-63 · 2^-63 = 2^-126, fp32's least normal; 2^-63 · 2^-70 is below it
     x_out = torch.full((M, K), tiny).bfloat16()  # (M, K) out of range but for one value
@@ -136,14 +170,14 @@ def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits(M):
     w_out[:, 1] = small
     x_in, w_in = torch.full((M, K), small).bfloat16(), torch.full((N, K), small).bfloat16()
     for x, w in ((x_out, w_in), (x_in, w_out), (x_in, w_in)):
-        want = OP.invariant_linear_scalar(x, w, None, None, N)
+        want = reference(x, w, None, None, N)
         assert want.float().abs().min() > 0
         got = OP.invariant_linear(x, OP.pack_weight(w), None, None, N)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     # a packed weight's copy is not known to be in range (unfused), a packed one as the engine keeps it is
     x, w, _ = operands(M, 64, 256)
     packed = OP.pack_weight(w)
-    want = OP.invariant_linear_scalar(x, w, None, None, 64)
+    want = reference(x, w, None, None, 64)
     assert torch.equal(OP.invariant_linear(x, packed, None, None, 64), want)
     assert torch.equal(OP.invariant_linear(x, packed.clone(), None, None, 64), want)
 
