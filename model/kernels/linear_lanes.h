@@ -256,7 +256,7 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
 // fused multiply-add for the odd and the even pair — VDPBF16PS's bits wherever every product is exact and normal
 // (`in_fused_range`, checked per call; packed_weights.h), the same lanes and the same tree. Four rows × four outputs
 // a pass: 16 sums, 8 of x and 2 of the weight chunk in registers (60 against 43 G multiply-adds a second on one core
-// of the 2-vCPU Xeon, weights cached; 6 × 4 and 8 × 2, with x read from memory, were slower). `fused_rows_pay`
+// of the 2-vCPU Xeon, weights cached; 6 × 4 and 8 × 2, with x read from memory, were slower; a long K in blocks). `fused_rows_pay`
 // times both at load.
 constexpr int64_t FUSED_ROWS = 4;
 
@@ -276,15 +276,11 @@ inline void split_rows512(const uint16_t* x, int64_t M, int64_t K, float* xs) {
 
 inline void in_registers(__m512& a, __m512& b) { asm volatile("" : "+v"(a), "+v"(b)); }  // (not folded into loads)
 
-// FUSED_ROWS rows (split: xs, `stride` floats a row) × the quad q of a packed bf16 group, over all of K → u[r][q]
-// (the tree's first two levels). fetch: the group's first pass brings each chunk's whole block into L1 ahead
-__attribute__((always_inline)) inline void fused_quad(const Tree& tree, const float* xs, int64_t stride,
-                                                      const uint16_t* wg, int64_t K, int q, __m512 (*u)[4],
-                                                      bool fetch) {
-  __m512 acc[FUSED_ROWS][4];
-  for (int r = 0; r < FUSED_ROWS; ++r)
-    for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < K; c += CHUNK) {  // (the last chunk's tail: zeros in both)
+// FUSED_ROWS rows (split: xs, `stride` floats a row) × the quad q of a packed bf16 group over k in [k0, k1) (whole
+// chunks), its 16 sums carried in `acc`. fetch: the group's first pass brings each chunk's whole block into L1 ahead
+__attribute__((always_inline)) inline void fused_quad(__m512 (&acc)[FUSED_ROWS][4], const float* xs, int64_t stride,
+                                                      const uint16_t* wg, int64_t k0, int64_t k1, int q, bool fetch) {
+  for (int64_t c = k0; c < k1; c += CHUNK) {  // (the last chunk's tail: zeros in both)
     if (fetch) {
       const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
       for (int64_t line = 0; line < GROUP * CHUNK * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
@@ -302,7 +298,42 @@ __attribute__((always_inline)) inline void fused_quad(const Tree& tree, const fl
         acc[r][o] = _mm512_fmadd_ps(even[r], w_even, _mm512_fmadd_ps(odd[r], w_odd, acc[r][o]));
     }
   }
-  for (int r = 0; r < FUSED_ROWS; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+// FUSED_ROWS rows × a packed bf16 group's 16 outputs over all of K → u[r][q] (the tree's first two levels). Up to
+// FUSED_K_BLOCK a quad at a time over all of K; a longer K in blocks of it, every quad's sums kept in memory between
+// them, so the rows' split x of a block (4 × 512 × 8 B = 16 KB) stays in L1 for the four quads (K = 2,816: 90 KB,
+// which read from L2 ran at 49 against 57 G multiply-adds a second on one core). Each lane's chunks in order
+// either way: the same bits
+constexpr int64_t FUSED_K_BLOCK = 512;
+
+inline void fused_group(const Tree& tree, const float* xs, int64_t stride, const uint16_t* wg, int64_t K,
+                        __m512 (*u)[4], bool fetch) {
+  if (K <= 2 * FUSED_K_BLOCK) {
+    for (int q = 0; q < 4; ++q) {
+      __m512 acc[FUSED_ROWS][4];
+      for (int r = 0; r < FUSED_ROWS; ++r)
+        for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
+      fused_quad(acc, xs, stride, wg, 0, K, q, fetch && q == 0);
+      for (int r = 0; r < FUSED_ROWS; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+    }
+    return;
+  }
+  __m512 sums[4][FUSED_ROWS][4];  // (each quad's, between blocks: 4 KB)
+  for (int q = 0; q < 4; ++q)
+    for (int r = 0; r < FUSED_ROWS; ++r)
+      for (int o = 0; o < 4; ++o) sums[q][r][o] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += FUSED_K_BLOCK)
+    for (int q = 0; q < 4; ++q) {
+      __m512 acc[FUSED_ROWS][4];
+      for (int r = 0; r < FUSED_ROWS; ++r)
+        for (int o = 0; o < 4; ++o) acc[r][o] = sums[q][r][o];
+      fused_quad(acc, xs, stride, wg, k0, std::min(K, k0 + FUSED_K_BLOCK), q, fetch && q == 0);
+      for (int r = 0; r < FUSED_ROWS; ++r)
+        for (int o = 0; o < 4; ++o) sums[q][r][o] = acc[r][o];
+    }
+  for (int q = 0; q < 4; ++q)
+    for (int r = 0; r < FUSED_ROWS; ++r) u[r][q] = tree.quad(sums[q][r][0], sums[q][r][1], sums[q][r][2], sums[q][r][3]);
 }
 #endif
 
@@ -349,9 +380,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
       if constexpr (sizeof(W) == 2) {
         if (fused_rows && rows == FUSED_ROWS) {
           const int64_t stride = split_stride512(K);
-          for (int q = 0; q < 4; ++q)
-            fused_quad(tree, xs + m * stride, stride, reinterpret_cast<const uint16_t*>(wg), K, q, u,
-                       m == m0 && q == 0);
+          fused_group(tree, xs + m * stride, stride, reinterpret_cast<const uint16_t*>(wg), K, u, m == m0);
           blocked = true;
         }
       }

@@ -128,7 +128,8 @@ def fused_rows(on: bool):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("M,N,K", [(4, 48, 1024), (9, 40, 1100), (70, 33, 300), (6, 16, 31), (13, 768, 256)])
+@pytest.mark.parametrize("M,N,K", [(4, 48, 1024), (9, 40, 1100), (70, 33, 300), (6, 16, 31), (13, 768, 256),
+                                   (5, 32, 2816)])
 def test_rows_fused_or_through_vdpbf16ps_compute_the_definition(M, N, K, fused):
     """The AVX512-BF16 form runs calls of four rows or more over packed bf16 weights as fused multiply-adds where
     this CPU issues those faster than VDPBF16PS (`kernels.fused_rows`, timed at load): four rows at a time, the rest
@@ -147,9 +148,9 @@ def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits(M):
     by the multiply and kept by a fused multiply-add. An x or a packed weight with a nonzero value out of [2^-63,
     2^64) keeps the call unfused, so these outputs are the scalar code's (with the checks removed, both differ: lane 0
     sums 2^-126 and 63 products of 2^-133 that the unfused step flushes). The AVX512-BF16 form has no step to choose
-    (VDPBF16PS is it) — and AMD's VDPBF16PS (Zen 4) adds such a product to a normal sum unflushed, as a fused
-    multiply-add does, where Intel's and the scalar form flush it: these inputs tell the two vendors apart. Its fused
-    rows (four or more, where they pay: forced on here) give VDPBF16PS's own bits, on either vendor."""
+    (VDPBF16PS is it) — and AMD's VDPBF16PS (Zen 4), like the Intel Xeon of family 6 model 207, adds such a product
+    to a normal sum unflushed, as a fused multiply-add does, where the scalar form flushes it: these inputs tell such
+    CPUs apart. Its fused rows (four or more, where they pay: forced on here) give VDPBF16PS's own bits on any CPU."""
     if kernels.form() not in ("avx512", "avx2", "avx512bf16") or (kernels.form() == "avx512bf16" and M < 4):
         pytest.skip(f"no fused step for {M} rows on this CPU ({kernels.form()})")
     with fused_rows(True):
