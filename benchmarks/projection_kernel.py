@@ -13,6 +13,10 @@ run (P6's floor: a buffer 4× the last-level cache).
 is (N, K) against its packed form — bf16 and int8, each weight cold (as many copies as fill `--cold-mb`, called
 in turn), interleaved — the measurement behind the lanes form's packing (docs/benchmarks.md).
 
+`--fused-rows`: the AVX512-BF16 form's calls of several rows over packed bf16 weights as fused multiply-adds against
+VDPBF16PS (`kernels.set_fused_rows`), weights cached, the two ways alternating in this process — µs a call, G
+multiply-adds a second, the same outputs checked (default rows 4 8 16 32 128).
+
 `--step`: a decode step's projections at fla's 340M shapes — 24 layers of q/k/v/o (1,024 × 1,024), gate+up
 (5,632 × 1,024) and down (1,024 × 2,816), 617 MB of packed bf16, past the cache as in the engine — at `--rows`
 (default 1 2 4 8): ms a step, GB/s of weights read, G multiply-adds a second (median of `--reps`, on the largest of
@@ -114,6 +118,36 @@ def layouts(args, result: dict) -> None:
                 del plain, packed
 
 
+def fused_rows_against_vdpbf16ps(args, result: dict) -> None:
+    """Each shape × rows with the fused rows on and off in turn (µs a call, median of `--reps` rounds)."""
+    op = torch.ops.linserve
+    generator = torch.Generator().manual_seed(0)
+    torch.set_num_threads(max(args.threads))
+    was = kernels.fused_rows()
+    for name, (N, K) in SHAPES.items():
+        weight = op.pack_weight(torch.randn(N, K, generator=generator).mul(0.05).bfloat16())  # (N/16, K/32, 16, 32)
+        for M in args.rows:
+            x = torch.randn(M, K, generator=generator).bfloat16()  # (M, K)
+            calls = max(3, int(2e8 // (M * N * K)))
+            call = functools.partial(op.invariant_linear, x, weight, None, None, N)
+            times: dict[bool, list[float]] = {True: [], False: []}
+            outputs = {}
+            for rep in range(args.reps):  # alternating, each way first in turn
+                for fused in (True, False) if rep % 2 == 0 else (False, True):
+                    kernels.set_fused_rows(fused)
+                    times[fused].append(per_call_us(call, calls))
+                    outputs[fused] = call()
+            if not torch.equal(outputs[True].view(torch.int16), outputs[False].view(torch.int16)):
+                sys.exit(f"{name} M={M}: the fused rows' outputs differ from VDPBF16PS's")
+            fused, plain = statistics.median(times[True]), statistics.median(times[False])
+            row = {"fused_us": round(fused, 1), "vdpbf16ps_us": round(plain, 1), "speedup": round(plain / fused, 2),
+                   "fused_g_mac_s": round(M * N * K / fused / 1e3, 1),
+                   "vdpbf16ps_g_mac_s": round(M * N * K / plain / 1e3, 1)}
+            result["fused_rows"][f"{name} N={N} K={K} M={M}"] = row
+            print(f"{name:24} M={M:4}: {row}", file=sys.stderr)
+    kernels.set_fused_rows(was)
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -123,14 +157,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", action="store_true", help="(N, K) weights against packed ones, cold")
     parser.add_argument("--cold-mb", type=float, default=400, help="--layouts: copies of each weight to fill this")
     parser.add_argument("--step", action="store_true", help="a decode step's 340M projections, streamed")
+    parser.add_argument("--fused-rows", action="store_true", help="AVX512-BF16: fused rows against VDPBF16PS")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    args.rows = args.rows or ([1, 2, 4, 8] if args.step else [1, 8, 512])
+    args.rows = args.rows or ([1, 2, 4, 8] if args.step else [4, 8, 16, 32, 128] if args.fused_rows else [1, 8, 512])
     if not kernels.load():
         sys.exit(f"the kernel is unavailable: {kernels.load_error()}")
     device = torch.device("cpu")
     result = {"machine": describe(device), "kernel_form": kernels.form(),
               "floor": bandwidths(device, 64 * 2**20, quick=False), "calls": {}, "layouts": {}}
+    if args.fused_rows:
+        if kernels.form() != "avx512bf16":
+            sys.exit(f"the kernel's {kernels.form()} form has no fused rows to compare")
+        result["fused_rows"] = {"threads": max(args.threads), "chosen_at_load": kernels.fused_rows()}
+        fused_rows_against_vdpbf16ps(args, result)
+        emit(result, args.out)
+        return
     if args.step:
         step_projections(args, result)
         emit(result, args.out)
