@@ -54,8 +54,32 @@ constexpr int64_t GRAIN_K_ROWS = 2048;
 
 #ifdef LINSERVE_AVX512BF16
 std::atomic<bool> fused_rows{false};  // set at load (Init): multi-row calls fused where that is faster here
-constexpr size_t SPLIT_KEPT_BYTES = 8u << 20;  // a call's split x kept for the next up to this (64 rows × 2,816 × 8 B
-// is 1.4 MB; a 2,048-token prompt's 46 MB is freed)
+#endif
+
+#if defined(LINSERVE_AVX2) || defined(LINSERVE_AVX512BF16)
+// x split into fp32 once a call (the form's `split_rows`: AVX2's every packed call, AVX512-BF16's fused rows), into
+// the calling thread's buffer on a 64-byte boundary (a 32-byte load across two cache lines costs two: a 16-byte
+// aligned buffer made half of them so, 0.5x the speed). The buffer grows to the largest call's and is kept for the
+// next up to SPLIT_KEPT_BYTES (64 rows × 2,816 × 4 B is 0.7 MB; a 2,048-token prompt's 23 MB is freed)
+constexpr size_t SPLIT_KEPT_BYTES = 8u << 20;
+
+std::vector<float>& split_buffer() {
+  thread_local std::vector<float> split;
+  return split;
+}
+
+const float* split_x(const uint16_t* x, int64_t M, int64_t K) {
+  std::vector<float>& split = split_buffer();
+  split.resize(static_cast<size_t>(M * split_stride(K) + 16));
+  float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(split.data()) + 63) & ~uintptr_t{63});
+  split_rows(x, M, K, aligned);
+  return aligned;
+}
+
+void release_split() {
+  std::vector<float>& split = split_buffer();
+  if (split.capacity() * sizeof(float) > SPLIT_KEPT_BYTES) std::vector<float>().swap(split);
+}
 #endif
 
 template <typename W>
@@ -167,31 +191,16 @@ void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::
     fused = std::is_same<W, int8_t>::value || packed_in_fused_range(weights[j].data_ptr());
   fused = fused && in_fused_range(xp, M * K);
 #endif
-  const float* xs = nullptr;
+#if defined(LINSERVE_AVX2) || defined(LINSERVE_AVX512BF16)
 #ifdef LINSERVE_AVX2
-  // (a call's, grows to the largest chunk of rows seen and is kept; on a 64-byte boundary: a 32-byte load across
-  // two cache lines costs two, and a 16-byte aligned buffer made half of them so — 0.5x the speed)
-  thread_local std::vector<float> split;
-  if (tiles) {
-    split.resize(static_cast<size_t>(M * split_stride(K) + 16));
-    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(split.data()) + 63) & ~uintptr_t{63});
-    split_rows(xp, M, K, aligned);
-    xs = aligned;
-  }
+  const bool split = tiles;  // (every packed call reads x split)
+#else
+  const bool split = fused;
 #endif
-#ifdef LINSERVE_AVX512BF16
-  // (the calling thread's, grown to the largest call's and kept up to SPLIT_KEPT_BYTES: a long prompt's is freed)
-  thread_local std::vector<float> split;
-  if (fused) {
-    split.resize(static_cast<size_t>(M * split_stride512(K) + 16));
-    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(split.data()) + 63) & ~uintptr_t{63});
-    split_rows512(xp, M, K, aligned);
-    xs = aligned;
-  }
-#endif
-  run<W>(xp, xs, parts, yp, ys, M, K, force_scalar, tiles, fused);
-#ifdef LINSERVE_AVX512BF16
-  if (split.capacity() * sizeof(float) > SPLIT_KEPT_BYTES) std::vector<float>().swap(split);
+  run<W>(xp, split ? split_x(xp, M, K) : nullptr, parts, yp, ys, M, K, force_scalar, tiles, fused);
+  release_split();
+#else
+  run<W>(xp, nullptr, parts, yp, ys, M, K, force_scalar, tiles, fused);
 #endif
 }
 

@@ -252,7 +252,7 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
 // ------------------------------------------------------------------------------------------ fused rows (AVX512-BF16)
 // Where VDPBF16PS issues at a fraction of the FMA's rate (the Intel Xeons without AMX measured here: 0.5 a cycle
 // against 2), several rows over packed bf16 weights go faster as the plain form's fused steps: each chunk's bf16
-// pairs split into fp32 once (x once a call, `split_rows512`; a weight chunk once for the block's four rows), then a
+// pairs split into fp32 once (x once a call, `split_rows`; a weight chunk once for the block's four rows), then a
 // fused multiply-add for the odd and the even pair — VDPBF16PS's bits wherever every product is exact and normal
 // (`in_fused_range`, checked per call; packed_weights.h), the same lanes and the same tree. Four rows × four outputs
 // a pass: 16 sums, 8 of x and 2 of the weight chunk in registers (60 against 43 G multiply-adds a second on one core
@@ -260,17 +260,17 @@ inline void group_quads(const Tree& tree, const uint16_t* x, const W* wg, int64_
 // times both at load.
 constexpr int64_t FUSED_ROWS = 4;
 
-inline int64_t split_stride512(int64_t K) { return (K + CHUNK - 1) / CHUNK * 2 * CHUNK; }  // floats a row
+inline int64_t split_stride(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }  // floats a row
 
 // x split once a call: each row's 32-wide chunks as fp32 [odd 16 | even 16] (lane j: element 2j + 1, element 2j;
 // zeros past K, as the packed weights' tail)
-inline void split_rows512(const uint16_t* x, int64_t M, int64_t K, float* xs) {
-  const int64_t stride = split_stride512(K);
+inline void split_rows(const uint16_t* x, int64_t M, int64_t K, float* xs) {
+  const int64_t stride = split_stride(K);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K; c += CHUNK) {
       const __m512i pairs = load_x(x + m * K + c, K - c);
-      _mm512_store_ps(xs + m * stride + 2 * c, odd_of(pairs));
-      _mm512_store_ps(xs + m * stride + 2 * c + 16, even_of(pairs));
+      _mm512_store_ps(xs + m * stride + c, odd_of(pairs));
+      _mm512_store_ps(xs + m * stride + c + 16, even_of(pairs));
     }
 }
 
@@ -287,8 +287,8 @@ __attribute__((always_inline)) inline void fused_quad(__m512 (&acc)[FUSED_ROWS][
     }
     __m512 odd[FUSED_ROWS], even[FUSED_ROWS];
     for (int r = 0; r < FUSED_ROWS; ++r) {
-      odd[r] = _mm512_load_ps(xs + r * stride + 2 * c);
-      even[r] = _mm512_load_ps(xs + r * stride + 2 * c + 16);
+      odd[r] = _mm512_load_ps(xs + r * stride + c);
+      even[r] = _mm512_load_ps(xs + r * stride + c + 16);
       in_registers(odd[r], even[r]);
     }
     for (int o = 0; o < 4; ++o) {
@@ -379,7 +379,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
 #ifdef LINSERVE_AVX512BF16
       if constexpr (sizeof(W) == 2) {
         if (fused_rows && rows == FUSED_ROWS) {
-          const int64_t stride = split_stride512(K);
+          const int64_t stride = split_stride(K);
           fused_group(tree, xs + m * stride, stride, reinterpret_cast<const uint16_t*>(wg), K, u, m == m0);
           blocked = true;
         }
@@ -414,10 +414,10 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
 inline bool fused_rows_pay() {
   constexpr int64_t K = 512;
   alignas(64) static uint16_t x[FUSED_ROWS * K], w[GROUP * K], y[FUSED_ROWS * GROUP];
-  alignas(64) static float xs[FUSED_ROWS * 2 * K];
+  alignas(64) static float xs[FUSED_ROWS * K];
   for (int64_t i = 0; i < FUSED_ROWS * K; ++i) x[i] = static_cast<uint16_t>(0x3f80 + (i * 37) % 127);
   for (int64_t i = 0; i < GROUP * K; ++i) w[i] = static_cast<uint16_t>(0x3c00 + (i * 53) % 255);
-  split_rows512(x, FUSED_ROWS, K, xs);
+  split_rows(x, FUSED_ROWS, K, xs);
   auto fastest = [&](bool fused) {
     double best = 1e30;
     for (int rep = 0; rep < 40; ++rep) {
