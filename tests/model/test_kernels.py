@@ -118,13 +118,15 @@ def test_the_vector_lanes_round_edge_values_as_the_scalar_code_does():
 
 
 @contextmanager
-def fused_rows(on: bool):
-    """The AVX512-BF16 form's fused rows on or off for the block (elsewhere nothing changes)."""
-    was = kernels.set_fused_rows(on)
+def switched(set_switch, on: bool):
+    """A kernel switch set for the block and put back after it; set_switch(on) answers what it was:
+    `kernels.set_fused_rows` (the AVX512-BF16 form's fused rows; elsewhere nothing changes) or `OP.use_work_pool`
+    (this thread's kernel regions on linserve's pool, work_pool.h, or OpenMP's, as the engine thread switches)."""
+    was = set_switch(on)
     try:
         yield
     finally:
-        kernels.set_fused_rows(was)
+        set_switch(was)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -136,7 +138,7 @@ def test_rows_fused_or_through_vdpbf16ps_compute_the_definition(M, N, K, fused):
     through VDPBF16PS. Either way every output is the lanes' definition to the bit (rows 4-69 of one block, K a
     multiple of 32 or not; the other forms run their own steps whatever the switch says)."""
     x, w, b = operands(M, N, K)
-    with fused_rows(fused):
+    with switched(kernels.set_fused_rows, fused):
         got = OP.invariant_linear(x, OP.pack_weight(w), None, b, N)
     assert torch.equal(got.view(torch.int16), lanes_reference(x, w, bias=b).view(torch.int16))
 
@@ -153,7 +155,7 @@ def test_the_fused_step_is_taken_only_where_it_gives_the_unfused_steps_bits(M):
     CPUs apart. Its fused rows (four or more, where they pay: forced on here) give VDPBF16PS's own bits on any CPU."""
     if kernels.form() not in ("avx512", "avx2", "avx512bf16") or (kernels.form() == "avx512bf16" and M < 4):
         pytest.skip(f"no fused step for {M} rows on this CPU ({kernels.form()})")
-    with fused_rows(True):
+    with switched(kernels.set_fused_rows, True):
         check_fused_step_range(M)
 
 
@@ -161,7 +163,7 @@ def check_fused_step_range(M):
     reference = OP.invariant_linear_scalar
     if kernels.form() == "avx512bf16":  # (VDPBF16PS's own bits: the same call with the rows not fused)
         def reference(x, w, scale, bias, N):
-            with fused_rows(False):
+            with switched(kernels.set_fused_rows, False):
                 return OP.invariant_linear(x, OP.pack_weight(w), scale, bias, N)
     N, K = 16, 1024
     small, tiny = 2.0 ** -63, 2.0 ** -70  # 2^-63 · 2^-63 = 2^-126, fp32's least normal; 2^-63 · 2^-70 is below it
@@ -232,16 +234,6 @@ def test_several_weights_in_one_call_are_each_the_bits_of_its_own_call(Ns, K, dt
         torch.set_num_threads(threads)
 
 
-@contextmanager
-def work_pool(on: bool):
-    """This thread's kernel regions on linserve's pool (work_pool.h) or OpenMP's, as the engine thread switches."""
-    before = OP.use_work_pool(on)
-    try:
-        yield
-    finally:
-        OP.use_work_pool(before)
-
-
 @pytest.mark.parametrize("pool", [False, True])
 def test_every_task_runs_once_however_the_threads_share_them_out(pool):
     """A call's tasks start as one contiguous share a thread and a thread done first takes the rest of the others'
@@ -257,7 +249,7 @@ def test_every_task_runs_once_however_the_threads_share_them_out(pool):
     try:
         torch.set_num_threads(1)
         wanted = [OP.invariant_linear_cat(x, *weights, None, *[None] * 4, *Ns, 0) for x in inputs]
-        with work_pool(pool):
+        with switched(OP.use_work_pool, pool):
             for count in (2, 3):
                 torch.set_num_threads(count)
                 for call in range(200):
@@ -284,7 +276,7 @@ def test_callers_on_two_threads_share_the_pool_or_fall_back_with_the_same_bits()
 
     def caller(index: int) -> None:
         torch.set_num_threads(2)
-        with work_pool(True):
+        with switched(OP.use_work_pool, True):
             for call in range(300):
                 got = OP.invariant_linear_cat(inputs[index], *weights, None, *[None] * 4, *Ns, 0)
                 if not torch.equal(got, wanted[index]):
