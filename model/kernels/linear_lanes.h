@@ -300,35 +300,26 @@ __attribute__((always_inline)) inline void fused_quad(__m512 (&acc)[FUSED_ROWS][
   }
 }
 
-// FUSED_ROWS rows × a packed bf16 group's 16 outputs over all of K → u[r][q] (the tree's first two levels). Up to
-// FUSED_K_BLOCK a quad at a time over all of K; a longer K in blocks of it, every quad's sums kept in memory between
-// them, so the rows' split x of a block (4 × 512 × 8 B = 16 KB) stays in L1 for the four quads (K = 2,816: 90 KB,
-// which read from L2 ran at 49 against 57 G multiply-adds a second on one core). Each lane's chunks in order
-// either way: the same bits
+// FUSED_ROWS rows × a packed bf16 group's 16 outputs over all of K → u[r][q] (the tree's first two levels): K in
+// blocks (all of it up to 2 × FUSED_K_BLOCK, else FUSED_K_BLOCK at a time), a quad at a time within a block, every
+// quad's sums kept between blocks — so the rows' split x of a block (4 × 512 × 4 B = 8 KB) stays in L1 for the four
+// quads (K = 2,816 in one pass, when the split took 8 B an element: 90 KB from L2, 49 against 57 G multiply-adds a
+// second on one core of the Xeon; 45 KB now, still most of its 48 KB L1). Each lane's chunks in order: the same bits
 constexpr int64_t FUSED_K_BLOCK = 512;
 
 inline void fused_group(const Tree& tree, const float* xs, int64_t stride, const uint16_t* wg, int64_t K,
                         __m512 (*u)[4], bool fetch) {
-  if (K <= 2 * FUSED_K_BLOCK) {
-    for (int q = 0; q < 4; ++q) {
-      __m512 acc[FUSED_ROWS][4];
-      for (int r = 0; r < FUSED_ROWS; ++r)
-        for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
-      fused_quad(acc, xs, stride, wg, 0, K, q, fetch && q == 0);
-      for (int r = 0; r < FUSED_ROWS; ++r) u[r][q] = tree.quad(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-    }
-    return;
-  }
+  const int64_t block = K <= 2 * FUSED_K_BLOCK ? K : FUSED_K_BLOCK;
   __m512 sums[4][FUSED_ROWS][4];  // (each quad's, between blocks: 4 KB)
   for (int q = 0; q < 4; ++q)
     for (int r = 0; r < FUSED_ROWS; ++r)
       for (int o = 0; o < 4; ++o) sums[q][r][o] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += FUSED_K_BLOCK)
+  for (int64_t k0 = 0; k0 < K; k0 += block)
     for (int q = 0; q < 4; ++q) {
       __m512 acc[FUSED_ROWS][4];
       for (int r = 0; r < FUSED_ROWS; ++r)
         for (int o = 0; o < 4; ++o) acc[r][o] = sums[q][r][o];
-      fused_quad(acc, xs, stride, wg, k0, std::min(K, k0 + FUSED_K_BLOCK), q, fetch && q == 0);
+      fused_quad(acc, xs, stride, wg, k0, std::min(K, k0 + block), q, fetch && q == 0);
       for (int r = 0; r < FUSED_ROWS; ++r)
         for (int o = 0; o < 4; ++o) sums[q][r][o] = acc[r][o];
     }
