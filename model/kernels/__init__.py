@@ -334,12 +334,24 @@ def form() -> str | None:
 
 
 def streamed_rows() -> int:
-    """Up to how many rows a lanes-form call over packed bf16 weights now takes one row at a time: SINGLE_ROWS while
-    the process's packed weights of a megabyte or more exceed one L3 cache (a decode step streams them from DRAM),
-    else 0 (invariant_linear.cpp, `rows_avx512`); the AVX2 form 1 then (a one-row call's single pass over each group,
-    `avx2_row_streamed`; several rows blocked alike). Which way a call goes changes no bit of its outputs."""
+    """Up to how many rows a lanes-form call over packed bf16 weights now streams each group with its first row alone
+    (the other rows then read the group from the cache): 64 (`set_streamed_rows`) while the process's packed weights
+    of a megabyte or more exceed one L3 cache (a decode step streams them from DRAM), else 0 (invariant_linear.cpp,
+    `rows_avx512`); the AVX2 form 1 then (a one-row call's single pass over each group, `avx2_row_streamed`; several
+    rows blocked alike). Which way a call goes changes no bit of its outputs."""
     library = _state.get("library")
     return library.linserve_streamed_rows() if library else 0
+
+
+def set_streamed_rows(rows: int) -> int:
+    """Set up to how many rows a call over streamed packed bf16 weights streams each group with its first row alone
+    (0: none — every row in the blocked passes); what it was. Tests and A/B runs: no bit changes either way."""
+    library = _state.get("library")
+    if not library:
+        return 0
+    switch = library.linserve_set_streamed_rows
+    switch.restype, switch.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    return switch(rows)
 
 
 def fused_rows() -> bool:

@@ -177,10 +177,11 @@ void run_parts(const at::Tensor& x, int64_t M, int64_t K, const std::vector<at::
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
 #ifdef LINSERVE_AVX512BF16
   // rows four at a time in fused multiply-adds where this CPU runs them faster than VDPBF16PS (`fused_rows`): packed
-  // bf16 weights, at least FUSED_ROWS rows (not a streamed decode batch's few: those read memory, not arithmetic),
+  // bf16 weights, at least FUSED_ROWS rows (a streamed call's after its first: they read the group from the cache),
   // every product in range — the same bits either way
-  bool fused = tiles && std::is_same<W, uint16_t>::value && M >= FUSED_ROWS &&
-               fused_rows.load(std::memory_order_relaxed) && !(M <= SINGLE_ROWS && weights_streamed());
+  const bool first_streams = M <= streamed_rows_limit.load(std::memory_order_relaxed) && weights_streamed();
+  bool fused = tiles && std::is_same<W, uint16_t>::value && M >= FUSED_ROWS + first_streams &&
+               fused_rows.load(std::memory_order_relaxed);
   for (int j = 0; fused && j < parts.count; ++j) fused = packed_in_fused_range(weights[j].data_ptr());
   fused = fused && in_fused_range(xp, M * K);
 #else
@@ -361,14 +362,15 @@ extern "C" AOTITorchError aoti_torch_cpu_invariant_linear_cat(
   });
 }
 
-extern "C" int linserve_streamed_rows() {  // rows a call takes one at a time now (0: none; the weights fit the cache)
+// a call of up to this many rows streams each group with its first row alone (0: the weights fit the cache)
+extern "C" int linserve_streamed_rows() {
 #ifdef LINSERVE_AMX
   if (amx_path) return 0;  // (tiles: run_amx)
 #endif
 #ifdef LINSERVE_AVX2
   return weights_streamed() ? 1 : 0;  // (rows_avx2: one row's streamed pass; several rows blocked, reading the next)
 #else
-  return lanes_path && weights_streamed() ? static_cast<int>(SINGLE_ROWS) : 0;
+  return lanes_path && weights_streamed() ? static_cast<int>(streamed_rows_limit.load()) : 0;
 #endif
 }
 
@@ -387,6 +389,10 @@ extern "C" int linserve_set_fused_rows(int on) {  // tests' and benchmarks' swit
   (void)on;
   return 0;
 #endif
+}
+
+extern "C" int64_t linserve_set_streamed_rows(int64_t rows) {  // tests' and benchmarks' switch; returns what it was
+  return streamed_rows_limit.exchange(rows);
 }
 
 extern "C" int64_t linserve_last_level_cache_bytes() { return last_level_cache_bytes(); }

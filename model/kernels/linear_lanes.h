@@ -279,12 +279,14 @@ inline void in_registers(__m512& a, __m512& b) { asm volatile("" : "+v"(a), "+v"
 // FUSED_ROWS rows (split: xs, `stride` floats a row) × the quad q of a packed bf16 group over k in [k0, k1) (whole
 // chunks), its 16 sums carried in `acc`. fetch: the group's first pass brings each chunk's whole block into L1 ahead
 __attribute__((always_inline)) inline void fused_quad(__m512 (&acc)[FUSED_ROWS][4], const float* xs, int64_t stride,
-                                                      const uint16_t* wg, int64_t k0, int64_t k1, int q, bool fetch) {
+                                                      const uint16_t* wg, int64_t k0, int64_t k1, int q, bool fetch,
+                                                      const NextGroup<uint16_t>& next) {
   for (int64_t c = k0; c < k1; c += CHUNK) {  // (the last chunk's tail: zeros in both)
     if (fetch) {
       const char* ahead = reinterpret_cast<const char*>(wg + packed_at(0, c + FETCH_AHEAD * CHUNK));
       for (int64_t line = 0; line < GROUP * CHUNK * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
+    if (next.group != nullptr) fetch_share(next.group, c, next.share, next.shares);
     __m512 odd[FUSED_ROWS], even[FUSED_ROWS];
     for (int r = 0; r < FUSED_ROWS; ++r) {
       odd[r] = _mm512_load_ps(xs + r * stride + c);
@@ -308,7 +310,7 @@ __attribute__((always_inline)) inline void fused_quad(__m512 (&acc)[FUSED_ROWS][
 constexpr int64_t FUSED_K_BLOCK = 512;
 
 inline void fused_group(const Tree& tree, const float* xs, int64_t stride, const uint16_t* wg, int64_t K,
-                        __m512 (*u)[4], bool fetch) {
+                        __m512 (*u)[4], bool fetch, const NextGroup<uint16_t>& next) {  // next: a block's 1st quad
   const int64_t block = K <= 2 * FUSED_K_BLOCK ? K : FUSED_K_BLOCK;
   __m512 sums[4][FUSED_ROWS][4];  // (each quad's, between blocks: 4 KB)
   for (int q = 0; q < 4; ++q)
@@ -319,7 +321,8 @@ inline void fused_group(const Tree& tree, const float* xs, int64_t stride, const
       __m512 acc[FUSED_ROWS][4];
       for (int r = 0; r < FUSED_ROWS; ++r)
         for (int o = 0; o < 4; ++o) acc[r][o] = sums[q][r][o];
-      fused_quad(acc, xs, stride, wg, k0, std::min(K, k0 + block), q, fetch && q == 0);
+      fused_quad(acc, xs, stride, wg, k0, std::min(K, k0 + block), q, fetch && q == 0,
+                 q == 0 ? next : no_group<uint16_t>());
       for (int r = 0; r < FUSED_ROWS; ++r)
         for (int o = 0; o < 4; ++o) sums[q][r][o] = acc[r][o];
     }
@@ -338,54 +341,59 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
   // rows × 4 outputs at 8-512 rows for K ≤ 1024 on Zen 5; at K = 2816 much slower, and int8's widening wants
   // the 6 rows); otherwise 6 rows × 4 outputs a pass
   const bool pairs = packed && sizeof(W) == 2 && 8 * K * static_cast<int64_t>(sizeof(W)) <= PAIR_BYTES;
-  // packed bf16 streamed from DRAM, a decode batch (≤ SINGLE_ROWS rows): a row at a time over each group's 16 outputs
-  // — the weights one contiguous stream, as at one row, the other rows reading the group from L1/L2 (2-8 rows of
-  // 340M's projections on Zen 4: 0.62-0.92x the blocked forms' time; slower from 12 rows, for cached weights, int8)
-  const bool singles = packed && sizeof(W) == 2 && m1 - m0 <= SINGLE_ROWS && weights_streamed();
+  // packed bf16 streamed from DRAM, at most streamed_rows_limit rows (a decode batch, a verification, a short
+  // chunk): the first row alone over each group's 16 outputs — the weights one contiguous stream, as at one row — and the other
+  // rows in the blocked passes, reading the group from L1/L2 while each pass brings its share of the group read next
+  // (this call's, else the next task's) into L2 (340M's projections on Zen 4, a step's: 8 rows 0.87x the time of
+  // every row alone, 12-32 rows 0.77-0.86x the blocked forms'; cached weights and int8 keep the blocked forms)
+  const bool stream_first = packed && sizeof(W) == 2 &&
+                            m1 - m0 <= streamed_rows_limit.load(std::memory_order_relaxed) && weights_streamed();
 #ifdef LINSERVE_AVX512BF16
-  const bool fused_rows = F && packed && sizeof(W) == 2 && xs != nullptr && !singles;
+  const bool fused_rows = F && packed && sizeof(W) == 2 && xs != nullptr;
 #else
   constexpr bool fused_rows = false;
 #endif
+  auto pass_rows = [&](int64_t m) -> int64_t {  // the rows of the pass that starts at row m
+    const int64_t left = m1 - m;
+    if (stream_first && m == m0) return 1;
+    if (fused_rows && left >= 4) return 4;  // (FUSED_ROWS)
+    if (pairs) return left >= 2 ? 2 : 1;
+    return left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1));
+  };
+  int later_passes = 0;  // the passes after the streaming row's: each fetches 1/later_passes of the next group
+  if (stream_first)
+    for (int64_t m = m0 + 1; m < m1; m += pass_rows(m)) ++later_passes;
   const Tree tree;
   __m512 u[6][4];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
     const int64_t computed = packed ? GROUP : outputs;  // packed: a short group's missing rows are zeros
     const W* wg = w + L::group(g, K);
-    // singles: the rows after the first read the group from the cache, the memory otherwise idle — each brings a
-    // share of the group read next (this call's, else the next task's) into L2 meanwhile
     const W* following = g + GROUP < n1 ? w + L::group(g + GROUP, K) : after;
     const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
     const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
+    int later = 0;
     for (int64_t m = m0; m < m1;) {
-      const int64_t left = m1 - m;
-      const int64_t rows = fused_rows && left >= 4 ? 4  // (FUSED_ROWS)
-                           : singles ? 1
-                           : pairs ? (left >= 2 ? 2 : 1)
-                                   : (left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1)));
+      const int64_t rows = pass_rows(m);
       const uint16_t* xm = x + m * K;
+      const NextGroup<W> next = stream_first && m > m0 && following != nullptr
+                                    ? NextGroup<W>{following, later++, later_passes} : no_group<W>();
       bool blocked = false;  // (the fused rows' block computed u)
 #ifdef LINSERVE_AVX512BF16
-      if constexpr (sizeof(W) == 2) {
+      if constexpr (std::is_same<W, uint16_t>::value) {
         if (fused_rows && rows == FUSED_ROWS) {
           const int64_t stride = split_stride(K);
-          fused_group(tree, xs + m * stride, stride, reinterpret_cast<const uint16_t*>(wg), K, u, m == m0);
+          fused_group(tree, xs + m * stride, stride, wg, K, u, m == m0, next);
           blocked = true;
         }
       }
 #endif
       if (!blocked) switch (rows) {
-        case 6: group_quads<6, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
-        case 4: group_quads<4, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
-        case 2: group_quads<2, W, L, F>(tree, xm, wg, K, computed, u, m == m0); break;
-        default: {
-          const int later = static_cast<int>(m - m0 - 1), passes = static_cast<int>(m1 - m0 - 1);  // (singles' passes)
-          const bool share = singles && m > m0 && following != nullptr;
-          group_quads<1, W, L, F>(tree, xm, wg, K, computed, u, m == m0,
-                                  share ? NextGroup<W>{following, later, passes} : no_group<W>());
-        }
+        case 6: group_quads<6, W, L, F>(tree, xm, wg, K, computed, u, m == m0, next); break;
+        case 4: group_quads<4, W, L, F>(tree, xm, wg, K, computed, u, m == m0, next); break;
+        case 2: group_quads<2, W, L, F>(tree, xm, wg, K, computed, u, m == m0, next); break;
+        default: group_quads<1, W, L, F>(tree, xm, wg, K, computed, u, m == m0, next);
       }
       for (int64_t r = 0; r < rows; ++r) {
         __m512 s = tree.last(u[r]);

@@ -22,7 +22,9 @@ constexpr bool STREAM_PREFETCH = true;  // the plain-AVX512 form's (measured on 
 #endif
 constexpr int64_t FETCH_AHEAD = 4;  // chunks ahead a partial pass over packed weights prefetches its whole block
 constexpr int64_t PAIR_BYTES = 16 * 1024;  // packed bf16: rows two at a time while 8 outputs' chunks fit (see below)
-constexpr int64_t SINGLE_ROWS = 8;  // streamed packed bf16: at most this many rows one at a time (see below)
+// streamed packed bf16: calls of at most this many rows stream each group with their first row (see rows_avx512); a
+// variable for the tests' and benchmarks' switch (linserve_set_streamed_rows)
+std::atomic<int64_t> streamed_rows_limit{64};
 constexpr int MAX_PARTS = 4;  // weights one call reads (invariant_linear_cat)
 
 // Packed weights of a megabyte or more that tensors still hold (pack_weight's, on huge pages): more than the last-level

@@ -120,7 +120,8 @@ def test_the_vector_lanes_round_edge_values_as_the_scalar_code_does():
 @contextmanager
 def switched(set_switch, on: bool):
     """A kernel switch set for the block and put back after it; set_switch(on) answers what it was:
-    `kernels.set_fused_rows` (the AVX512-BF16 form's fused rows; elsewhere nothing changes) or `OP.use_work_pool`
+    `kernels.set_fused_rows` (the AVX512-BF16 form's fused rows; elsewhere nothing changes), `kernels.set_streamed_rows`
+    (rows a streamed call takes after a first row alone) or `OP.use_work_pool`
     (this thread's kernel regions on linserve's pool, work_pool.h, or OpenMP's, as the engine thread switches)."""
     was = set_switch(on)
     try:
@@ -292,36 +293,42 @@ def test_callers_on_two_threads_share_the_pool_or_fall_back_with_the_same_bits()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_rows_taken_one_at_a_time_once_the_weights_outgrow_the_cache_are_the_same_bits(dtype):
-    """Packed weights of more than one L3 stream from DRAM a decode step: then a call of at most 8 bf16 rows takes
-    them one at a time over each group of outputs (faster on Zen 4; the AVX2 form: one row, bf16 or int8, in a single
-    pass over a group's 16 outputs, faster on Zen 3), else several at a time — each row's bits the same both ways,
-    and the way follows the packed weights the process holds."""
+def test_rows_after_a_streaming_first_row_once_the_weights_outgrow_the_cache_are_the_same_bits(dtype):
+    """Packed weights of more than one L3 stream from DRAM a decode step: then a call of at most 64 bf16 rows streams
+    each group of outputs with its first row alone and takes the others in the blocked passes from the cache (faster
+    on Zen 4; the AVX2 form: one row, bf16 or int8, in a single pass over a group's 16 outputs, faster on Zen 3), else
+    every row in the blocked passes — each row's bits the same every way (and with the first row's streaming turned
+    off), and the way follows the packed weights the process holds."""
     from linserve.model import kernels
 
     if kernels.form() not in ("avx512bf16", "avx512", "avx2"):
         pytest.skip(f"the lanes form over packed weights is not this CPU's ({kernels.form()})")
     assert kernels.streamed_rows() == 0  # (this process's packed weights so far fit the cache)
     N, K = 1040, 1000  # a short last group of outputs, a tail of K
-    x, w, b = operands(24, N, K, dtype=dtype)
+    x, w, b = operands(40, N, K, dtype=dtype)
     scale = torch.rand(N, generator=torch.Generator().manual_seed(2)) / 20 if dtype == torch.int8 else None
     tiles = OP.pack_weight(w)
-    cached = {rows: OP.invariant_linear(x[:rows], tiles, scale, b, N) for rows in range(1, 13)}
-    assert torch.equal(cached[12], lanes_reference(x[:12], w, scale, b))  # (the definition, cached)
+    counts = [*range(1, 14), 17, 30]  # (every remainder of the blocked passes after the first row, fused rows' 4s)
+    cached = {rows: OP.invariant_linear(x[:rows], tiles, scale, b, N) for rows in counts}
+    assert torch.equal(cached[30], lanes_reference(x[:30], w, scale, b))  # (the definition, cached)
     filler = [OP.pack_weight(torch.zeros(2048, 1024, dtype=torch.bfloat16))  # 4 MB each, past one L3
               for _ in range(kernels.last_level_cache_bytes() // (4 << 20) + 2)]
-    assert kernels.streamed_rows() == (1 if kernels.form() == "avx2" else 8)
+    assert kernels.streamed_rows() == (1 if kernels.form() == "avx2" else 64)
     threads = torch.get_num_threads()
     try:
         for count in {1, threads}:
             torch.set_num_threads(count)
-            for rows in range(1, 13):
+            for rows in counts:
                 for start in (0, 5):
                     got = OP.invariant_linear(x[start : start + rows], tiles, scale, b, N)
                     want = torch.cat([OP.invariant_linear(x[i : i + 1], tiles, scale, b, N)
                                       for i in range(start, start + rows)])
                     assert torch.equal(got, want), (count, rows, start)
                 assert torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows]), (count, rows)
+        with switched(kernels.set_streamed_rows, 0):  # every row blocked, streamed or not
+            assert all(torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows]) for rows in counts)
+        with switched(kernels.set_fused_rows, True):  # (AVX512-BF16: the rows after the first fused, four at a time)
+            assert all(torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows]) for rows in counts)
     finally:
         torch.set_num_threads(threads)
     del filler
