@@ -20,7 +20,9 @@ multiply-adds a second, the same outputs checked (default rows 4 8 16 32 128).
 `--step`: a decode step's projections at fla's 340M shapes — 24 layers of q/k/v/o (1,024 × 1,024), gate+up
 (5,632 × 1,024) and down (1,024 × 2,816), 617 MB of packed bf16, past the cache as in the engine — at `--rows`
 (default 1 2 4 8): ms a step, GB/s of weights read, G multiply-adds a second (median of `--reps`, on the largest of
-`--threads`). Two trees side by side: each one's python on this script in turn.
+`--threads`). `--streamed-rows 0 64`: those limits of `kernels.set_streamed_rows` (up to how many rows a call
+streams each group with its first row alone; 0: every row blocked) alternating in this process, the same outputs
+checked. Two trees side by side: each one's python on this script in turn.
 """
 
 from __future__ import annotations
@@ -60,19 +62,32 @@ def step_projections(args, result: dict) -> None:
                for _ in range(STEP_LAYERS) for N, K in STEP_SHAPES]
     total = sum(N * K for _, N, K in weights)
     result["step"] = {"weight_bytes": 2 * total, "threads": max(args.threads), "streamed_rows": kernels.streamed_rows()}
+    limits = args.streamed_rows or [kernels.streamed_rows()]
+    inputs = {M: {K: torch.randn(M, K, generator=generator).bfloat16() for K in {K for _, _, K in weights}}
+              for M in args.rows}  # (M, K) each
+    for M in args.rows:  # every way the same bits (each limit against the first)
+        outputs = []
+        for limit in limits:
+            kernels.set_streamed_rows(limit)
+            outputs.append([op.invariant_linear(inputs[M][K], weight, None, None, N) for weight, N, K in weights[:6]])
+        assert all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other)), M
+    times: dict[tuple[int, int], list[float]] = {}
+    for _ in range(args.reps):  # the limits alternating, each M once a round
+        for M in args.rows:
+            for limit in limits:
+                kernels.set_streamed_rows(limit)
+                started = time.perf_counter()
+                for weight, N, K in weights:
+                    op.invariant_linear(inputs[M][K], weight, None, None, N)
+                times.setdefault((M, limit), []).append(time.perf_counter() - started)
+    kernels.set_streamed_rows(limits[0])
     for M in args.rows:
-        inputs = {K: torch.randn(M, K, generator=generator).bfloat16() for K in {K for _, _, K in weights}}  # (M, K)
-        times = []
-        for _ in range(args.reps):
-            started = time.perf_counter()
-            for weight, N, K in weights:
-                op.invariant_linear(inputs[K], weight, None, None, N)
-            times.append(time.perf_counter() - started)
-        seconds = statistics.median(times)
-        row = {"ms": round(seconds * 1e3, 2), "weights_gb_s": round(2 * total / seconds / 1e9, 1),
-               "g_mac_s": round(total * M / seconds / 1e9, 1)}
-        result["step"][f"M={M}"] = row
-        print(f"a step's 340M projections, M={M}: {row}", file=sys.stderr)
+        for limit in limits:
+            seconds = statistics.median(times[(M, limit)])
+            row = {"ms": round(seconds * 1e3, 2), "weights_gb_s": round(2 * total / seconds / 1e9, 1),
+                   "g_mac_s": round(total * M / seconds / 1e9, 1)}
+            result["step"][f"M={M}" if len(limits) == 1 else f"M={M} streamed_rows={limit}"] = row
+            print(f"a step's 340M projections, M={M}, streamed rows {limit}: {row}", file=sys.stderr)
 
 
 def per_call_us(call, calls: int) -> float:
@@ -158,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cold-mb", type=float, default=400, help="--layouts: copies of each weight to fill this")
     parser.add_argument("--step", action="store_true", help="a decode step's 340M projections, streamed")
     parser.add_argument("--fused-rows", action="store_true", help="AVX512-BF16: fused rows against VDPBF16PS")
+    parser.add_argument("--streamed-rows", type=int, nargs="+",
+                        help="--step: these limits of kernels.set_streamed_rows alternating (0: every row blocked)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.rows = args.rows or ([1, 2, 4, 8] if args.step else [4, 8, 16, 32, 128] if args.fused_rows else [1, 8, 512])
