@@ -53,6 +53,11 @@ STEP_LAYERS = 24
 STEP_SHAPES = [(1024, 1024)] * 4 + [(5632, 1024), (1024, 2816)]  # one 340M layer's projections: (N, K) each
 
 
+def switch_streamed_rows(limit: int | None) -> None:
+    if limit is not None:
+        kernels.set_streamed_rows(limit)
+
+
 def step_projections(args, result: dict) -> None:
     """A decode step's projections over 340M's shapes, packed once and streamed from memory, at each row count."""
     op = torch.ops.linserve
@@ -62,32 +67,33 @@ def step_projections(args, result: dict) -> None:
                for _ in range(STEP_LAYERS) for N, K in STEP_SHAPES]
     total = sum(N * K for _, N, K in weights)
     result["step"] = {"weight_bytes": 2 * total, "threads": max(args.threads), "streamed_rows": kernels.streamed_rows()}
-    limits = args.streamed_rows or [kernels.streamed_rows()]
+    limits = args.streamed_rows or [None]  # (None: the switch as the kernel set it)
     inputs = {M: {K: torch.randn(M, K, generator=generator).bfloat16() for K in {K for _, _, K in weights}}
               for M in args.rows}  # (M, K) each
     for M in args.rows:  # every way the same bits (each limit against the first)
         outputs = []
         for limit in limits:
-            kernels.set_streamed_rows(limit)
+            switch_streamed_rows(limit)
             outputs.append([op.invariant_linear(inputs[M][K], weight, None, None, N) for weight, N, K in weights[:6]])
         assert all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other)), M
     times: dict[tuple[int, int], list[float]] = {}
     for _ in range(args.reps):  # the limits alternating, each M once a round
         for M in args.rows:
             for limit in limits:
-                kernels.set_streamed_rows(limit)
+                switch_streamed_rows(limit)
                 started = time.perf_counter()
                 for weight, N, K in weights:
                     op.invariant_linear(inputs[M][K], weight, None, None, N)
                 times.setdefault((M, limit), []).append(time.perf_counter() - started)
-    kernels.set_streamed_rows(limits[0])
+    switch_streamed_rows(limits[0])
     for M in args.rows:
         for limit in limits:
             seconds = statistics.median(times[(M, limit)])
             row = {"ms": round(seconds * 1e3, 2), "weights_gb_s": round(2 * total / seconds / 1e9, 1),
                    "g_mac_s": round(total * M / seconds / 1e9, 1)}
             result["step"][f"M={M}" if len(limits) == 1 else f"M={M} streamed_rows={limit}"] = row
-            print(f"a step's 340M projections, M={M}, streamed rows {limit}: {row}", file=sys.stderr)
+            shown = kernels.streamed_rows() if limit is None else limit
+            print(f"a step's 340M projections, M={M}, streamed rows {shown}: {row}", file=sys.stderr)
 
 
 def per_call_us(call, calls: int) -> float:

@@ -49,6 +49,8 @@ import threading
 
 import torch
 
+from .fake_ops import register_fake_ops
+
 logger = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("invariant_linear.cpp", "delta_rule.cpp",
@@ -276,7 +278,7 @@ def load() -> bool:
             library.linserve_cpu_allocator(int(caching))  # (use_caching_allocator, without load()'s lock again)
             global PACKS_TILES
             PACKS_TILES = form() != "scalar"  # AMX tiles or the vector lanes' groups
-            _register_fake()
+            register_fake_ops(PACKS_TILES)
             logger.info("linserve kernels loaded from %s (%s%s%s)", path, form(),
                         ", int8 widened through fp16" if library.linserve_int8_through_fp16() else "",
                         ", rows fused" if library.linserve_fused_rows() else "")
@@ -302,14 +304,14 @@ def cached_allocator_bytes() -> int:
     return _int64_answer("linserve_cpu_allocator_cached_bytes")
 
 
-def _int64_answer(function: str) -> int:
-    """What the loaded library's int64_t `function()` returns; 0 when the kernels are not loaded."""
+def _int64_answer(function: str, *arguments: int) -> int:
+    """What the loaded library's int64_t `function(int64_t…)` returns; 0 when the kernels are not loaded."""
     library = _state.get("library")
     if not library:
         return 0
     answer = getattr(library, function)
-    answer.restype = ctypes.c_int64
-    return answer()
+    answer.restype, answer.argtypes = ctypes.c_int64, [ctypes.c_int64] * len(arguments)
+    return answer(*arguments)
 
 
 def load_error() -> str | None:
@@ -346,12 +348,7 @@ def streamed_rows() -> int:
 def set_streamed_rows(rows: int) -> int:
     """Set up to how many rows a call over streamed packed bf16 weights streams each group with its first row alone
     (0: none — every row in the blocked passes); what it was. Tests and A/B runs: no bit changes either way."""
-    library = _state.get("library")
-    if not library:
-        return 0
-    switch = library.linserve_set_streamed_rows
-    switch.restype, switch.argtypes = ctypes.c_int64, [ctypes.c_int64]
-    return switch(rows)
+    return _int64_answer("linserve_set_streamed_rows", rows)
 
 
 def fused_rows() -> bool:
@@ -372,75 +369,6 @@ def set_fused_rows(on: bool) -> bool:
 def last_level_cache_bytes() -> int:
     """One L3 instance's bytes, as the kernel reads them (0 when not loaded)."""
     return _int64_answer("linserve_last_level_cache_bytes")
-
-
-def _register_fake() -> None:
-    def shape(x, weight, scale, bias, out_features):
-        return x.new_empty((*x.shape[:-1], out_features))
-
-    for name in ("invariant_linear", "invariant_linear_scalar"):
-        torch.library.register_fake(f"linserve::{name}")(shape)
-
-    @torch.library.register_fake("linserve::invariant_linear_cat")
-    def cat_shape(x, w0, w1, w2, w3, s0, s1, s2, s3, n0, n1, n2, n3):
-        return x.new_empty((*x.shape[:-1], n0 + n1 + n2 + n3))
-
-    @torch.library.register_fake("linserve::delta_scan")
-    def delta_shapes(q, k, v, beta, alpha, S, prefixes):
-        B, H, T, _ = q.shape
-        return v.new_empty(v.shape), S.new_empty((B, T, H, *S.shape[2:]) if prefixes else S.shape)
-
-    @torch.library.register_fake("linserve::linear_scan")
-    def scan_shapes(q, k, v, alpha, S, prefixes):
-        B, H, T, _ = q.shape
-        return v.new_empty(v.shape), S.new_empty((B, T, H, *S.shape[2:]) if prefixes else S.shape)
-
-    @torch.library.register_fake("linserve::linear_read")
-    def read_shape(q, k, v, alpha, pool, slots):
-        return v.new_empty(v.shape)
-
-    @torch.library.register_fake("linserve::delta_read")
-    def delta_read_shapes(q, k, v, beta, alpha, pool, slots):
-        return v.new_empty(v.shape), v.new_empty(v.shape)
-
-    @torch.library.register_fake("linserve::delta_read_folded")
-    def delta_folded_shapes(q, k, v, beta, alpha, pool, slots, pk, pu, pa, flag):
-        return v.new_empty(v.shape), v.new_empty(v.shape)
-
-    @torch.library.register_fake("linserve::linear_read_folded")
-    def read_folded_shape(q, k, v, alpha, pool, slots, pk, pu, pa, flag):
-        return v.new_empty(v.shape)
-
-    @torch.library.register_fake("linserve::pending_record")
-    def record_shape(pk, pu, pa, flag, slots, k, u, alpha, keep):
-        return keep.new_empty(keep.shape)
-
-    @torch.library.register_fake("linserve::state_commit")
-    def commit_shape(pool, slots, k, v, alpha, keep):
-        return keep.new_empty(keep.shape)
-
-    @torch.library.register_fake("linserve::dplr_step")
-    def dplr_shapes(r, d, k, v, a, b, S):
-        return v.new_empty(v.shape), S.new_empty(S.shape)
-
-    @torch.library.register_fake("linserve::choose_tokens")
-    def chosen_shapes(logits, slots, positions, floats, top_k, seed, bias, counts, seen):
-        rows = (logits.shape[0],)
-        return (slots.new_empty(rows), slots.new_empty(rows, dtype=torch.bool), logits.new_empty(rows),
-                logits.new_empty(logits.shape), slots.new_empty(rows, dtype=torch.bool))
-
-    @torch.library.register_fake("linserve::verify_choose")
-    def verified_shapes(logits, ids, limits, slots, positions, floats, seed, bias, counts, seen):
-        rows, V = (logits.shape[0],), logits.shape[-1]
-        return (ids.new_empty(ids.shape), ids.new_empty(rows), ids.new_empty(rows, dtype=torch.bool),
-                logits.new_empty(rows), logits.new_empty((*rows, V)), logits.new_empty((*rows, V)))
-
-    @torch.library.register_fake("linserve::pack_weight")
-    def packed_shape(weight):
-        if not PACKS_TILES:
-            return weight.new_empty(weight.shape)
-        n, k = weight.shape
-        return weight.new_empty(((n + 15) // 16, (k + 31) // 32, 16, 32))
 
 
 def inductor_configs() -> dict:
