@@ -83,8 +83,10 @@ class IncrementalDetokenizer:
 
     Each call decodes only the tokens since the last emitted text plus a few before them, and holds
     back text that ends in an incomplete UTF-8 character until the next token completes it. Only that
-    window of ids is kept: its size does not grow with the sequence.
+    window of ids is kept: its size does not grow with the sequence. (Slots: a row's step reads it, every step.)
     """
+
+    __slots__ = ("decoder", "skip_ids", "table", "held", "add", "ids", "prefix_offset", "read_offset")
 
     def __init__(self, decoder: Decoder, skip_ids: frozenset[int] = frozenset(), context: list[int] = ()) -> None:
         self.decoder = decoder
@@ -96,13 +98,15 @@ class IncrementalDetokenizer:
             self.held = b""  # the bytes of an unfinished character, until the next token's complete it
             self.add = self._add_bytes
             return
+        self.add = self._add_ids
         self.ids: list[int] = [t for t in context if t not in skip_ids]  # already-seen text, never emitted
         if self.ids and decoder.decode(self.ids).endswith(REPLACEMENT):
             self.ids = []  # context that ends inside a character cannot anchor the next delta
         self.prefix_offset = 0  # start of the context window
         self.read_offset = len(self.ids)  # tokens up to here are already emitted as text
 
-    def add(self, token_id: int) -> str:
+    def _add_ids(self, token_id: int) -> str:
+        """A token's text delta, decoded through the tokenizer with its window of context (`add` without a table)."""
         if token_id in self.skip_ids:
             return ""
         self.ids.append(token_id)
@@ -135,6 +139,8 @@ class IncrementalDetokenizer:
 
 class StopMatcher:
     """Finds stop strings in streamed text; withholds any tail that could still become one."""
+
+    __slots__ = ("stops", "hold", "pending")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops

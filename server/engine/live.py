@@ -28,6 +28,14 @@ class Row:
     slot: int
     detokenizer: IncrementalDetokenizer
     stop: StopMatcher
+    # the request's constants a step reads for every row, copied here: a row's step touches the row, not its
+    # request's three objects (what a big model's program evicted between steps: each one a cache miss)
+    request_id: str
+    prompt_tokens: int
+    session_id: str | None
+    max_tokens: int
+    position: int  # the position of the token this row chooses next (its counter for the random draw)
+    eos_ends: bool = True  # an end-of-text token ends the row (`ignore_eos` is off, or a grammar's end)
     next_token: int | None = None  # sampled, not yet consumed by the state
     num_generated: int = 0
     recent: collections.deque | None = None  # a session row's last tokens (its next tail); None otherwise
@@ -42,18 +50,12 @@ class Row:
     next_logits: torch.Tensor | None = None  # (V,) set only when a failed step's program consumed next_token
     top_logprobs: int | None = None  # the request's `logprobs` (read for every row every step)
 
-    @property
-    def position(self) -> int:
-        """The position of the token this row chooses next (its counter for the random draw)."""
-        return self.live.base_position + self.num_generated
-
     def accept(self, token: int, logprob: TokenLogprob | None, now: float, eos_ids: frozenset[int],
                latencies: list[tuple[int, float]]) -> RequestOutput:
         """Record a sampled token (its latency into `latencies`); decide whether the row ends; build the output.
-        (Every row, every step: locals over attribute reads.)"""
-        live = self.live
-        params = live.request.params
-        position = live.base_position + self.num_generated  # (self.position)
+        (Every row, every step: locals over attribute reads, the row's own fields over its request's.)"""
+        position = self.position
+        self.position = position + 1
         generated = self.num_generated = self.num_generated + 1
         if self.recent is not None:
             self.recent.append(token)
@@ -62,14 +64,14 @@ class Row:
         last = self.last_time
         if last is not None:
             latencies.append((position, now - last))
-        elif live.first_token_time is None:
-            live.first_token_time = now
+        elif self.live.first_token_time is None:
+            self.live.first_token_time = now
         self.last_time = now
         self.next_token = token
 
         end_of_text = token in eos_ids
         reason, text, hit = None, "", False
-        if end_of_text and (not params.ignore_eos or self.constraint is not None):  # a grammar's end is final
+        if end_of_text and self.eos_ends:
             reason = FinishReason.STOP
         elif self.stop.stops:  # stop strings are matched only for rows that have them
             text, hit = self.stop.push(self.detokenizer.add(token))
@@ -77,7 +79,7 @@ class Row:
                 reason = FinishReason.STOP
         else:
             text = self.detokenizer.add(token)
-        if reason is None and generated >= params.max_tokens:
+        if reason is None and generated >= self.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
             if not hit:
@@ -85,7 +87,13 @@ class Row:
             self.finished, self.reason = True, reason
         if self.kept is not None or self.said is not None:  # a session turn's text (most rows keep none)
             self._keep(text)
-        return live.output(self.index, token, text, logprob, reason, generated, position, end_of_text=end_of_text)
+        return self.output(token, text, logprob, reason, position, end_of_text)
+
+    def output(self, token: int | None, text: str, logprob: TokenLogprob | None, reason: FinishReason | None,
+               position: int, end_of_text: bool = False, error: str | None = None) -> RequestOutput:
+        """This row's event (positional, in RequestOutput's order: made once a row a step)."""
+        return RequestOutput(self.request_id, self.index, token, text, logprob, reason, self.prompt_tokens,
+                             self.num_generated, position, self.session_id, error, None, None, end_of_text)
 
     def consumed_pending(self, logits: torch.Tensor, committed: bool) -> None:
         """A decode program committed this row's state (`committed`: its logits were finite) and then the step
@@ -101,7 +109,7 @@ class Row:
         self.finished, self.reason = True, reason
         text = self.stop.flush() if reason is not FinishReason.ERROR else ""
         self._keep(text)
-        return self.live.output(self.index, None, text, None, reason, self.num_generated, 0, error)
+        return self.output(None, text, None, reason, 0, error=error)
 
     def _keep(self, text: str) -> None:
         """The returned text of a keyed turn, to answer a retry with; past APPLIED_TEXT_CHARS (a stored response:
@@ -161,10 +169,13 @@ class LiveRequest:
             seed = (params.seed + index) % 2**64 if params.seed is not None else random.getrandbits(63)
             sampling.assign(slot, params, seed - 2**64 if seed >= 2**63 else seed, history, self.request.prompt_ids)
             detokenizer = IncrementalDetokenizer(self.decoder, skip, self.detokenizer_context())
-            row = Row(self, index, slot, detokenizer, StopMatcher(params.stop), top_logprobs=params.logprobs)
+            row = Row(self, index, slot, detokenizer, StopMatcher(params.stop), self.request.request_id,
+                      len(self.request.prompt_ids), self.request.session_id, params.max_tokens, self.base_position,
+                      eos_ends=not params.ignore_eos, top_logprobs=params.logprobs)
             if grammars is not None:  # the first token is drawn under the grammar's first mask
                 row.constraint = GrammarConstraint(grammars, params.grammar, sampling.bias[slot])
                 row.constraint.write(sampling.bias[slot], params.max_tokens)
+                row.eos_ends = True  # a grammar's end is final
             if self.session is not None:
                 row.recent = collections.deque(maxlen=TAIL_TOKENS)
                 row.kept = "" if self.request.idempotency is not None else None
@@ -206,18 +217,14 @@ class LiveRequest:
         for row in self.rows[1:]:
             pool.copy(self.rows[0].slot, row.slot)
 
-    def output(self, index, token, text, logprob, reason, generated, position, error=None,
-               end_of_text: bool = False) -> RequestOutput:
-        request = self.request  # (positional, in RequestOutput's order: made once a row a step)
-        return RequestOutput(request.request_id, index, token, text, logprob, reason, len(request.prompt_ids),
-                             generated, position, request.session_id, error, None, None, end_of_text)
-
     def final_outputs(self, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
         """The last event of every sequence that has not ended yet (abort or failure)."""
         if self.rows:
             return [row.finish_without_token(reason, error) for row in self.rows if not row.finished]
         # still waiting: every one of its n sequences ends
-        return [self.output(index, None, "", None, reason, 0, 0, error) for index in range(self.request.params.n)]
+        request = self.request
+        return [RequestOutput(request.request_id, index, None, "", None, reason, len(request.prompt_ids),
+                              session_id=request.session_id, error=error) for index in range(request.params.n)]
 
     def turn_result(self, sampling: SlotSampling) -> TurnResult:
         """What this request did to its session, as plain values for the registry."""

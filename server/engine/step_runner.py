@@ -338,12 +338,12 @@ class StepRunner:
         requests with a broken row fail instead. A row that ends on an accepted draft drops what follows."""
         delivery = Delivery()
         outputs, latencies, eos_ids = delivery.outputs, delivery.latencies, self.eos_ids
-        failed = set() if all(sampled.finite) else {row.live.request.request_id for row, ok in zip(rows, sampled.finite)
+        failed = set() if all(sampled.finite) else {row.request_id for row, ok in zip(rows, sampled.finite)
                                                     if not ok}
         now = time.monotonic()
         constrained = []
         for b, (row, token, logprob) in enumerate(zip(rows, sampled.tokens, sampled.logprobs)):
-            if failed and row.live.request.request_id in failed:
+            if failed and row.request_id in failed:
                 continue
             if accepted is not None and self._accept_drafts(row, accepted[b], now, outputs, latencies):
                 continue  # (it ended on an accepted draft)
@@ -354,7 +354,7 @@ class StepRunner:
                 constrained.append(row)
         if constrained:  # the next position's masks, into the rows' bias (an input of the decode program)
             slots = torch.tensor([row.slot for row in constrained], device=self.device)  # (R,)
-            left = [row.live.request.params.max_tokens - row.num_generated for row in constrained]
+            left = [row.max_tokens - row.num_generated for row in constrained]
             rows_bias = write_rows([row.constraint for row in constrained], self.sampling.bias[slots], left)
             self.sampling.bias.index_copy_(0, slots, rows_bias)
         for request_id in failed:

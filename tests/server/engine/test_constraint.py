@@ -119,6 +119,28 @@ def test_a_session_turn_is_constrained_too(make_engine):
     assert outputs[-1].finish_reason.value == "stop" and len(text_of(engine, outputs)) == 6
     assert_slots_balance(engine)
 
+def test_a_grammar_s_end_is_final_even_when_the_request_ignores_end_of_text(make_engine):
+    """`ignore_eos` lets a free row run past end-of-text; a constrained row's end-of-text is its grammar's end (the
+    row reads this from its own copy of the request's constants: both kinds in one batch)."""
+    engine = make_engine(num_slots=4)
+    grammar = engine.grammars.compile("regex", "[A-Z]{3}-[0-9]{2}")
+    eos = engine.tokenizer.eos_token_id
+    constrained = SamplingParams(max_tokens=40, temperature=1.0, seed=4, grammar=grammar, ignore_eos=True)
+    free = SamplingParams(max_tokens=30, temperature=1.0, seed=4, ignore_eos=True, logit_bias=((eos, 100.0),))
+    results = {}
+    threads = [threading.Thread(target=lambda name=name, params=params: results.setdefault(
+        name, run(engine, prompt(6, 3), params, name))) for name, params in [("c", constrained), ("f", free)]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results["c"][-1].finish_reason.value == "stop" and results["c"][-1].end_of_text
+    assert len(text_of(engine, results["c"])) == 6
+    assert results["f"][-1].finish_reason.value == "length" and len(results["f"]) == 30  # every token end-of-text
+    assert all(o.end_of_text for o in results["f"])
+    assert_slots_balance(engine)
+
+
 
 def test_json_numbers_stay_finite_doubles_however_hard_the_model_pushes(make_engine, hf_tokenizer):
     """Digits and exponent markers favoured by +40: unbounded, the number grows until the budget closes it (an

@@ -229,8 +229,8 @@ def test_a_request_keeps_nothing_that_grows_with_its_length(make_engine):
         live = engine.live["long"]
         total = 0
         for obj in [live, *live.rows, *(r.detokenizer for r in live.rows), *(r.stop for r in live.rows)]:
-            names = getattr(type(obj), "__slots__", None)  # (a Row has slots, no __dict__)
-            for value in (vars(obj) if names is None else {n: getattr(obj, n) for n in names}).values():
+            names = getattr(type(obj), "__slots__", None)  # (slots, no __dict__; one unset holds nothing)
+            for value in (vars(obj) if names is None else {n: getattr(obj, n, None) for n in names}).values():
                 if isinstance(value, (list, tuple, dict, set, str, bytes)):
                     total += len(value)
         return total
