@@ -331,6 +331,37 @@ inline void fused_group(const Tree& tree, const float* xs, int64_t stride, const
 }
 #endif
 
+// A streamed call of at most STREAM_BLOCK_ROWS rows goes over each packed group STREAM_K_BLOCK of K at a time: the
+// first row streams the block's 16 outputs (one contiguous read, as at one row), the other rows' passes compute the
+// same block from L1 while each brings its share of the next group into L2, then the next block — so the read and the
+// arithmetic overlap block by block instead of group by group. 340M's projections on Zen 4, a step's, 2 threads: 8
+// rows 28.1 -> 21.3 ms (one row's 19.7: 1.08x), 12 rows 35.1 -> 27.9, 16 rows 42.0 -> 36.5 (512 a block: 8 rows
+// 21-24 ms, 128: 23-25; without the next group's shares 37-39). Each lane's chunks in order: the same bits
+constexpr int64_t STREAM_K_BLOCK = 256;
+constexpr int64_t STREAM_BLOCK_ROWS = 16;  // their sums (16 KB), a block of weights (8 KB) and of x (8 KB) in L1
+
+// R rows × O outputs from o0 of a packed group over K's block [k0, k1), the sums carried in `sums` (a row's GROUP)
+template <int R, int O, typename W, typename L, bool F>
+__attribute__((always_inline)) inline void streamed_span(__m512 (*sums)[GROUP], int o0, const uint16_t* x,
+                                                         const W* wg, int64_t K, int64_t k0, int64_t k1,
+                                                         const NextGroup<W>& next) {
+  __m512 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = sums[r][o0 + o];
+  const W* wo = wg + L::at(o0, 0, K);
+  for (int64_t c = k0; c < k1; c += CHUNK) dot_chunks<R, O, W, L, F>(acc, x, wo, K, c, K - c, false, next);
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) sums[r][o0 + o] = acc[r][o];
+}
+
+// R rows from o0 = 0 over a whole group's outputs, O at a time (the first span asks for the pass's share of `next`)
+template <int R, int O, typename W, typename L, bool F>
+inline void streamed_pass(__m512 (*sums)[GROUP], const uint16_t* x, const W* wg, int64_t K, int64_t k0, int64_t k1,
+                          const NextGroup<W>& next) {
+  for (int o = 0; o < GROUP; o += O)
+    streamed_span<R, O, W, L, F>(sums, o, x, wg, K, k0, k1, o == 0 ? next : no_group<W>());
+}
+
 template <typename W, typename L, bool F = false>
 void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float* bias, uint16_t* y, int64_t m0,
                  int64_t m1, int64_t n0, int64_t n1, int64_t K, int64_t ys,  // ys: y's row stride
@@ -360,6 +391,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
     if (pairs) return left >= 2 ? 2 : 1;
     return left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1));
   };
+  const bool in_k_blocks = stream_first && !fused_rows && m1 - m0 >= 2 && m1 - m0 <= STREAM_BLOCK_ROWS;
   int later_passes = 0;  // the passes after the streaming row's: each fetches 1/later_passes of the next group
   if (stream_first)
     for (int64_t m = m0 + 1; m < m1; m += pass_rows(m)) ++later_passes;
@@ -373,6 +405,43 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
     const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
     const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
+    if (in_k_blocks) {
+      alignas(64) __m512 sums[STREAM_BLOCK_ROWS][GROUP];
+      for (int64_t r = 0; r < m1 - m0; ++r)
+        for (int o = 0; o < GROUP; ++o) sums[r][o] = _mm512_setzero_ps();
+      for (int64_t k0 = 0; k0 < K; k0 += STREAM_K_BLOCK) {
+        const int64_t k1 = std::min(K, k0 + STREAM_K_BLOCK);
+        streamed_pass<1, GROUP, W, L, F>(sums, x + m0 * K, wg, K, k0, k1, no_group<W>());  // (the stream)
+        int later = 0;
+        for (int64_t m = m0 + 1; m < m1;) {
+          const int64_t rows = pass_rows(m);
+          const uint16_t* xm = x + m * K;
+          __m512(*rows_sums)[GROUP] = sums + (m - m0);
+          const NextGroup<W> next = following != nullptr ? NextGroup<W>{following, later++, later_passes}
+                                                         : no_group<W>();
+          switch (rows) {
+            case 6: streamed_pass<6, 4, W, L, F>(rows_sums, xm, wg, K, k0, k1, next); break;
+            case 4: streamed_pass<4, 4, W, L, F>(rows_sums, xm, wg, K, k0, k1, next); break;
+            case 2:
+              if (pairs) streamed_pass<2, 8, W, L, F>(rows_sums, xm, wg, K, k0, k1, next);
+              else streamed_pass<2, 4, W, L, F>(rows_sums, xm, wg, K, k0, k1, next);
+              break;
+            default: streamed_pass<1, GROUP, W, L, F>(rows_sums, xm, wg, K, k0, k1, next);
+          }
+          m += rows;
+        }
+      }
+      for (int64_t r = 0; r < m1 - m0; ++r) {
+        __m512 quads[4];
+        for (int q = 0; q < 4; ++q)
+          quads[q] = tree.quad(sums[r][4 * q], sums[r][4 * q + 1], sums[r][4 * q + 2], sums[r][4 * q + 3]);
+        __m512 s = tree.last(quads);
+        if (scale) s = _mm512_mul_ps(s, sc);
+        if (bias) s = _mm512_add_ps(s, bi);
+        _mm256_mask_storeu_epi16(y + (m0 + r) * ys + g, keep, to_bf16(s));
+      }
+      continue;
+    }
     int later = 0;
     for (int64_t m = m0; m < m1;) {
       const int64_t rows = pass_rows(m);

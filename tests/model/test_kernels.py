@@ -295,40 +295,46 @@ def test_callers_on_two_threads_share_the_pool_or_fall_back_with_the_same_bits()
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_rows_after_a_streaming_first_row_once_the_weights_outgrow_the_cache_are_the_same_bits(dtype):
     """Packed weights of more than one L3 stream from DRAM a decode step: then a call of at most 64 bf16 rows streams
-    each group of outputs with its first row alone and takes the others in the blocked passes from the cache (faster
-    on Zen 4; the AVX2 form: one row, bf16 or int8, in a single pass over a group's 16 outputs, faster on Zen 3), else
-    every row in the blocked passes — each row's bits the same every way (and with the first row's streaming turned
-    off), and the way follows the packed weights the process holds."""
+    each group of outputs with its first row alone and takes the others in the blocked passes from the cache — up to
+    16 rows a block of K at a time, the sums carried between blocks (faster on Zen 4; the AVX2 form: one row, bf16 or
+    int8, in a single pass over a group's 16 outputs, faster on Zen 3), else every row in the blocked passes — each
+    row's bits the same every way (and with the first row's streaming turned off), and the way follows the packed
+    weights the process holds. Two shapes: rows in pairs over 8 outputs (K ≤ 1,024), and in sixes and fours over 4."""
     from linserve.model import kernels
 
     if kernels.form() not in ("avx512bf16", "avx512", "avx2"):
         pytest.skip(f"the lanes form over packed weights is not this CPU's ({kernels.form()})")
     assert kernels.streamed_rows() == 0  # (this process's packed weights so far fit the cache)
-    N, K = 1040, 1000  # a short last group of outputs, a tail of K
-    x, w, b = operands(40, N, K, dtype=dtype)
-    scale = torch.rand(N, generator=torch.Generator().manual_seed(2)) / 20 if dtype == torch.int8 else None
-    tiles = OP.pack_weight(w)
-    counts = [*range(1, 14), 17, 30]  # (every remainder of the blocked passes after the first row, fused rows' 4s)
-    cached = {rows: OP.invariant_linear(x[:rows], tiles, scale, b, N) for rows in counts}
-    assert torch.equal(cached[30], lanes_reference(x[:30], w, scale, b))  # (the definition, cached)
+    counts = [*range(1, 14), 16, 17, 30]  # (every remainder of the blocked passes after the first row, fused 4s)
+    shapes = []  # (N, K): a short last group of outputs, K's last block and chunk short
+    for N, K in [(1040, 1000), (272, 1100)]:
+        x, w, b = operands(40, N, K, dtype=dtype)
+        scale = torch.rand(N, generator=torch.Generator().manual_seed(2)) / 20 if dtype == torch.int8 else None
+        tiles = OP.pack_weight(w)
+        cached = {rows: OP.invariant_linear(x[:rows], tiles, scale, b, N) for rows in counts}
+        assert torch.equal(cached[30], lanes_reference(x[:30], w, scale, b))  # (the definition, cached)
+        shapes.append((N, x, b, scale, tiles, cached))
     filler = [OP.pack_weight(torch.zeros(2048, 1024, dtype=torch.bfloat16))  # 4 MB each, past one L3
               for _ in range(kernels.last_level_cache_bytes() // (4 << 20) + 2)]
     assert kernels.streamed_rows() == (1 if kernels.form() == "avx2" else 64)
     threads = torch.get_num_threads()
     try:
-        for count in {1, threads}:
-            torch.set_num_threads(count)
-            for rows in counts:
-                for start in (0, 5):
-                    got = OP.invariant_linear(x[start : start + rows], tiles, scale, b, N)
-                    want = torch.cat([OP.invariant_linear(x[i : i + 1], tiles, scale, b, N)
-                                      for i in range(start, start + rows)])
-                    assert torch.equal(got, want), (count, rows, start)
-                assert torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows]), (count, rows)
-        with switched(kernels.set_streamed_rows, 0):  # every row blocked, streamed or not
-            assert all(torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows]) for rows in counts)
-        with switched(kernels.set_fused_rows, True):  # (AVX512-BF16: the rows after the first fused, four at a time)
-            assert all(torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows]) for rows in counts)
+        for N, x, b, scale, tiles, cached in shapes:
+            for count in {1, threads}:
+                torch.set_num_threads(count)
+                for rows in counts:
+                    for start in (0, 5):
+                        got = OP.invariant_linear(x[start : start + rows], tiles, scale, b, N)
+                        want = torch.cat([OP.invariant_linear(x[i : i + 1], tiles, scale, b, N)
+                                          for i in range(start, start + rows)])
+                        assert torch.equal(got, want), (N, count, rows, start)
+                    assert torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows]), (N, rows)
+            with switched(kernels.set_streamed_rows, 0):  # every row blocked, streamed or not
+                assert all(torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows])
+                           for rows in counts)
+            with switched(kernels.set_fused_rows, True):  # (AVX512-BF16: the rows after the first fused, 4 at a time)
+                assert all(torch.equal(OP.invariant_linear(x[:rows], tiles, scale, b, N), cached[rows])
+                           for rows in counts)
     finally:
         torch.set_num_threads(threads)
     del filler
