@@ -335,7 +335,7 @@ inline void fused_group(const Tree& tree, const float* xs, int64_t stride, const
 // first row streams the block's 16 outputs (one contiguous read, as at one row), the other rows' passes compute the
 // same block from L1 while each brings its share of the next group into L2, then the next block — so the read and the
 // arithmetic overlap block by block instead of group by group. 340M's projections on Zen 4, a step's, 2 threads: 8
-// rows 28.1 -> 21.3 ms (one row's 19.7: 1.08x), 12 rows 35.1 -> 27.9, 16 rows 42.0 -> 36.5 (512 a block: 8 rows
+// rows 28.1 -> 21.4 ms (one row's 19.7: 1.08x), 12 rows 35.3 -> 27.7, 16 rows 42.0 -> 36.7 (512 a block: 8 rows
 // 21-24 ms, 128: 23-25; without the next group's shares 37-39). Each lane's chunks in order: the same bits
 constexpr int64_t STREAM_K_BLOCK = 256;
 constexpr int64_t STREAM_BLOCK_ROWS = 16;  // their sums (16 KB), a block of weights (8 KB) and of x (8 KB) in L1
