@@ -405,6 +405,11 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
     const __mmask16 keep = static_cast<__mmask16>((1u << outputs) - 1);
     const __m512 sc = scale ? _mm512_maskz_loadu_ps(keep, scale + g) : _mm512_setzero_ps();
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(keep, bias + g) : _mm512_setzero_ps();
+    auto write_row = [&](int64_t m, __m512 s) {  // row m's 16 sums → scaled, biased, its bf16 outputs
+      if (scale) s = _mm512_mul_ps(s, sc);
+      if (bias) s = _mm512_add_ps(s, bi);
+      _mm256_mask_storeu_epi16(y + m * ys + g, keep, to_bf16(s));
+    };
     if (in_k_blocks) {
       alignas(64) __m512 sums[STREAM_BLOCK_ROWS][GROUP];
       for (int64_t r = 0; r < m1 - m0; ++r)
@@ -435,10 +440,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
         __m512 quads[4];
         for (int q = 0; q < 4; ++q)
           quads[q] = tree.quad(sums[r][4 * q], sums[r][4 * q + 1], sums[r][4 * q + 2], sums[r][4 * q + 3]);
-        __m512 s = tree.last(quads);
-        if (scale) s = _mm512_mul_ps(s, sc);
-        if (bias) s = _mm512_add_ps(s, bi);
-        _mm256_mask_storeu_epi16(y + (m0 + r) * ys + g, keep, to_bf16(s));
+        write_row(m0 + r, tree.last(quads));
       }
       continue;
     }
@@ -464,12 +466,7 @@ void rows_avx512(const uint16_t* x, const W* w, const float* scale, const float*
         case 2: group_quads<2, W, L, F>(tree, xm, wg, K, computed, u, m == m0, next); break;
         default: group_quads<1, W, L, F>(tree, xm, wg, K, computed, u, m == m0, next);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        __m512 s = tree.last(u[r]);
-        if (scale) s = _mm512_mul_ps(s, sc);
-        if (bias) s = _mm512_add_ps(s, bi);
-        _mm256_mask_storeu_epi16(y + (m + r) * ys + g, keep, to_bf16(s));
-      }
+      for (int64_t r = 0; r < rows; ++r) write_row(m + r, tree.last(u[r]));
       m += rows;
     }
   }

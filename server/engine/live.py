@@ -171,11 +171,11 @@ class LiveRequest:
             detokenizer = IncrementalDetokenizer(self.decoder, skip, self.detokenizer_context())
             row = Row(self, index, slot, detokenizer, StopMatcher(params.stop), self.request.request_id,
                       len(self.request.prompt_ids), self.request.session_id, params.max_tokens, self.base_position,
-                      eos_ends=not params.ignore_eos, top_logprobs=params.logprobs)
+                      eos_ends=not params.ignore_eos or grammars is not None,  # (a grammar's end is final)
+                      top_logprobs=params.logprobs)
             if grammars is not None:  # the first token is drawn under the grammar's first mask
                 row.constraint = GrammarConstraint(grammars, params.grammar, sampling.bias[slot])
                 row.constraint.write(sampling.bias[slot], params.max_tokens)
-                row.eos_ends = True  # a grammar's end is final
             if self.session is not None:
                 row.recent = collections.deque(maxlen=TAIL_TOKENS)
                 row.kept = "" if self.request.idempotency is not None else None
