@@ -367,11 +367,7 @@ extern "C" int linserve_streamed_rows() {
 #ifdef LINSERVE_AMX
   if (amx_path) return 0;  // (tiles: run_amx)
 #endif
-#ifdef LINSERVE_AVX2
-  return weights_streamed() ? 1 : 0;  // (rows_avx2: one row's streamed pass; several rows blocked, reading the next)
-#else
   return lanes_path && weights_streamed() ? static_cast<int>(streamed_rows_limit.load()) : 0;
-#endif
 }
 
 extern "C" int linserve_fused_rows() {  // 1: multi-row calls run as fused multiply-adds (AVX512-BF16; see run_parts)

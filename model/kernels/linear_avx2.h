@@ -18,6 +18,10 @@ constexpr int64_t AVX2_ROWS = 4;  // (4 rows × 2 outputs, a half at a time: 8 a
 constexpr int64_t AVX2_K_BLOCK = 512;
 // chunks ahead one int8 row's single pass over streamed weights prefetches (avx2_row_streamed; 16 measured alike)
 constexpr int64_t INT8_STREAM_AHEAD = 8;
+// a streamed call of 2 to AVX2_STREAM_ROWS bf16 rows (at most streamed_rows_limit) reads each group in single passes
+// of at most AVX2_PASS_ROWS rows (avx2_rows_streamed)
+constexpr int64_t AVX2_STREAM_ROWS = 8;
+constexpr int64_t AVX2_PASS_ROWS = 6;
 
 // 32 bf16 of a row at k = c: lanes 0-7's pairs (elements 0-15) and lanes 8-15's (16-31), zeros past the end
 struct PairChunk {
@@ -189,6 +193,57 @@ void avx2_row_streamed(const float* xs, const W* wg, int64_t K, __m256* v) {
   for (int o = 0; o < GROUP; ++o) v[o] = _mm256_add_ps(lo[o], hi[o]);  // (level 1 of the tree)
 }
 
+// R rows (split: xs, row stride `stride`) × a group's 16 outputs in one pass over K, for weights streamed from DRAM:
+// avx2_row_streamed's single, even read of the group, each weight half split once for all R rows, their R × 32 sums
+// in an array (L1) from chunk to chunk. Where the blocks of rows (avx2_rows_group) took turns — the first pass
+// waiting on DRAM, the others computing from the cache with DRAM idle — the read and the arithmetic overlap: a step
+// of 340M's projections on Zen 3, 2 threads, the two ways alternating in one process, 2 rows 36.3-41.4 -> 30.4-36.7
+// ms (one row's 27-30), 3 rows 36.9-38.6 -> 31.7-36.0, 6 rows 50.7-52.5 -> 41.5-46.3, 8 rows (6 + 2) 54.7-62.9 ->
+// 52.1-58.3, 4 rows alike (docs/benchmarks.md). Two rows take a whole chunk at a time, their x in 8 registers; more
+// take a half at a time (x in 2R: 3-6 rows measured faster that way, 2 slower). Each lane's sum over its chunks in
+// order either way: the same bits
+template <int R, typename W, bool F>
+void avx2_rows_streamed(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP]) {
+  __m256 sums[2][GROUP][R];  // (half, output, row)
+  for (int h = 0; h < 2; ++h)
+    for (int o = 0; o < GROUP; ++o)
+      for (int r = 0; r < R; ++r) sums[h][o][r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K; c += CHUNK) {
+    if constexpr (R <= 2) {
+      __m256 x[R][4];  // (each row's chunk, split: [odd_lo, even_lo, odd_hi, even_hi])
+      for (int r = 0; r < R; ++r) {
+        const float* a = xs + r * stride + c;
+        x[r][0] = _mm256_load_ps(a), x[r][1] = _mm256_load_ps(a + 8);
+        x[r][2] = _mm256_load_ps(a + 16), x[r][3] = _mm256_load_ps(a + 24);
+        in_registers(x[r][0], x[r][1]);
+        in_registers(x[r][2], x[r][3]);
+      }
+      for (int o = 0; o < GROUP; ++o) {
+        const W* p = wg + packed_at(o, c);
+        const HalfChunk b_lo = load_weight_half(p);
+        for (int r = 0; r < R; ++r) sums[0][o][r] = dot_half<F>(sums[0][o][r], x[r][0], x[r][1], b_lo.odd, b_lo.even);
+        const HalfChunk b_hi = load_weight_half(p + 16);
+        for (int r = 0; r < R; ++r) sums[1][o][r] = dot_half<F>(sums[1][o][r], x[r][2], x[r][3], b_hi.odd, b_hi.even);
+      }
+    } else {
+      for (int h = 0; h < 2; ++h) {  // (a half of the chunk: its lanes 0-7 or 8-15, 16 k's)
+        __m256 odd[R], even[R];  // (the rows' half chunk, split)
+        for (int r = 0; r < R; ++r) {
+          const float* a = xs + r * stride + c + 16 * h;
+          odd[r] = _mm256_load_ps(a), even[r] = _mm256_load_ps(a + 8);
+          in_registers(odd[r], even[r]);
+        }
+        for (int o = 0; o < GROUP; ++o) {
+          const HalfChunk b = load_weight_half(wg + packed_at(o, c) + 16 * h);
+          for (int r = 0; r < R; ++r) sums[h][o][r] = dot_half<F>(sums[h][o][r], odd[r], even[r], b.odd, b.even);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < GROUP; ++o) v[r][o] = _mm256_add_ps(sums[0][o][r], sums[1][o][r]);  // (level 1 of the tree)
+}
+
 // One row × a group's 16 outputs in four passes of 4 → v[0][o] (level 1 of the tree done: lanes 0-7 + lanes 8-15),
 // all of K at once (a decode step's row: its read of the weights is the cost, its x small) — where the weights stay
 // cached, and int8's row
@@ -266,7 +321,11 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
                const W* after = nullptr) {  // after: the group this thread likely reads next (null: none known)
   const int64_t stride = split_stride(K);
   const bool streamed = weights_streamed();  // one row over weights streamed from DRAM: a single pass a group
-  __m256 v[AVX2_ROWS][GROUP];
+  // 2 to AVX2_STREAM_ROWS bf16 rows over streamed weights: single passes of up to AVX2_PASS_ROWS rows (int8's rows keep
+  // the blocks: untried)
+  const bool passes_streamed = streamed && sizeof(W) == 2 && m1 - m0 >= 2 &&
+                               m1 - m0 <= std::min(AVX2_STREAM_ROWS, streamed_rows_limit.load(std::memory_order_relaxed));
+  __m256 v[AVX2_PASS_ROWS][GROUP];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);
     const W* wg = w + packed_group(g, K);
@@ -282,10 +341,18 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
     if (bias)
       for (int64_t o = 0; o < GROUP; ++o) bi[o] = o < outputs ? bias[g + o] : 0.0f;
     for (int64_t m = m0; m < m1;) {
-      const int64_t rows = std::min<int64_t>(m1 - m, AVX2_ROWS);
+      const int64_t rows = std::min<int64_t>(m1 - m, passes_streamed ? AVX2_PASS_ROWS : AVX2_ROWS);
       const float* xm = xs + m * stride;
       const bool fetch = m == m0;
-      if (rows == 1) {
+      if (passes_streamed && rows > 1) {  // (the first pass streams the group, a second one reads it from L2)
+        switch (rows) {
+          case 2: avx2_rows_streamed<2, W, F>(xm, stride, wg, K, v); break;
+          case 3: avx2_rows_streamed<3, W, F>(xm, stride, wg, K, v); break;
+          case 4: avx2_rows_streamed<4, W, F>(xm, stride, wg, K, v); break;
+          case 5: avx2_rows_streamed<5, W, F>(xm, stride, wg, K, v); break;
+          default: avx2_rows_streamed<6, W, F>(xm, stride, wg, K, v);
+        }
+      } else if (rows == 1) {
         if (streamed)
           avx2_row_streamed<W, F>(xm, wg, K, v[0]);
         else
