@@ -18,7 +18,8 @@ VDPBF16PS (`kernels.set_fused_rows`), weights cached, the two ways alternating i
 multiply-adds a second, the same outputs checked (default rows 4 8 16 32 128).
 
 `--step`: a decode step's projections at fla's 340M shapes — 24 layers of q/k/v/o (1,024 × 1,024), gate+up
-(5,632 × 1,024) and down (1,024 × 2,816), 617 MB of packed bf16, past the cache as in the engine — at `--rows`
+(5,632 × 1,024) and down (1,024 × 2,816), 617 MB of packed bf16 (`--int8`: 308 MB of int8 with per-output scales),
+past the cache as in the engine — at `--rows`
 (default 1 2 4 8): ms a step, GB/s of weights read, G multiply-adds a second (median of `--reps`, on the largest of
 `--threads`). `--streamed-rows 0 64`: those limits of `kernels.set_streamed_rows` (up to how many rows a call
 streams each group with its first row alone; 0: every row blocked) alternating in this process, the same outputs
@@ -63,10 +64,14 @@ def step_projections(args, result: dict) -> None:
     op = torch.ops.linserve
     generator = torch.Generator().manual_seed(0)
     torch.set_num_threads(max(args.threads))
-    weights = [(op.pack_weight(torch.randn(N, K, generator=generator).bfloat16()), N, K)  # (N/16, K/32, 16, 32)
+    dtype = torch.int8 if args.int8 else torch.bfloat16
+    weights = [(op.pack_weight(torch.randn(N, K, generator=generator).mul(40 if args.int8 else 1).clamp(-127, 127)
+                               .to(dtype)), N, K)  # (N/16, K/32, 16, 32)
                for _ in range(STEP_LAYERS) for N, K in STEP_SHAPES]
+    scales = {N: torch.rand(N, generator=generator) / 20 if args.int8 else None for N, _ in STEP_SHAPES}  # (N,)
     total = sum(N * K for _, N, K in weights)
-    result["step"] = {"weight_bytes": 2 * total, "threads": max(args.threads), "streamed_rows": kernels.streamed_rows()}
+    result["step"] = {"weight_bytes": dtype.itemsize * total, "dtype": str(dtype).split(".")[-1],
+                      "threads": max(args.threads), "streamed_rows": kernels.streamed_rows()}
     limits = args.streamed_rows or [None]  # (None: the switch as the kernel set it)
     inputs = {M: {K: torch.randn(M, K, generator=generator).bfloat16() for K in {K for _, _, K in weights}}
               for M in args.rows}  # (M, K) each
@@ -74,7 +79,8 @@ def step_projections(args, result: dict) -> None:
         outputs = []
         for limit in limits:
             switch_streamed_rows(limit)
-            outputs.append([op.invariant_linear(inputs[M][K], weight, None, None, N) for weight, N, K in weights[:6]])
+            outputs.append([op.invariant_linear(inputs[M][K], weight, scales[N], None, N)
+                            for weight, N, K in weights[:6]])
         assert all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other)), M
     times: dict[tuple[int, int], list[float]] = {}
     for _ in range(args.reps):  # the limits alternating, each M once a round
@@ -83,13 +89,13 @@ def step_projections(args, result: dict) -> None:
                 switch_streamed_rows(limit)
                 started = time.perf_counter()
                 for weight, N, K in weights:
-                    op.invariant_linear(inputs[M][K], weight, None, None, N)
+                    op.invariant_linear(inputs[M][K], weight, scales[N], None, N)
                 times.setdefault((M, limit), []).append(time.perf_counter() - started)
     switch_streamed_rows(limits[0])
     for M in args.rows:
         for limit in limits:
             seconds = statistics.median(times[(M, limit)])
-            row = {"ms": round(seconds * 1e3, 2), "weights_gb_s": round(2 * total / seconds / 1e9, 1),
+            row = {"ms": round(seconds * 1e3, 2), "weights_gb_s": round(dtype.itemsize * total / seconds / 1e9, 1),
                    "g_mac_s": round(total * M / seconds / 1e9, 1)}
             result["step"][f"M={M}" if len(limits) == 1 else f"M={M} streamed_rows={limit}"] = row
             shown = kernels.streamed_rows() if limit is None else limit
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cold-mb", type=float, default=400, help="--layouts: copies of each weight to fill this")
     parser.add_argument("--step", action="store_true", help="a decode step's 340M projections, streamed")
     parser.add_argument("--fused-rows", action="store_true", help="AVX512-BF16: fused rows against VDPBF16PS")
+    parser.add_argument("--int8", action="store_true", help="--step: int8 weights with per-output scales")
     parser.add_argument("--streamed-rows", type=int, nargs="+",
                         help="--step: these limits of kernels.set_streamed_rows alternating (0: every row blocked)")
     parser.add_argument("--out")
