@@ -199,9 +199,10 @@ void avx2_row_streamed(const float* xs, const W* wg, int64_t K, __m256* v) {
 // waiting on DRAM, the others computing from the cache with DRAM idle — the read and the arithmetic overlap: a step
 // of 340M's projections on Zen 3, 2 threads, the two ways alternating in one process, 2 rows 36.3-41.4 -> 30.4-36.7
 // ms (one row's 27-30), 3 rows 36.9-38.6 -> 31.7-36.0, 6 rows 50.7-52.5 -> 41.5-46.3, 8 rows (6 + 2) 54.7-62.9 ->
-// 52.1-58.3, 4 rows alike (docs/benchmarks.md). Two rows take a whole chunk at a time, their x in 8 registers; more
-// take a half at a time (x in 2R: 3-6 rows measured faster that way, 2 slower). Each lane's sum over its chunks in
-// order either way: the same bits
+// 52.1-58.3, 4 rows alike; int8, its chunks fetched INT8_STREAM_AHEAD ahead as one int8 row's are, 2 rows 1.31-1.63x,
+// 3 rows 1.12-1.44x, 6 rows 1.04-1.14x, 4 rows alike (docs/benchmarks.md). Two rows take a whole chunk at a time,
+// their x in 8 registers; more take a half at a time (x in 2R: 3-6 rows measured faster that way, 2 slower). Each
+// lane's sum over its chunks in order either way: the same bits
 template <int R, typename W, bool F>
 void avx2_rows_streamed(const float* xs, int64_t stride, const W* wg, int64_t K, __m256 (*v)[GROUP]) {
   __m256 sums[2][GROUP][R];  // (half, output, row)
@@ -209,6 +210,7 @@ void avx2_rows_streamed(const float* xs, int64_t stride, const W* wg, int64_t K,
     for (int o = 0; o < GROUP; ++o)
       for (int r = 0; r < R; ++r) sums[h][o][r] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K; c += CHUNK) {
+    if constexpr (sizeof(W) == 1) fetch_ahead(wg, c, INT8_STREAM_AHEAD);
     if constexpr (R <= 2) {
       __m256 x[R][4];  // (each row's chunk, split: [odd_lo, even_lo, odd_hi, even_hi])
       for (int r = 0; r < R; ++r) {
@@ -321,10 +323,11 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
                const W* after = nullptr) {  // after: the group this thread likely reads next (null: none known)
   const int64_t stride = split_stride(K);
   const bool streamed = weights_streamed();  // one row over weights streamed from DRAM: a single pass a group
-  // 2 to AVX2_STREAM_ROWS bf16 rows over streamed weights: single passes of up to AVX2_PASS_ROWS rows (int8's rows keep
-  // the blocks: untried)
-  const bool passes_streamed = streamed && sizeof(W) == 2 && m1 - m0 >= 2 &&
-                               m1 - m0 <= std::min(AVX2_STREAM_ROWS, streamed_rows_limit.load(std::memory_order_relaxed));
+  // 2 to AVX2_STREAM_ROWS bf16 rows over streamed weights, or 2 to AVX2_PASS_ROWS int8 rows (one pass: 8 int8 rows as
+  // 6 + 2 measured 0.90-1.01x the blocks), in single passes of up to AVX2_PASS_ROWS rows
+  const int64_t most = sizeof(W) == 2 ? AVX2_STREAM_ROWS : AVX2_PASS_ROWS;
+  const bool passes_streamed = streamed && m1 - m0 >= 2 &&
+                               m1 - m0 <= std::min(most, streamed_rows_limit.load(std::memory_order_relaxed));
   __m256 v[AVX2_PASS_ROWS][GROUP];
   for (int64_t g = n0; g < n1; g += GROUP) {
     const int64_t outputs = std::min(GROUP, n1 - g);

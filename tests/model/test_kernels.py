@@ -297,10 +297,10 @@ def test_rows_after_a_streaming_first_row_once_the_weights_outgrow_the_cache_are
     """Packed weights of more than one L3 stream from DRAM a decode step: then a call of at most 64 bf16 rows streams
     each group of outputs with its first row alone and takes the others in the blocked passes from the cache — up to
     16 rows a block of K at a time, the sums carried between blocks (faster on Zen 4; the AVX2 form: one row, bf16 or
-    int8, and up to 8 bf16 rows in single passes of up to 6 over a group's 16 outputs, faster on Zen 3), else every
-    row in the blocked passes — each row's bits the same every way (and with the streaming turned off), and the way
-    follows the packed weights the process holds. Two shapes: rows in pairs over 8 outputs (K ≤ 1,024), and in sixes
-    and fours over 4."""
+    int8, and up to 8 bf16 rows or 6 int8 ones in single passes of up to 6 over a group's 16 outputs, faster on Zen
+    3), else every row in the blocked passes — each row's bits the same every way (and with the streaming turned off),
+    and the way follows the packed weights the process holds. Two shapes: rows in pairs over 8 outputs (K ≤ 1,024),
+    and in sixes and fours over 4."""
     from linserve.model import kernels
 
     if kernels.form() not in ("avx512bf16", "avx512", "avx2"):
