@@ -18,8 +18,8 @@ constexpr int64_t AVX2_ROWS = 4;  // (4 rows × 2 outputs, a half at a time: 8 a
 constexpr int64_t AVX2_K_BLOCK = 512;
 // chunks ahead one int8 row's single pass over streamed weights prefetches (avx2_row_streamed; 16 measured alike)
 constexpr int64_t INT8_STREAM_AHEAD = 8;
-// a streamed call of 2 to AVX2_STREAM_ROWS bf16 rows (at most streamed_rows_limit) reads each group in single passes
-// of at most AVX2_PASS_ROWS rows (avx2_rows_streamed)
+// a streamed call of 2 to AVX2_STREAM_ROWS bf16 rows (int8: to AVX2_PASS_ROWS; at most streamed_rows_limit) reads
+// each group in single passes of at most AVX2_PASS_ROWS rows (avx2_rows_streamed)
 constexpr int64_t AVX2_STREAM_ROWS = 8;
 constexpr int64_t AVX2_PASS_ROWS = 6;
 
