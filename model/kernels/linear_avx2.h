@@ -16,7 +16,7 @@ namespace {
 constexpr int64_t AVX2_ROWS = 4;  // (4 rows × 2 outputs, a half at a time: 8 accumulators, 4 weight, 2 x)
 // k's a block of several rows takes at a time (a multiple of CHUNK): 4 rows' x of it, split, are 8 KB of L1
 constexpr int64_t AVX2_K_BLOCK = 512;
-// chunks ahead one int8 row's single pass over streamed weights prefetches (avx2_row_streamed; 16 measured alike)
+// chunks ahead a single pass of int8 rows over streamed weights prefetches (avx2_rows_streamed; 16 measured alike)
 constexpr int64_t INT8_STREAM_AHEAD = 8;
 // a streamed call of 2 to AVX2_STREAM_ROWS bf16 rows (int8: to AVX2_PASS_ROWS; at most streamed_rows_limit) reads
 // each group in single passes of at most AVX2_PASS_ROWS rows (avx2_rows_streamed)
@@ -162,41 +162,17 @@ __attribute__((always_inline)) inline void avx2_block(const float* xs, const W* 
 // at 8 rows, the shipped model's shapes on one Zen 3 core)
 inline void in_registers(__m256& a, __m256& b) { asm volatile("" : "+x"(a), "+x"(b)); }
 
-// One row × a group's 16 outputs in one pass over K, for weights streamed from DRAM (`weights_streamed`): the
-// 16 outputs' 32 sums cannot all be registers, so they live in an array (L1) from chunk to chunk, and the group is
-// read as one sequential stream at an even pace — where 4 passes of 4 outputs took turns, one waiting on memory
-// while three computed from the cache. The loads and stores of the sums cost more than that turn-taking where the
-// weights stay cached, so cached weights keep avx2_row_passes. Each lane's sum runs over its chunks in order
-// either way: the same bits. int8 reads a chunk in half bf16's time, faster than the hardware prefetchers bring it:
-// without a prefetch of its own its single pass was no faster than the passes (one int8 row at ~11 GB/s on one
-// Zen 3 thread, where the core computes ~24 G weights a second from L1); INT8_STREAM_AHEAD chunks ahead, 1.24-1.54x
-// on one thread, 1.06-1.39x on two (bf16's within the noise with it: left without)
-template <typename W, bool F>
-void avx2_row_streamed(const float* xs, const W* wg, int64_t K, __m256* v) {
-  __m256 lo[GROUP], hi[GROUP];
-  for (int o = 0; o < GROUP; ++o) lo[o] = hi[o] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < K; c += CHUNK) {
-    if constexpr (sizeof(W) == 1) fetch_ahead(wg, c, INT8_STREAM_AHEAD);
-    const float* a = xs + c;  // (the row's chunk, split: [odd_lo, even_lo, odd_hi, even_hi])
-    __m256 odd_lo = _mm256_load_ps(a), even_lo = _mm256_load_ps(a + 8);
-    __m256 odd_hi = _mm256_load_ps(a + 16), even_hi = _mm256_load_ps(a + 24);
-    in_registers(odd_lo, even_lo);
-    in_registers(odd_hi, even_hi);
-    for (int o = 0; o < GROUP; ++o) {
-      const W* p = wg + packed_at(o, c);
-      const HalfChunk b_lo = load_weight_half(p);
-      lo[o] = dot_half<F>(lo[o], odd_lo, even_lo, b_lo.odd, b_lo.even);
-      const HalfChunk b_hi = load_weight_half(p + 16);
-      hi[o] = dot_half<F>(hi[o], odd_hi, even_hi, b_hi.odd, b_hi.even);
-    }
-  }
-  for (int o = 0; o < GROUP; ++o) v[o] = _mm256_add_ps(lo[o], hi[o]);  // (level 1 of the tree)
-}
-
-// R rows (split: xs, row stride `stride`) × a group's 16 outputs in one pass over K, for weights streamed from DRAM:
-// avx2_row_streamed's single, even read of the group, each weight half split once for all R rows, their R × 32 sums
-// in an array (L1) from chunk to chunk. Where the blocks of rows (avx2_rows_group) took turns — the first pass
-// waiting on DRAM, the others computing from the cache with DRAM idle — the read and the arithmetic overlap: a step
+// R rows (split: xs, row stride `stride`) × a group's 16 outputs in one pass over K, for weights streamed from DRAM
+// (`weights_streamed`): each weight half split once for all R rows, their R × 32 sums (too many for registers) in an
+// array (L1) from chunk to chunk, the group read as one sequential stream at an even pace. One row: where 4 passes of
+// 4 outputs took turns, one waiting on memory while three computed from the cache; the sums' loads and stores cost
+// more than that turn-taking where the weights stay cached, so cached weights keep avx2_row_passes. int8 reads a
+// chunk in half bf16's time, faster than the hardware prefetchers bring it: without a prefetch of its own one int8
+// row's single pass was no faster than the passes (~11 GB/s on one Zen 3 thread, where the core computes ~24 G
+// weights a second from L1); INT8_STREAM_AHEAD chunks ahead, 1.24-1.54x on one thread, 1.06-1.39x on two (bf16's
+// within the noise with it: left without). Several rows: where the blocks of rows (avx2_rows_group) took turns —
+// the first pass waiting on DRAM, the others computing from the cache with DRAM idle — the read and the arithmetic
+// overlap: a step
 // of 340M's projections on Zen 3, 2 threads, the two ways alternating in one process, 2 rows 36.3-41.4 -> 30.4-36.7
 // ms (one row's 27-30), 3 rows 36.9-38.6 -> 31.7-36.0, 6 rows 50.7-52.5 -> 41.5-46.3, 8 rows (6 + 2) 54.7-62.9 ->
 // 52.1-58.3, 4 rows alike; int8, its chunks fetched INT8_STREAM_AHEAD ahead as one int8 row's are, 2 rows 1.31-1.63x,
@@ -347,8 +323,9 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
       const int64_t rows = std::min<int64_t>(m1 - m, passes_streamed ? AVX2_PASS_ROWS : AVX2_ROWS);
       const float* xm = xs + m * stride;
       const bool fetch = m == m0;
-      if (passes_streamed && rows > 1) {  // (the first pass streams the group, a second one reads it from L2)
+      if (passes_streamed || (streamed && rows == 1)) {  // (a first pass streams the group, a second reads it from L2)
         switch (rows) {
+          case 1: avx2_rows_streamed<1, W, F>(xm, stride, wg, K, v); break;
           case 2: avx2_rows_streamed<2, W, F>(xm, stride, wg, K, v); break;
           case 3: avx2_rows_streamed<3, W, F>(xm, stride, wg, K, v); break;
           case 4: avx2_rows_streamed<4, W, F>(xm, stride, wg, K, v); break;
@@ -356,10 +333,7 @@ void rows_avx2(const float* xs, const W* w, const float* scale, const float* bia
           default: avx2_rows_streamed<6, W, F>(xm, stride, wg, K, v);
         }
       } else if (rows == 1) {
-        if (streamed)
-          avx2_row_streamed<W, F>(xm, wg, K, v[0]);
-        else
-          avx2_row_passes<W, F>(xm, wg, K, v, fetch, sizeof(W) == 1 ? following : nullptr);
+        avx2_row_passes<W, F>(xm, wg, K, v, fetch, sizeof(W) == 1 ? following : nullptr);
       } else {  // several rows: a half at a time (2 rows × 3 outputs and 3 × 2 measured best for 2 and 3; int8 since
         // its half widens in 4 operations: 1.16-1.40x at 4 int8 rows, 1.00-1.14x at 8). Over streamed weights the
         // first block of rows reads the next group meanwhile: its later passes compute from the cache, DRAM
