@@ -4,6 +4,7 @@ from the settings' defaults), real server processes and real programs (redis-ser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -54,6 +55,23 @@ def require_kernel() -> None:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+@contextlib.contextmanager
+def server_threads(model, device: torch.device):
+    """While a test makes a CPU program's step (DecodeStep): torch's thread count on this thread set to the decode
+    count a server gives `model` (cpu_threads.default_threads). A program's compile key holds the count it was made
+    on, and torch's own default here (every CPU) is no server's — nor the same from test to test, once one has
+    set it: so the tests' buckets and the engines', servers' and benchmarks' are the same builds, one a run."""
+    from linserve.server.engine.cpu_threads import default_threads, usable_cpus, weight_bytes
+
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(default_threads(usable_cpus(), weight_bytes(model)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def prompt(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:

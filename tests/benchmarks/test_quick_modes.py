@@ -161,7 +161,8 @@ def test_pool_settle(tmp_path):
 
 @pytest.mark.timeout(COMPILING_S + 60)
 def test_compile_vs_eager(tmp_path, compile_cache):
-    """The shipped model at 1 slot, decode only (its bucket 1 is the one test_compiled_decode builds: one cache)."""
+    """The shipped model at 1 slot, decode only: the server's bucket 1, its own build (the suite's servers load fp32
+    weights — conftest's LINSERVE_DTYPE —, test_compiled_decode's bucket is bf16's)."""
     run("compile_vs_eager.py", "--out", str(tmp_path / "c.json"), "--port", "8793",
         "--compile-cache-dir", compile_cache, timeout=COMPILING_S)
     data = json.loads((tmp_path / "c.json").read_text())

@@ -16,7 +16,7 @@ from linserve.server.engine.compile.compiled_decode import DecodeStep
 from linserve.server.engine.prefill_program import PIECES, PREFILL_ROWS, fits, prefill_kind
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
-from tests.helpers import Collector, assert_slots_balance, prompt, run, tokens_of
+from tests.helpers import Collector, assert_slots_balance, prompt, run, server_threads, tokens_of
 
 T = 8
 BUILD_WAIT_S = 2400
@@ -89,10 +89,11 @@ def test_the_compiled_prefill_program_is_the_eager_one_to_the_bit(tiny_model, de
     if device.type != "cpu":
         pytest.skip("the prefill program is compiled on CPUs only (prefill_program_tokens)")
     model = exact_model(tiny_model, device)
-    pool = pool_with_history(model, device)
+    pool = pool_with_history(model, device, slots=12)  # (the engine test below builds the same bucket: one build)
     sampling = SlotSampling(pool.num_slots, model.config.vocab_size, device)
-    compiled = DecodeStep(model, pool, sampling, device, "on", max_rows=2, cache_dir=compile_cache, autotune=False,
-                          kind=prefill_kind(T))
+    with server_threads(model, device):
+        compiled = DecodeStep(model, pool, sampling, device, "on", max_rows=2, cache_dir=compile_cache,
+                              autotune=False, kind=prefill_kind(T))
     compiled.sizes = [2]  # one bucket (a build takes a minute or more on 2 cores): one row pads to it
     compiled.start()
     assert compiled.wait_compiled(BUILD_WAIT_S) and compiled.status == "compiled", compiled.status
@@ -117,16 +118,17 @@ def test_an_engine_prefilling_through_the_program_gives_the_eager_engines_tokens
     that prefills eagerly."""
     if device.type != "cpu":
         pytest.skip("the prefill program is compiled on CPUs only (prefill_program_tokens)")
+    # (12 slots and decode bucket 1: test_batch_invariance's compiled engine builds the same one — one build a run)
     compiled = make_engine(compile="on", compile_cache_dir=compile_cache, prefill_program_tokens=T,
-                           max_prefill_chunk=160, max_batch_tokens=320, num_slots=6)
-    compiled.decode_step.sizes = [2]
+                           max_prefill_chunk=160, max_batch_tokens=320, num_slots=12)
+    compiled.decode_step.sizes = [1]
     prefill = compiled.runner.prefill_step
     assert prefill is not None and prefill.kind.tokens == T
     prefill.sizes = [2]
     assert prefill.wait_compiled(BUILD_WAIT_S) and prefill.status == "compiled", prefill.status
     shown = compiled.describe_decode_step()["prefill"]  # (/version's decode_step)
     assert shown["status"] == "compiled" and 2 in shown["ready"]
-    eager = make_engine(num_slots=6, max_prefill_chunk=160, max_batch_tokens=320)
+    eager = make_engine(num_slots=12, max_prefill_chunk=160, max_batch_tokens=320)
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True, logprobs=0)
     assert PIECES * T < 150  # (the longest prompt's one chunk runs eagerly)
     prompts = [prompt(n, 700 + n) for n in (3, 8, 13, 32, 70, 150)] + [prompt(13, 900)]

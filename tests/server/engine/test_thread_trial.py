@@ -183,7 +183,8 @@ def test_a_compiled_engine_trying_both_counts_gives_the_tokens_of_one_that_never
     requests = [prompt(9 + 7 * i, 40 + i) for i in range(3)]
 
     def compiled(**overrides):
-        engine = make_engine(num_slots=4, compile="on", compile_cache_dir=compile_cache, threads=1,
+        # (12 slots: test_batch_invariance's compiled engine builds the same bucket 1 — one build a run)
+        engine = make_engine(num_slots=12, compile="on", compile_cache_dir=compile_cache, threads=1,
                              **overrides)
         engine.decode_step.sizes = [1]
         assert engine.decode_step.wait_compiled(900) and engine.decode_step.status == "compiled"

@@ -15,7 +15,16 @@ from linserve.server.engine.compile.cuda_graphs import STEP_LOCK, Bucket
 from linserve.server.engine.compile.verdict import Measurement, VerdictStore
 from linserve.server.engine.sampling import SlotSampling
 from linserve.server.engine.state_pool import StatePool
-from tests.helpers import Collector, EngineRequest, SamplingParams, assert_slots_balance, require_kernel, run, tokens_of
+from tests.helpers import (
+    Collector,
+    EngineRequest,
+    SamplingParams,
+    assert_slots_balance,
+    require_kernel,
+    run,
+    server_threads,
+    tokens_of,
+)
 
 # each test compiles (about a minute on 2 cores); the compiler child runs at nice +10, so on a machine kept busy
 # by others a build takes many minutes: the waits are long enough that only a hang fails, never a busy machine
@@ -25,9 +34,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUILD_WAIT_S + 600)]
 
 def make_step(model, pool: StatePool, device, mode: str, max_rows: int = 1, cache_dir=None,
               autotune: bool = False) -> DecodeStep:
-    """Builds skip max-autotune (half the build time) unless a test asks for it."""
-    return DecodeStep(model, pool, SlotSampling(pool.num_slots, model.config.vocab_size, device), device, mode,
-                      max_rows=max_rows, cache_dir=cache_dir, autotune=autotune)
+    """Builds skip max-autotune (half the build time) unless a test asks for it; on a server's thread count (the
+    shipped model's bucket 1 at one slot: built once a run for these tests and bucket_memory's quick mode)."""
+    with server_threads(model, device):
+        return DecodeStep(model, pool, SlotSampling(pool.num_slots, model.config.vocab_size, device), device, mode,
+                          max_rows=max_rows, cache_dir=cache_dir, autotune=autotune)
 
 
 def pool_with_history(model, slots: int, device) -> StatePool:
@@ -217,15 +228,15 @@ def test_engine_serves_eagerly_while_compiling_then_the_same_tokens_compiled(mak
     eager = make_engine(num_slots=4)
     want = [tokens_of(run(eager, p, greedy, f"e{i}")) for i, p in enumerate(prompts)]
 
-    engine = make_engine(num_slots=8, compile="on", compile_cache_dir=compile_cache)
-    engine.decode_step.sizes = [1, 4]  # the two test_every_bucket… built (same model, same slot count)
+    engine = make_engine(num_slots=12, compile="on", compile_cache_dir=compile_cache)
+    engine.decode_step.sizes = [1, 8]  # test_batch_invariance's compiled engine's two (the same model, slots, dtype)
     assert tokens_of(run(engine, prompts[0], greedy, "early")) == want[0]
     assert engine.decode_step.status == "compiling" and engine.decode_step.ready_sizes == []  # served eagerly
     compiling.set()
     assert engine.decode_step.wait_compiled(BUILD_WAIT_S), engine.decode_step.status
     for i, prompt in enumerate(prompts):  # one at a time: bucket 1
         assert tokens_of(run(engine, prompt, greedy, f"c{i}")) == want[i]
-    sinks = [Collector() for _ in prompts]  # together: 4 rows, then 3 (padded to 4), 2, 1 as they finish
+    sinks = [Collector() for _ in prompts]  # together: 4, 3, 2 rows (each padded to 8), then 1, as they finish
     for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
         params = SamplingParams(max_tokens=24 - 4 * i, temperature=0.0, ignore_eos=True)
         engine.submit(EngineRequest(f"b{i}", prompt, params), sink).result(10)
