@@ -43,6 +43,54 @@ def _largest_blocks_first(self, *args, config, **meta) -> list[float]:
 autotuner.Autotuner._bench = ((lambda self, *args, **kwargs: [1.0, 1.0, 1.0]) if ON_GPU else _largest_blocks_first)
 
 
+def _patch_lang_once() -> None:
+    """Under the interpreter, a kernel launch (GridExecutor) patches triton.language's builtins to interpreted ones and
+    restores them after; every call of a @triton.jit helper inside the kernel — per program instance, per call —
+    patches the modules it sees again (`inspect.getmembers` over each, finding them patched already) and never
+    restores that: half of a Gated DeltaNet reference's time. A helper whose modules are patched — by the running
+    launch, or left patched by an earlier helper's call (triton.language.core, which `tl.sum` and `tl.sigmoid` see
+    and a kernel does not) — skips that: nothing it would change is unpatched. Any other helper patches as before."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    patch, launch, device_call = interpreter._patch_lang, interpreter.GridExecutor.__call__, \
+        interpreter.InterpretedFunction.__call__
+    launches, covered = [], []  # the running launches' modules; whether the helper being called is covered
+    left = set()  # modules a helper's call patched (never restored)
+
+    def langs_of(fn) -> set[int]:  # (the modules _patch_lang patches: triton.language and its core)
+        return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+
+    def patch_lang(fn):
+        return interpreter._LangPatchScope() if covered and covered[-1] else patch(fn)
+
+    def launched(self, *args, **kwargs):
+        launches.append(langs_of(self.fn))
+        covered.append(False)  # (the launch's own patch)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            covered.pop()
+            launches.pop()
+
+    def called(self, *args, **kwargs):
+        wanted = langs_of(self.fn)
+        covered.append(bool(launches) and bool(wanted) and wanted <= launches[-1] | left)
+        try:
+            return device_call(self, *args, **kwargs)
+        finally:
+            if not covered.pop():
+                left.update(wanted)
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launched
+    interpreter.InterpretedFunction.__call__ = called
+
+
+if not ON_GPU:
+    _patch_lang_once()
+
+
 
 def install_flash_attn_stand_in() -> None:
     """fla's softmax layers call flash-attn (a CUDA library, not fla, absent on a CPU and on the GPU machine
