@@ -30,7 +30,7 @@ from linserve.model import LinearGPT, ModelConfig  # noqa: E402
 from linserve.model.loading import DEFAULT_CHECKPOINT, load_model  # noqa: E402
 from linserve.model.weights import keep_one_copy  # noqa: E402
 from linserve.server.engine.compile.compiled_decode import DecodeStep  # noqa: E402
-from linserve.server.engine.cpu_threads import default_threads, usable_cpus, weight_bytes  # noqa: E402
+from linserve.server.engine.cpu_threads import plan_threads, weight_bytes  # noqa: E402
 from linserve.server.engine.sampling import SlotSampling  # noqa: E402
 from linserve.server.engine.state_pool import StatePool  # noqa: E402
 
@@ -61,7 +61,7 @@ def measure(args) -> dict:
     model = served_model(args)
     # on the decode thread count a server gives this model (a program's key holds it: --quick's bucket is then the
     # one the suite's compiled-decode tests build, one build a run)
-    torch.set_num_threads(default_threads(usable_cpus(), weight_bytes(model)))
+    torch.set_num_threads(plan_threads(None, weight_bytes=weight_bytes(model)).threads)
     keep_one_copy(model)  # as the server holds it: the projections only packed
     vocab, slots = model.config.vocab_size, max(args.sizes)  # (--quick: 1 slot, bucket 1: the suite's shipped artifact)
     step = DecodeStep(model, StatePool(model, slots, CPU), SlotSampling(slots, vocab, CPU), CPU, "on",

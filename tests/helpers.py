@@ -60,14 +60,14 @@ def require_kernel() -> None:
 @contextlib.contextmanager
 def server_threads(model, device: torch.device):
     """While a test makes a CPU program's step (DecodeStep): torch's thread count on this thread set to the decode
-    count a server gives `model` (cpu_threads.default_threads). A program's compile key holds the count it was made
-    on, and torch's own default here (every CPU) is no server's — nor the same from test to test, once one has
+    count a server gives `model` (cpu_threads.plan_threads, unasked). A program's compile key holds the count it was
+    made on, and torch's own default here (every CPU) is no server's — nor the same from test to test, once one has
     set it: so the tests' buckets and the engines', servers' and benchmarks' are the same builds, one a run."""
-    from linserve.server.engine.cpu_threads import default_threads, usable_cpus, weight_bytes
+    from linserve.server.engine.cpu_threads import plan_threads, weight_bytes
 
     before = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(default_threads(usable_cpus(), weight_bytes(model)))
+        torch.set_num_threads(plan_threads(None, weight_bytes=weight_bytes(model)).threads)
     try:
         yield
     finally:

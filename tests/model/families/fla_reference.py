@@ -17,6 +17,7 @@ without the autotuner's timing: every configuration computes the same, and compi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -58,8 +59,9 @@ def _patch_lang_once() -> None:
     launches, covered = [], []  # the running launches' modules; whether the helper being called is covered
     left = set()  # modules a helper's call patched (never restored)
 
-    def langs_of(fn) -> set[int]:  # (the modules _patch_lang patches: triton.language and its core)
-        return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+    @functools.cache
+    def langs_of(fn) -> frozenset[int]:  # (the modules _patch_lang patches: triton.language and its core)
+        return frozenset(id(value) for value in fn.__globals__.values() if value is tl or value is tl.core)
 
     def patch_lang(fn):
         return interpreter._LangPatchScope() if covered and covered[-1] else patch(fn)
@@ -89,7 +91,6 @@ def _patch_lang_once() -> None:
 
 if not ON_GPU:
     _patch_lang_once()
-
 
 
 def install_flash_attn_stand_in() -> None:
